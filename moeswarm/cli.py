@@ -1,0 +1,55 @@
+"""The `moeswarm` command: a thin table of subcommands over the library.
+
+Each subcommand lives in `moeswarm/commands/<name>.py` and exposes `add_arguments(parser)` and
+`run(args) -> int`. Modules are imported only when their command runs, so `moeswarm --help`
+stays fast and one command's heavy imports never slow another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, str] = {
+    "demo": "run a generation on the bundled model with local workers and report the accounting",
+    "worker": "serve a slice of a model's routed experts over TCP",
+    "generate": "generate text with a backbone whose experts live on remote workers",
+    "make-model": "write a small random MoE model of a given family (for tests and trials)",
+    "wan": "emulate a WAN link: a TCP proxy with latency, jitter, bandwidth and faults",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeswarm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, help_text in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module = _command_module(name)
+        module.add_arguments(command_parser)
+        command_parser.set_defaults(_module=module)
+    return parser
+
+
+def _command_module(name: str):
+    return importlib.import_module(f"moeswarm.commands.{name.replace('-', '_')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:  # one clear line for the user, not a traceback
+        from moeswarm.errors import MoeSwarmError
+
+        if not isinstance(error, MoeSwarmError):
+            raise
+        print(f"moeswarm {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

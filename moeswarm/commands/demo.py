@@ -1,0 +1,57 @@
+"""`moeswarm demo`: the bundled model, two local workers, one streamed generation, checked."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    parser.add_argument("--prompt", default=None, help="prompt text (default: a Python function header)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--workers", type=int, default=2, help="number of local worker processes (>= 2)")
+    parser.add_argument("--speculate", type=int, default=0, metavar="K")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeswarm.bundled import DEMO_PROMPT, demo_model
+    from moeswarm.errors import MoeSwarmError
+    from moeswarm.generation.run import GenerationRequest, run_generation, summary_lines
+    from moeswarm.local_workers import local_workers, split_experts
+    from moeswarm.model.checkpoint import Checkpoint
+    from moeswarm.model.experts import NUM_EXPERTS_KEYS
+    from moeswarm.swarm import connect_swarm
+
+    if args.workers < 2:
+        raise MoeSwarmError("the demo runs at least 2 workers")
+    if args.max_new_tokens < 1:
+        raise MoeSwarmError("--max-new-tokens must be at least 1")
+    import torch
+
+    # The backbone shares this machine with the workers: one thread each, or idle OpenMP
+    # threads spinning here steal the workers' cores while the backbone waits for them.
+    torch.set_num_threads(1)
+    model = args.model or str(demo_model())
+    config = Checkpoint.open(model).config
+    num_experts = next(getattr(config, k) for k in NUM_EXPERTS_KEYS if isinstance(getattr(config, k, None), int))
+    ranges = split_experts(num_experts, args.workers)
+    if not args.json:
+        print(f"moeswarm demo: {config.model_type} from {model}; starting {args.workers} workers with experts "
+              + ", ".join(f"{a}-{b}" for a, b in ranges), flush=True)
+    with local_workers(model, ranges) as addresses:
+        swarm = connect_swarm(model, addresses)
+        try:
+            prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
+            if not args.json:
+                print(prompt, end="", flush=True)
+            request = GenerationRequest(prompt, None, args.max_new_tokens, args.speculate, True, stream=not args.json)
+            report = run_generation(swarm, request)
+        finally:
+            swarm.close()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("\n".join(summary_lines(report)))
+    return 0 if report["bit_identical"] else 1

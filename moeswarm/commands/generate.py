@@ -1,0 +1,85 @@
+"""`moeswarm generate`: a backbone here, experts on remote workers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from moeswarm.dispatch.dispatcher import FANOUTS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    parser.add_argument("--workers", required=True, type=_workers, help="comma-separated HOST:PORT list")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
+    parser.add_argument("--max-new-tokens", type=_positive, default=32)
+    parser.add_argument("--speculate", type=_non_negative, default=0, metavar="K",
+                        help="draft up to K tokens per step by n-gram lookup (0: off)")
+    parser.add_argument("--check-local", action="store_true",
+                        help="also run the model locally (eager) and compare every step's logits and token")
+    parser.add_argument("--fanout", choices=FANOUTS, default="star")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for the backbone (default: torch's choice)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeswarm.generation.run import GenerationRequest, run_generation, summary_lines
+    from moeswarm.swarm import connect_swarm
+
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
+    swarm = connect_swarm(args.model, args.workers, fanout=args.fanout)
+    try:
+        request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
+                                    args.check_local, stream=not args.json)
+        report = run_generation(swarm, request)
+    finally:
+        swarm.close()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("\n".join(summary_lines(report)))
+    return 0 if report["bit_identical"] is not False else 1
+
+
+def _workers(text: str) -> list[str]:
+    from moeswarm.ids import parse_address
+
+    workers = [w.strip() for w in text.split(",") if w.strip()]
+    try:
+        for worker in workers:
+            parse_address(worker)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if not workers:
+        raise argparse.ArgumentTypeError("empty worker list")
+    return workers
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad token id list {text!r}: expected integers separated by commas") from None
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value

@@ -1,0 +1,63 @@
+"""`moeswarm worker`: serve a slice of a model's routed experts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from moeswarm.ids import parse_range
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    parser.add_argument("--experts", required=True, type=_range("experts"), help="inclusive expert range A-B, e.g. 0-15")
+    parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="TCP port (0: pick a free one and print it)")
+    parser.add_argument("--max-payload", type=int, default=1 << 30, help="largest frame payload accepted, in bytes")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; use 1 when several workers share a machine)")
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _range(what: str):
+    def parse(text: str) -> tuple[int, int]:
+        try:
+            return parse_range(text, what)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeswarm.model.loading import load_expert_slice
+    from moeswarm.worker.server import WorkerServer
+    from moeswarm.worker.store import ExpertStore
+
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    slices, checkpoint, num_experts = load_expert_slice(args.model, args.layers, args.experts)
+    store = ExpertStore(slices, num_experts, checkpoint.config.hidden_size)
+    server = WorkerServer(store, checkpoint.fingerprint, checkpoint.config.model_type, args.max_payload)
+
+    async def main() -> None:
+        host, port = await server.start(args.host, args.port)
+        print(f"moeswarm worker: listening on {host}:{port} model {checkpoint.config.model_type} "
+              f"{checkpoint.fingerprint} {store.describe()}", flush=True)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        serving = asyncio.create_task(server.serve_forever())
+        await stop.wait()
+        serving.cancel()
+
+    asyncio.run(main())
+    return 0
+

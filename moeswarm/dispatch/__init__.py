@@ -1,0 +1,1 @@
+"""The backbone's side of remote experts: plan, fan out, combine, account."""

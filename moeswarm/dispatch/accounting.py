@@ -1,0 +1,52 @@
+"""What remote experts cost: bytes at the socket, round trips, per-worker round-trip times."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerCall:
+    layer: int
+    tokens: int
+    bytes_out: int
+    bytes_in: int
+    round_trips: int
+    seconds: float
+    worker_seconds: dict[str, float]
+
+
+@dataclass
+class Accounting:
+    calls: list[LayerCall] = field(default_factory=list)
+
+    def record(self, call: LayerCall) -> None:
+        self.calls.append(call)
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+    def summary(self) -> dict:
+        token_layers = sum(c.tokens for c in self.calls)
+        decode = [c for c in self.calls if c.tokens == 1]
+        rtts: dict[str, list[float]] = defaultdict(list)
+        for call in self.calls:
+            for worker, seconds in call.worker_seconds.items():
+                rtts[worker].append(seconds)
+        return {
+            "layer_calls": len(self.calls),
+            "round_trips": sum(c.round_trips for c in self.calls),
+            "bytes_out": sum(c.bytes_out for c in self.calls),
+            "bytes_in": sum(c.bytes_in for c in self.calls),
+            "bytes_out_per_token_layer": _ratio(sum(c.bytes_out for c in self.calls), token_layers),
+            "bytes_in_per_token_layer": _ratio(sum(c.bytes_in for c in self.calls), token_layers),
+            "decode_bytes_out_per_token_layer": _ratio(sum(c.bytes_out for c in decode), len(decode)),
+            "decode_bytes_in_per_token_layer": _ratio(sum(c.bytes_in for c in decode), len(decode)),
+            "seconds_per_layer_call_mean": _ratio(sum(c.seconds for c in self.calls), len(self.calls)),
+            "worker_rtt_ms_mean": {w: 1000 * sum(v) / len(v) for w, v in sorted(rtts.items())},
+        }
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None

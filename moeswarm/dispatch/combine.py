@@ -1,0 +1,33 @@
+"""Adding the experts' outputs back into one hidden state per token.
+
+Legend: T = tokens, d = hidden size, n_e = rows routed to expert e.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Eager's sum, bit for bit: experts in ascending order, each added with `index_add_`.
+
+    hidden        [T, d] the layer's input (for shape and dtype)
+    top_k_index   [T, k] the router's experts
+    per_expert    {e: [n_e, d]} w * E_e(x) for e's rows in eager order (slot-major, then token)
+    """
+    final = torch.zeros_like(hidden)  # [T, d]
+    for expert in sorted(per_expert):
+        _, token = torch.where(top_k_index.T == expert)  # [n_e]
+        final.index_add_(0, token, per_expert[expert].to(final.dtype))
+    return final
+
+
+def combine_partial(hidden: torch.Tensor, partials: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Sum the workers' per-token partial sums.
+
+    partials  [(tokens [T_w], sums [T_w, d])], one per worker, in worker order
+    """
+    final = torch.zeros_like(hidden)  # [T, d]
+    for tokens, sums in partials:
+        final.index_add_(0, tokens, sums.to(final.dtype))
+    return final

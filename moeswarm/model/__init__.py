@@ -1,0 +1,1 @@
+"""Models: load a backbone without routed experts, load expert slices, the "swarm" experts backend."""

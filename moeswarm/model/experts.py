@@ -1,0 +1,61 @@
+"""Finding the routed-expert modules of any family that uses transformers' experts interface.
+
+A family opts in with `@use_experts_implementation`, whose `__init__` sets `_is_expert_parallel`
+and `is_concatenated` on every instance: that is how an experts module is recognised, with no
+per-family code. The MoE layer id is the decoder layer index in the module's name.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from moeswarm.ids import LayerId
+
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+# The config keys families use for the number of routed experts. Only read, to report.
+NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    return hasattr(module, "_is_expert_parallel") and hasattr(module, "is_concatenated")
+
+
+def experts_modules(model: torch.nn.Module) -> dict[LayerId, tuple[str, torch.nn.Module]]:
+    """{layer id: (qualified name, experts module)} for every routed MoE layer of `model`."""
+    found: dict[LayerId, tuple[str, torch.nn.Module]] = {}
+    for name, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        match = _LAYER_INDEX.search(f".{name}.")
+        if match is None:
+            raise ValueError(f"experts module {name!r} is not inside a numbered decoder layer")
+        layer = LayerId(int(match.group(1)))
+        if layer in found:
+            raise ValueError(f"two experts modules in layer {layer}: {found[layer][0]!r} and {name!r}")
+        found[layer] = (name, module)
+    return dict(sorted(found.items()))
+
+
+def expert_parameter_names(model: torch.nn.Module) -> set[str]:
+    """Qualified names of every routed-expert parameter (what the backbone never loads)."""
+    return {
+        f"{name}.{param_name}"
+        for name, module in experts_modules(model).values()
+        for param_name, _ in module.named_parameters()
+    }
+
+
+def set_experts_implementation(model: torch.nn.Module, implementation: str) -> None:
+    """Point every experts module at `implementation` (a name in transformers' ExpertsInterface)."""
+    for _, module in experts_modules(model).values():
+        module.config._experts_implementation = implementation
+
+
+def num_experts_of(model: torch.nn.Module) -> int:
+    counts = {module.num_experts for _, module in experts_modules(model).values()}
+    if len(counts) != 1:
+        raise ValueError(f"layers disagree on the number of routed experts: {sorted(counts)}")
+    return counts.pop()

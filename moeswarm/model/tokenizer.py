@@ -1,0 +1,39 @@
+"""Text in and out: the model directory's tokenizer, or UTF-8 bytes when it has none."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+
+@dataclass
+class TextCodec:
+    name: str
+    tokenizer: object | None
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is not None:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = list(text.encode("utf-8"))
+        if self.vocab_size < 256 and any(i >= self.vocab_size for i in ids):
+            raise ValueError(f"the model has no tokenizer and its vocabulary ({self.vocab_size}) is too small for bytes")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+
+
+def load_text_codec(path: str | Path, vocab_size: int) -> TextCodec:
+    path = Path(path)
+    if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
+        return TextCodec("tokenizer", AutoTokenizer.from_pretrained(path), vocab_size)
+    return TextCodec("utf-8 bytes (no tokenizer in the model directory)", None, vocab_size)

@@ -1,0 +1,76 @@
+"""Tensor encodings on the wire, in one registry.
+
+A codec turns a tensor into bytes and back. `exact` combine needs lossless codecs (the tensor's
+own dtype); lossy ones (f16 for f32 data, blockwise int8/fp8) trade bits for bytes. Every codec
+declares its size up front (`nbytes`) so a receiver checks a payload's length before decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeswarm.errors import ProtocolError
+
+DTYPES: dict[str, torch.dtype] = {
+    "f32": torch.float32,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "i16": torch.int16,
+    "i32": torch.int32,
+    "i64": torch.int64,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+MAX_RANK = 4
+
+
+@dataclass(frozen=True)
+class RawCodec:
+    """Little-endian bytes of the tensor cast to `wire_dtype`; decoded back to the asked dtype."""
+
+    name: str
+    wire_dtype: torch.dtype
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        return math.prod(shape) * self.wire_dtype.itemsize
+
+    def encode(self, tensor: torch.Tensor) -> memoryview:
+        wire = tensor.detach().to(self.wire_dtype).contiguous()
+        # bf16 has no numpy dtype: reinterpret as int16 (same bytes) to hand the buffer out.
+        view = wire.view(torch.int16) if self.wire_dtype == torch.bfloat16 else wire
+        return memoryview(view.numpy()).cast("B")
+
+    def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        as_int16 = self.wire_dtype == torch.bfloat16
+        np_dtype = np.int16 if as_int16 else torch.empty(0, dtype=self.wire_dtype).numpy().dtype
+        array = np.frombuffer(data, dtype=np_dtype.newbyteorder("<")).reshape(shape)
+        tensor = torch.from_numpy(array.copy())
+        if as_int16:
+            tensor = tensor.view(torch.bfloat16)
+        return tensor.to(dtype)
+
+
+CODECS: dict[str, RawCodec] = {name: RawCodec(name, dtype) for name, dtype in DTYPES.items()}
+
+
+def register_codec(codec) -> None:
+    """Add a codec (an object with name, nbytes, encode, decode) to the registry."""
+    CODECS[codec.name] = codec
+
+
+def get_codec(name: str):
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ProtocolError(f"unknown codec {name!r} (known: {', '.join(sorted(CODECS))})") from None
+
+
+def lossless_codec(dtype: torch.dtype) -> str:
+    """The codec that carries `dtype` bit for bit."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ProtocolError(f"no lossless wire codec for dtype {dtype}") from None

@@ -1,0 +1,70 @@
+"""Packing named tensors into a frame: descriptors in the metadata, bytes in the payload.
+
+Each descriptor is `{"name", "codec", "dtype", "shape"}`; the payload is the codecs' bytes
+concatenated in descriptor order. On receipt every field is checked before any byte is read:
+known codec and dtype, a shape of non-negative ints, and lengths that add up to the payload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moeswarm.errors import ProtocolError
+from moeswarm.wire.codecs import DTYPE_NAMES, DTYPES, MAX_RANK, get_codec
+
+Descriptor = dict[str, Any]
+
+
+def pack(tensors: list[tuple[str, torch.Tensor, str]]) -> tuple[list[Descriptor], list[memoryview]]:
+    """[(name, tensor, codec)] -> (descriptors, payload buffers)."""
+    descriptors, buffers = [], []
+    for name, tensor, codec_name in tensors:
+        codec = get_codec(codec_name)
+        descriptors.append(
+            {"name": name, "codec": codec_name, "dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
+        )
+        buffers.append(codec.encode(tensor))
+    return descriptors, buffers
+
+
+def unpack(descriptors: Any, payload: memoryview | bytes) -> dict[str, torch.Tensor]:
+    """Decode a frame's tensors; raise ProtocolError naming the first field that does not fit."""
+    if not isinstance(descriptors, list):
+        raise ProtocolError("metadata field 'tensors' must be a list")
+    payload = memoryview(payload)
+    offset, out = 0, {}
+    for index, desc in enumerate(descriptors):
+        name, codec, dtype, shape = _check_descriptor(index, desc)
+        size = codec.nbytes(shape)
+        if offset + size > len(payload):
+            raise ProtocolError(
+                f"tensor {name!r}: shape {list(shape)} with codec {codec.name} needs {size} bytes, "
+                f"payload has {len(payload) - offset} left"
+            )
+        out[name] = codec.decode(payload[offset : offset + size], shape, dtype)
+        offset += size
+    if offset != len(payload):
+        raise ProtocolError(f"payload has {len(payload) - offset} bytes beyond its tensors' sizes")
+    return out
+
+
+def _check_descriptor(index: int, desc: Any):
+    if not isinstance(desc, dict):
+        raise ProtocolError(f"tensor descriptor {index} must be a map")
+    name = desc.get("name")
+    if not isinstance(name, str):
+        raise ProtocolError(f"tensor descriptor {index} has no string 'name'")
+    codec = get_codec(desc.get("codec"))
+    dtype_name = desc.get("dtype")
+    if dtype_name not in DTYPES:
+        raise ProtocolError(f"tensor {name!r}: unknown dtype {dtype_name!r} (known: {', '.join(DTYPES)})")
+    shape = desc.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_RANK
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 31 for n in shape)
+    ):
+        raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
+    return name, codec, DTYPES[dtype_name], tuple(shape)

@@ -1,0 +1,87 @@
+"""The experts a worker hosts, and the maths it runs on a DISPATCH.
+
+Legend: T = dispatched tokens, k = router top-k, d = hidden size, n_e = rows routed to expert e.
+
+Each expert runs the family's own experts class with the eager implementation, on exactly the
+rows routed to it in eager's order (slot-major, then token), as a one-expert problem: the same
+inputs through the same kernels give the same bits as a local eager run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeswarm.errors import ProtocolError
+from moeswarm.ids import LayerId
+from moeswarm.model.loading import ExpertSlice
+from moeswarm.wire.messages import Dispatch, Result
+
+
+class ExpertStore:
+    def __init__(self, slices: dict[LayerId, ExpertSlice], num_experts: int, hidden_size: int):
+        self.slices = slices
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.slices)
+
+    @property
+    def experts(self) -> list[int]:
+        return list(next(iter(self.slices.values())).experts)
+
+    def describe(self) -> str:
+        layers, experts = self.layers, self.experts
+        return f"layers {_span(layers)}, experts {_span(experts)}"
+
+    @torch.inference_mode()
+    def run(self, request: Dispatch) -> Result:
+        hosted = self._check(request)
+        hidden, index, weights = request.hidden, request.top_k_index, request.top_k_weights  # [T, d], [T, k], [T, k]
+        hit = torch.unique(index[index >= 0]).tolist()  # ascending, as eager visits them
+        blocks, counts = [], []
+        partial = torch.zeros_like(hidden) if request.mode == "partial" else None  # [T, d]
+        for expert in hit:
+            slot, token = torch.where(index.T == expert)  # [n_e] each, eager's order
+            local = torch.full((token.numel(), 1), expert - hosted.low, dtype=torch.long)  # [n_e, 1]
+            out = hosted.module(hidden[token], local, weights[token, slot].unsqueeze(1))  # [n_e, d] = w * E(x)
+            if partial is None:
+                blocks.append(out)
+            else:
+                partial.index_add_(0, token, out)
+            counts.append(token.numel())
+        outputs = partial if partial is not None else (torch.cat(blocks) if blocks else hidden.new_zeros(0, hidden.shape[1]))
+        return Result(request.layer, request.mode, outputs, hit, counts, request.wire_combine)
+
+    def _check(self, request: Dispatch) -> ExpertSlice:
+        hosted = self.slices.get(LayerId(request.layer))
+        if hosted is None:
+            raise ProtocolError(f"layer {request.layer} is not served by this worker (it serves {self.describe()})")
+        tokens, width = request.hidden.shape
+        if width != self.hidden_size:
+            raise ProtocolError(f"hidden size {width} does not match the model's {self.hidden_size}")
+        dtype = next(hosted.module.parameters()).dtype
+        if request.hidden.dtype != dtype or request.top_k_weights.dtype != dtype:
+            raise ProtocolError(
+                f"dtype mismatch: hidden {request.hidden.dtype} and weights {request.top_k_weights.dtype}, "
+                f"the experts compute in {dtype}"
+            )
+        if tokens == 0:
+            raise ProtocolError("DISPATCH with no tokens")
+        index = request.top_k_index
+        chosen = index[index >= 0]
+        if (index < -1).any() or (chosen >= self.num_experts).any():
+            bad = index[(index < -1) | (index >= self.num_experts)][0].item()
+            raise ProtocolError(f"expert id {bad} out of range: the model has experts 0-{self.num_experts - 1}")
+        outside = chosen[(chosen < hosted.low) | (chosen > hosted.high)]
+        if outside.numel():
+            raise ProtocolError(
+                f"expert {outside[0].item()} of layer {request.layer} is not held by this worker "
+                f"(it holds experts {hosted.low}-{hosted.high})"
+            )
+        return hosted
+
+
+def _span(values: list[int]) -> str:
+    return f"{values[0]}-{values[-1]}" if values else "none"

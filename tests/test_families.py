@@ -1,0 +1,38 @@
+"""One runner for every family: experts on 2 worker processes over TCP, logits torch.equal to eager.
+
+Adding a family is adding a line to moeswarm.model.tiny.FAMILIES.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeswarm.generation.stepper import Stepper
+from moeswarm.local_workers import local_workers, split_experts
+from moeswarm.model.loading import load_local
+from moeswarm.model.tiny import FAMILIES
+from moeswarm.swarm import connect_swarm
+
+DECODE_STEPS = 8
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_remote_equals_local(family, tiny_models):
+    path = tiny_models(family)
+    local = Stepper(load_local(path))
+    num_experts = 8
+    with local_workers(path, split_experts(num_experts, 2)) as addresses:
+        swarm = connect_swarm(path, addresses)
+        try:
+            remote = Stepper(swarm.model)
+            feed = [11, 42, 7, 99, 3, 250, 18, 64, 5, 77]  # prefill: 10 tokens in one dispatch per layer
+            for step in range(1 + DECODE_STEPS):
+                remote_logits, local_logits = remote.forward(feed), local.forward(feed)
+                assert torch.equal(remote_logits, local_logits), f"{family}: logits differ at step {step}"
+                feed = [int(remote_logits[-1].argmax())]
+            summary = swarm.dispatcher.accounting.summary()
+        finally:
+            swarm.close()
+    assert set(summary["worker_rtt_ms_mean"]) == set(addresses), "both workers must have served experts"
+    assert summary["layer_calls"] == (1 + DECODE_STEPS) * len(swarm.moe_layers)

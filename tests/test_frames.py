@@ -1,0 +1,100 @@
+"""The wire format is pinned: golden bytes, and every malformed header is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeswarm.errors import ProtocolError
+from moeswarm.wire.frames import HEADER_SIZE, Frame, Opcode, decode_meta, opcode_of, parse_header
+from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result
+
+
+def test_opcodes_are_pinned():
+    assert [(o.name, o.value) for o in Opcode] == [
+        ("HELLO", 1), ("DISPATCH", 2), ("RESULT", 3), ("ERROR", 4), ("PING", 5), ("PONG", 6)]
+    assert HEADER_SIZE == 24
+
+
+def test_ping_golden_bytes():
+    assert Frame(Opcode.PING, 7).to_bytes().hex() == "4d53574d01050000" "0700000000000000" "01000000" "00000000" "80"
+
+
+def test_hello_golden_bytes():
+    data = Hello("hf-abc").to_frame(1).to_bytes()
+    assert data.hex() == (
+        "4d53574d01010000" "0100000000000000" "2c000000" "00000000"
+        "83a870726f746f636f6c01ab66696e6765727072696e74a66866"
+        "2d616263a4726f6c65a86261636b626f6e65"
+    )
+
+
+def test_dispatch_golden_bytes():
+    hidden = torch.tensor([[1.0, -2.0]])  # [T=1, d=2]
+    index = torch.tensor([[3, -1]])  # [T, k=2]
+    weights = torch.tensor([[0.5, 0.25]])
+    data = Dispatch(4, hidden, index, weights).to_frame(9).to_bytes()
+    header, body = data[:HEADER_SIZE], data[HEADER_SIZE:]
+    parsed = parse_header(header)
+    assert (parsed.opcode, parsed.request_id, parsed.payload_len) == (Opcode.DISPATCH, 9, 8 + 4 + 8)
+    meta = decode_meta(body[: parsed.meta_len])
+    assert meta == {
+        "layer": 4, "mode": "exact", "wire_combine": "f32",
+        "tensors": [
+            {"name": "hidden", "codec": "f32", "dtype": "f32", "shape": [1, 2]},
+            {"name": "top_k_index", "codec": "i16", "dtype": "i16", "shape": [1, 2]},
+            {"name": "top_k_weights", "codec": "f32", "dtype": "f32", "shape": [1, 2]},
+        ],
+    }
+    assert body[parsed.meta_len :].hex() == "0000803f000000c0" "0300ffff" "0000003f0000803e"
+
+
+def test_dispatch_and_result_round_trip():
+    hidden = torch.randn(3, 8)
+    index = torch.tensor([[0, 5], [5, -1], [2, 0]])
+    weights = torch.rand(3, 2)
+    frame = Dispatch(2, hidden, index, weights).to_frame(1)
+    again = Dispatch.from_frame(_reparse(frame))
+    assert again.layer == 2 and torch.equal(again.hidden, hidden) and torch.equal(again.top_k_index, index)
+    assert torch.equal(again.top_k_weights, weights)
+    result = Result(2, "exact", torch.randn(4, 8), [0, 5], [2, 2])
+    back = Result.from_frame(_reparse(result.to_frame(1)))
+    assert back.experts == [0, 5] and back.counts == [2, 2] and torch.equal(back.outputs, result.outputs)
+
+
+def _reparse(frame: Frame) -> Frame:
+    data = frame.to_bytes()
+    header = parse_header(data[:HEADER_SIZE])
+    body = data[HEADER_SIZE:]
+    return Frame(opcode_of(header), header.request_id, decode_meta(body[: header.meta_len]), body[header.meta_len :])
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda h: b"XXXX" + h[4:], "bad magic"),
+        (lambda h: h[:4] + b"\x02" + h[5:], "unsupported protocol version 2"),
+        (lambda h: h[:16] + (2 << 20).to_bytes(4, "little") + h[20:], "metadata of 2097152 bytes is over the limit"),
+        (lambda h: h[:20] + (1 << 31).to_bytes(4, "little"), "payload of 2147483648 bytes is over the limit"),
+        (lambda h: h[:10], "truncated header: 10 of 24"),
+    ],
+)
+def test_bad_headers_are_named(mutate, message):
+    header = Frame(Opcode.PING, 1).to_bytes()[:HEADER_SIZE]
+    with pytest.raises(ProtocolError, match=message):
+        parse_header(mutate(header))
+
+
+def test_unknown_opcode_and_bad_meta():
+    header = parse_header(Frame(Opcode.PING, 1).to_bytes()[:HEADER_SIZE][:5] + b"\x63" + b"\x00" * 18)
+    with pytest.raises(ProtocolError, match="unknown opcode 99"):
+        opcode_of(header)
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        decode_meta(b"\xc1")
+    with pytest.raises(ProtocolError, match="must be a map"):
+        decode_meta(b"\x93\x01\x02\x03")
+
+
+def test_error_reply_round_trip():
+    frame = _reparse(ErrorReply("bad_request", "expert 9 is not held").to_frame(3))
+    assert frame.opcode == Opcode.ERROR and ErrorReply.from_frame(frame).message == "expert 9 is not held"
