@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "demo": "run a generation on the bundled model with local workers and report the accounting",
     "worker": "serve a slice of a model's routed experts over TCP",
     "generate": "generate text with a backbone whose experts live on remote workers",
+    "bench": "benchmarks: loopback overhead, backbone memory, bytes on the wire",
     "make-model": "write a small random MoE model of a given family (for tests and trials)",
     "wan": "emulate a WAN link: a TCP proxy with latency, jitter, bandwidth and faults",
 }

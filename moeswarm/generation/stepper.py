@@ -24,5 +24,6 @@ class Stepper:
 
     def crop(self, length: int) -> None:
         """Forget cached positions from `length` on (rejected draft tokens)."""
-        if length < self.length:
-            self.cache.crop(length)
+        surplus = self.length - length
+        if surplus > 0:
+            self.cache.crop(-surplus)  # transformers 5 takes the number of tokens to remove, negated

@@ -1,0 +1,1 @@
+"""Benchmarks: each measures side by side in one run and returns plain rows (JSON-ready)."""

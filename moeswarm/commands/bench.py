@@ -1,0 +1,70 @@
+"""`moeswarm bench`: loopback overhead, backbone memory, bytes on the wire."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    loopback = sub.add_parser("loopback", help="remote-on-loopback vs local: tokens/s and overhead per MoE round trip")
+    loopback.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    loopback.add_argument("--workers", type=int, default=2)
+    loopback.add_argument("--steps", type=int, default=32)
+    loopback.add_argument("--repeats", type=int, default=3)
+    loopback.add_argument("--json", action="store_true")
+    memory = sub.add_parser("memory", help="backbone vs full load resident memory, on a model with ~90%% routed experts")
+    memory.add_argument("--json", action="store_true")
+    wire = sub.add_parser("bytes", help="bytes per token per MoE layer on the wire")
+    wire.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    wire.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeswarm.bundled import demo_model
+
+    if args.bench == "loopback":
+        from moeswarm.bench.loopback import run_loopback
+
+        result = run_loopback(args.model or str(demo_model()), args.workers, args.steps, args.repeats)
+        _print(result, args.json)
+    elif args.bench == "memory":
+        from moeswarm.bench.memory import make_memory_model, run_memory
+
+        with tempfile.TemporaryDirectory() as tmp:
+            result = run_memory(make_memory_model(Path(tmp) / "memory-model"))
+        _print(result, args.json)
+    elif args.bench == "bytes":
+        from moeswarm.bench.wire_bytes import make_synthetic_model, measure_bytes
+
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp:
+            synthetic = str(make_synthetic_model(Path(tmp) / "synthetic-3072"))
+            for workers in (1, 4):
+                rows += measure_bytes(synthetic, workers)
+        rows += measure_bytes(args.model or str(demo_model()), 2)
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            _table(rows)
+    return 0
+
+
+def _print(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+    else:
+        width = max(map(len, result))
+        for key, value in result.items():
+            print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+
+
+def _table(rows: list[dict]) -> None:
+    print(f"{'model':<18} {'mode':<8} {'dispatch':<9} {'combine':<9} {'workers':>7} {'hidden':>6} {'top_k':>5} "
+          f"{'tok/frame':>9} {'out B/tok/layer':>16} {'in B/tok/layer':>15}")
+    for r in rows:
+        print(f"{r['model']:<18} {r['mode']:<8} {r['wire_dispatch']:<9} {r['wire_combine']:<9} {r['workers']:>7} "
+              f"{r['hidden']:>6} {r['top_k']:>5} {r['tokens_per_frame']:>9} {r['bytes_out']:>16.1f} {r['bytes_in']:>15.1f}")
