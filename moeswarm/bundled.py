@@ -6,6 +6,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINED = REPO / "models" / "pymoe" / "hf"
+PROMPTS = REPO / "models" / "pymoe" / "prompts.jsonl"
 DEMO_PROMPT = "def fibonacci(n):\n"
 
 

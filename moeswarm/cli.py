@@ -15,8 +15,10 @@ COMMANDS: dict[str, str] = {
     "demo": "run a generation on the bundled model with local workers and report the accounting",
     "worker": "serve a slice of a model's routed experts over TCP",
     "generate": "generate text with a backbone whose experts live on remote workers",
+    "gate": "argmax/cosine gate of a wire configuration (combine mode, codecs) against exact local",
     "bench": "benchmarks: loopback overhead, backbone memory, bytes on the wire",
     "make-model": "write a small random MoE model of a given family (for tests and trials)",
+    "slice": "cut a GGUF slice file holding some experts of a GGUF model (for workers)",
     "wan": "emulate a WAN link: a TCP proxy with latency, jitter, bandwidth and faults",
 }
 

@@ -129,19 +129,21 @@ def _with_meta(data: bytes, edit) -> bytes:
 @pytest.mark.parametrize(
     "make, fragments",
     [
-        (lambda: _with_meta(_dispatch_bytes(), lambda m: m["tensors"][0].update(codec="q3")), ["unknown codec 'q3'"]),
+        (lambda: _with_meta(_dispatch_bytes(), lambda m: m["tensors"][0].__setitem__(1, "q3")), ["unknown codec 'q3'"]),
         (lambda: _dispatch_bytes(layer=99), ["layer 99 is not served"]),
         (lambda: _dispatch_bytes(top_k_index=torch.tensor([[0, 6], [3, -1]])), ["expert 6 of layer 1 is not held", "0-3"]),
         (lambda: _dispatch_bytes(top_k_index=torch.tensor([[0, 1], [300, -1]])), ["expert id 300 out of range"]),
         (lambda: _dispatch_bytes(hidden=torch.randn(2, 31)), ["hidden size 31 does not match"]),
         (lambda: _dispatch_bytes(hidden=torch.randn(2, 32, dtype=torch.bfloat16)), ["dtype mismatch"]),
         (lambda: _dispatch_bytes(top_k_weights=torch.rand(3, 2)), ["shapes do not match"]),
-        (lambda: _with_meta(_dispatch_bytes(), lambda m: m["tensors"][0].update(shape=[2, 64])), ["needs 512 bytes"]),
-        (lambda: _with_meta(_dispatch_bytes(), lambda m: m["tensors"][1].update(dtype="f64")), ["unknown dtype 'f64'"]),
+        (lambda: _with_meta(_dispatch_bytes(), lambda m: m["tensors"][0].__setitem__(3, [2, 64])), ["needs 512 bytes"]),
+        (lambda: _with_meta(_dispatch_bytes(), lambda m: m["tensors"][1].__setitem__(2, "f64")), ["unknown dtype 'f64'"]),
         (lambda: _with_meta(_dispatch_bytes(), lambda m: m.update(mode="fancy")), ["unknown combine mode 'fancy'"]),
+        (lambda: _with_meta(_dispatch_bytes(), lambda m: m.update(combine="zip")), ["unknown codec 'zip'"]),
         (lambda: _with_meta(_dispatch_bytes(), lambda m: m.pop("layer")), ["'layer' missing"]),
     ],
-    ids=["codec", "layer", "expert", "expert-range", "shape", "dtype", "routing-shape", "length", "index-dtype", "mode", "field"],
+    ids=["codec", "layer", "expert", "expert-range", "shape", "dtype", "routing-shape", "length", "index-dtype", "mode",
+         "combine-codec", "field"],
 )
 def test_bad_dispatch_gets_error_and_connection_lives(worker, make, fragments):
     address, fingerprint = worker

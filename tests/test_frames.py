@@ -36,17 +36,25 @@ def test_dispatch_golden_bytes():
     data = Dispatch(4, hidden, index, weights).to_frame(9).to_bytes()
     header, body = data[:HEADER_SIZE], data[HEADER_SIZE:]
     parsed = parse_header(header)
-    assert (parsed.opcode, parsed.request_id, parsed.payload_len) == (Opcode.DISPATCH, 9, 8 + 4 + 8)
+    assert (parsed.opcode, parsed.request_id, parsed.payload_len) == (Opcode.DISPATCH, 9, 8 + 2 + 8)
     meta = decode_meta(body[: parsed.meta_len])
     assert meta == {
-        "layer": 4, "mode": "exact", "wire_combine": "f32",
-        "tensors": [
-            {"name": "hidden", "codec": "f32", "dtype": "f32", "shape": [1, 2]},
-            {"name": "top_k_index", "codec": "i16", "dtype": "i16", "shape": [1, 2]},
-            {"name": "top_k_weights", "codec": "f32", "dtype": "f32", "shape": [1, 2]},
-        ],
+        "layer": 4, "mode": "exact", "combine": "f32",
+        "tensors": [["x", "f32", "f32", [1, 2]], ["ids", "u8", "u8", [1, 2]], ["w", "f32", "f32", [1, 2]]],
     }
-    assert body[parsed.meta_len :].hex() == "0000803f000000c0" "0300ffff" "0000003f0000803e"
+    assert body[: parsed.meta_len].hex() == (
+        "84a56c6179657204a46d6f6465a56578616374a7636f6d62696e65a3663332a774656e736f727393"
+        "94a178a3663332a3663332920102" "94a3696473a27538a2753892" "0102" "94a177a3663332a3663332920102"
+    )
+    assert body[parsed.meta_len :].hex() == "0000803f000000c0" "03ff" "0000003f0000803e"
+
+
+def test_ids_travel_in_the_smallest_codec():
+    for largest, codec in ((254, "u8"), (255, "i16"), (40000, "i32")):
+        index = torch.tensor([[largest, -1]])
+        frame = Dispatch(0, torch.zeros(1, 4), index, torch.ones(1, 2)).to_frame(1)
+        assert frame.meta["tensors"][1][1] == codec
+        assert torch.equal(Dispatch.from_frame(_reparse(frame)).top_k_index, index)
 
 
 def test_dispatch_and_result_round_trip():
@@ -60,6 +68,9 @@ def test_dispatch_and_result_round_trip():
     result = Result(2, "exact", torch.randn(4, 8), [0, 5], [2, 2])
     back = Result.from_frame(_reparse(result.to_frame(1)))
     assert back.experts == [0, 5] and back.counts == [2, 2] and torch.equal(back.outputs, result.outputs)
+    partial = Result(2, "partial", torch.randn(3, 8), [], [], "bf16")
+    back = Result.from_frame(_reparse(partial.to_frame(1)))
+    assert "experts" not in partial.to_frame(1).meta and torch.equal(back.outputs, partial.outputs.bfloat16().float())
 
 
 def _reparse(frame: Frame) -> Frame:

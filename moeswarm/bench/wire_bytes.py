@@ -2,28 +2,37 @@
 
 Counted at the socket: every byte of every frame written and read (our 24-byte header, msgpack
 metadata and payload; TCP/IP headers are not counted). Decode sends one token per frame; the
-64-token row is a prefill of 64 tokens in one frame per worker.
+64-token rows carry 64 tokens in one frame per worker (a prefill, or a batch).
+
+Two sources: (a) a synthetic MoE layer with the brief's shape (hidden 3072, top-8), driven at the
+layer with random hidden states and uniformly random routing; (b) a real model generating, so
+its own routing decides which workers each token reaches.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
 
+from moeswarm.dispatch.connection import WorkerConnection
+from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import local_workers, split_experts
 from moeswarm.model.checkpoint import Checkpoint
 from moeswarm.model.experts import NUM_EXPERTS_KEYS
 from moeswarm.swarm import connect_swarm
+from moeswarm.wire.codecs import FLOAT_CODECS
 
 # The brief's reference layer: hidden size 3072, top-8. Attention and experts are kept tiny:
 # bytes on the wire depend only on the hidden size, top-k and placement.
 SYNTHETIC_3072 = dict(hidden_size=3072, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                      head_dim=16, num_experts=16, num_experts_per_tok=8, moe_intermediate_size=16,
+                      head_dim=16, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=8,
                       intermediate_size=64, vocab_size=260)
 
-WIRE_CONFIGS = [("exact", None, None)]  # (mode, wire_dispatch, wire_combine); None: lossless
+ALL_CONFIGS = [(mode, d, c) for mode in ("exact", "partial") for d, c in itertools.product(FLOAT_CODECS, FLOAT_CODECS)]
+MATCHED_CONFIGS = [("exact", None, None)] + [(mode, c, c) for mode in ("exact", "partial") for c in FLOAT_CODECS]
 
 
 def make_synthetic_model(out: Path) -> Path:
@@ -34,34 +43,64 @@ def make_synthetic_model(out: Path) -> Path:
     return out
 
 
-def measure_bytes(model: str, workers: int, configs=WIRE_CONFIGS, decode_tokens: int = 16, prefill_tokens: int = 64) -> list[dict]:
+def _row(model: str, mode, dispatch, combine, workers, hidden, top_k, tokens, summary) -> dict:
+    return {"model": Path(model).name, "mode": mode, "wire_dispatch": dispatch or "lossless",
+            "wire_combine": combine or "lossless", "workers": workers, "hidden": hidden, "top_k": top_k,
+            "tokens_per_frame": tokens, "bytes_out": summary["bytes_out_per_token_layer"],
+            "bytes_in": summary["bytes_in_per_token_layer"]}
+
+
+def synthetic_layer_bytes(model: str, workers: int, configs=ALL_CONFIGS, frames: int = 4) -> list[dict]:
+    """Drive the synthetic layer directly: random hidden states, uniform top-k routing."""
+    checkpoint = Checkpoint.open(model)
+    config = checkpoint.config
+    experts, top_k, hidden_size = config.num_experts, config.num_experts_per_tok, config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    with local_workers(model, split_experts(experts, workers)) as addresses:
+        connections = [WorkerConnection(a) for a in addresses]
+        for connection in connections:
+            connection.connect(checkpoint.fingerprint)
+        dispatcher = Dispatcher(connections, experts)
+        try:
+            for (mode, dispatch, combine), tokens in itertools.product(configs, (1, 64)):
+                dispatcher.configure(mode, dispatch, combine)
+                dispatcher.accounting.reset()
+                for _ in range(frames):
+                    hidden = torch.randn(tokens, hidden_size, generator=generator)  # [T, d]
+                    index = torch.rand(tokens, experts, generator=generator).argsort(dim=1)[:, :top_k]  # [T, k]
+                    weights = torch.rand(tokens, top_k, generator=generator)  # [T, k]
+                    dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+                rows.append(_row(model, mode, dispatch, combine, workers, hidden_size, top_k, tokens,
+                                 dispatcher.accounting.summary()))
+        finally:
+            dispatcher.close()
+    return rows
+
+
+def model_bytes(model: str, workers: int, configs=MATCHED_CONFIGS, decode_tokens: int = 16, prefill_tokens: int = 64) -> list[dict]:
+    """A real model generating greedily: its own routing decides who gets which tokens."""
     config = Checkpoint.open(model).config
     num_experts = next(getattr(config, k) for k in NUM_EXPERTS_KEYS if isinstance(getattr(config, k, None), int))
     top_k = getattr(config, "num_experts_per_tok", None)
-    rows = []
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (prefill_tokens,), generator=generator).tolist()
+    rows = []
     with local_workers(model, split_experts(num_experts, workers)) as addresses:
-        for mode, wire_dispatch, wire_combine in configs:
-            swarm = connect_swarm(model, addresses, mode=mode, wire_dispatch=wire_dispatch, wire_combine=wire_combine)
-            try:
-                stepper = Stepper(swarm.model)
+        swarm = connect_swarm(model, addresses)
+        try:
+            for mode, dispatch, combine in configs:
+                swarm.dispatcher.configure(mode, dispatch, combine)
                 accounting = swarm.dispatcher.accounting
+                stepper = Stepper(swarm.model)
                 accounting.reset()
                 token = int(stepper.forward(prompt)[-1].argmax())
                 prefill = accounting.summary()
                 accounting.reset()
                 for _ in range(decode_tokens):
                     token = int(stepper.forward([token])[-1].argmax())
-                decode = accounting.summary()
-            finally:
-                swarm.close()
-            for tokens_per_frame, summary in ((1, decode), (prefill_tokens, prefill)):
-                rows.append({
-                    "model": Path(model).name, "mode": mode,
-                    "wire_dispatch": wire_dispatch or "lossless", "wire_combine": wire_combine or "lossless",
-                    "workers": workers, "hidden": config.hidden_size, "top_k": top_k,
-                    "tokens_per_frame": tokens_per_frame,
-                    "bytes_out": summary["bytes_out_per_token_layer"], "bytes_in": summary["bytes_in_per_token_layer"],
-                })
+                rows.append(_row(model, mode, dispatch, combine, workers, config.hidden_size, top_k, 1, accounting.summary()))
+                rows.append(_row(model, mode, dispatch, combine, workers, config.hidden_size, top_k, prefill_tokens, prefill))
+        finally:
+            swarm.close()
     return rows

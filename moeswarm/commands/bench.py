@@ -38,14 +38,15 @@ def run(args: argparse.Namespace) -> int:
             result = run_memory(make_memory_model(Path(tmp) / "memory-model"))
         _print(result, args.json)
     elif args.bench == "bytes":
-        from moeswarm.bench.wire_bytes import make_synthetic_model, measure_bytes
+        from moeswarm.bench.wire_bytes import (ALL_CONFIGS, MATCHED_CONFIGS, make_synthetic_model, model_bytes,
+                                               synthetic_layer_bytes)
 
         rows = []
         with tempfile.TemporaryDirectory() as tmp:
             synthetic = str(make_synthetic_model(Path(tmp) / "synthetic-3072"))
-            for workers in (1, 4):
-                rows += measure_bytes(synthetic, workers)
-        rows += measure_bytes(args.model or str(demo_model()), 2)
+            rows += synthetic_layer_bytes(synthetic, 1, ALL_CONFIGS)  # every mode x codec pair
+            rows += synthetic_layer_bytes(synthetic, 4, MATCHED_CONFIGS)
+        rows += model_bytes(args.model or str(demo_model()), 2)
         if args.json:
             print(json.dumps(rows))
         else:

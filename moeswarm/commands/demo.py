@@ -7,7 +7,7 @@ import json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: the bundled model)")
     parser.add_argument("--prompt", default=None, help="prompt text (default: a Python function header)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--workers", type=int, default=2, help="number of local worker processes (>= 2)")

@@ -9,7 +9,7 @@ from moeswarm.dispatch.dispatcher import FANOUTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
     parser.add_argument("--workers", required=True, type=_workers, help="comma-separated HOST:PORT list")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
@@ -20,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-local", action="store_true",
                         help="also run the model locally (eager) and compare every step's logits and token")
     parser.add_argument("--fanout", choices=FANOUTS, default="star")
+    parser.add_argument("--combine", choices=("exact", "partial"), default="exact",
+                        help="exact: per-expert outputs, bit-identical; partial: one weighted sum per token per worker")
+    parser.add_argument("--wire-dispatch", default=None, help="codec for hidden states (default: lossless)")
+    parser.add_argument("--wire-combine", default=None, help="codec for the experts' outputs (default: lossless)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads for the backbone (default: torch's choice)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -33,7 +37,14 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(max(1, args.threads))
-    swarm = connect_swarm(args.model, args.workers, fanout=args.fanout)
+    from moeswarm.errors import MoeSwarmError
+    from moeswarm.wire.codecs import FLOAT_CODECS
+
+    for flag, codec in (("--wire-dispatch", args.wire_dispatch), ("--wire-combine", args.wire_combine)):
+        if codec is not None and codec not in FLOAT_CODECS:
+            raise MoeSwarmError(f"{flag}: unknown codec {codec!r} (choose from {', '.join(FLOAT_CODECS)})")
+    swarm = connect_swarm(args.model, args.workers, fanout=args.fanout, mode=args.combine,
+                          wire_dispatch=args.wire_dispatch, wire_combine=args.wire_combine)
     try:
         request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
                                     args.check_local, stream=not args.json)

@@ -13,10 +13,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.errors import MoeSwarmError
-    from moeswarm.model.tiny import FAMILIES, make_tiny_model
+    from moeswarm.model.tiny import EXTRA_FAMILIES, FAMILIES, make_tiny_model
 
-    if args.family not in FAMILIES:
-        raise MoeSwarmError(f"unknown family {args.family!r}; known: {', '.join(sorted(FAMILIES))}")
+    if args.family not in FAMILIES and args.family not in EXTRA_FAMILIES:
+        raise MoeSwarmError(f"unknown family {args.family!r}; known: {', '.join(sorted({**FAMILIES, **EXTRA_FAMILIES}))}")
 
     path = make_tiny_model(args.family, args.out, args.seed)
     print(f"wrote a tiny {args.family} model to {path}")

@@ -11,7 +11,7 @@ from moeswarm.ids import parse_range
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
     parser.add_argument("--experts", required=True, type=_range("experts"), help="inclusive expert range A-B, e.g. 0-15")
     parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
     parser.add_argument("--host", default="127.0.0.1")

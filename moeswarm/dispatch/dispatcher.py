@@ -21,8 +21,8 @@ from moeswarm.dispatch.combine import combine_exact, combine_partial
 from moeswarm.dispatch.connection import WorkerConnection
 from moeswarm.dispatch.plan import WorkerShare, plan_layer
 from moeswarm.errors import MoeSwarmError, WorkerError
-from moeswarm.wire.codecs import lossless_codec
-from moeswarm.wire.messages import Dispatch, Result
+from moeswarm.wire.codecs import get_codec, lossless_codec
+from moeswarm.wire.messages import COMBINE_MODES, Dispatch, Result
 
 FANOUTS = ("star", "chain")
 
@@ -50,12 +50,19 @@ class Dispatcher:
         self.workers = workers
         self.num_experts = num_experts
         self.fanout = fanout
-        self.mode = mode
-        self.wire_dispatch = wire_dispatch
-        self.wire_combine = wire_combine
+        self.configure(mode, wire_dispatch, wire_combine)
         self.accounting = Accounting()
         self._owners: dict[int, torch.Tensor] = {}
         self._placement()
+
+    def configure(self, mode: str, wire_dispatch: str | None = None, wire_combine: str | None = None) -> None:
+        """Choose the combine mode and the codecs (None: lossless) for the next dispatches."""
+        if mode not in COMBINE_MODES:
+            raise MoeSwarmError(f"unknown combine mode {mode!r} (choose from {', '.join(COMBINE_MODES)})")
+        for codec in (wire_dispatch, wire_combine):
+            if codec is not None:
+                get_codec(codec)
+        self.mode, self.wire_dispatch, self.wire_combine = mode, wire_dispatch, wire_combine
 
     def _placement(self) -> None:
         """owner[layer] = [E] worker index per expert, from what each worker said in HELLO."""

@@ -25,7 +25,12 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | Path) -> "Checkpoint":
+        """A model directory; a `.gguf` path gives its sibling, weights.gguf_model.GGUFCheckpoint."""
         path = Path(path)
+        if path.suffix.lower() == ".gguf":
+            from moeswarm.weights.gguf_model import GGUFCheckpoint
+
+            return GGUFCheckpoint.open(path)
         if not path.is_dir():
             raise ModelError(f"{path}: not a model directory (expected config.json and *.safetensors)")
         if not (path / "config.json").is_file():

@@ -10,6 +10,8 @@ are handed to that machinery:
 - `load_expert_slice`: only the experts [low, high] of the chosen layers; the experts modules are
   shrunk to that many experts first, and per-expert keys renumbered, so no other byte is read.
 - `load_local`: everything, with the eager experts implementation: the reference.
+
+A `.gguf` path goes to moeswarm.weights.gguf_model, which loads the same things from GGUF.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from moeswarm.errors import ModelError
 from moeswarm.ids import ExpertId, LayerId
 from moeswarm.model.checkpoint import Checkpoint
 from moeswarm.model.experts import expert_parameter_names, experts_modules
+from moeswarm.weights.gguf_file import is_gguf_path
 
 _PER_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
 
@@ -49,6 +52,10 @@ def empty_model(checkpoint: Checkpoint) -> PreTrainedModel:
 
 def load_local(path) -> PreTrainedModel:
     """The whole model with transformers' eager experts: what remote execution must equal."""
+    if is_gguf_path(path):
+        from moeswarm.weights import gguf_model
+
+        return gguf_model.load_local(path)
     checkpoint = Checkpoint.open(path)
     hf_logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(checkpoint.path, experts_implementation="eager")
@@ -57,6 +64,10 @@ def load_local(path) -> PreTrainedModel:
 
 def load_backbone(path) -> tuple[PreTrainedModel, Checkpoint]:
     """The model without its routed experts: their parameters stay on meta and are never read."""
+    if is_gguf_path(path):
+        from moeswarm.weights import gguf_model
+
+        return gguf_model.load_backbone(path)
     checkpoint = Checkpoint.open(path)
     model = empty_model(checkpoint)
     skip = expert_parameter_names(model)
@@ -87,6 +98,10 @@ def load_expert_slice(path, layers: tuple[int, int] | None, experts: tuple[int, 
 
     Returns (slices by layer, checkpoint, the model's number of routed experts per layer).
     """
+    if is_gguf_path(path):
+        from moeswarm.weights import gguf_model
+
+        return gguf_model.load_expert_slice(path, layers, experts)
     checkpoint = Checkpoint.open(path)
     model = empty_model(checkpoint)
     modules = experts_modules(model)

@@ -1,4 +1,4 @@
-"""Text in and out: the model directory's tokenizer, or UTF-8 bytes when it has none."""
+"""Text in and out: the model directory's (or GGUF file's) tokenizer, or UTF-8 bytes when it has none."""
 
 from __future__ import annotations
 
@@ -34,6 +34,14 @@ class TextCodec:
 
 def load_text_codec(path: str | Path, vocab_size: int) -> TextCodec:
     path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        from moeswarm.weights.gguf_file import GGUFFile
+        from moeswarm.weights.gguf_tokenizer import gguf_tokenizer
+
+        f = GGUFFile.open(path)
+        if "tokenizer.ggml.tokens" not in f.metadata:
+            return TextCodec("utf-8 bytes (no tokenizer in the GGUF metadata)", None, vocab_size)
+        return TextCodec("tokenizer (GGUF metadata)", gguf_tokenizer(f), vocab_size)
     if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
         return TextCodec("tokenizer", AutoTokenizer.from_pretrained(path), vocab_size)
     return TextCodec("utf-8 bytes (no tokenizer in the model directory)", None, vocab_size)

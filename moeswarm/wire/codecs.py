@@ -1,8 +1,14 @@
 """Tensor encodings on the wire, in one registry.
 
 A codec turns a tensor into bytes and back. `exact` combine needs lossless codecs (the tensor's
-own dtype); lossy ones (f16 for f32 data, blockwise int8/fp8) trade bits for bytes. Every codec
-declares its size up front (`nbytes`) so a receiver checks a payload's length before decoding.
+own dtype); lossy ones (f16 or bf16 for f32 data, blockwise int8/fp8) trade bits for bytes. Every
+codec declares its size up front (`nbytes`) so a receiver checks a payload's length before
+decoding.
+
+Special values: `f32` and `bf16` carry NaN and +-inf as they are (bf16 has f32's range, so
+only mantissa bits are lost). `f16` keeps NaN and +-inf but saturates finite values beyond its
+range to +-65504 (a plain cast would turn them into inf). The blockwise 8-bit codecs refuse
+non-finite values (see blockwise.py).
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import numpy as np
 import torch
 
 from moeswarm.errors import ProtocolError
+from moeswarm.wire.blockwise import BLOCKWISE_CODECS
 
 DTYPES: dict[str, torch.dtype] = {
     "f32": torch.float32,
     "f16": torch.float16,
     "bf16": torch.bfloat16,
+    "u8": torch.uint8,
     "i16": torch.int16,
     "i32": torch.int32,
     "i64": torch.int64,
@@ -38,14 +46,18 @@ class RawCodec:
         return math.prod(shape) * self.wire_dtype.itemsize
 
     def encode(self, tensor: torch.Tensor) -> memoryview:
-        wire = tensor.detach().to(self.wire_dtype).contiguous()
+        tensor = tensor.detach()
+        if self.wire_dtype == torch.float16 and tensor.is_floating_point() and tensor.dtype != torch.float16:
+            limit = torch.finfo(torch.float16).max
+            tensor = torch.where(torch.isfinite(tensor), tensor.clamp(-limit, limit), tensor)
+        wire = tensor.to(self.wire_dtype).contiguous()
         # bf16 has no numpy dtype: reinterpret as int16 (same bytes) to hand the buffer out.
         view = wire.view(torch.int16) if self.wire_dtype == torch.bfloat16 else wire
         return memoryview(view.numpy()).cast("B")
 
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         as_int16 = self.wire_dtype == torch.bfloat16
-        np_dtype = np.int16 if as_int16 else torch.empty(0, dtype=self.wire_dtype).numpy().dtype
+        np_dtype = np.dtype(np.int16) if as_int16 else torch.empty(0, dtype=self.wire_dtype).numpy().dtype
         array = np.frombuffer(data, dtype=np_dtype.newbyteorder("<")).reshape(shape)
         tensor = torch.from_numpy(array.copy())
         if as_int16:
@@ -53,7 +65,8 @@ class RawCodec:
         return tensor.to(dtype)
 
 
-CODECS: dict[str, RawCodec] = {name: RawCodec(name, dtype) for name, dtype in DTYPES.items()}
+CODECS: dict = {name: RawCodec(name, dtype) for name, dtype in DTYPES.items()}
+FLOAT_CODECS = ["f32", "f16", "bf16"] + [c.name for c in BLOCKWISE_CODECS]  # for hidden states
 
 
 def register_codec(codec) -> None:
@@ -74,3 +87,7 @@ def lossless_codec(dtype: torch.dtype) -> str:
         return DTYPE_NAMES[dtype]
     except KeyError:
         raise ProtocolError(f"no lossless wire codec for dtype {dtype}") from None
+
+
+for _codec in BLOCKWISE_CODECS:
+    register_codec(_codec)

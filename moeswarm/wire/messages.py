@@ -16,7 +16,7 @@ import torch
 
 from moeswarm.errors import ProtocolError
 from moeswarm.wire import tensors as wire_tensors
-from moeswarm.wire.codecs import lossless_codec
+from moeswarm.wire.codecs import get_codec, lossless_codec
 from moeswarm.wire.frames import Frame, Opcode
 
 PROTOCOL_VERSION = 1
@@ -81,6 +81,9 @@ class Dispatch:
     hidden         [T, d] hidden states of the tokens that use at least one of this worker's experts
     top_k_index    [T, k] int, the router's choices; -1 where the expert lives on another worker
     top_k_weights  [T, k] the router's weights, same dtype as the model's
+
+    On the wire the tensors are named x, ids and w (short names: metadata bytes count on a reduced
+    decode step). ids travel as u8 (ids < 255, with 255 for -1), else i16 or i32.
     """
 
     layer: int
@@ -92,15 +95,14 @@ class Dispatch:
     wire_combine: str = "f32"
 
     def to_frame(self, request_id: int) -> Frame:
-        index_codec = "i16" if self.top_k_index.numel() == 0 or int(self.top_k_index.max()) < 32767 else "i32"
         descriptors, buffers = wire_tensors.pack(
             [
-                ("hidden", self.hidden, self.wire_dispatch),
-                ("top_k_index", self.top_k_index.to(torch.int16 if index_codec == "i16" else torch.int32), index_codec),
-                ("top_k_weights", self.top_k_weights, lossless_codec(self.top_k_weights.dtype)),
+                ("x", self.hidden, self.wire_dispatch),
+                ("ids", *_compact_ids(self.top_k_index)),
+                ("w", self.top_k_weights, lossless_codec(self.top_k_weights.dtype)),
             ]
         )
-        meta = {"layer": self.layer, "mode": self.mode, "wire_combine": self.wire_combine, "tensors": descriptors}
+        meta = {"layer": self.layer, "mode": self.mode, "combine": self.wire_combine, "tensors": descriptors}
         return Frame(Opcode.DISPATCH, request_id, meta, _join(buffers))
 
     @classmethod
@@ -111,19 +113,25 @@ class Dispatch:
             raise ProtocolError(f"unknown combine mode {mode!r} (known: {', '.join(COMBINE_MODES)})")
         descriptors = field(m, "tensors", list)
         tensors = wire_tensors.unpack(descriptors, frame.payload)
-        for name in ("hidden", "top_k_index", "top_k_weights"):
+        for name in ("x", "ids", "w"):
             if name not in tensors:
                 raise ProtocolError(f"DISPATCH lacks tensor {name!r}")
-        hidden, index, weights = tensors["hidden"], tensors["top_k_index"], tensors["top_k_weights"]
+        hidden, index, weights = tensors["x"], tensors["ids"], tensors["w"]
         if hidden.dim() != 2 or index.dim() != 2 or index.shape != weights.shape or index.shape[0] != hidden.shape[0]:
             raise ProtocolError(
-                f"DISPATCH shapes do not match: hidden {list(hidden.shape)} (want [T, d]), "
-                f"top_k_index {list(index.shape)} and top_k_weights {list(weights.shape)} (want [T, k])"
+                f"DISPATCH shapes do not match: x {list(hidden.shape)} (want [T, d]), "
+                f"ids {list(index.shape)} and w {list(weights.shape)} (want [T, k])"
             )
         if index.is_floating_point():
-            raise ProtocolError(f"top_k_index must be integers, got {index.dtype}")
-        wire_dispatch = next(d["codec"] for d in descriptors if d["name"] == "hidden")
-        return cls(field(m, "layer", int), hidden, index.long(), weights, mode, wire_dispatch, field(m, "wire_combine", str))
+            raise ProtocolError(f"expert ids must be integers, got {index.dtype}")
+        codec_of = {d[0]: d[1] for d in descriptors}
+        index = index.long()
+        if codec_of["ids"] == "u8":
+            index = torch.where(index == 255, -1, index)
+        wire_dispatch = codec_of["x"]
+        combine = field(m, "combine", str)
+        get_codec(combine)  # an unknown combine codec is refused now, not after the experts ran
+        return cls(field(m, "layer", int), hidden, index, weights, mode, wire_dispatch, combine)
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,9 @@ class Result:
     exact:   experts [n] ascending, counts [n] rows per expert, outputs [sum(counts), d]: row block i
              is w * E_experts[i](x) for the expert's rows in eager order (slot-major, then token)
     partial: outputs [T, d]: per dispatched token, the weighted sum over this worker's experts
+             (experts and counts are not sent)
+
+    On the wire the outputs tensor is named y.
     """
 
     layer: int
@@ -143,19 +154,25 @@ class Result:
     wire_combine: str = "f32"
 
     def to_frame(self, request_id: int) -> Frame:
-        descriptors, buffers = wire_tensors.pack([("outputs", self.outputs, self.wire_combine)])
-        meta = {"layer": self.layer, "mode": self.mode, "experts": self.experts, "counts": self.counts, "tensors": descriptors}
+        descriptors, buffers = wire_tensors.pack([("y", self.outputs, self.wire_combine)])
+        meta = {"layer": self.layer, "mode": self.mode, "tensors": descriptors}
+        if self.mode == "exact":
+            meta.update(experts=self.experts, counts=self.counts)
         return Frame(Opcode.RESULT, request_id, meta, _join(buffers))
 
     @classmethod
     def from_frame(cls, frame: Frame) -> "Result":
         m = frame.meta
-        outputs = wire_tensors.unpack(field(m, "tensors", list), frame.payload).get("outputs")
+        outputs = wire_tensors.unpack(field(m, "tensors", list), frame.payload).get("y")
         if outputs is None or outputs.dim() != 2:
-            raise ProtocolError("RESULT must carry a 2-d tensor 'outputs'")
-        experts = [int(x) for x in field(m, "experts", list)]
-        counts = [int(x) for x in field(m, "counts", list)]
-        return cls(field(m, "layer", int), field(m, "mode", str), outputs, experts, counts)
+            raise ProtocolError("RESULT must carry a 2-d tensor 'y'")
+        mode = field(m, "mode", str)
+        if mode == "exact":
+            experts = [int(x) for x in field(m, "experts", list)]
+            counts = [int(x) for x in field(m, "counts", list)]
+        else:
+            experts, counts = [], []
+        return cls(field(m, "layer", int), mode, outputs, experts, counts)
 
 
 @dataclass(frozen=True)
@@ -169,6 +186,16 @@ class ErrorReply:
     @classmethod
     def from_frame(cls, frame: Frame) -> "ErrorReply":
         return cls(str(frame.meta.get("code", "error")), str(frame.meta.get("message", "(no message)")))
+
+
+def _compact_ids(index: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """Expert ids in the smallest integer codec that holds them (u8 maps -1 to 255)."""
+    largest = int(index.max()) if index.numel() else 0
+    if largest < 255:
+        return torch.where(index < 0, 255, index).to(torch.uint8), "u8"
+    if largest < 32767:
+        return index.to(torch.int16), "i16"
+    return index.to(torch.int32), "i32"
 
 
 def _join(buffers: list[memoryview]) -> bytes:

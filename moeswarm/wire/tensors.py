@@ -1,6 +1,7 @@
 """Packing named tensors into a frame: descriptors in the metadata, bytes in the payload.
 
-Each descriptor is `{"name", "codec", "dtype", "shape"}`; the payload is the codecs' bytes
+Each descriptor is a 4-item list `[name, codec, dtype, shape]` (a list, not a map: on a decode
+step of a reduced wire every byte of metadata counts); the payload is the codecs' bytes
 concatenated in descriptor order. On receipt every field is checked before any byte is read:
 known codec and dtype, a shape of non-negative ints, and lengths that add up to the payload.
 """
@@ -14,7 +15,7 @@ import torch
 from moeswarm.errors import ProtocolError
 from moeswarm.wire.codecs import DTYPE_NAMES, DTYPES, MAX_RANK, get_codec
 
-Descriptor = dict[str, Any]
+Descriptor = list[Any]
 
 
 def pack(tensors: list[tuple[str, torch.Tensor, str]]) -> tuple[list[Descriptor], list[memoryview]]:
@@ -22,9 +23,7 @@ def pack(tensors: list[tuple[str, torch.Tensor, str]]) -> tuple[list[Descriptor]
     descriptors, buffers = [], []
     for name, tensor, codec_name in tensors:
         codec = get_codec(codec_name)
-        descriptors.append(
-            {"name": name, "codec": codec_name, "dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
-        )
+        descriptors.append([name, codec_name, DTYPE_NAMES[tensor.dtype], list(tensor.shape)])
         buffers.append(codec.encode(tensor))
     return descriptors, buffers
 
@@ -51,16 +50,14 @@ def unpack(descriptors: Any, payload: memoryview | bytes) -> dict[str, torch.Ten
 
 
 def _check_descriptor(index: int, desc: Any):
-    if not isinstance(desc, dict):
-        raise ProtocolError(f"tensor descriptor {index} must be a map")
-    name = desc.get("name")
+    if not isinstance(desc, list) or len(desc) != 4:
+        raise ProtocolError(f"tensor descriptor {index} must be a list [name, codec, dtype, shape]")
+    name, codec_name, dtype_name, shape = desc
     if not isinstance(name, str):
-        raise ProtocolError(f"tensor descriptor {index} has no string 'name'")
-    codec = get_codec(desc.get("codec"))
-    dtype_name = desc.get("dtype")
+        raise ProtocolError(f"tensor descriptor {index} has no string name")
+    codec = get_codec(codec_name)
     if dtype_name not in DTYPES:
         raise ProtocolError(f"tensor {name!r}: unknown dtype {dtype_name!r} (known: {', '.join(DTYPES)})")
-    shape = desc.get("shape")
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_RANK

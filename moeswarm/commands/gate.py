@@ -1,0 +1,49 @@
+"""`moeswarm gate`: argmax agreement and logit cosine of a wire configuration against exact local."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+COMBINE_MODES = ("exact", "partial")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory or .gguf (default: the bundled model)")
+    parser.add_argument("--combine", choices=COMBINE_MODES, default="partial")
+    parser.add_argument("--wire-dispatch", default=None, help="codec for hidden states (default: lossless)")
+    parser.add_argument("--wire-combine", default=None, help="codec for the experts' outputs (default: lossless)")
+    parser.add_argument("--reference", default="local",
+                        help="'local' (the model's own weights) or FILE.gguf: both sides run on that file's weights")
+    parser.add_argument("--prompts", default=None, help="JSONL ({\"text\": ...}) or text file (default: bundled held-out prompts)")
+    parser.add_argument("--min-argmax", type=float, default=0.99, help="minimum top-1 agreement (default 0.99)")
+    parser.add_argument("--min-cosine", type=float, default=0.998, help="minimum mean logit cosine (default 0.998)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from moeswarm.bundled import PROMPTS, demo_model
+    from moeswarm.errors import MoeSwarmError
+    from moeswarm.gate import GateConfig, load_prompts, run_gate
+    from moeswarm.wire.codecs import FLOAT_CODECS
+
+    for flag, codec in (("--wire-dispatch", args.wire_dispatch), ("--wire-combine", args.wire_combine)):
+        if codec is not None and codec not in FLOAT_CODECS:
+            raise MoeSwarmError(f"{flag}: unknown codec {codec!r} (choose from {', '.join(FLOAT_CODECS)})")
+    torch.set_num_threads(1)
+    model = args.reference if args.reference != "local" else (args.model or str(demo_model()))
+    prompts = load_prompts(args.prompts or PROMPTS)
+    config = GateConfig(args.combine, args.wire_dispatch, args.wire_combine, args.min_argmax, args.min_cosine)
+    report = run_gate(model, prompts, config, args.workers)
+    report["reference"] = args.reference
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"gate {report['mode']} dispatch={report['wire_dispatch']} combine={report['wire_combine']} "
+              f"on {report['model']}: argmax agreement {report['argmax_agreement']:.4f}, cosine min "
+              f"{report['cosine_min']:.5f} mean {report['cosine_mean']:.6f} over {report['positions']} positions: "
+              + ("PASSED" if report["passed"] else "FAILED"))
+    return 0 if report["passed"] else 1

@@ -1,0 +1,36 @@
+"""`moeswarm slice`: cut a standalone GGUF slice file holding some experts of a GGUF model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from moeswarm.commands.worker import _range
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="GGUF model file (or a slice file holding the requested experts)")
+    parser.add_argument("--experts", required=True, type=_range("experts"), help="inclusive expert range A-B, e.g. 0-31")
+    parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
+    parser.add_argument("--with-backbone", action="store_true",
+                        help="also copy every non-expert tensor, so the file can run a backbone too")
+    parser.add_argument("-o", "--out", required=True, help="slice file to write (PART.gguf)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeswarm.errors import ModelError
+    from moeswarm.weights.gguf_file import is_gguf_path
+    from moeswarm.weights.gguf_slice import write_slice
+
+    if not is_gguf_path(args.model):
+        raise ModelError(f"{args.model}: slice takes a .gguf model file")
+    report = write_slice(args.model, args.out, args.experts, args.layers, args.with_backbone)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"wrote {report['out']}: experts {args.experts[0]}-{args.experts[1]} of MoE layers "
+              f"{report['layers'][0]}-{report['layers'][-1]} ({report['expert_tensors']} expert tensors"
+              f"{', ' + str(report['backbone_tensors']) + ' backbone tensors' if args.with_backbone else ''}, "
+              f"{report['bytes'] / 1e6:.1f} MB), model {report['fingerprint']}")
+    return 0

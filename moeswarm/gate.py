@@ -1,0 +1,91 @@
+"""The argmax/cosine gate: does a reduced wire keep the model's predictions?
+
+Teacher-forced: each prompt runs as one forward through the swarm with the configuration under
+test, and once locally (eager, exact); every position's logits are compared. A configuration
+passes when top-1 agreement and mean cosine reach the thresholds (defaults: 99 %, 0.998).
+
+With a GGUF reference, both sides run on that file's weights (e.g. Q4_K_M): the wire is judged
+on the weights people actually serve.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from moeswarm.errors import MoeSwarmError
+from moeswarm.generation.stepper import Stepper
+from moeswarm.local_workers import local_workers, split_experts
+from moeswarm.model.experts import num_experts_of
+from moeswarm.model.loading import load_local
+from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.swarm import connect_swarm
+
+MAX_PROMPT_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    mode: str = "partial"
+    wire_dispatch: str | None = None  # None: lossless
+    wire_combine: str | None = None
+    min_argmax_agreement: float = 0.99
+    min_cosine_mean: float = 0.998
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """Prompts from a JSONL file ({"text": ...} per line; "kind": "demo" lines are skipped) or plain text."""
+    path = Path(path)
+    if not path.is_file():
+        raise MoeSwarmError(f"{path}: no such prompt file")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        try:
+            rows = [json.loads(line) for line in lines]
+        except json.JSONDecodeError as error:
+            raise MoeSwarmError(f"{path}: not JSON lines ({error})") from None
+        prompts = [r["text"] for r in rows if isinstance(r, dict) and isinstance(r.get("text"), str) and r.get("kind") != "demo"]
+    else:
+        prompts = lines
+    if not prompts:
+        raise MoeSwarmError(f"{path}: no prompts")
+    return prompts
+
+
+def run_gate(model: str, prompts: list[str], config: GateConfig, workers: int = 2) -> dict:
+    local = load_local(model)
+    codec = load_text_codec(model, local.config.vocab_size)
+    token_lists = [codec.encode(p)[:MAX_PROMPT_TOKENS] for p in prompts]
+    token_lists = [t for t in token_lists if t]
+    cosines, agree = [], []
+    with local_workers(model, split_experts(num_experts_of(local), workers)) as addresses:
+        swarm = connect_swarm(model, addresses, mode=config.mode, wire_dispatch=config.wire_dispatch,
+                              wire_combine=config.wire_combine)
+        try:
+            for tokens in token_lists:
+                remote_logits = Stepper(swarm.model).forward(tokens)  # [T, V]
+                local_logits = Stepper(local).forward(tokens)  # [T, V]
+                cosines.append(torch.nn.functional.cosine_similarity(remote_logits, local_logits, dim=-1))
+                agree.append(remote_logits.argmax(-1) == local_logits.argmax(-1))
+            accounting = swarm.dispatcher.accounting.summary()
+        finally:
+            swarm.close()
+    cos, hits = torch.cat(cosines), torch.cat(agree)
+    argmax_agreement, cosine_mean = float(hits.float().mean()), float(cos.mean())
+    return {
+        "model": model,
+        **asdict(config),
+        "wire_dispatch": config.wire_dispatch or "lossless",
+        "wire_combine": config.wire_combine or "lossless",
+        "prompts": len(token_lists),
+        "positions": int(hits.numel()),
+        "argmax_agreement": argmax_agreement,
+        "cosine_min": float(cos.min()),
+        "cosine_mean": cosine_mean,
+        "bytes_out_per_token_layer": accounting["bytes_out_per_token_layer"],
+        "bytes_in_per_token_layer": accounting["bytes_in_per_token_layer"],
+        "passed": argmax_agreement >= config.min_argmax_agreement and cosine_mean >= config.min_cosine_mean,
+    }

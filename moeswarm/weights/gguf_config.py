@@ -1,0 +1,155 @@
+"""GGUF metadata -> a transformers config, per architecture.
+
+GGUF records what llama.cpp needs to run the model (`{arch}.block_count`, `.expert_count`...);
+each entry below says which transformers family an architecture is and how its hyperparameters
+are named there. What GGUF does not record is taken from how llama.cpp runs that architecture
+(qwen2moe does not renormalise the top-k weights, qwen3moe does), so moeswarm computes what
+llama.cpp computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import AutoConfig, PretrainedConfig
+
+from moeswarm.errors import ModelError
+from moeswarm.weights.gguf_file import GGUFFile
+
+
+def _common(f: GGUFFile) -> dict:
+    heads = int(f.require("attention.head_count"))
+    hidden = int(f.require("embedding_length"))
+    kv_heads = f.get("attention.head_count_kv", heads)
+    config = dict(
+        hidden_size=hidden,
+        num_hidden_layers=int(f.require("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads if not isinstance(kv_heads, list) else kv_heads[0]),
+        head_dim=int(f.get("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(f.get("context_length", 4096)),
+        rms_norm_eps=float(f.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        vocab_size=_vocab_size(f),
+        tie_word_embeddings="output.weight" not in f.tensors,
+        rope_parameters={"rope_type": "default", "rope_theta": float(f.get("rope.freq_base", 10000.0))},
+        dtype="float32",
+    )
+    if (intermediate := f.get("feed_forward_length")) is not None:
+        config["intermediate_size"] = int(intermediate)
+    for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
+        value = f.metadata.get(f"tokenizer.ggml.{gguf_key}")
+        config[key] = int(value) if value is not None else None
+    return config
+
+
+def _vocab_size(f: GGUFFile) -> int:
+    if "token_embd.weight" in f.tensors:
+        return int(f.tensors["token_embd.weight"].shape[1])  # ne = [hidden, vocab]
+    if (size := f.get("vocab_size")) is not None:
+        return int(size)
+    tokens = f.metadata.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ModelError(f"{f.path}: cannot tell the vocabulary size (no token_embd.weight, no tokenizer)")
+    return len(tokens)
+
+
+def _experts(f: GGUFFile, count_key: str) -> dict:
+    return {count_key: int(f.require("expert_count")), "num_experts_per_tok": int(f.require("expert_used_count"))}
+
+
+def _qwen2moe(f: GGUFFile) -> dict:
+    return dict(_experts(f, "num_experts"), model_type="qwen2_moe",
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                shared_expert_intermediate_size=int(f.get("expert_shared_feed_forward_length", 0)),
+                norm_topk_prob=False, qkv_bias="blk.0.attn_q.bias" in f.tensors)
+
+
+def _qwen3moe(f: GGUFFile) -> dict:
+    return dict(_experts(f, "num_experts"), model_type="qwen3_moe",
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                norm_topk_prob=True, attention_bias="blk.0.attn_q.bias" in f.tensors)
+
+
+def _olmoe(f: GGUFFile) -> dict:
+    return dict(_experts(f, "num_experts"), model_type="olmoe", intermediate_size=int(
+        f.get("expert_feed_forward_length", f.get("feed_forward_length"))), norm_topk_prob=False)
+
+
+def _llama(f: GGUFFile) -> dict:
+    if f.get("expert_count") in (None, 0):
+        raise ModelError(f"{f.path}: a llama model without experts (not a MoE): nothing to swarm")
+    return dict(_experts(f, "num_local_experts"), model_type="mixtral",
+                head_dim=int(f.get("rope.dimension_count", f.require("embedding_length") // f.require("attention.head_count"))))
+
+
+def _deepseek2(f: GGUFFile) -> dict:
+    # deepseek_v3 (V3, R1, Kimi-K2, Moonlight) has a router bias; V2 does not.
+    v3 = any(name.endswith("exp_probs_b.bias") for name in f.tensors)
+    heads = int(f.require("attention.head_count"))
+    rope_dim = int(f.require("rope.dimension_count"))
+    k_mla = f.get("attention.key_length_mla")
+    config = dict(_experts(f, "n_routed_experts"), model_type="deepseek_v3" if v3 else "deepseek_v2",
+                  moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                  n_shared_experts=int(f.get("expert_shared_count", 0)),
+                  first_k_dense_replace=int(f.get("leading_dense_block_count", 0)),
+                  routed_scaling_factor=float(f.get("expert_weights_scale", 1.0)),
+                  norm_topk_prob=bool(f.get("expert_weights_norm", False)),
+                  kv_lora_rank=int(f.require("attention.kv_lora_rank")),
+                  q_lora_rank=int(f.get("attention.q_lora_rank")) if f.get("attention.q_lora_rank") else None,
+                  qk_rope_head_dim=rope_dim,
+                  qk_nope_head_dim=int(k_mla) - rope_dim if k_mla else int(f.require("attention.key_length")) - rope_dim,
+                  v_head_dim=int(f.get("attention.value_length_mla", f.get("attention.value_length"))),
+                  num_key_value_heads=heads, n_group=int(f.get("expert_group_count", 1)),
+                  topk_group=int(f.get("expert_group_used_count", 1)), head_dim=rope_dim)
+    return config
+
+
+def _glm4moe(f: GGUFFile) -> dict:
+    rope_dim = int(f.get("rope.dimension_count", 0))
+    head_dim = int(f.get("attention.key_length"))
+    return dict(_experts(f, "n_routed_experts"), model_type="glm4_moe",
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                n_shared_experts=int(f.get("expert_shared_count", 0)),
+                first_k_dense_replace=int(f.get("leading_dense_block_count", 0)),
+                routed_scaling_factor=float(f.get("expert_weights_scale", 1.0)),
+                norm_topk_prob=bool(f.get("expert_weights_norm", False)),
+                n_group=int(f.get("expert_group_count", 1)), topk_group=int(f.get("expert_group_used_count", 1)),
+                use_qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+                attention_bias="blk.0.attn_q.bias" in f.tensors,
+                partial_rotary_factor=rope_dim / head_dim if rope_dim else 0.5)
+
+
+def _gpt_oss(f: GGUFFile) -> dict:
+    return dict(_experts(f, "num_local_experts"), model_type="gpt_oss",
+                intermediate_size=int(f.require("expert_feed_forward_length")),
+                sliding_window=int(f.get("attention.sliding_window", 128)), attention_bias=True)
+
+
+ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
+    "qwen2moe": _qwen2moe,
+    "qwen3moe": _qwen3moe,
+    "olmoe": _olmoe,
+    "llama": _llama,  # Mixtral is llama with experts in GGUF
+    "deepseek2": _deepseek2,
+    "glm4moe": _glm4moe,
+    "gpt-oss": _gpt_oss,
+}
+
+
+def config_from_gguf(f: GGUFFile) -> PretrainedConfig:
+    arch = f.arch
+    if arch not in ARCHITECTURES:
+        raise ModelError(f"{f.path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    values = {**_common(f), **ARCHITECTURES[arch](f)}
+    model_type = values.pop("model_type")
+    rope = values.pop("rope_parameters")
+    if "partial_rotary_factor" in values:
+        rope["partial_rotary_factor"] = values.pop("partial_rotary_factor")
+    scaling = f.get("rope.scaling.type")
+    if scaling == "yarn":
+        rope.update(rope_type="yarn", factor=float(f.get("rope.scaling.factor", 1.0)),
+                    original_max_position_embeddings=int(f.get("rope.scaling.original_context_length", 4096)))
+    try:
+        return AutoConfig.for_model(model_type, rope_parameters=rope, **values)
+    except Exception as error:
+        raise ModelError(f"{f.path}: cannot build a {model_type} config from the GGUF metadata: {error}") from None

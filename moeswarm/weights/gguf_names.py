@@ -1,0 +1,120 @@
+"""GGUF tensor names <-> transformers parameter names, and the per-architecture quirks.
+
+gguf-py's `TensorNameMap` knows the Hugging Face names of every GGUF tensor (it is what
+llama.cpp's converter uses), so the plain mapping is a lookup. What the converter changes on the
+way is undone here, one small table entry each (read from llama.cpp's convert_hf_to_gguf.py):
+
+- llama (Mixtral): q_proj and k_proj rows are permuted for llama.cpp's RoPE ("undo_permute").
+- deepseek2: kv_b_proj is split into attn_k_b (transposed per head) and attn_v_b.
+- deepseek2 / glm4moe: the router's e_score_correction_bias is `exp_probs_b.bias`.
+- gpt-oss: attention sinks get a `.weight` suffix; experts are stored transposed, with gate and up
+  de-interleaved (transformers keeps them interleaved: gate = [..., ::2], up = [..., 1::2]).
+- every family: the fused experts `gate_up_proj` [E, 2I, H] is ffn_gate_exps then ffn_up_exps.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import gguf
+import torch
+
+from moeswarm.errors import ModelError
+from moeswarm.weights.gguf_file import GGUFFile
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ArchQuirks:
+    permute_qk: bool = False  # llama.cpp permuted q/k rows for its rotary layout
+    experts: str = "gate_up"  # "gate_up": [E, 2I, H] = cat(gate, up); "gpt_oss": [E, H, 2I] interleaved
+
+
+QUIRKS: dict[str, ArchQuirks] = {
+    "qwen2moe": ArchQuirks(),
+    "qwen3moe": ArchQuirks(),
+    "olmoe": ArchQuirks(),
+    "llama": ArchQuirks(permute_qk=True),
+    "deepseek2": ArchQuirks(),
+    "glm4moe": ArchQuirks(),
+    "gpt-oss": ArchQuirks(experts="gpt_oss"),
+}
+
+Loader = Callable[[], torch.Tensor]  # reads and dequantizes on call
+
+
+class NameMapper:
+    """Where each non-expert transformers parameter comes from in a GGUF file."""
+
+    def __init__(self, f: GGUFFile, config, read: Callable[[str], torch.Tensor]):
+        arch_ids = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+        if f.arch not in arch_ids or f.arch not in QUIRKS:
+            raise ModelError(f"{f.path}: unsupported GGUF architecture {f.arch!r}")
+        self.file, self.config, self.read = f, config, read
+        self.quirks = QUIRKS[f.arch]
+        self.names = gguf.get_tensor_name_map(arch_ids[f.arch], config.num_hidden_layers + 8)
+
+    def source(self, hf_name: str) -> Loader | None:
+        """A loader for `hf_name`'s tensor, or None when the file has no such tensor."""
+        layer = _LAYER.search(hf_name)
+        if hf_name.endswith("mlp.gate.e_score_correction_bias") and layer:
+            return self._plain(f"blk.{layer.group(1)}.exp_probs_b.bias")
+        if hf_name.endswith("self_attn.kv_b_proj.weight") and layer and f"blk.{layer.group(1)}.attn_k_b.weight" in self.file.tensors:
+            return lambda: self._merge_kv_b(layer.group(1))
+        name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            return None
+        for candidate in (name, f"{name}.weight"):  # gpt-oss sinks carry a .weight suffix
+            if candidate in self.file.tensors:
+                if self.quirks.permute_qk and re.search(r"\.attn_[qk]\.(weight|bias)$", candidate):
+                    return lambda c=candidate: self._unpermute(c)
+                return self._plain(candidate)
+        return None
+
+    def _plain(self, name: str) -> Loader | None:
+        return (lambda: self.read(name)) if name in self.file.tensors else None
+
+    def _unpermute(self, name: str) -> torch.Tensor:
+        """Invert llama.cpp's LlamaModel.permute: (h, 2, d/2, ...) -> (h, d/2, 2, ...) rows."""
+        tensor = self.read(name)
+        heads = self.config.num_attention_heads if ".attn_q." in name else self.config.num_key_value_heads
+        shape = tensor.shape
+        return tensor.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+    def _merge_kv_b(self, layer: str) -> torch.Tensor:
+        """kv_b_proj [H*(nope+v), L] from attn_k_b [H, L, nope] and attn_v_b [H, v, L]."""
+        k_b = self.read(f"blk.{layer}.attn_k_b.weight")  # [H, L, nope]
+        v_b = self.read(f"blk.{layer}.attn_v_b.weight")  # [H, v, L]
+        kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [H, nope+v, L]
+        return kv.reshape(-1, kv.shape[-1]).contiguous()
+
+
+def expert_tensor_names(layer: int) -> dict[str, str]:
+    """{role: GGUF name} of one layer's stacked routed-expert tensors (biases only in gpt-oss)."""
+    return {
+        f"{role}{kind}": f"blk.{layer}.ffn_{role}_exps.{'weight' if kind == '' else 'bias'}"
+        for role in ("gate", "up", "down") for kind in ("", "_bias")
+    }
+
+
+def fuse_experts(quirks: ArchQuirks, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused expert parameters from the dequantized GGUF parts.
+
+    parts: gate, up [n, I, H]; down [n, H, I]; optional gate_bias, up_bias [n, I], down_bias [n, H].
+    """
+    gate, up, down = parts["gate"], parts["up"], parts["down"]
+    if quirks.experts == "gate_up":
+        return {"gate_up_proj": torch.cat([gate, up], dim=1), "down_proj": down}  # [n, 2I, H], [n, H, I]
+    n, inner, hidden = gate.shape
+    gate_up = torch.empty(n, hidden, 2 * inner)  # [n, H, 2I], gate and up interleaved
+    gate_up[..., 0::2], gate_up[..., 1::2] = gate.transpose(1, 2), up.transpose(1, 2)
+    fused = {"gate_up_proj": gate_up, "down_proj": down.transpose(1, 2).contiguous()}  # down [n, I, H]
+    if "gate_bias" in parts:
+        bias = torch.empty(n, 2 * inner)
+        bias[:, 0::2], bias[:, 1::2] = parts["gate_bias"], parts["up_bias"]
+        fused["gate_up_proj_bias"] = bias
+        fused["down_proj_bias"] = parts["down_bias"]
+    return fused

@@ -1,0 +1,1 @@
+"""Helpers shared by the pymoe training, conversion and evaluation scripts."""

@@ -1,0 +1,79 @@
+"""Bad GGUF input: each case a ModelError naming the file and what is wrong (no llama.cpp needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from moeswarm.errors import ModelError
+from moeswarm.model.loading import load_backbone, load_expert_slice
+from moeswarm.weights.gguf_slice import write_slice
+
+HIDDEN, EXPERTS, FF = 32, 4, 32
+
+
+def _write(path, arch="qwen2moe", embedding_type=None) -> str:
+    """A minimal one-layer qwen2moe-shaped GGUF written with gguf-py (random F32 weights)."""
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), arch)
+    for key, value in {"block_count": 1, "embedding_length": HIDDEN, "feed_forward_length": FF, "attention.head_count": 4,
+                       "attention.head_count_kv": 2, "expert_count": EXPERTS, "expert_used_count": 2,
+                       "expert_feed_forward_length": FF, "context_length": 64}.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    embedding = rng.standard_normal((50, HIDDEN)).astype(np.float32)
+    if embedding_type is not None:
+        writer.add_tensor("token_embd.weight", embedding.astype(np.int32), raw_dtype=embedding_type)
+    else:
+        writer.add_tensor("token_embd.weight", embedding)
+    for role, shape in (("gate", (EXPERTS, FF, HIDDEN)), ("up", (EXPERTS, FF, HIDDEN)), ("down", (EXPERTS, HIDDEN, FF))):
+        writer.add_tensor(f"blk.0.ffn_{role}_exps.weight", rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_text("{}\n")
+    with pytest.raises(ModelError, match=r"model\.gguf: not a GGUF file"):
+        load_backbone(str(path))
+
+
+def test_truncated_file(tmp_path):
+    full = _write(tmp_path / "full.gguf")
+    cut = tmp_path / "cut.gguf"
+    data = open(full, "rb").read()
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelError, match=r"cut\.gguf: truncated"):
+        load_expert_slice(str(cut), None, (0, 1))
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(data[:40])
+    with pytest.raises(ModelError, match=r"header\.gguf: truncated or corrupt GGUF file"):
+        load_backbone(str(header_only))
+
+
+def test_unsupported_architecture(tmp_path):
+    path = _write(tmp_path / "bert.gguf", arch="bert")
+    with pytest.raises(ModelError, match=r"bert\.gguf: unsupported GGUF architecture 'bert'"):
+        load_backbone(path)
+
+
+def test_unsupported_quantization_type(tmp_path):
+    path = _write(tmp_path / "int.gguf", embedding_type=GGMLQuantizationType.I32)
+    with pytest.raises(ModelError, match=r"int\.gguf: tensor token_embd\.weight has quantization type I32"):
+        load_backbone(path)
+
+
+def test_slice_lacking_requested_experts(tmp_path):
+    full = _write(tmp_path / "full.gguf")
+    part = tmp_path / "part.gguf"
+    write_slice(full, part, (2, 3))
+    slices, checkpoint, num_experts = load_expert_slice(str(part), None, (2, 3))
+    assert num_experts == EXPERTS and checkpoint.fingerprint == load_expert_slice(full, None, (2, 3))[1].fingerprint
+    with pytest.raises(ModelError, match=r"part\.gguf: this slice file holds experts 2-3, not the requested experts 0-1"):
+        load_expert_slice(str(part), None, (0, 3))
+    with pytest.raises(ModelError, match=r"part\.gguf: the GGUF file lacks backbone tensors"):
+        load_backbone(str(part))

@@ -1,0 +1,61 @@
+"""Partial sums and lossy codecs over real workers: close to exact, and cheaper on the wire."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moeswarm.generation.stepper import Stepper
+from moeswarm.model.loading import load_local
+from moeswarm.swarm import connect_swarm
+
+PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5, 77, 120, 33]
+
+
+@pytest.mark.parametrize(
+    "mode, dispatch, combine, min_cosine",
+    [("partial", None, None, 0.99999), ("partial", "bf16", "bf16", 0.999), ("partial", "int8-b64", "int8-b64", 0.999),
+     ("exact", "fp8-b128", "f16", 0.99)],
+)
+def test_reduced_wire_stays_close(qwen2_moe, qwen2_workers, mode, dispatch, combine, min_cosine):
+    local = Stepper(load_local(qwen2_moe)).forward(PROMPT)
+    swarm = connect_swarm(qwen2_moe, qwen2_workers, mode=mode, wire_dispatch=dispatch, wire_combine=combine)
+    try:
+        remote = Stepper(swarm.model).forward(PROMPT)
+        summary = swarm.dispatcher.accounting.summary()
+    finally:
+        swarm.close()
+    cosine = torch.nn.functional.cosine_similarity(remote, local, dim=-1)
+    assert cosine.min() > min_cosine, cosine
+    assert summary["bytes_in"] > 0
+
+
+def test_partial_sends_fewer_bytes_back_than_exact(qwen2_moe, qwen2_workers):
+    inbound = {}
+    for mode in ("exact", "partial"):
+        swarm = connect_swarm(qwen2_moe, qwen2_workers, mode=mode)
+        try:
+            Stepper(swarm.model).forward(PROMPT)
+            inbound[mode] = swarm.dispatcher.accounting.summary()["bytes_in"]
+        finally:
+            swarm.close()
+    assert inbound["partial"] < inbound["exact"]
+
+
+def test_gate_command_passes_lossless_and_fails_impossible_threshold(qwen2_moe, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"text": t}) for t in ["def f(x):\n    return x", "import os\nprint(1)"]))
+    base = [sys.executable, "-m", "moeswarm.cli", "gate", "--model", qwen2_moe, "--prompts", str(prompts), "--json"]
+    done = subprocess.run(base + ["--combine", "partial"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["passed"] and report["argmax_agreement"] == 1.0 and report["cosine_mean"] > 0.9999
+    assert report["positions"] == len("def f(x):\n    return x") + len("import os\nprint(1)")
+    strict = subprocess.run(base + ["--wire-dispatch", "fp8-b128", "--min-cosine", "1.01"], capture_output=True, text=True, timeout=300)
+    assert strict.returncode == 1 and json.loads(strict.stdout)["passed"] is False
+    bad = subprocess.run(base + ["--wire-combine", "int3"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--wire-combine: unknown codec 'int3'" in bad.stderr
