@@ -36,3 +36,23 @@ def test_remote_equals_local(family, tiny_models):
             swarm.close()
     assert set(summary["worker_rtt_ms_mean"]) == set(addresses), "both workers must have served experts"
     assert summary["layer_calls"] == (1 + DECODE_STEPS) * len(swarm.moe_layers)
+
+
+def test_odd_sizes_and_uneven_split(tmp_path):
+    """Experts whose byte size is not a multiple of 64, split 3 + 5: worker buffers must mirror the
+    address alignment a local model gives each expert, or single-row matmuls differ in low bits."""
+    from moeswarm.model.tiny import make_tiny_model
+
+    path = str(make_tiny_model("qwen3_moe", tmp_path / "odd", hidden_size=33, moe_intermediate_size=7))
+    local = Stepper(load_local(path))
+    with local_workers(path, [(0, 2), (3, 7)]) as addresses:
+        swarm = connect_swarm(path, addresses)
+        try:
+            remote = Stepper(swarm.model)
+            feed = list(range(3, 30))
+            for step in range(1 + DECODE_STEPS):
+                remote_logits, local_logits = remote.forward(feed), local.forward(feed)
+                assert torch.equal(remote_logits, local_logits), f"logits differ at step {step}"
+                feed = [int(remote_logits[-1].argmax())]
+        finally:
+            swarm.close()

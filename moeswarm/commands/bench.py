@@ -21,10 +21,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wire = sub.add_parser("bytes", help="bytes per token per MoE layer on the wire")
     wire.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     wire.add_argument("--json", action="store_true")
+    wan = sub.add_parser("wan", help="decode steps/s with workers behind emulated WAN links (docs/bench.md)")
+    wan.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    wan.add_argument("--quick", action="store_true", help="a reduced run, for smoke tests")
+    wan.add_argument("--json", action="store_true", help="print {meta, rows} as JSON: every measured row")
+    wan.add_argument("--out-json", metavar="FILE", default=None, help="also write {meta, rows} to FILE")
+    wan.add_argument("--report", action="store_true", help="write docs/bench.md and its plots under docs/bench/")
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from moeswarm.bundled import demo_model
+
+    # Backbone and workers share this machine's cores: one thread each, or idle OpenMP threads
+    # spinning in one process steal the others' time and the figures measure contention.
+    torch.set_num_threads(1)
 
     if args.bench == "loopback":
         from moeswarm.bench.loopback import run_loopback
@@ -51,7 +63,26 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(rows))
         else:
             _table(rows)
+    elif args.bench == "wan":
+        _run_wan(args, args.model or str(demo_model()))
     return 0
+
+
+def _run_wan(args: argparse.Namespace, model: str) -> None:
+    from moeswarm.bench.report import print_tables, write_report
+    from moeswarm.bench.wan_scenarios import run_wan
+
+    result = run_wan(model, quick=args.quick)
+    flags = [f"--model {args.model}" if args.model else "", "--quick" if args.quick else "", "--report" if args.report else ""]
+    result["meta"]["command"] = " ".join(["moeswarm bench wan", *filter(None, flags)])
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(result, indent=1) + "\n")
+    if args.report:
+        write_report(result)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_tables(result)
 
 
 def _print(result: dict, as_json: bool) -> None:

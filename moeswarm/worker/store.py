@@ -19,6 +19,8 @@ from moeswarm.wire.messages import Dispatch, Result
 
 class ExpertStore:
     def __init__(self, slices: dict[LayerId, ExpertSlice], num_experts: int, hidden_size: int):
+        for hosted in slices.values():
+            mirror_alignment(hosted.module, hosted.low)
         self.slices = slices
         self.num_experts = num_experts
         self.hidden_size = hidden_size
@@ -81,6 +83,28 @@ class ExpertStore:
                 f"(it holds experts {hosted.low}-{hosted.high})"
             )
         return hosted
+
+
+def mirror_alignment(module: torch.nn.Module, first_expert: int, quantum_bytes: int = 64) -> None:
+    """Place each hosted expert's weights at the same address alignment as in a full local model.
+
+    CPU matmul kernels take different paths (and give different low-order bits) depending on how
+    an operand's address sits against the 64-byte vector width. In a local model, expert e of a
+    stacked [E, ...] parameter starts e * expert_bytes past a 64-byte-aligned base; a worker
+    holding experts from `first_expert` on would start its expert 0 at a different residue unless
+    its buffer is shifted to match.
+    """
+    for name, param in list(module.named_parameters(recurse=False)):
+        itemsize = param.element_size()
+        expert_bytes = param[0].numel() * itemsize
+        if expert_bytes % quantum_bytes == 0 or quantum_bytes % itemsize:
+            continue  # every expert already starts at the same residue
+        buffer = torch.empty(param.numel() + quantum_bytes // itemsize, dtype=param.dtype)
+        want = (first_expert * expert_bytes) % quantum_bytes
+        shift = ((want - buffer.data_ptr()) % quantum_bytes) // itemsize
+        view = buffer[shift : shift + param.numel()].view(param.shape)
+        view.copy_(param.detach())
+        setattr(module, name, torch.nn.Parameter(view, requires_grad=False))
 
 
 def _span(values: list[int]) -> str:
