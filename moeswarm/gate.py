@@ -56,31 +56,42 @@ def load_prompts(path: str | Path) -> list[str]:
 
 
 def run_gate(model: str, prompts: list[str], config: GateConfig, workers: int = 2) -> dict:
+    return run_gates(model, prompts, [config], workers)[0]
+
+
+def run_gates(model: str, prompts: list[str], configs: list[GateConfig], workers: int = 2) -> list[dict]:
+    """Gate several wire configurations with one set of workers and one local reference pass."""
     local = load_local(model)
     codec = load_text_codec(model, local.config.vocab_size)
-    token_lists = [codec.encode(p)[:MAX_PROMPT_TOKENS] for p in prompts]
-    token_lists = [t for t in token_lists if t]
-    cosines, agree = [], []
+    token_lists = [t for t in (codec.encode(p)[:MAX_PROMPT_TOKENS] for p in prompts) if t]
+    references = [Stepper(local).forward(tokens) for tokens in token_lists]  # [T, V] each
+    reports = []
     with local_workers(model, split_experts(num_experts_of(local), workers)) as addresses:
-        swarm = connect_swarm(model, addresses, mode=config.mode, wire_dispatch=config.wire_dispatch,
-                              wire_combine=config.wire_combine)
+        swarm = connect_swarm(model, addresses)
         try:
-            for tokens in token_lists:
-                remote_logits = Stepper(swarm.model).forward(tokens)  # [T, V]
-                local_logits = Stepper(local).forward(tokens)  # [T, V]
-                cosines.append(torch.nn.functional.cosine_similarity(remote_logits, local_logits, dim=-1))
-                agree.append(remote_logits.argmax(-1) == local_logits.argmax(-1))
-            accounting = swarm.dispatcher.accounting.summary()
+            for config in configs:
+                swarm.dispatcher.configure(config.mode, config.wire_dispatch, config.wire_combine)
+                swarm.dispatcher.accounting.reset()
+                cosines, agree = [], []
+                for tokens, local_logits in zip(token_lists, references):
+                    remote_logits = Stepper(swarm.model).forward(tokens)  # [T, V]
+                    cosines.append(torch.nn.functional.cosine_similarity(remote_logits, local_logits, dim=-1))
+                    agree.append(remote_logits.argmax(-1) == local_logits.argmax(-1))
+                reports.append(_report(model, config, torch.cat(cosines), torch.cat(agree), len(token_lists),
+                                       swarm.dispatcher.accounting.summary()))
         finally:
             swarm.close()
-    cos, hits = torch.cat(cosines), torch.cat(agree)
+    return reports
+
+
+def _report(model: str, config: GateConfig, cos: torch.Tensor, hits: torch.Tensor, prompts: int, accounting: dict) -> dict:
     argmax_agreement, cosine_mean = float(hits.float().mean()), float(cos.mean())
     return {
         "model": model,
         **asdict(config),
         "wire_dispatch": config.wire_dispatch or "lossless",
         "wire_combine": config.wire_combine or "lossless",
-        "prompts": len(token_lists),
+        "prompts": prompts,
         "positions": int(hits.numel()),
         "argmax_agreement": argmax_agreement,
         "cosine_min": float(cos.min()),

@@ -15,8 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 HF = ROOT / "models" / "pymoe" / "hf"
 HELDOUT = ROOT / "models" / "pymoe" / "heldout.txt"
 EOT = "<|endoftext|>"
-# Measured loss on these two windows (see the PR note / model card) plus a margin.
-LOSS_BOUND = None  # filled in below after measurement
+# Loss on these two windows measured 4.777 nats/token for the shipped model (random init: ~8.3,
+# ln(4096)); the bound leaves room for kernel/version noise, not for a broken model.
+LOSS_BOUND = 5.5
 
 pytestmark = pytest.mark.skipif(not (HF / "model.safetensors").exists(), reason="pymoe artifacts not present")
 

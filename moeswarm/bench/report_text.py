@@ -25,8 +25,8 @@ def findings(result: dict) -> list[str]:
     out.append(
         f"**Latency dominates: {'holds' if holds else 'does not hold'}.** Going from 1 ms to 100 ms RTT (exact f32, "
         f"1 gbit/s) takes decoding from {fast['steps_per_s']:.3g} to {slow['steps_per_s']:.3g} steps/s "
-        f"({fast['steps_per_s'] / slow['steps_per_s']:.3g}x slower; Petals: 1.24 -> 0.57, 2.2x, on a model whose compute is "
-        f"far larger than this one's). At 100 ms a step takes {1e3 * slow['step_s']:.0f} ms against "
+        f"({fast['steps_per_s'] / slow['steps_per_s']:.3g}x slower; Petals measured 1.24 -> 0.57, 2.2x, with far more "
+        f"compute per step than this small model has). At 100 ms a step takes {1e3 * slow['step_s']:.0f} ms against "
         f"{slow['round_trips_ms']:.0f} ms of round trips ({layers} MoE layers x 100 ms): {slow['overhead_ratio']:.3f}x the "
         f"floor, so steps/s is within {100 * (slow['overhead_ratio'] - 1):.0f}% of 1 / (MoE layers x RTT). Local, with no "
         f"network, runs {local['steps_per_s']:.3g} steps/s.")
@@ -97,17 +97,20 @@ def render(result: dict, tables: dict[str, str]) -> str:
         f"- **Machine**: {meta['cpu_count']} CPU cores ({meta['cpu']}, {meta['platform']}), shared with other jobs "
         f"(load average {meta['load_average_before']} before, {meta['load_average_after']} after the run); Python "
         f"{meta['python']}, torch {meta['torch']} (CPU, 1 thread per process), transformers {meta['transformers']}. "
-        f"Run on {meta['date']}, {meta['seconds']:.0f} s. Timings on a shared 2-core machine are noisy: read "
+        f"Run on {meta['date']}, {meta['seconds']:.0f} s. Timings on a shared {meta['cpu_count']}-core machine are noisy: read "
         f"differences of a few percent as noise.",
-        f"- **Links are emulated**, not real: every worker sits behind its own moeswarm userspace WAN proxy "
-        f"(`moeswarm/wan/`, docs/wan.md), one link per worker with its own bandwidth cap per direction, no jitter, "
-        f"no loss. The proxies run in one asyncio thread of the backbone's process (`moeswarm/bench/wan_links.py`). "
-        f"The \"<5 ms\" rows are the proxy at **1 ms** RTT; `direct` rows connect to the workers on loopback with no proxy.",
+        "- **Links are emulated**, not real: every worker sits behind its own moeswarm userspace WAN proxy "
+        "(`moeswarm/wan/`, docs/wan.md), one link per worker with its own bandwidth cap per direction, no jitter, "
+        "no loss. The proxies run in one asyncio thread of the backbone's process (`moeswarm/bench/wan_links.py`). "
+        "The \"<5 ms\" rows are the proxy at **1 ms** RTT; `direct` rows connect to the workers on loopback with no proxy.",
         f"- **Workers**: {meta['workers']} `moeswarm worker` processes on this machine, experts split evenly; star "
         f"fan-out unless a row says chain. A step is one forward after a prefill of {meta['prompts']['non_repetitive']} "
         f"tokens; step time is the median over {meta['steps_per_config']} steps x {meta['repeats']} repeat(s), the "
         f"configurations interleaved. Wires: `exact-f32` (per-expert outputs, lossless, bit-identical to local) and "
         f"`wan-int8` (`moeswarm.wire.defaults.WAN`: partial sums, int8 blockwise both ways).",
+        "- **Flags**: `--quick` (the smoke test's form) runs 3 steps x 1 repeat per configuration, 8-token forwards "
+        "for star/chain and 8 new tokens for speculation; the full run 8 steps x 2 repeats, 16-token forwards and 24 "
+        "new tokens. `--out-json FILE` saves the rows; `--model DIR` picks another model.",
         "",
         "## Findings",
         "",

@@ -36,7 +36,7 @@ from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.swarm import Swarm, connect_swarm
 from moeswarm.wan import LinkProfile
-from moeswarm.wire.defaults import EXACT, WAN, WireConfig
+from moeswarm.wire.defaults import EXACT, WAN
 
 WORKERS = 4
 WIRES = {"exact-f32": EXACT, "wan-int8": WAN}
@@ -160,17 +160,16 @@ def speculation(swarm: Swarm, links, prompts: dict[str, list[int]], new_tokens: 
             calls = swarm.dispatcher.accounting.calls[len(swarm.moe_layers):]
             results[speculate] = result
             plain = results[0]
-            step_s = decode_s / result.steps
-            plain_step_s = (plain.seconds - plain.prefill_seconds) / plain.steps
+            step_s, tokens_per_step = decode_s / result.steps, (len(result.tokens) - 1) / result.steps
+            plain_step_s = (plain.seconds - plain.prefill_seconds) / plain.steps  # plain: 1 token per step
             rows.append({**base, "prompt": kind, "prompt_tokens": len(prompt), "speculate": speculate,
                          "new_tokens": len(result.tokens), "steps": result.steps, "drafted": result.drafted,
-                         "accepted": result.accepted, "tokens_per_step": (len(result.tokens) - 1) / result.steps,
+                         "accepted": result.accepted, "tokens_per_step": tokens_per_step,
                          "step_s": step_s, "steps_per_s": 1 / step_s,
                          "decode_tokens_per_s": (len(result.tokens) - 1) / decode_s, "tokens_per_s": result.tokens_per_s,
                          "tokens_match_plain": result.tokens == plain.tokens,
                          "break_even_tokens_per_step": step_s / plain_step_s,
-                         "speedup_vs_plain": plain_step_s * (len(result.tokens) - 1) / result.steps / step_s
-                         if speculate else 1.0,
+                         "speedup_vs_plain": tokens_per_step * plain_step_s / step_s,  # time per token, plain / this
                          "remote_layers_per_step": sum(1 for c in calls if c.round_trips > 0) / result.steps})
     return rows
 

@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-argmax", type=float, default=0.99, help="minimum top-1 agreement (default 0.99)")
     parser.add_argument("--min-cosine", type=float, default=0.998, help="minimum mean logit cosine (default 0.998)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--matrix", action="store_true",
+                        help="gate every combine mode x codec pair (same codec both ways) and print them all")
     parser.add_argument("--json", action="store_true")
 
 
@@ -27,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moeswarm.bundled import PROMPTS, demo_model
     from moeswarm.errors import MoeSwarmError
-    from moeswarm.gate import GateConfig, load_prompts, run_gate
+    from moeswarm.gate import GateConfig, load_prompts, run_gate, run_gates
     from moeswarm.wire.codecs import FLOAT_CODECS
 
     for flag, codec in (("--wire-dispatch", args.wire_dispatch), ("--wire-combine", args.wire_combine)):
@@ -36,14 +38,31 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     model = args.reference if args.reference != "local" else (args.model or str(demo_model()))
     prompts = load_prompts(args.prompts or PROMPTS)
+    if args.matrix:
+        configs = [GateConfig(mode, codec, codec, args.min_argmax, args.min_cosine)
+                   for mode in COMBINE_MODES for codec in FLOAT_CODECS]
+        reports = run_gates(model, prompts, configs, args.workers)
+        for report in reports:
+            report["reference"] = args.reference
+        if args.json:
+            print(json.dumps(reports))
+        else:
+            for report in reports:
+                print(_line(report))
+        return 0
     config = GateConfig(args.combine, args.wire_dispatch, args.wire_combine, args.min_argmax, args.min_cosine)
     report = run_gate(model, prompts, config, args.workers)
     report["reference"] = args.reference
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"gate {report['mode']} dispatch={report['wire_dispatch']} combine={report['wire_combine']} "
-              f"on {report['model']}: argmax agreement {report['argmax_agreement']:.4f}, cosine min "
-              f"{report['cosine_min']:.5f} mean {report['cosine_mean']:.6f} over {report['positions']} positions: "
-              + ("PASSED" if report["passed"] else "FAILED"))
+        print(_line(report))
     return 0 if report["passed"] else 1
+
+
+def _line(report: dict) -> str:
+    return (f"gate {report['mode']:<7} dispatch={report['wire_dispatch']:<9} combine={report['wire_combine']:<9} "
+            f"argmax {report['argmax_agreement']:.4f} cosine min {report['cosine_min']:.5f} "
+            f"mean {report['cosine_mean']:.6f} ({report['positions']} positions, "
+            f"{report['bytes_out_per_token_layer']:.0f}+{report['bytes_in_per_token_layer']:.0f} B/token/layer): "
+            + ("PASSED" if report["passed"] else "FAILED"))

@@ -43,7 +43,7 @@ _PER_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
 
 def empty_model(checkpoint: Checkpoint) -> PreTrainedModel:
     """The model's modules with parameters on the meta device and real buffers (rotary inv_freq)."""
-    hf_logging.set_verbosity_error()
+    _quiet()
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(checkpoint.config, experts_implementation="eager")
     model.eval()
@@ -57,7 +57,7 @@ def load_local(path) -> PreTrainedModel:
 
         return gguf_model.load_local(path)
     checkpoint = Checkpoint.open(path)
-    hf_logging.set_verbosity_error()
+    _quiet()
     model = AutoModelForCausalLM.from_pretrained(checkpoint.path, experts_implementation="eager")
     return model.eval()
 
@@ -161,6 +161,12 @@ def _load(model: PreTrainedModel, checkpoint: Checkpoint, keep, select=None) -> 
             f"{checkpoint.path}: tensors do not fit the model: "
             f"{sorted(info.mismatched_keys)[:5] or list(info.conversion_errors.items())[:3]}"
         )
+
+
+def _quiet() -> None:
+    """No per-tensor progress bars or warnings from transformers: moeswarm prints its own lines."""
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def _shrink_to(module: torch.nn.Module, num_experts: int) -> None:
