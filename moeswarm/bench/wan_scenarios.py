@@ -94,8 +94,8 @@ def petals(local_model, swarms: dict[str, Swarm], links, prompt: list[int], step
     configs += [("wan", r, b, w) for r in PETALS_RTT_S for b in PETALS_BANDWIDTH_BPS for w in WIRES]
     times: dict[int, list[float]] = {i: [] for i in range(len(configs))}
     last: dict[int, dict] = {}
-    for _ in range(repeats):  # configurations interleaved, so machine noise hits them alike
-        for i, (link, rtt_s, bandwidth_bps, wire) in enumerate(configs):
+    for repeat in range(repeats):  # interleaved, every other repeat reversed: drifting load hits all alike
+        for i, (link, rtt_s, bandwidth_bps, wire) in list(enumerate(configs))[:: 1 if repeat % 2 == 0 else -1]:
             if link == "local":
                 prefill_s, step_times = _forwards(Stepper(local_model), prompt, steps)
                 times[i] += step_times
@@ -199,7 +199,7 @@ def load_prompts(codec, max_tokens: int) -> dict[str, list[int]]:
 def run_wan(model: str, quick: bool = False) -> dict:
     """Run every scenario on `model`; returns {"meta": {...}, "rows": [...]}."""
     torch.set_num_threads(1)
-    steps, repeats, new_tokens, widths = (3, 1, 8, (1, 8)) if quick else (8, 2, 24, (1, 16))
+    steps, repeats, new_tokens, widths = (3, 1, 8, (1, 8)) if quick else (8, 3, 24, (1, 16))
     local_model = load_local(model)
     config = local_model.config
     codec = load_text_codec(model, config.vocab_size)

@@ -42,18 +42,16 @@ class ExpertStore:
         hosted = self._check(request)
         hidden, index, weights = request.hidden, request.top_k_index, request.top_k_weights  # [T, d], [T, k], [T, k]
         hit = torch.unique(index[index >= 0]).tolist()  # ascending, as eager visits them
-        blocks, counts = [], []
-        partial = torch.zeros_like(hidden) if request.mode == "partial" else None  # [T, d]
-        for expert in hit:
-            slot, token = torch.where(index.T == expert)  # [n_e] each, eager's order
-            local = torch.full((token.numel(), 1), expert - hosted.low, dtype=torch.long)  # [n_e, 1]
-            out = hosted.module(hidden[token], local, weights[token, slot].unsqueeze(1))  # [n_e, d] = w * E(x)
-            if partial is None:
-                blocks.append(out)
-            else:
-                partial.index_add_(0, token, out)
-            counts.append(token.numel())
-        outputs = partial if partial is not None else (torch.cat(blocks) if blocks else hidden.new_zeros(0, hidden.shape[1]))
+        slots, tokens = zip(*(torch.where(index.T == expert) for expert in hit))  # per expert: [n_e] each, eager's order
+        counts = [t.numel() for t in tokens]
+        rows = torch.cat(tokens)  # [S]: the (token, expert) pairs, grouped by expert
+        local = torch.repeat_interleave(torch.tensor(hit) - hosted.low, torch.tensor(counts)).unsqueeze(1)  # [S, 1]
+        pair_weights = torch.cat([weights[t, s] for t, s in zip(tokens, slots)]).unsqueeze(1)  # [S, 1]
+        # One call of the family's eager experts over all pairs: each expert sees exactly its rows in
+        # eager's order (the same matrices as a local run), and each output row is one pair's w * E(x).
+        outputs = hosted.module(hidden[rows], local, pair_weights)  # [S, d]
+        if request.mode == "partial":
+            outputs = torch.zeros_like(hidden).index_add_(0, rows, outputs)  # [T, d], experts added in ascending order
         return Result(request.layer, request.mode, outputs, hit, counts, request.wire_combine)
 
     def _check(self, request: Dispatch) -> ExpertSlice:
@@ -76,6 +74,8 @@ class ExpertStore:
         if (index < -1).any() or (chosen >= self.num_experts).any():
             bad = index[(index < -1) | (index >= self.num_experts)][0].item()
             raise ProtocolError(f"expert id {bad} out of range: the model has experts 0-{self.num_experts - 1}")
+        if chosen.numel() == 0:
+            raise ProtocolError("DISPATCH routes no token to any expert (every id is -1)")
         outside = chosen[(chosen < hosted.low) | (chosen > hosted.high)]
         if outside.numel():
             raise ProtocolError(
