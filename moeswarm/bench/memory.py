@@ -1,7 +1,9 @@
-"""Backbone memory: resident memory of a backbone load against a full local load.
+"""Memory: a backbone against a full local load, and a worker hosting a quarter of the experts
+against one hosting all of them.
 
-Each load runs in a fresh process (so allocations of one cannot hide in the other) on a generated
-model whose routed experts are about 90 % of its weights.
+Each load runs in a fresh process (so allocations of one cannot hide in the other). The backbone
+is measured on a generated model whose routed experts are about 90 % of its weights; workers on
+that model and on any other model or GGUF file given.
 """
 
 from __future__ import annotations
@@ -13,10 +15,16 @@ from pathlib import Path
 
 _PROBE = """
 import json, resource, sys, psutil, torch
-from moeswarm.model.loading import load_backbone, load_local
+from moeswarm.model.loading import load_backbone, load_expert_slice, load_local
 before = psutil.Process().memory_info().rss
-model = load_backbone(sys.argv[2])[0] if sys.argv[1] == "backbone" else load_local(sys.argv[2])
-real = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+kind, path = sys.argv[1], sys.argv[2]
+if kind.startswith("worker:"):
+    low, high = map(int, kind.split(":")[1].split("-"))
+    slices = load_expert_slice(path, None, (low, high))[0]
+    params = [p for hosted in slices.values() for p in hosted.module.parameters()]
+else:
+    params = list((load_backbone(path)[0] if kind == "backbone" else load_local(path)).parameters())
+real = sum(p.numel() * p.element_size() for p in params if not p.is_meta)
 print(json.dumps({"rss_before": before, "rss_after": psutil.Process().memory_info().rss,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "param_bytes": real}))
 """
@@ -35,11 +43,29 @@ def make_memory_model(out: Path) -> Path:
     return out
 
 
+def _probe(kind: str, path) -> dict:
+    done = subprocess.run([sys.executable, "-c", _PROBE, kind, str(path)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"memory probe {kind} on {path} failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_worker_memory(path, num_experts: int) -> dict:
+    """RSS growth of a worker hosting experts [0, E/4) against one hosting all E."""
+    quarter, everything = _probe(f"worker:0-{num_experts // 4 - 1}", path), _probe(f"worker:0-{num_experts - 1}", path)
+    return {
+        "model": str(path),
+        "quarter_experts_param_bytes": quarter["param_bytes"],
+        "all_experts_param_bytes": everything["param_bytes"],
+        "quarter_rss_growth": quarter["rss_after"] - quarter["rss_before"],
+        "all_rss_growth": everything["rss_after"] - everything["rss_before"],
+        "quarter_peak_rss": quarter["peak_rss"],
+        "all_peak_rss": everything["peak_rss"],
+    }
+
+
 def run_memory(model_dir: Path) -> dict:
-    rows = {}
-    for kind in ("full", "backbone"):
-        done = subprocess.run([sys.executable, "-c", _PROBE, kind, str(model_dir)], capture_output=True, text=True, check=True)
-        rows[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = {kind: _probe(kind, model_dir) for kind in ("full", "backbone")}
     full, backbone = rows["full"], rows["backbone"]
     total_params = full["param_bytes"]
     return {

@@ -17,6 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     loopback.add_argument("--repeats", type=int, default=3)
     loopback.add_argument("--json", action="store_true")
     memory = sub.add_parser("memory", help="backbone vs full load resident memory, on a model with ~90%% routed experts")
+    memory.add_argument("--worker-model", action="append", default=[], metavar="PATH",
+                        help="also measure workers (a quarter vs all experts) on this model directory or .gguf")
     memory.add_argument("--json", action="store_true")
     wire = sub.add_parser("bytes", help="bytes per token per MoE layer on the wire")
     wire.add_argument("--model", default=None, help="model directory (default: the bundled model)")
@@ -44,10 +46,18 @@ def run(args: argparse.Namespace) -> int:
         result = run_loopback(args.model or str(demo_model()), args.workers, args.steps, args.repeats)
         _print(result, args.json)
     elif args.bench == "memory":
-        from moeswarm.bench.memory import make_memory_model, run_memory
+        from moeswarm.bench.memory import MEMORY_MODEL, make_memory_model, run_memory, run_worker_memory
+        from moeswarm.model.checkpoint import Checkpoint
+        from moeswarm.model.experts import NUM_EXPERTS_KEYS
 
         with tempfile.TemporaryDirectory() as tmp:
-            result = run_memory(make_memory_model(Path(tmp) / "memory-model"))
+            generated = make_memory_model(Path(tmp) / "memory-model")
+            result = run_memory(generated)
+            result["workers"] = [run_worker_memory(generated, MEMORY_MODEL["num_experts"])]
+            for path in args.worker_model:
+                config = Checkpoint.open(path).config
+                experts = next(getattr(config, k) for k in NUM_EXPERTS_KEYS if isinstance(getattr(config, k, None), int))
+                result["workers"].append(run_worker_memory(path, experts))
         _print(result, args.json)
     elif args.bench == "bytes":
         from moeswarm.bench.wire_bytes import (ALL_CONFIGS, MATCHED_CONFIGS, make_synthetic_model, model_bytes,
