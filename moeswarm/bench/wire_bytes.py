@@ -44,7 +44,7 @@ def make_synthetic_model(out: Path) -> Path:
 
 
 def _row(model: str, mode, dispatch, combine, workers, hidden, top_k, tokens, summary) -> dict:
-    return {"model": Path(model).name, "mode": mode, "wire_dispatch": dispatch or "lossless",
+    return {"model": str(model), "mode": mode, "wire_dispatch": dispatch or "lossless",
             "wire_combine": combine or "lossless", "workers": workers, "hidden": hidden, "top_k": top_k,
             "tokens_per_frame": tokens, "bytes_out": summary["bytes_out_per_token_layer"],
             "bytes_in": summary["bytes_in_per_token_layer"]}

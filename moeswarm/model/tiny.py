@@ -75,6 +75,7 @@ EXTRA_FAMILIES: dict[str, dict] = {
     "lfm2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
     "mellum": dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=16),
     "mimo_v2_flash": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, **_GROUPED, v_head_dim=8),
+    "minimax": dict(num_local_experts=8, num_experts_per_tok=2),
     "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2),
     "minimax_m3_vl_text": dict(num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=32, dense_intermediate_size=64, index_head_dim=8, index_n_heads=2, index_topk_blocks=2),
     "nemotron_h": dict(_DEEPSEEK_LIKE, moe_shared_expert_intermediate_size=32, first_k_dense_replace=None, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, use_mamba_kernels=False, layers_block_type=["linear_attention", "moe", "full_attention"]),

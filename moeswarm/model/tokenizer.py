@@ -17,10 +17,8 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is not None:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids = list(text.encode("utf-8"))
-        if self.vocab_size < 256 and any(i >= self.vocab_size for i in ids):
-            raise ValueError(f"the model has no tokenizer and its vocabulary ({self.vocab_size}) is too small for bytes")
-        return ids
+        # No tokenizer: UTF-8 bytes, folded into the vocabulary when it has fewer than 256 ids.
+        return [byte % self.vocab_size for byte in text.encode("utf-8")]
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is not None:
@@ -44,4 +42,7 @@ def load_text_codec(path: str | Path, vocab_size: int) -> TextCodec:
         return TextCodec("tokenizer (GGUF metadata)", gguf_tokenizer(f), vocab_size)
     if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
         return TextCodec("tokenizer", AutoTokenizer.from_pretrained(path), vocab_size)
-    return TextCodec("utf-8 bytes (no tokenizer in the model directory)", None, vocab_size)
+    name = "utf-8 bytes (no tokenizer in the model directory)"
+    if vocab_size < 256:
+        name = f"utf-8 bytes modulo {vocab_size} (no tokenizer in the model directory)"
+    return TextCodec(name, None, vocab_size)
