@@ -5,7 +5,9 @@
 - moeswarm's logits vs llama.cpp's on the same file and tokens (F32, F16, Q8_0, Q4_K_M): a mean
   cosine below 0.99 fails;
 - slice files: byte-identical expert blocks, a worker serving from a slice alone;
-- the GGUF tokenizer round-trips and tokenizes as llama.cpp does.
+- the GGUF tokenizer round-trips and tokenizes as llama.cpp does;
+- gpt-oss, olmoe and mixtral (GGUF arch llama): an F32 GGUF's logits through moeswarm match the
+  HF directory's (prefill and decode steps, atol 1e-4) on small models (hidden 64).
 
 llama-cpp-python is required (CI installs it): without it these tests fail, unless
 MOESWARM_SKIP_LLAMACPP=1 is set.
@@ -153,3 +155,25 @@ def test_tokenizer_round_trips_and_matches_llama_cpp(gguf_fixtures):
     finally:
         model.close()
     assert codec.eos_token_id == GGUFFile.open(path).metadata["tokenizer.ggml.eos_token_id"]
+
+
+# Small shapes (hidden 64, F32 only) keep these cheap; gpt-oss's sliding window (6) is shorter
+# than the prompt, so its sliding layers' mask is exercised, and its YaRN is the HF default (factor 32).
+SMALL_SHAPE = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320)
+LOGITS_VS_HF = {"gpt_oss": {"sliding_window": 6}, "olmoe": {}, "mixtral": {}}
+
+
+@pytest.mark.parametrize("family", sorted(LOGITS_VS_HF))
+def test_f32_gguf_logits_match_hf_directory(family, tmp_path):
+    files = make_fixture_ggufs(family, tmp_path, types=("F32",), **{**SMALL_SHAPE, **LOGITS_VS_HF[family]})
+    reference, from_gguf = load_local(files["HF"]), load_local(files["F32"])
+    assert reference.config.rope_parameters == from_gguf.config.rope_parameters
+    assert getattr(reference.config, "layer_types", None) == getattr(from_gguf.config, "layer_types", None)
+    local, ours = Stepper(reference), Stepper(from_gguf)
+    feed = TOKENS
+    for step in range(4):
+        expected, got = local.forward(feed), ours.forward(feed)
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0), \
+            f"{family} step {step}: max abs diff {(got - expected).abs().max():.3g}"
+        feed = [int(expected[-1].argmax())]

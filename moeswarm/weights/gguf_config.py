@@ -120,9 +120,14 @@ def _glm4moe(f: GGUFFile) -> dict:
 
 
 def _gpt_oss(f: GGUFFile) -> dict:
+    # gpt-oss's YaRN does not round the correction range to whole dimensions (`truncate: false` in
+    # its HF config; the reference implementation does not either). GGUF has no key for it, and
+    # llama.cpp's ggml_rope_yarn_corr_dims always rounds (floor/ceil): a ~1e-2 logit difference on
+    # tiny models, so moeswarm follows the HF model here, not llama.cpp.
     return dict(_experts(f, "num_local_experts"), model_type="gpt_oss",
                 intermediate_size=int(f.require("expert_feed_forward_length")),
-                sliding_window=int(f.get("attention.sliding_window", 128)), attention_bias=True)
+                sliding_window=int(f.get("attention.sliding_window", 128)), attention_bias=True,
+                rope_extra={"truncate": False})
 
 
 ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
@@ -146,9 +151,14 @@ def config_from_gguf(f: GGUFFile) -> PretrainedConfig:
     if "partial_rotary_factor" in values:
         rope["partial_rotary_factor"] = values.pop("partial_rotary_factor")
     scaling = f.get("rope.scaling.type")
+    rope_extra = values.pop("rope_extra", {})
     if scaling == "yarn":
         rope.update(rope_type="yarn", factor=float(f.get("rope.scaling.factor", 1.0)),
                     original_max_position_embeddings=int(f.get("rope.scaling.original_context_length", 4096)))
+        for key, gguf_key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if (value := f.get(f"rope.scaling.{gguf_key}")) is not None:
+                rope[key] = float(value)
+        rope.update(rope_extra)
     try:
         return AutoConfig.for_model(model_type, rope_parameters=rope, **values)
     except Exception as error:
