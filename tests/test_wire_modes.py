@@ -59,3 +59,16 @@ def test_gate_command_passes_lossless_and_fails_impossible_threshold(qwen2_moe, 
     assert strict.returncode == 1 and json.loads(strict.stdout)["passed"] is False
     bad = subprocess.run(base + ["--wire-combine", "int3"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--wire-combine: unknown codec 'int3'" in bad.stderr
+
+
+def test_generate_wan_preset_is_cheaper_and_close(qwen2_moe, qwen2_workers):
+    def run(*extra):
+        done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "generate", "--model", qwen2_moe, "--workers",
+                               ",".join(qwen2_workers), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "4",
+                               "--threads", "1", "--json", *extra], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    exact, wan = run(), run("--wire", "wan")
+    assert exact["mode"] == "exact" and wan["mode"] == "partial"
+    assert wan["bytes_in_per_token_layer"] < exact["bytes_in_per_token_layer"] / 2

@@ -20,10 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-local", action="store_true",
                         help="also run the model locally (eager) and compare every step's logits and token")
     parser.add_argument("--fanout", choices=FANOUTS, default="star")
-    parser.add_argument("--combine", choices=("exact", "partial"), default="exact",
+    parser.add_argument("--wire", choices=("exact", "wan"), default="exact",
+                        help="preset: exact (bit-identical, lossless) or wan (the gated cheap wire: partial sums, "
+                             "int8 blockwise both ways; docs/wire.md); the flags below override it")
+    parser.add_argument("--combine", choices=("exact", "partial"), default=None,
                         help="exact: per-expert outputs, bit-identical; partial: one weighted sum per token per worker")
-    parser.add_argument("--wire-dispatch", default=None, help="codec for hidden states (default: lossless)")
-    parser.add_argument("--wire-combine", default=None, help="codec for the experts' outputs (default: lossless)")
+    parser.add_argument("--wire-dispatch", default=None, help="codec for hidden states (default: the preset's)")
+    parser.add_argument("--wire-combine", default=None, help="codec for the experts' outputs (default: the preset's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads for the backbone (default: torch's choice)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -39,7 +42,12 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, args.threads))
     from moeswarm.errors import MoeSwarmError
     from moeswarm.wire.codecs import FLOAT_CODECS
+    from moeswarm.wire.defaults import EXACT, WAN
 
+    preset = WAN if args.wire == "wan" else EXACT
+    args.combine = args.combine or preset.mode
+    args.wire_dispatch = args.wire_dispatch or preset.wire_dispatch
+    args.wire_combine = args.wire_combine or preset.wire_combine
     for flag, codec in (("--wire-dispatch", args.wire_dispatch), ("--wire-combine", args.wire_combine)):
         if codec is not None and codec not in FLOAT_CODECS:
             raise MoeSwarmError(f"{flag}: unknown codec {codec!r} (choose from {', '.join(FLOAT_CODECS)})")
