@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import struct
 
 import pytest
 import torch
@@ -200,3 +199,19 @@ def test_overlapping_or_missing_experts_are_refused(qwen2_moe, qwen2_workers):
         connect_swarm(qwen2_moe, qwen2_workers[:1])
     with pytest.raises(Exception, match="both hold layer 0 expert 0"):
         connect_swarm(qwen2_moe, [qwen2_workers[0], qwen2_workers[0]])
+
+
+def test_other_workers_stay_usable_after_one_fails(qwen2_moe, qwen2_workers):
+    fingerprint = Checkpoint.open(qwen2_moe).fingerprint
+    good, liar = WorkerConnection(qwen2_workers[1]), WorkerConnection(qwen2_workers[0])
+    good.connect(fingerprint)
+    info = liar.connect(fingerprint)
+    liar.info = dataclasses.replace(info, experts=[0, 1, 2])  # gives up expert 3 ...
+    good.info = dataclasses.replace(good.info, experts=[3, 4, 5, 6, 7])  # ... which the other claims, falsely
+    dispatcher = Dispatcher([good, liar], 8)  # the failing worker is read first; the other's reply is left pending
+    hidden, weights = torch.randn(1, 32), torch.rand(1, 2)
+    with pytest.raises(WorkerError, match=rf"worker {qwen2_workers[1]}: expert 3 of layer 1 is not held"):
+        dispatcher.combine(dispatcher.dispatch(1, hidden, torch.tensor([[0, 3]]), weights))
+    out = dispatcher.combine(dispatcher.dispatch(1, hidden, torch.tensor([[0, 5]]), weights))  # both streams in step
+    assert out.shape == (1, 32) and torch.isfinite(out).all()
+    dispatcher.close()

@@ -101,16 +101,20 @@ class Dispatcher:
 
     def combine(self, handle: Handle) -> torch.Tensor:
         """Wait for the replies and add them into [T, d]."""
-        if self.fanout == "chain":
-            for share in handle.shares:
-                self._send(handle, share)
+        try:
+            if self.fanout == "chain":
+                for share in handle.shares:
+                    self._send(handle, share)
+                    self._receive(handle)
+                handle.round_trips = len(handle.shares)
+            while handle.pending:
                 self._receive(handle)
-            handle.round_trips = len(handle.shares)
-        while handle.pending:
-            self._receive(handle)
+        except WorkerError:
+            self._drain(handle)
+            raise
         if self.mode == "exact":
             per_expert = {}
-            for share, result in handle.results:
+            for _, result in handle.results:
                 for expert, block in zip(result.experts, torch.split(result.outputs, result.counts)):
                     per_expert[expert] = block
             out = combine_exact(handle.hidden, handle.top_k_index, per_expert)
@@ -121,6 +125,15 @@ class Dispatcher:
                       time.perf_counter() - handle.started, handle.worker_seconds)
         )
         return out
+
+    def _drain(self, handle: Handle) -> None:
+        """After one worker failed, read the other workers' replies so their streams stay in step."""
+        while handle.pending:
+            share, request_id = handle.pending.pop(0)
+            try:
+                self.workers[share.worker].receive(request_id)
+            except WorkerError:
+                pass
 
     def _send(self, handle: Handle, share: WorkerShare) -> None:
         worker = self.workers[share.worker]
