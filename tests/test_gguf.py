@@ -161,7 +161,13 @@ def test_tokenizer_round_trips_and_matches_llama_cpp(gguf_fixtures):
 # than the prompt, so its sliding layers' mask is exercised, and its YaRN is the HF default (factor 32).
 SMALL_SHAPE = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320)
-LOGITS_VS_HF = {"gpt_oss": {"sliding_window": 6}, "olmoe": {}, "mixtral": {}}
+_MLA = dict(num_key_value_heads=4, head_dim=8, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+LOGITS_VS_HF = {
+    "gpt_oss": {"sliding_window": 6}, "olmoe": {}, "mixtral": {},
+    "deepseek_v3": dict(_MLA, q_lora_rank=16),  # deepseek2 arch, grouped routing, MLA with q-lora
+    "deepseek_v2": dict(_MLA, q_lora_rank=None),  # deepseek2 arch, MLA with full-rank q
+    "glm4_moe": {},  # GGUF block_count includes the MTP layer
+}
 
 
 @pytest.mark.parametrize("family", sorted(LOGITS_VS_HF))

@@ -107,7 +107,11 @@ def _deepseek2(f: GGUFFile) -> dict:
 def _glm4moe(f: GGUFFile) -> dict:
     rope_dim = int(f.get("rope.dimension_count", 0))
     head_dim = int(f.get("attention.key_length"))
+    # block_count includes the multi-token-prediction layers, which transformers' model does not run
+    # (and a converted checkpoint without them has no tensors for them).
+    nextn = int(f.get("nextn_predict_layers", 0))
     return dict(_experts(f, "n_routed_experts"), model_type="glm4_moe",
+                num_hidden_layers=int(f.require("block_count")) - nextn, num_nextn_predict_layers=nextn,
                 moe_intermediate_size=int(f.require("expert_feed_forward_length")),
                 n_shared_experts=int(f.get("expert_shared_count", 0)),
                 first_k_dense_replace=int(f.get("leading_dense_block_count", 0)),

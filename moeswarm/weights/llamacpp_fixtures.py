@@ -117,7 +117,9 @@ def bpe_tokenizer(vocab_size: int):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<s>"],
+    # GLM's converter looks up its own special tokens by name; they cost nothing elsewhere.
+    specials = ["<|endoftext|>", "<s>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|observation|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator([_TRAINING_TEXT], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="<|endoftext|>",
