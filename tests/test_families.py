@@ -56,3 +56,27 @@ def test_odd_sizes_and_uneven_split(tmp_path):
                 feed = [int(remote_logits[-1].argmax())]
         finally:
             swarm.close()
+
+
+def test_bf16_model_is_bit_identical(tmp_path):
+    """A bf16 checkpoint: hidden states travel as bf16, routing weights in their own dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from moeswarm.model.tiny import make_tiny_model
+
+    path = make_tiny_model("gpt_oss", tmp_path / "bf16")
+    AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16).save_pretrained(path)
+    local_model = load_local(path)
+    assert next(local_model.parameters()).dtype == torch.bfloat16
+    local = Stepper(local_model)
+    with local_workers(str(path), split_experts(8, 2)) as addresses:
+        swarm = connect_swarm(str(path), addresses)
+        try:
+            remote = Stepper(swarm.model)
+            feed = list(range(3, 20))
+            for step in range(1 + DECODE_STEPS):
+                remote_logits, local_logits = remote.forward(feed), local.forward(feed)
+                assert torch.equal(remote_logits, local_logits), f"logits differ at step {step}"
+                feed = [int(remote_logits[-1].argmax())]
+        finally:
+            swarm.close()

@@ -62,11 +62,10 @@ class ExpertStore:
         if width != self.hidden_size:
             raise ProtocolError(f"hidden size {width} does not match the model's {self.hidden_size}")
         dtype = next(hosted.module.parameters()).dtype
-        if request.hidden.dtype != dtype or request.top_k_weights.dtype != dtype:
-            raise ProtocolError(
-                f"dtype mismatch: hidden {request.hidden.dtype} and weights {request.top_k_weights.dtype}, "
-                f"the experts compute in {dtype}"
-            )
+        if request.hidden.dtype != dtype:
+            raise ProtocolError(f"dtype mismatch: hidden states are {request.hidden.dtype}, the experts compute in {dtype}")
+        if not request.top_k_weights.is_floating_point():
+            raise ProtocolError(f"routing weights must be floating point, got {request.top_k_weights.dtype}")
         if tokens == 0:
             raise ProtocolError("DISPATCH with no tokens")
         index = request.top_k_index
