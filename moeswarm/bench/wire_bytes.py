@@ -21,7 +21,7 @@ from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import local_workers, split_experts
 from moeswarm.model.checkpoint import Checkpoint
-from moeswarm.model.experts import NUM_EXPERTS_KEYS
+from moeswarm.model.experts import num_experts_in_config
 from moeswarm.swarm import connect_swarm
 from moeswarm.wire.codecs import FLOAT_CODECS
 
@@ -81,7 +81,7 @@ def synthetic_layer_bytes(model: str, workers: int, configs=ALL_CONFIGS, frames:
 def model_bytes(model: str, workers: int, configs=MATCHED_CONFIGS, decode_tokens: int = 16, prefill_tokens: int = 64) -> list[dict]:
     """A real model generating greedily: its own routing decides who gets which tokens."""
     config = Checkpoint.open(model).config
-    num_experts = next(getattr(config, k) for k in NUM_EXPERTS_KEYS if isinstance(getattr(config, k, None), int))
+    num_experts = num_experts_in_config(config)
     top_k = getattr(config, "num_experts_per_tok", None)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (prefill_tokens,), generator=generator).tolist()

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "memory":
         from moeswarm.bench.memory import MEMORY_MODEL, make_memory_model, run_memory, run_worker_memory
         from moeswarm.model.checkpoint import Checkpoint
-        from moeswarm.model.experts import NUM_EXPERTS_KEYS
+        from moeswarm.model.experts import num_experts_in_config
 
         with tempfile.TemporaryDirectory() as tmp:
             generated = make_memory_model(Path(tmp) / "memory-model")
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             result["workers"] = [run_worker_memory(generated, MEMORY_MODEL["num_experts"])]
             for path in args.worker_model:
                 config = Checkpoint.open(path).config
-                experts = next(getattr(config, k) for k in NUM_EXPERTS_KEYS if isinstance(getattr(config, k, None), int))
+                experts = num_experts_in_config(config)
                 result["workers"].append(run_worker_memory(path, experts))
         _print(result, args.json)
     elif args.bench == "bytes":

@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.generation.run import GenerationRequest, run_generation, summary_lines
     from moeswarm.local_workers import local_workers, split_experts
     from moeswarm.model.checkpoint import Checkpoint
-    from moeswarm.model.experts import NUM_EXPERTS_KEYS
+    from moeswarm.model.experts import num_experts_in_config
     from moeswarm.swarm import connect_swarm
 
     if args.workers < 2:
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     model = args.model or str(demo_model())
     config = Checkpoint.open(model).config
-    num_experts = next(getattr(config, k) for k in NUM_EXPERTS_KEYS if isinstance(getattr(config, k, None), int))
+    num_experts = num_experts_in_config(config)
     ranges = split_experts(num_experts, args.workers)
     if not args.json:
         print(f"moeswarm demo: {config.model_type} from {model}; starting {args.workers} workers with experts "

@@ -15,7 +15,7 @@ from moeswarm.ids import LayerId
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
-# The config keys families use for the number of routed experts. Only read, to report.
+# The config keys families use for the number of routed experts.
 NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -52,6 +52,16 @@ def set_experts_implementation(model: torch.nn.Module, implementation: str) -> N
     """Point every experts module at `implementation` (a name in transformers' ExpertsInterface)."""
     for _, module in experts_modules(model).values():
         module.config._experts_implementation = implementation
+
+
+def num_experts_in_config(config) -> int:
+    """The number of routed experts per layer, read from a config without building the model."""
+    for key in NUM_EXPERTS_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    raise ValueError(f"cannot tell the number of routed experts of a {config.model_type} config "
+                     f"(none of {', '.join(NUM_EXPERTS_KEYS)})")
 
 
 def num_experts_of(model: torch.nn.Module) -> int:
