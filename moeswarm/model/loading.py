@@ -104,20 +104,8 @@ def load_expert_slice(path, layers: tuple[int, int] | None, experts: tuple[int, 
         return gguf_model.load_expert_slice(path, layers, experts)
     checkpoint = Checkpoint.open(path)
     model = empty_model(checkpoint)
-    modules = experts_modules(model)
-    if not modules:
-        raise ModelError(f"{checkpoint.path}: model type {checkpoint.config.model_type!r} has no routed experts")
-    num_experts = next(iter(modules.values()))[1].num_experts
+    chosen, num_experts = hosted_modules(model, str(checkpoint.path), layers, experts)
     low, high = experts
-    if high >= num_experts:
-        raise ModelError(f"experts {low}-{high} out of range: the model has experts 0-{num_experts - 1}")
-    chosen = {
-        layer: entry for layer, entry in modules.items() if layers is None or layers[0] <= layer <= layers[1]
-    }
-    if not chosen:
-        raise ModelError(f"no MoE layer in range {layers}: the model's MoE layers are {sorted(modules)}")
-    for _, module in chosen.values():
-        _shrink_to(module, high - low + 1)
     wanted = {f"{name}.{p}" for name, module in chosen.values() for p, _ in module.named_parameters()}
     num_hosted = high - low + 1
 
@@ -139,6 +127,34 @@ def load_expert_slice(path, layers: tuple[int, int] | None, experts: tuple[int, 
         raise ModelError(f"{checkpoint.path}: checkpoint lacks expert tensors {missing[:5]}")
     slices = {layer: ExpertSlice(layer, ExpertId(low), ExpertId(high), module) for layer, (_, module) in chosen.items()}
     return slices, checkpoint, num_experts
+
+
+def hosted_modules(model: PreTrainedModel, source: str, layers: tuple[int, int] | None, experts: tuple[int, int],
+                   held_layers: set[int] | None = None) -> tuple[dict[LayerId, tuple[str, torch.nn.Module]], int]:
+    """The experts modules a worker hosts, shrunk to experts [low, high]; and the model's expert count.
+
+    held_layers: the MoE layers the source holds (a slice file), None for all. Without `layers`
+    the worker serves what the source holds; layers asked for and not held are refused.
+    """
+    modules = experts_modules(model)
+    if not modules:
+        raise ModelError(f"{source}: model type {model.config.model_type!r} has no routed experts")
+    num_experts = next(iter(modules.values()))[1].num_experts
+    low, high = experts
+    if high >= num_experts:
+        raise ModelError(f"experts {low}-{high} out of range: the model has experts 0-{num_experts - 1}")
+    chosen = {layer: entry for layer, entry in modules.items() if layers is None or layers[0] <= layer <= layers[1]}
+    if held_layers is not None:
+        lacking = sorted(layer for layer in chosen if layer not in held_layers)
+        if layers is None:
+            chosen = {layer: entry for layer, entry in chosen.items() if layer in held_layers}
+        elif lacking:
+            raise ModelError(f"{source}: this slice file holds MoE layers {sorted(held_layers)}, not the requested layers {lacking}")
+    if not chosen:
+        raise ModelError(f"no MoE layer in range {layers}: the model's MoE layers are {sorted(modules)}")
+    for _, module in chosen.values():
+        _shrink_to(module, high - low + 1)
+    return chosen, num_experts
 
 
 def _load(model: PreTrainedModel, checkpoint: Checkpoint, keep, select=None) -> None:

@@ -95,29 +95,19 @@ def _load_backbone_tensors(model: PreTrainedModel, checkpoint: GGUFCheckpoint, s
 
 def load_expert_slice(path, layers: tuple[int, int] | None, experts: tuple[int, int]):
     """Experts [low, high] of every MoE layer in `layers` (all when None): (slices, checkpoint, num_experts)."""
-    from moeswarm.model.experts import experts_modules
-    from moeswarm.model.loading import ExpertSlice, _shrink_to
+    from moeswarm.model.loading import ExpertSlice, hosted_modules
 
     checkpoint = GGUFCheckpoint.open(path)
     f = checkpoint.file
     model = _empty_model(checkpoint)
-    modules = experts_modules(model)
-    if not modules:
-        raise ModelError(f"{f.path}: model type {checkpoint.config.model_type!r} has no routed experts")
-    num_experts = next(iter(modules.values()))[1].num_experts
+    held_layers = set(f.sliced_layers) if f.sliced_layers is not None else None
+    chosen, num_experts = hosted_modules(model, str(f.path), layers, experts, held_layers)
     low, high = experts
-    if high >= num_experts:
-        raise ModelError(f"experts {low}-{high} out of range: the model has experts 0-{num_experts - 1}")
     _check_slice_holds(f, range(low, high + 1))
-    chosen = {layer: module for layer, (_, module) in modules.items() if layers is None or layers[0] <= layer <= layers[1]}
-    chosen = _check_slice_layers(f, chosen, layers)
-    if not chosen:
-        raise ModelError(f"no MoE layer in range {layers}: the model's MoE layers are {sorted(modules)}")
     quirks = QUIRKS[f.arch]
     rows = slice(low - f.expert_first, high + 1 - f.expert_first)
     slices = {}
-    for layer, module in chosen.items():
-        _shrink_to(module, high - low + 1)
+    for layer, (_, module) in chosen.items():
         parts = {}
         for role, name in expert_tensor_names(layer).items():
             if name in f.tensors:
@@ -144,19 +134,6 @@ def _check_slice_holds(f: GGUFFile, wanted: range) -> None:
             f"{f.path}: this slice file holds experts {_span(held)}, not the requested experts "
             f"{_span(lacking)} (requested {wanted.start}-{wanted.stop - 1})"
         )
-
-
-def _check_slice_layers(f: GGUFFile, chosen: dict, layers: tuple[int, int] | None) -> dict:
-    """A slice file holds some layers: serve those by default, refuse requested ones it lacks."""
-    held = f.sliced_layers
-    if held is None:
-        return chosen
-    if layers is None:
-        return {layer: module for layer, module in chosen.items() if layer in held}
-    lacking = [layer for layer in chosen if layer not in held]
-    if lacking:
-        raise ModelError(f"{f.path}: this slice file holds MoE layers {_span(held)}, not the requested layers {_span(lacking)}")
-    return chosen
 
 
 def load_local(path) -> PreTrainedModel:
