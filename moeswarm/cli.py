@@ -1,8 +1,8 @@
 """The `moeswarm` command: a thin table of subcommands over the library.
 
 Each subcommand lives in `moeswarm/commands/<name>.py` and exposes `add_arguments(parser)` and
-`run(args) -> int`. Modules are imported only when their command runs, so `moeswarm --help`
-stays fast and one command's heavy imports never slow another.
+`run(args) -> int`. Only the chosen command's module is imported (its flags are only needed
+then), so `moeswarm --help` loads no torch and one command's heavy imports never slow another.
 """
 
 from __future__ import annotations
@@ -31,15 +31,18 @@ COMMANDS: dict[str, str] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser, with the flags of the command named in `argv` (if any) filled in."""
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="moeswarm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, help_text in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
-        module = _command_module(name)
-        module.add_arguments(command_parser)
-        command_parser.set_defaults(_module=module)
+        if name == chosen:
+            module = _command_module(name)
+            module.add_arguments(command_parser)
+            command_parser.set_defaults(_module=module)
     return parser
 
 
@@ -48,7 +51,11 @@ def _command_module(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    from moeswarm.commands._setup import quiet_transformers
+
+    quiet_transformers()
     try:
         return int(args._module.run(args) or 0)
     except KeyboardInterrupt:

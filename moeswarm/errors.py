@@ -19,6 +19,13 @@ class WorkerError(MoeSwarmError):
     """A worker refused a request, answered with an ERROR frame, or could not be reached."""
 
     def __init__(self, worker: str, cause: str):
-        super().__init__(f"worker {worker}: {cause}")
+        cause = printable(cause)  # it may quote a peer's text: no terminal escapes reach a screen or log
+        super().__init__(f"worker {printable(worker)}: {cause}")
         self.worker = worker
         self.cause = cause
+
+
+def printable(text: str, limit: int = 2000) -> str:
+    """Text from a peer made safe to print: control characters escaped, length bounded."""
+    text = str(text)[:limit]
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

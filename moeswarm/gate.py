@@ -11,27 +11,24 @@ on the weights people actually serve.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moeswarm.errors import MoeSwarmError
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_workers, split_experts
-from moeswarm.model.experts import num_experts_of
+from moeswarm.local_workers import local_swarm
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
-from moeswarm.swarm import connect_swarm
+from moeswarm.wire.config import CombineMode, WireConfig
 
 MAX_PROMPT_TOKENS = 256
 
 
 @dataclass(frozen=True)
 class GateConfig:
-    mode: str = "partial"
-    wire_dispatch: str | None = None  # None: lossless
-    wire_combine: str | None = None
+    wire: WireConfig = WireConfig(CombineMode.PARTIAL)
     min_argmax_agreement: float = 0.99
     min_cosine_mean: float = 0.998
 
@@ -66,21 +63,17 @@ def run_gates(model: str, prompts: list[str], configs: list[GateConfig], workers
     token_lists = [t for t in (codec.encode(p)[:MAX_PROMPT_TOKENS] for p in prompts) if t]
     references = [Stepper(local).forward(tokens) for tokens in token_lists]  # [T, V] each
     reports = []
-    with local_workers(model, split_experts(num_experts_of(local), workers)) as addresses:
-        swarm = connect_swarm(model, addresses)
-        try:
-            for config in configs:
-                swarm.dispatcher.configure(config.mode, config.wire_dispatch, config.wire_combine)
-                swarm.dispatcher.accounting.reset()
-                cosines, agree = [], []
-                for tokens, local_logits in zip(token_lists, references):
-                    remote_logits = Stepper(swarm.model).forward(tokens)  # [T, V]
-                    cosines.append(torch.nn.functional.cosine_similarity(remote_logits, local_logits, dim=-1))
-                    agree.append(remote_logits.argmax(-1) == local_logits.argmax(-1))
-                reports.append(_report(model, config, torch.cat(cosines), torch.cat(agree), len(token_lists),
-                                       swarm.dispatcher.accounting.summary()))
-        finally:
-            swarm.close()
+    with local_swarm(model, workers) as swarm:
+        for config in configs:
+            swarm.configure(config.wire)
+            swarm.reset_accounting()
+            cosines, agree = [], []
+            for tokens, local_logits in zip(token_lists, references):
+                remote_logits = Stepper(swarm.model).forward(tokens)  # [T, V]
+                cosines.append(torch.nn.functional.cosine_similarity(remote_logits, local_logits, dim=-1))
+                agree.append(remote_logits.argmax(-1) == local_logits.argmax(-1))
+            reports.append(_report(model, config, torch.cat(cosines), torch.cat(agree), len(token_lists),
+                                   swarm.accounting()))
     return reports
 
 
@@ -88,9 +81,11 @@ def _report(model: str, config: GateConfig, cos: torch.Tensor, hits: torch.Tenso
     argmax_agreement, cosine_mean = float(hits.float().mean()), float(cos.mean())
     return {
         "model": model,
-        **asdict(config),
-        "wire_dispatch": config.wire_dispatch or "lossless",
-        "wire_combine": config.wire_combine or "lossless",
+        "mode": config.wire.mode.value,
+        "wire_dispatch": config.wire.dispatch_codec or "lossless",
+        "wire_combine": config.wire.combine_codec or "lossless",
+        "min_argmax_agreement": config.min_argmax_agreement,
+        "min_cosine_mean": config.min_cosine_mean,
         "prompts": prompts,
         "positions": int(hits.numel()),
         "argmax_agreement": argmax_agreement,

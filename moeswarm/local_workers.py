@@ -1,4 +1,8 @@
-"""Worker subprocesses on this machine, for the demo, tests and benchmarks."""
+"""Worker subprocesses on this machine, for the demo, gate, benchmarks and tests.
+
+`local_workers` starts `moeswarm worker` processes and yields their addresses; `local_swarm`
+also connects a backbone to them. Both stop everything they started on the way out.
+"""
 
 from __future__ import annotations
 
@@ -7,35 +11,38 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from moeswarm.errors import MoeSwarmError
+from moeswarm.model.experts import num_experts_in_config
+from moeswarm.model.source import open_source
+from moeswarm.ids import format_ids
+from moeswarm.swarm import open_swarm
 
 START_TIMEOUT_S = 120.0
 
 
-def split_experts(num_experts: int, workers: int) -> list[tuple[int, int]]:
-    """Disjoint contiguous ranges covering 0..num_experts-1, as even as possible."""
+def split_experts(num_experts: int, workers: int) -> list[list[int]]:
+    """Disjoint contiguous expert lists covering 0..num_experts-1, as even as possible."""
     if not 1 <= workers <= num_experts:
         raise MoeSwarmError(f"cannot split {num_experts} experts over {workers} workers")
     bounds = [round(i * num_experts / workers) for i in range(workers + 1)]
-    return [(bounds[i], bounds[i + 1] - 1) for i in range(workers)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(workers)]
 
 
 @contextlib.contextmanager
-def local_workers(model: str, ranges: list[tuple[int, int]], host: str = "127.0.0.1",
-                  extra_args: list[str] | None = None) -> Iterator[list[str]]:
-    """Start one `moeswarm worker` per expert range; yield their addresses; stop them all.
+def local_workers(model: str, expert_sets: Sequence[Sequence[int]], host: str = "127.0.0.1",
+                  extra_args: Sequence[str] = ()) -> Iterator[list[str]]:
+    """Start one `moeswarm worker` per expert set; yield their addresses; stop them all.
 
     Each worker gets one torch thread: several processes share this machine's cores, and idle
     OpenMP threads spinning in one process would steal the others' time.
     """
     processes = []
     try:
-        for low, high in ranges:
+        for experts in expert_sets:
             command = [sys.executable, "-m", "moeswarm.cli", "worker", "--model", str(model),
-                       "--experts", f"{low}-{high}", "--host", host, "--port", "0", "--threads", "1",
-                       *(extra_args or [])]
+                       "--experts", format_ids(experts), "--host", host, "--port", "0", "--threads", "1", *extra_args]
             processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                               env={**os.environ, "PYTHONUNBUFFERED": "1"}))
         yield [_wait_listening(process) for process in processes]
@@ -47,6 +54,16 @@ def local_workers(model: str, ranges: list[tuple[int, int]], host: str = "127.0.
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+@contextlib.contextmanager
+def local_swarm(model: str, workers: int | Sequence[Sequence[int]] = 2, **swarm_options):
+    """A backbone connected to local worker processes: `workers` is a count (an even split of
+    the experts) or the expert sets themselves. Yields the open `Swarm`; closes everything."""
+    if isinstance(workers, int):
+        workers = split_experts(num_experts_in_config(open_source(model).config), workers)
+    with local_workers(model, workers) as addresses, open_swarm(model, addresses, **swarm_options) as swarm:
+        yield swarm
 
 
 def _wait_listening(process: subprocess.Popen) -> str:

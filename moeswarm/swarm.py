@@ -1,49 +1,114 @@
-"""A backbone wired to its workers: load without experts, connect, check, attach the hook."""
+"""A backbone wired to its expert holders: load without experts, connect, place, attach the hook.
+
+`open_swarm` returns a connected `Swarm`, a context manager that closes its links. Callers use its
+methods for accounting and configuration, never the dispatcher's insides.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from transformers import PreTrainedModel
 
-from moeswarm.dispatch.connection import WorkerConnection
-from moeswarm.dispatch.dispatcher import Dispatcher
+from moeswarm.dispatch.accounting import LayerCall
+from moeswarm.dispatch.dispatcher import REPLY_TIMEOUT_S, Dispatcher
 from moeswarm.errors import MoeSwarmError, WorkerError
+from moeswarm.ids import WorkerId
 from moeswarm.model.backend import attach
-from moeswarm.model.checkpoint import Checkpoint
 from moeswarm.model.experts import experts_modules, num_experts_of
-from moeswarm.model.loading import load_backbone
+from moeswarm.model.loading import load_backbone, load_experts
+from moeswarm.model.source import ModelSource
+from moeswarm.placement.table import build_table
+from moeswarm.transport.link import WorkerLink
+from moeswarm.transport.local import LocalLink
+from moeswarm.transport.tcp import TcpLink
+from moeswarm.wire.config import EXACT, WireConfig
+from moeswarm.worker.store import ExpertStore
 
 
-@dataclass
 class Swarm:
-    model: PreTrainedModel
-    checkpoint: Checkpoint
-    dispatcher: Dispatcher
-    moe_layers: list[int]
+    def __init__(self, model: PreTrainedModel, source: ModelSource, dispatcher: Dispatcher, moe_layers: list[int]):
+        self.model = model
+        self.source = source
+        self.moe_layers = moe_layers
+        self._dispatcher = dispatcher
+
+    def __enter__(self) -> "Swarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def wire(self) -> WireConfig:
+        return self._dispatcher.wire
+
+    @property
+    def fanout(self) -> str:
+        return self._dispatcher.fanout
+
+    @property
+    def workers(self) -> list[str]:
+        """The holders' addresses ("local" for experts held in this process)."""
+        return [link.address for link in self._dispatcher.links]
+
+    def configure(self, wire: WireConfig) -> None:
+        """Use `wire` for the next layers' dispatches."""
+        self._dispatcher.wire = wire
+
+    def reset_accounting(self) -> None:
+        self._dispatcher.accounting.reset()
+
+    def accounting(self) -> dict:
+        """Totals since the last reset: round trips, bytes, per-worker round-trip times."""
+        return self._dispatcher.accounting.summary()
+
+    def layer_calls(self) -> list[LayerCall]:
+        return list(self._dispatcher.accounting.calls)
+
+    def ping(self, worker: int = 0, timeout_s: float = 10.0) -> float:
+        return self._dispatcher.links[worker].ping(timeout_s)
 
     def close(self) -> None:
-        self.dispatcher.close()
+        self._dispatcher.close()
 
 
-def connect_swarm(model_path, workers: list[str], fanout: str = "star", mode: str = "exact",
-                  wire_dispatch: str | None = None, wire_combine: str | None = None) -> Swarm:
-    if not workers:
+def open_swarm(model_path, workers: Sequence[str], wire: WireConfig = EXACT, fanout: str = "star",
+               local_experts: Sequence[int] | None = None, reply_timeout_s: float = REPLY_TIMEOUT_S) -> Swarm:
+    """Load the backbone of `model_path`, connect to `workers` (HOST:PORT), and attach the hook.
+
+    local_experts: experts (of every MoE layer) to hold in this process, through the same link
+    interface as a worker; listed first, so the chooser prefers them over a remote copy.
+    """
+    if not workers and not local_experts:
         raise MoeSwarmError("no workers given: pass --workers HOST:PORT[,HOST:PORT...]")
-    model, checkpoint = load_backbone(model_path)
-    connections = [WorkerConnection(address) for address in workers]
+    model, source = load_backbone(model_path)
+    num_experts, hidden_size = num_experts_of(model), model.config.hidden_size
+    links: list[WorkerLink] = []
+    if local_experts:
+        hosted, _, _ = load_experts(source, local_experts, None)
+        links.append(LocalLink(ExpertStore(hosted, num_experts, hidden_size), model.config.model_type))
+    links += [TcpLink(address) for address in workers]
+    layers = list(experts_modules(model))
+    dispatcher = connect(links, source.fingerprint, num_experts, hidden_size, layers, wire, fanout, reply_timeout_s)
+    attach(model, dispatcher)
+    return Swarm(model, source, dispatcher, layers)
+
+
+def connect(links: Sequence[WorkerLink], fingerprint: str, num_experts: int, hidden_size: int, layers: Sequence[int],
+            wire: WireConfig = EXACT, fanout: str = "star", reply_timeout_s: float = REPLY_TIMEOUT_S) -> Dispatcher:
+    """Connect every link, place the experts they announce, and check `layers` are covered."""
     try:
-        for connection in connections:
-            info = connection.connect(checkpoint.fingerprint)
-            if info.fingerprint != checkpoint.fingerprint:
-                raise WorkerError(connection.address, f"serves model {info.fingerprint}, not {checkpoint.fingerprint}")
-        num_experts = num_experts_of(model)
-        dispatcher = Dispatcher(connections, num_experts, fanout, mode, wire_dispatch, wire_combine)
-        layers = list(experts_modules(model))
+        for link in links:
+            info = link.connect(fingerprint)
+            if info.num_experts != num_experts or info.hidden_size != hidden_size:
+                raise WorkerError(link.address, f"announces {info.num_experts} experts of width {info.hidden_size}, "
+                                                f"the model has {num_experts} of width {hidden_size}")
+        table = build_table({WorkerId(i): link.info.held for i, link in enumerate(links)}, num_experts)
+        dispatcher = Dispatcher(links, table, wire, fanout, reply_timeout_s)
         dispatcher.check_covers(layers)
     except BaseException:
-        for connection in connections:
-            connection.close()
+        for link in links:
+            link.close()
         raise
-    attach(model, dispatcher)
-    return Swarm(model, checkpoint, dispatcher, layers)
+    return dispatcher

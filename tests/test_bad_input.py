@@ -11,13 +11,14 @@ import socket
 import pytest
 import torch
 
-from moeswarm.dispatch.connection import WorkerConnection
 from moeswarm.dispatch.dispatcher import Dispatcher
-from moeswarm.errors import WorkerError
+from moeswarm.errors import MoeSwarmError, WorkerError
 from moeswarm.ids import parse_address
-from moeswarm.model.checkpoint import Checkpoint
-from moeswarm.swarm import connect_swarm
-from moeswarm.wire.frames import HEADER, HEADER_SIZE, MAGIC, Frame, Opcode, decode_meta, parse_header
+from moeswarm.model.source import open_source
+from moeswarm.placement.table import build_table
+from moeswarm.swarm import open_swarm
+from moeswarm.transport.tcp import TcpLink
+from moeswarm.wire.frames import HEADER, HEADER_SIZE, MAGIC, VERSION, Frame, Opcode, decode_meta, parse_header
 from moeswarm.wire.messages import Dispatch, ErrorReply, Hello
 
 
@@ -71,7 +72,7 @@ def _still_serves(address: str, fingerprint: str) -> None:
 @pytest.fixture(scope="module")
 def worker(qwen2_moe, qwen2_workers):
     """(address of the worker holding experts 0-3, model fingerprint)."""
-    return qwen2_workers[0], Checkpoint.open(qwen2_moe).fingerprint
+    return qwen2_workers[0], open_source(qwen2_moe).fingerprint
 
 
 def _dispatch_bytes(request_id=2, **changes) -> bytes:
@@ -92,7 +93,7 @@ def test_truncated_frame(worker):
 def test_frame_over_size_limit(worker):
     address, fingerprint = worker
     sock = _greeted(address, fingerprint)
-    sock.sendall(HEADER.pack(MAGIC, 1, Opcode.DISPATCH, 0, 3, 10, 2**31))
+    sock.sendall(HEADER.pack(MAGIC, VERSION, Opcode.DISPATCH, 0, 3, 10, 2**31))
     _expect_error(sock, "over the limit")
     _still_serves(address, fingerprint)
 
@@ -108,7 +109,7 @@ def test_bad_magic(worker):
 def test_unknown_opcode_keeps_the_connection(worker):
     address, fingerprint = worker
     sock = _greeted(address, fingerprint)
-    sock.sendall(HEADER.pack(MAGIC, 1, 99, 0, 4, 1, 0) + b"\x80")
+    sock.sendall(HEADER.pack(MAGIC, VERSION, 99, 0, 4, 1, 0) + b"\x80")
     _expect_error(sock, "unknown opcode 99")
     sock.sendall(Frame(Opcode.PING, 6).to_bytes())
     assert _read_frame(sock).opcode == Opcode.PONG
@@ -172,7 +173,7 @@ def test_dispatch_before_hello(worker):
 def test_backbone_names_worker_of_another_model(tiny_models, qwen2_workers):
     other = tiny_models("olmoe")
     with pytest.raises(WorkerError, match=rf"worker {qwen2_workers[0]}: model fingerprint mismatch"):
-        connect_swarm(other, qwen2_workers)
+        open_swarm(other, qwen2_workers)
 
 
 def test_backbone_names_worker_that_is_down(qwen2_moe, qwen2_workers):
@@ -180,38 +181,49 @@ def test_backbone_names_worker_that_is_down(qwen2_moe, qwen2_workers):
         probe.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{probe.getsockname()[1]}"
     with pytest.raises(WorkerError, match=rf"worker {dead}: cannot connect"):
-        connect_swarm(qwen2_moe, [qwen2_workers[0], dead])
+        open_swarm(qwen2_moe, [qwen2_workers[0], dead])
+
+
+def _dispatcher(qwen2_moe, addresses, claims):
+    """A dispatcher whose placement believes `claims` ({link index: experts of layer 1}), not the HELLOs."""
+    fingerprint = open_source(qwen2_moe).fingerprint
+    links = [TcpLink(address) for address in addresses]
+    for link in links:
+        link.connect(fingerprint)
+    return Dispatcher(links, build_table({i: {1: experts} for i, experts in claims.items()}, 8))
 
 
 def test_backbone_names_worker_and_cause_of_an_error_reply(qwen2_moe, qwen2_workers):
-    fingerprint = Checkpoint.open(qwen2_moe).fingerprint
-    connection = WorkerConnection(qwen2_workers[0])
-    info = connection.connect(fingerprint)
-    connection.info = dataclasses.replace(info, experts=list(range(8)))  # claims experts it does not hold
-    dispatcher = Dispatcher([connection], 8)
-    with pytest.raises(WorkerError, match=rf"worker {qwen2_workers[0]}: expert 5 of layer 1 is not held"):
+    dispatcher = _dispatcher(qwen2_moe, qwen2_workers[:1], {0: range(8)})  # claims experts it does not hold
+    with pytest.raises(WorkerError) as caught:
         dispatcher.combine(dispatcher.dispatch(1, torch.randn(1, 32), torch.tensor([[5, 0]]), torch.rand(1, 2)))
-    connection.close()
+    assert str(caught.value) == (f"worker {qwen2_workers[0]}: expert 5 of layer 1 is not held by this worker "
+                                 "(it holds experts 0-3)")
+    dispatcher.close()
 
 
-def test_overlapping_or_missing_experts_are_refused(qwen2_moe, qwen2_workers):
-    with pytest.raises(Exception, match="no worker holds layer 0 experts 4-7"):
-        connect_swarm(qwen2_moe, qwen2_workers[:1])
-    with pytest.raises(Exception, match="both hold layer 0 expert 0"):
-        connect_swarm(qwen2_moe, [qwen2_workers[0], qwen2_workers[0]])
+def test_missing_experts_are_refused_and_duplicates_accepted(qwen2_moe, qwen2_workers):
+    with pytest.raises(MoeSwarmError) as caught:
+        open_swarm(qwen2_moe, qwen2_workers[:1])
+    assert str(caught.value) == "no worker holds layer 0 experts 4-7; layer 1 experts 4-7; layer 2 experts 4-7"
+    # Two links to the same worker hold the same experts: the table keeps both, the first is used.
+    with open_swarm(qwen2_moe, [qwen2_workers[0], qwen2_workers[0], qwen2_workers[1]]) as swarm:
+        ids = torch.tensor([[1, 2, 3, 4, 5]])
+        logits = swarm.model(input_ids=ids).logits
+        summary = swarm.accounting()
+    assert torch.isfinite(logits).all()
+    assert list(summary["worker_rtt_ms_mean"]) == sorted({qwen2_workers[0], qwen2_workers[1]})
 
 
 def test_other_workers_stay_usable_after_one_fails(qwen2_moe, qwen2_workers):
-    fingerprint = Checkpoint.open(qwen2_moe).fingerprint
-    good, liar = WorkerConnection(qwen2_workers[1]), WorkerConnection(qwen2_workers[0])
-    good.connect(fingerprint)
-    info = liar.connect(fingerprint)
-    liar.info = dataclasses.replace(info, experts=[0, 1, 2])  # gives up expert 3 ...
-    good.info = dataclasses.replace(good.info, experts=[3, 4, 5, 6, 7])  # ... which the other claims, falsely
-    dispatcher = Dispatcher([good, liar], 8)  # the failing worker is read first; the other's reply is left pending
+    # Link 0 (experts 4-7) is made to claim expert 3 too, and link 1 (experts 0-3) to give it up:
+    # link 0 answers ERROR, link 1 a RESULT that must still be read so its stream stays in step.
+    dispatcher = _dispatcher(qwen2_moe, [qwen2_workers[1], qwen2_workers[0]], {0: [3, 4, 5, 6, 7], 1: [0, 1, 2]})
     hidden, weights = torch.randn(1, 32), torch.rand(1, 2)
-    with pytest.raises(WorkerError, match=rf"worker {qwen2_workers[1]}: expert 3 of layer 1 is not held"):
+    with pytest.raises(WorkerError) as caught:
         dispatcher.combine(dispatcher.dispatch(1, hidden, torch.tensor([[0, 3]]), weights))
+    assert str(caught.value).startswith(f"worker {qwen2_workers[1]}: expert 3 of layer 1 is not held")
     out = dispatcher.combine(dispatcher.dispatch(1, hidden, torch.tensor([[0, 5]]), weights))  # both streams in step
     assert out.shape == (1, 32) and torch.isfinite(out).all()
+    assert not any(link.broken for link in dispatcher.links)
     dispatcher.close()

@@ -1,12 +1,105 @@
-"""The commands as users run them: real processes, real TCP, JSON out."""
+"""The commands as users run them: real processes, real TCP, JSON out.
+
+Every count in a report is checked against what it must be. Round trips and bytes are derived
+in-process: the same forwards on the local eager model (whose routing the swarm reproduces bit
+for bit) give every MoE layer call's routing; `plan_layer` splits it as the dispatcher does, and
+the wire's own message classes size each DISPATCH and RESULT frame.
+"""
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
+import torch
+
+from moeswarm.dispatch.plan import plan_layer
+from moeswarm.generation.loop import generate
+from moeswarm.generation.stepper import Stepper
+from moeswarm.model.experts import experts_modules
+from moeswarm.model.loading import load_local
+from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.wire.codecs import lossless_codec
+from moeswarm.wire.messages import Dispatch, Result
+
+PROMPT = "def add(a, b):\n"
+DEMO_PROMPT = "def fibonacci(n):\n"  # moeswarm.bundled.DEMO_PROMPT, the demo's default
+MAX_NEW_TOKENS = 12
+MOE_LAYERS = 3  # the tiny qwen2_moe: every decoder layer is MoE
+TWO_WORKERS = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])  # owner [E]: experts 0-3 and 4-7 (conftest's qwen2_workers)
+
+
+@dataclass(frozen=True)
+class LayerTraffic:
+    """One MoE layer call as the wire must carry it."""
+
+    layer: int
+    tokens: int
+    workers: tuple[int, ...]  # reached, ascending
+    bytes_out: int
+    bytes_in: int
+
+
+def routed_calls(model: torch.nn.Module, drive: Callable[[], object]) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every experts call (layer, hidden [T, d], top_k_index [T, k], top_k_weights [T, k]) made while `drive()` runs."""
+    calls = []
+
+    def record(layer):
+        def hook(module, args, kwargs):
+            bound = inspect.signature(module.forward).bind(*args, **kwargs)
+            hidden, index, weights = list(bound.arguments.values())[:3]
+            calls.append((layer, hidden.detach().clone(), index.clone(), weights.detach().clone()))
+
+        return hook
+
+    hooks = [module.register_forward_pre_hook(record(layer), with_kwargs=True)
+             for layer, (_, module) in experts_modules(model).items()]
+    try:
+        drive()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
+def exact_traffic(calls, owner: torch.Tensor) -> list[LayerTraffic]:
+    """The frames of the exact lossless wire for these calls, sized by the wire's own encoders."""
+    traffic = []
+    for layer, hidden, index, weights in calls:
+        codec = lossless_codec(hidden.dtype)
+        bytes_out = bytes_in = 0
+        shares = plan_layer(owner, index, weights)
+        for share in shares:
+            request = Dispatch(layer, hidden[share.tokens], share.top_k_index, share.top_k_weights, "exact", codec, codec)
+            bytes_out += frame_size(request)
+            routed = share.top_k_index[share.top_k_index >= 0]
+            experts = torch.unique(routed).tolist()
+            counts = [int((routed == e).sum()) for e in experts]
+            outputs = torch.zeros(sum(counts), hidden.shape[1], dtype=hidden.dtype)  # [sum(n_e), d]
+            bytes_in += frame_size(Result(layer, "exact", outputs, experts, counts, codec))
+        traffic.append(LayerTraffic(layer, hidden.shape[0], tuple(s.worker for s in shares), bytes_out, bytes_in))
+    return traffic
+
+
+def frame_size(message) -> int:
+    """Bytes on the socket: header, metadata and payload (the request id has a fixed width)."""
+    return len(message.to_frame(1).to_bytes())
+
+
+def local_generation(model_dir: str, prompt: str, max_new_tokens: int, speculate: int = 0):
+    """(prompt ids, the local eager GenerationResult, every experts call it made)."""
+    model = load_local(model_dir)
+    codec = load_text_codec(model_dir, model.config.vocab_size)
+    prompt_ids = codec.encode(prompt)
+    out = {}
+    calls = routed_calls(model, lambda: out.update(result=generate(Stepper(model), prompt_ids, max_new_tokens, speculate,
+                                                                     eos_token_id=codec.eos_token_id)))
+    return prompt_ids, out["result"], calls, codec
 
 
 def _moeswarm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -14,43 +107,85 @@ def _moeswarm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def _generate(model: str, workers: list[str], *extra: str) -> dict:
-    done = _moeswarm("generate", "--model", model, "--workers", ",".join(workers), "--prompt", "def add(a, b):\n",
-                     "--max-new-tokens", "12", "--threads", "1", "--json", *extra)
+    done = _moeswarm("generate", "--model", model, "--workers", ",".join(workers), "--prompt", PROMPT,
+                     "--max-new-tokens", str(MAX_NEW_TOKENS), "--threads", "1", "--json", *extra)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 
-def test_generate_check_local_is_bit_identical(qwen2_moe, qwen2_workers):
+def _check_traffic(report: dict, traffic: list[LayerTraffic], round_trips: int) -> None:
+    decode = [t for t in traffic if t.tokens == 1]
+    token_layers = sum(t.tokens for t in traffic)
+    assert report["round_trips"] == round_trips
+    assert (report["bytes_out"], report["bytes_in"]) == (sum(t.bytes_out for t in traffic), sum(t.bytes_in for t in traffic))
+    assert report["bytes_out_per_token_layer"] == report["bytes_out"] / token_layers
+    assert report["bytes_in_per_token_layer"] == report["bytes_in"] / token_layers
+    assert report["decode_bytes_out_per_token_layer"] == sum(t.bytes_out for t in decode) / len(decode)
+    assert report["decode_bytes_in_per_token_layer"] == sum(t.bytes_in for t in decode) / len(decode)
+
+
+@pytest.fixture(scope="module")
+def plain_local(qwen2_moe):
+    return local_generation(qwen2_moe, PROMPT, MAX_NEW_TOKENS)
+
+
+def test_generate_check_local_is_bit_identical(qwen2_moe, qwen2_workers, plain_local):
+    prompt_ids, local, calls, codec = plain_local
     report = _generate(qwen2_moe, qwen2_workers, "--check-local")
-    assert report["bit_identical"] is True and report["tokens_match_local"] is True
-    assert len(report["tokens"]) == 12 and report["steps"] == 11
-    assert report["round_trips"] == 12 * report["moe_layers"]  # star: one round trip per MoE layer per forward
-    assert report["bytes_out_per_token_layer"] > 32 * 4 and report["bytes_in_per_token_layer"] > 32 * 4
-    for key in ("text", "tokens_per_s", "bytes_out_per_token_layer", "bytes_in_per_token_layer"):
-        assert key in report
+
+    assert (report["bit_identical"], report["tokens_match_local"], report["first_mismatch"]) == (True, True, None)
+    assert report["tokens"] == local.tokens and len(local.tokens) == MAX_NEW_TOKENS
+    assert report["text"] == codec.decode(local.tokens)
+    assert report["prompt_tokens"] == len(prompt_ids) == len(PROMPT.encode())  # byte-level tokenizer, no merges
+    assert (report["steps"], report["speculate"], report["drafted"], report["accepted"]) == (11, 0, 0, 0)
+    assert report["tokens_per_step"] == 1.0
+    assert (report["model"], report["model_type"], report["moe_layers"]) == (qwen2_moe, "qwen2_moe", MOE_LAYERS)
+    assert (report["workers"], report["fanout"], report["mode"]) == (qwen2_workers, "star", "exact")
+    assert (report["wire_dispatch"], report["wire_combine"]) == ("lossless", "lossless")
+    traffic = exact_traffic(calls, TWO_WORKERS)
+    assert len(traffic) == MAX_NEW_TOKENS * MOE_LAYERS  # the prefill and 11 decode steps, each through every MoE layer
+    _check_traffic(report, traffic, round_trips=MAX_NEW_TOKENS * MOE_LAYERS)  # star: one round trip per layer call
+    assert sorted(report["worker_rtt_ms_mean"]) == sorted(qwen2_workers)
+    assert report["tokens_per_s"] == MAX_NEW_TOKENS / report["seconds"]
 
 
-def test_speculation_keeps_greedy_tokens_and_saves_round_trips(qwen2_moe, qwen2_workers):
+def test_speculation_keeps_greedy_tokens_and_saves_round_trips(qwen2_moe, qwen2_workers, plain_local):
     plain = _generate(qwen2_moe, qwen2_workers)
     fast = _generate(qwen2_moe, qwen2_workers, "--speculate", "4", "--check-local")
-    assert fast["tokens"] == plain["tokens"]
-    assert fast["bit_identical"] is True
+    _, local, calls, _ = local_generation(qwen2_moe, PROMPT, MAX_NEW_TOKENS, speculate=4)
+
+    assert fast["tokens"] == plain["tokens"] == local.tokens == plain_local[1].tokens
+    assert (fast["bit_identical"], fast["tokens_match_local"]) == (True, True)
+    assert (fast["steps"], fast["drafted"], fast["accepted"]) == (local.steps, local.drafted, local.accepted)
     assert fast["steps"] == 11 - fast["accepted"]
-    assert fast["round_trips"] == (1 + fast["steps"]) * fast["moe_layers"]
+    assert fast["tokens_per_step"] == 11 / fast["steps"]
+    _check_traffic(fast, exact_traffic(calls, TWO_WORKERS), round_trips=(1 + fast["steps"]) * MOE_LAYERS)
+    assert plain["round_trips"] == MAX_NEW_TOKENS * MOE_LAYERS
+    assert plain["bit_identical"] is None and plain["first_mismatch"] is None
 
 
-def test_chain_fanout_same_tokens_more_round_trips(qwen2_moe, qwen2_workers):
+def test_chain_fanout_same_tokens_one_round_trip_per_worker_reached(qwen2_moe, qwen2_workers, plain_local):
     star = _generate(qwen2_moe, qwen2_workers)
     chain = _generate(qwen2_moe, qwen2_workers, "--fanout", "chain")
-    assert chain["tokens"] == star["tokens"]
-    assert chain["round_trips"] > star["round_trips"]
+    traffic = exact_traffic(plain_local[2], TWO_WORKERS)
+
+    assert chain["tokens"] == star["tokens"] == plain_local[1].tokens
+    assert chain["fanout"] == "chain"
+    _check_traffic(star, traffic, round_trips=len(traffic))
+    _check_traffic(chain, traffic, round_trips=sum(len(t.workers) for t in traffic))  # same frames, sent one by one
 
 
 def test_demo_json_on_a_given_model(qwen2_moe):
     done = _moeswarm("demo", "--model", qwen2_moe, "--max-new-tokens", "6", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert report["bit_identical"] is True and len(report["workers"]) == 2 and len(report["tokens"]) == 6
+    prompt_ids, local, calls, _ = local_generation(qwen2_moe, DEMO_PROMPT, 6)
+
+    assert (report["bit_identical"], report["tokens_match_local"]) == (True, True)
+    assert report["tokens"] == local.tokens and len(local.tokens) == 6
+    assert (len(report["workers"]), report["fanout"], report["mode"]) == (2, "star", "exact")
+    assert (report["prompt_tokens"], report["steps"]) == (len(prompt_ids), 5)
+    _check_traffic(report, exact_traffic(calls, TWO_WORKERS), round_trips=6 * MOE_LAYERS)
 
 
 @pytest.mark.parametrize(
@@ -65,6 +200,7 @@ def test_demo_json_on_a_given_model(qwen2_moe):
 def test_bad_flags_are_named(args, message):
     done = _moeswarm(*args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_missing_model_is_one_clear_line(tmp_path):

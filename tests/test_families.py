@@ -9,30 +9,29 @@ import pytest
 import torch
 
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_workers, split_experts
+from moeswarm.local_workers import local_swarm, split_experts
 from moeswarm.model.loading import load_local
 from moeswarm.model.tiny import FAMILIES, make_tiny_model
-from moeswarm.swarm import connect_swarm
 
 DECODE_STEPS = 8
 
 
-def assert_remote_equals_local(path: str, ranges: list[tuple[int, int]], prompt: list[int]) -> dict:
-    """Prefill + DECODE_STEPS greedy steps, remote and local side by side; return the accounting."""
+def assert_remote_equals_local(path: str, expert_sets: list[list[int]], prompt: list[int],
+                               local_experts: list[int] | None = None) -> dict:
+    """Prefill + DECODE_STEPS greedy steps, remote and local side by side; return the accounting.
+
+    local_experts: experts the backbone holds itself (through the same link interface)."""
     local = Stepper(load_local(path))
-    with local_workers(path, ranges) as addresses:
-        swarm = connect_swarm(path, addresses)
-        try:
-            remote = Stepper(swarm.model)
-            feed = prompt  # prefill: every prompt token in one dispatch per layer
-            for step in range(1 + DECODE_STEPS):
-                remote_logits, local_logits = remote.forward(feed), local.forward(feed)
-                assert torch.equal(remote_logits, local_logits), f"{path}: logits differ at step {step}"
-                feed = [int(remote_logits[-1].argmax())]
-            summary = swarm.dispatcher.accounting.summary()
-        finally:
-            swarm.close()
-    assert set(summary["worker_rtt_ms_mean"]) == set(addresses), "every worker must have served experts"
+    with local_swarm(path, expert_sets, local_experts=local_experts) as swarm:
+        remote = Stepper(swarm.model)
+        feed = prompt  # prefill: every prompt token in one dispatch per layer
+        for step in range(1 + DECODE_STEPS):
+            remote_logits, local_logits = remote.forward(feed), local.forward(feed)
+            assert torch.equal(remote_logits, local_logits), f"{path}: logits differ at step {step}"
+            feed = [int(remote_logits[-1].argmax())]
+        summary = swarm.accounting()
+        holders = swarm.workers
+    assert set(summary["worker_rtt_ms_mean"]) == set(holders), "every holder must have served experts"
     assert summary["layer_calls"] == (1 + DECODE_STEPS) * len(swarm.moe_layers)
     return summary
 
@@ -46,7 +45,21 @@ def test_odd_sizes_and_uneven_split(tmp_path):
     """Experts whose byte size is not a multiple of 64, split 3 + 5: worker buffers must mirror the
     address alignment a local model gives each expert, or single-row matmuls differ in low bits."""
     path = str(make_tiny_model("qwen3_moe", tmp_path / "odd", hidden_size=33, moe_intermediate_size=7))
-    assert_remote_equals_local(path, [(0, 2), (3, 7)], list(range(3, 30)))
+    assert_remote_equals_local(path, [[0, 1, 2], [3, 4, 5, 6, 7]], list(range(3, 30)))
+
+
+def test_non_contiguous_expert_sets(tmp_path):
+    """Workers holding scattered experts (odd byte sizes, so each run of experts needs its own
+    alignment): still bit-identical."""
+    path = str(make_tiny_model("qwen3_moe", tmp_path / "odd", hidden_size=33, moe_intermediate_size=7))
+    assert_remote_equals_local(path, [[0, 2, 3, 7], [1, 4, 5, 6]], list(range(3, 30)))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_local_and_remote_holders_mixed(family, tiny_models):
+    """Experts 0-2 and 6 on the backbone, the rest on two workers: exact combine stays bit-identical."""
+    summary = assert_remote_equals_local(tiny_models(family), [[3, 4], [5, 7]], list(range(3, 20)), local_experts=[0, 1, 2, 6])
+    assert "local" in summary["worker_rtt_ms_mean"]
 
 
 def test_bf16_model_is_bit_identical(tmp_path):

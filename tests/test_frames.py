@@ -7,7 +7,8 @@ import torch
 
 from moeswarm.errors import ProtocolError
 from moeswarm.wire.frames import HEADER_SIZE, Frame, Opcode, decode_meta, opcode_of, parse_header
-from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result
+from moeswarm.wire.config import CombineMode
+from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerInfo
 
 
 def test_opcodes_are_pinned():
@@ -17,14 +18,14 @@ def test_opcodes_are_pinned():
 
 
 def test_ping_golden_bytes():
-    assert Frame(Opcode.PING, 7).to_bytes().hex() == "4d53574d01050000" "0700000000000000" "01000000" "00000000" "80"
+    assert Frame(Opcode.PING, 7).to_bytes().hex() == "4d53574d02050000" "0700000000000000" "01000000" "00000000" "80"
 
 
 def test_hello_golden_bytes():
     data = Hello("hf-abc").to_frame(1).to_bytes()
     assert data.hex() == (
-        "4d53574d01010000" "0100000000000000" "2c000000" "00000000"
-        "83a870726f746f636f6c01ab66696e6765727072696e74a66866"
+        "4d53574d02010000" "0100000000000000" "2c000000" "00000000"
+        "83a870726f746f636f6c02ab66696e6765727072696e74a66866"
         "2d616263a4726f6c65a86261636b626f6e65"
     )
 
@@ -65,12 +66,43 @@ def test_dispatch_and_result_round_trip():
     again = Dispatch.from_frame(_reparse(frame))
     assert again.layer == 2 and torch.equal(again.hidden, hidden) and torch.equal(again.top_k_index, index)
     assert torch.equal(again.top_k_weights, weights)
-    result = Result(2, "exact", torch.randn(4, 8), [0, 5], [2, 2])
+    result = Result(2, CombineMode.EXACT, torch.randn(4, 8), [0, 5], [2, 2])
     back = Result.from_frame(_reparse(result.to_frame(1)))
     assert back.experts == [0, 5] and back.counts == [2, 2] and torch.equal(back.outputs, result.outputs)
-    partial = Result(2, "partial", torch.randn(3, 8), [], [], "bf16")
+    partial = Result(2, CombineMode.PARTIAL, torch.randn(3, 8), [], [], "bf16")
     back = Result.from_frame(_reparse(partial.to_frame(1)))
     assert "experts" not in partial.to_frame(1).meta and torch.equal(back.outputs, partial.outputs.bfloat16().float())
+
+
+def test_hello_answer_golden_bytes_and_round_trip():
+    """v2: HELLO's answer lists each layer's experts (any set), as [layer, [experts...]] pairs."""
+    info = WorkerInfo("hf-abc", "qwen2_moe", 8, 32, {0: (0, 2, 3), 1: (5,)}, ("f32",))
+    frame = info.to_frame(1)
+    assert frame.meta["held"] == [[0, [0, 2, 3]], [1, [5]]]
+    assert frame.to_bytes()[HEADER_SIZE:].hex() == (
+        "87a870726f746f636f6c02ab66696e6765727072696e74a6hf2d616263".replace("hf", "6866")
+        + "aa6d6f64656c5f74797065a97177656e325f6d6f65ab6e756d5f65787065727473"
+        "08ab68696464656e5f73697a6520a468656c6492920093000203920191" "05a6636f6465637391a3663332"
+    )
+    assert WorkerInfo.from_frame(_reparse(frame)) == info
+
+
+@pytest.mark.parametrize(
+    "held, message",
+    [
+        ([[0, [None]]], "HELLO layer 0: experts must be distinct ascending ids in 0-7"),
+        ([[0, [1000]]], "HELLO layer 0: experts must be distinct ascending ids in 0-7"),
+        ([[0, [-1]]], "HELLO layer 0: experts must be distinct ascending ids in 0-7"),
+        ([[0, [3, 1]]], "HELLO layer 0: experts must be distinct ascending ids in 0-7"),
+        ([[0, [1]], [0, [2]]], "HELLO lists layer 0 twice or out of range"),
+        ([[0]], "HELLO 'held' entries must be [layer, [experts...]]"),
+    ],
+)
+def test_malformed_hello_answers_are_named(held, message):
+    meta = {**WorkerInfo("hf-abc", "m", 8, 32, {0: (0,)}, ("f32",)).to_frame(1).meta, "held": held}
+    with pytest.raises(ProtocolError) as caught:
+        WorkerInfo.from_frame(Frame(Opcode.HELLO, 1, meta))
+    assert str(caught.value).startswith(message)
 
 
 def _reparse(frame: Frame) -> Frame:
@@ -84,7 +116,7 @@ def _reparse(frame: Frame) -> Frame:
     "mutate, message",
     [
         (lambda h: b"XXXX" + h[4:], "bad magic"),
-        (lambda h: h[:4] + b"\x02" + h[5:], "unsupported protocol version 2"),
+        (lambda h: h[:4] + b"\x01" + h[5:], "unsupported protocol version 1"),
         (lambda h: h[:16] + (2 << 20).to_bytes(4, "little") + h[20:], "metadata of 2097152 bytes is over the limit"),
         (lambda h: h[:20] + (1 << 31).to_bytes(4, "little"), "payload of 2147483648 bytes is over the limit"),
         (lambda h: h[:10], "truncated header: 10 of 24"),

@@ -24,9 +24,9 @@ import torch
 from moeswarm.errors import ModelError
 from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import local_workers, split_experts
-from moeswarm.model.loading import load_expert_slice, load_local
+from moeswarm.model.loading import load_experts, load_local
 from moeswarm.model.tokenizer import load_text_codec
-from moeswarm.swarm import connect_swarm
+from moeswarm.swarm import open_swarm
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_slice import write_slice
 
@@ -38,7 +38,7 @@ except ImportError:
     raise ImportError("tests/test_gguf.py needs llama-cpp-python (pip install llama-cpp-python==0.3.36); "
                       "set MOESWARM_SKIP_LLAMACPP=1 to skip") from None
 
-from moeswarm.weights.llamacpp_fixtures import FIXTURE_TYPES, llama_cpp_logits, make_fixture_ggufs  # noqa: E402
+from llamacpp_fixtures import FIXTURE_TYPES, llama_cpp_logits, make_fixture_ggufs  # noqa: E402
 
 torch.set_num_threads(1)
 FAMILIES = {"qwen2_moe": {}, "qwen3_moe": {"norm_topk_prob": True}}
@@ -80,16 +80,13 @@ def test_f32_gguf_swarm_equals_hf_directory(gguf_fixtures):
         assert torch.equal(tensor, from_gguf[name]), f"{name} differs between the HF directory and the F32 GGUF"
     local = Stepper(reference)
     with local_workers(str(files["F32"]), split_experts(8, 2)) as addresses:
-        swarm = connect_swarm(str(files["F32"]), addresses)
-        try:
+        with open_swarm(str(files["F32"]), addresses) as swarm:
             remote = Stepper(swarm.model)
             feed = TOKENS[:10]
             for step in range(4):
                 remote_logits, local_logits = remote.forward(feed), local.forward(feed)
                 assert torch.equal(remote_logits, local_logits), f"logits differ at step {step}"
                 feed = [int(remote_logits[-1].argmax())]
-        finally:
-            swarm.close()
 
 
 @pytest.mark.parametrize("kind", FIXTURE_TYPES)
@@ -108,7 +105,7 @@ def test_logits_agree_with_llama_cpp(family, kind, gguf_fixtures):
 def test_slice_blocks_are_byte_identical(kind, gguf_fixtures, tmp_path):
     source = GGUFFile.open(gguf_fixtures("qwen2_moe")[kind])
     part = tmp_path / "part.gguf"
-    write_slice(source.path, part, (2, 5), layers=(1, 1))
+    write_slice(source.path, part, [2, 3, 4, 5], layers=(1, 1))
     sliced = GGUFFile.open(part)
     assert sliced.fingerprint == source.fingerprint
     assert sliced.expert_ids == [2, 3, 4, 5] and sliced.sliced_layers == [1]
@@ -132,15 +129,12 @@ def test_workers_serve_from_slice_files(gguf_fixtures, tmp_path):
     assert main(["slice", str(full), "--experts", "0-3", "--with-backbone", "-o", str(low)]) == 0
     assert main(["slice", str(full), "--experts", "4-7", "-o", str(high)]) == 0
     local = Stepper(load_local(full))
-    with local_workers(str(low), [(0, 3)]) as first, local_workers(str(high), [(4, 7)]) as second:
-        swarm = connect_swarm(str(low), first + second)
-        try:
+    with local_workers(str(low), [[0, 1, 2, 3]]) as first, local_workers(str(high), [[4, 5, 6, 7]]) as second:
+        with open_swarm(str(low), first + second) as swarm:
             logits = Stepper(swarm.model).forward(TOKENS)
-        finally:
-            swarm.close()
     assert torch.equal(logits, local.forward(TOKENS))
     with pytest.raises(ModelError, match=r"high\.gguf.*holds experts 4-7.*requested experts 2-3"):
-        load_expert_slice(str(high), None, (2, 5))
+        load_experts(str(high), [2, 3, 4, 5])
 
 
 def test_tokenizer_round_trips_and_matches_llama_cpp(gguf_fixtures):

@@ -7,7 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from moeswarm.errors import ModelError
-from moeswarm.model.loading import load_backbone, load_expert_slice
+from moeswarm.model.loading import load_backbone, load_experts
 from moeswarm.weights.gguf_slice import write_slice
 
 HIDDEN, EXPERTS, FF = 32, 4, 32
@@ -48,7 +48,7 @@ def test_truncated_file(tmp_path):
     data = open(full, "rb").read()
     cut.write_bytes(data[: len(data) - 1000])
     with pytest.raises(ModelError, match=r"cut\.gguf: truncated"):
-        load_expert_slice(str(cut), None, (0, 1))
+        load_experts(str(cut), [0, 1])
     header_only = tmp_path / "header.gguf"
     header_only.write_bytes(data[:40])
     with pytest.raises(ModelError, match=r"header\.gguf: truncated or corrupt GGUF file"):
@@ -70,10 +70,12 @@ def test_unsupported_quantization_type(tmp_path):
 def test_slice_lacking_requested_experts(tmp_path):
     full = _write(tmp_path / "full.gguf")
     part = tmp_path / "part.gguf"
-    write_slice(full, part, (2, 3))
-    slices, checkpoint, num_experts = load_expert_slice(str(part), None, (2, 3))
-    assert num_experts == EXPERTS and checkpoint.fingerprint == load_expert_slice(full, None, (2, 3))[1].fingerprint
-    with pytest.raises(ModelError, match=r"part\.gguf: this slice file holds experts 2-3, not the requested experts 0-1"):
-        load_expert_slice(str(part), None, (0, 3))
+    write_slice(full, part, [2, 3])
+    hosted, source, num_experts = load_experts(str(part))  # what the slice file holds
+    assert num_experts == EXPERTS and source.fingerprint == load_experts(full, [2, 3])[1].fingerprint
+    assert {layer: h.experts for layer, h in hosted.items()} == {0: (2, 3)}
+    with pytest.raises(ModelError, match=r"part\.gguf: this slice file holds experts 2-3, not the requested experts 0-1 "
+                                         r"\(requested 0-3\)$"):
+        load_experts(str(part), [0, 1, 2, 3])
     with pytest.raises(ModelError, match=r"part\.gguf: the GGUF file lacks backbone tensors"):
         load_backbone(str(part))

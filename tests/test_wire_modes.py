@@ -11,7 +11,8 @@ import torch
 
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.loading import load_local
-from moeswarm.swarm import connect_swarm
+from moeswarm.swarm import open_swarm
+from moeswarm.wire.config import WireConfig
 
 PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5, 77, 120, 33]
 
@@ -23,26 +24,21 @@ PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5, 77, 120, 33]
 )
 def test_reduced_wire_stays_close(qwen2_moe, qwen2_workers, mode, dispatch, combine, min_cosine):
     local = Stepper(load_local(qwen2_moe)).forward(PROMPT)
-    swarm = connect_swarm(qwen2_moe, qwen2_workers, mode=mode, wire_dispatch=dispatch, wire_combine=combine)
-    try:
+    with open_swarm(qwen2_moe, qwen2_workers, WireConfig(mode, dispatch, combine)) as swarm:
         remote = Stepper(swarm.model).forward(PROMPT)
-        summary = swarm.dispatcher.accounting.summary()
-    finally:
-        swarm.close()
+        summary = swarm.accounting()
     cosine = torch.nn.functional.cosine_similarity(remote, local, dim=-1)
     assert cosine.min() > min_cosine, cosine
-    assert summary["bytes_in"] > 0
+    assert summary["layer_calls"] == len(swarm.moe_layers)  # one prefill forward: one call per MoE layer
+    assert summary["round_trips"] == len(swarm.moe_layers)  # star: one trip per layer whatever the workers
 
 
 def test_partial_sends_fewer_bytes_back_than_exact(qwen2_moe, qwen2_workers):
     inbound = {}
     for mode in ("exact", "partial"):
-        swarm = connect_swarm(qwen2_moe, qwen2_workers, mode=mode)
-        try:
+        with open_swarm(qwen2_moe, qwen2_workers, WireConfig(mode)) as swarm:
             Stepper(swarm.model).forward(PROMPT)
-            inbound[mode] = swarm.dispatcher.accounting.summary()["bytes_in"]
-        finally:
-            swarm.close()
+            inbound[mode] = swarm.accounting()["bytes_in"]
     assert inbound["partial"] < inbound["exact"]
 
 
@@ -58,7 +54,7 @@ def test_gate_command_passes_lossless_and_fails_impossible_threshold(qwen2_moe, 
     strict = subprocess.run(base + ["--wire-dispatch", "fp8-b128", "--min-cosine", "1.01"], capture_output=True, text=True, timeout=300)
     assert strict.returncode == 1 and json.loads(strict.stdout)["passed"] is False
     bad = subprocess.run(base + ["--wire-combine", "int3"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--wire-combine: unknown codec 'int3'" in bad.stderr
+    assert bad.returncode == 2 and "unknown combine codec 'int3'" in bad.stderr
 
 
 def test_generate_wan_preset_is_cheaper_and_close(qwen2_moe, qwen2_workers):

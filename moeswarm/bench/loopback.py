@@ -10,13 +10,9 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
-
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_workers, split_experts
-from moeswarm.model.experts import num_experts_of
+from moeswarm.local_workers import local_swarm
 from moeswarm.model.loading import load_local
-from moeswarm.swarm import connect_swarm
 
 
 def decode_seconds(stepper_factory, prompt: list[int], steps: int) -> float:
@@ -31,22 +27,16 @@ def decode_seconds(stepper_factory, prompt: list[int], steps: int) -> float:
 
 
 def run_loopback(model: str, workers: int = 2, steps: int = 32, repeats: int = 3, prompt: list[int] | None = None) -> dict:
-    torch.set_num_threads(1)
     prompt = prompt or [5, 17, 42, 8, 99, 23, 11, 60]
     local_model = load_local(model)
-    ranges = split_experts(num_experts_of(local_model), workers)
-    with local_workers(model, ranges) as addresses:
-        swarm = connect_swarm(model, addresses)
-        try:
-            pings = [swarm.dispatcher.workers[0].ping() for _ in range(200)]
-            local_runs, remote_runs = [], []
-            for _ in range(repeats):
-                local_runs.append(decode_seconds(lambda: Stepper(local_model), prompt, steps))
-                swarm.dispatcher.accounting.reset()
-                remote_runs.append(decode_seconds(lambda: Stepper(swarm.model), prompt, steps))
-            layer_call = swarm.dispatcher.accounting.summary()["seconds_per_layer_call_mean"]
-        finally:
-            swarm.close()
+    with local_swarm(model, workers) as swarm:
+        pings = [swarm.ping(0) for _ in range(200)]
+        local_runs, remote_runs = [], []
+        for _ in range(repeats):
+            local_runs.append(decode_seconds(lambda: Stepper(local_model), prompt, steps))
+            swarm.reset_accounting()
+            remote_runs.append(decode_seconds(lambda: Stepper(swarm.model), prompt, steps))
+        layer_call = swarm.accounting()["seconds_per_layer_call_mean"]
     local_s, remote_s = statistics.median(local_runs), statistics.median(remote_runs)
     layers = len(swarm.moe_layers)
     return {

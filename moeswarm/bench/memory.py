@@ -15,13 +15,13 @@ from pathlib import Path
 
 _PROBE = """
 import json, resource, sys, psutil, torch
-from moeswarm.model.loading import load_backbone, load_expert_slice, load_local
+from moeswarm.ids import parse_experts
+from moeswarm.model.loading import load_backbone, load_experts, load_local
 before = psutil.Process().memory_info().rss
 kind, path = sys.argv[1], sys.argv[2]
 if kind.startswith("worker:"):
-    low, high = map(int, kind.split(":")[1].split("-"))
-    slices = load_expert_slice(path, None, (low, high))[0]
-    params = [p for hosted in slices.values() for p in hosted.module.parameters()]
+    hosted = load_experts(path, parse_experts(kind.split(":")[1]))[0]
+    params = [p for layer in hosted.values() for p in layer.module.parameters()]
 else:
     params = list((load_backbone(path)[0] if kind == "backbone" else load_local(path)).parameters())
 real = sum(p.numel() * p.element_size() for p in params if not p.is_meta)

@@ -1,7 +1,7 @@
 """Emulated WAN links in front of worker processes, for benchmarks.
 
     with wan_links(worker_addresses, LinkProfile(rtt_s=0.1)) as links:
-        swarm = connect_swarm(model, links.addresses)      # every byte crosses a WanProxy
+        swarm = open_swarm(model, links.addresses)      # every byte crosses a WanProxy
         links.set_profile(0, rtt_s=0.02)                   # one link
         links.set_all(rtt_s=0.08, bandwidth_bps=100e6)     # every link
 

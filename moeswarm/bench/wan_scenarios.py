@@ -34,9 +34,9 @@ from moeswarm.local_workers import local_workers, split_experts
 from moeswarm.model.experts import num_experts_of
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
-from moeswarm.swarm import Swarm, connect_swarm
+from moeswarm.swarm import Swarm, open_swarm
 from moeswarm.wan import LinkProfile
-from moeswarm.wire.defaults import EXACT, WAN
+from moeswarm.wire.config import EXACT, WAN
 
 WORKERS = 4
 WIRES = {"exact-f32": EXACT, "wan-int8": WAN}
@@ -73,9 +73,9 @@ def _forwards(stepper: Stepper, prompt: list[int], n: int, width: int = 1) -> tu
 
 def _measure(swarm: Swarm, prompt: list[int], n: int, width: int = 1) -> dict:
     """Forwards on a fresh cache, with the dispatcher's accounting of the forwards after the prefill."""
-    swarm.dispatcher.accounting.reset()
+    swarm.reset_accounting()
     prefill_s, times = _forwards(Stepper(swarm.model), prompt, n, width)
-    calls = swarm.dispatcher.accounting.calls[len(swarm.moe_layers):]  # the prefill is the first forward
+    calls = swarm.layer_calls()[len(swarm.moe_layers):]  # the prefill is the first forward
     token_layers = sum(c.tokens for c in calls)
     return {"prefill_s": prefill_s, "times": times, "calls": calls,
             "remote_layers_per_step": sum(1 for c in calls if c.round_trips > 0) / n,
@@ -104,8 +104,8 @@ def petals(local_model, swarms: dict[str, Swarm], links, prompt: list[int], step
             swarm = swarms["direct" if link == "direct" else "star"]
             if link == "wan":
                 links.set_all(rtt_s=rtt_s, bandwidth_bps=bandwidth_bps)
-            swarm.dispatcher.configure(WIRES[wire].mode, WIRES[wire].wire_dispatch, WIRES[wire].wire_combine)
-            ping_ms = 1e3 * statistics.median(swarm.dispatcher.workers[0].ping() for _ in range(3))
+            swarm.configure(WIRES[wire])
+            ping_ms = 1e3 * statistics.median(swarm.ping(0) for _ in range(3))
             measured = _measure(swarm, prompt, steps)
             times[i] += measured.pop("times")
             del measured["calls"]
@@ -114,8 +114,8 @@ def petals(local_model, swarms: dict[str, Swarm], links, prompt: list[int], step
     for i, (link, rtt_s, bandwidth_bps, wire) in enumerate(configs):
         config = WIRES.get(wire)
         rows.append({"scenario": "petals", "link": link, "rtt_ms": rtt_s and 1e3 * rtt_s, "bandwidth_bps": bandwidth_bps,
-                     "wire": wire, "mode": config and config.mode, "wire_dispatch": config and config.wire_dispatch,
-                     "wire_combine": config and config.wire_combine, "prompt_tokens": len(prompt),
+                     "wire": wire, "mode": config and config.mode.value, "wire_dispatch": config and config.dispatch_codec,
+                     "wire_combine": config and config.combine_codec, "prompt_tokens": len(prompt),
                      **_step_fields(times[i]), "round_trip_ms": rtt_s and 1e3 * rtt_s, **last[i]})
     return rows
 
@@ -128,7 +128,7 @@ def fanout(swarms: dict[str, Swarm], links, prompt: list[int], steps: int, width
     rows = []
     for name, combine_rtts, nominal_ms in (("star", max, max(rtt_ms.values())), ("chain", sum, sum(rtt_ms.values()))):
         swarm = swarms[name]
-        swarm.dispatcher.configure(EXACT.mode, EXACT.wire_dispatch, EXACT.wire_combine)
+        swarm.configure(EXACT)
         for width in widths:
             measured = _measure(swarm, prompt, steps, width)
             reached = [[rtt_ms[w] for w in call.worker_seconds] for call in measured["calls"]]
@@ -145,7 +145,7 @@ def fanout(swarms: dict[str, Swarm], links, prompt: list[int], steps: int, width
 def speculation(swarm: Swarm, links, prompts: dict[str, list[int]], new_tokens: int, steps: int, eos: int | None) -> list[dict]:
     """Plain greedy vs n-gram prompt lookup at SPECULATION_RTT_S, and the verify step's cost."""
     links.set_all(rtt_s=SPECULATION_RTT_S, bandwidth_bps=None)
-    swarm.dispatcher.configure(EXACT.mode, EXACT.wire_dispatch, EXACT.wire_combine)
+    swarm.configure(EXACT)
     base = {"scenario": "speculation", "rtt_ms": 1e3 * SPECULATION_RTT_S, "round_trip_ms": 1e3 * SPECULATION_RTT_S}
     one, verify = (_measure(swarm, prompts["non_repetitive"], steps, width) for width in (1, SPECULATE + 1))
     step_1_s, step_verify_s = statistics.median(one["times"]), statistics.median(verify["times"])
@@ -154,10 +154,10 @@ def speculation(swarm: Swarm, links, prompts: dict[str, list[int]], new_tokens: 
     for kind, prompt in prompts.items():
         results = {}
         for speculate in (0, SPECULATE):
-            swarm.dispatcher.accounting.reset()
+            swarm.reset_accounting()
             result = generate(Stepper(swarm.model), prompt, new_tokens, speculate, eos_token_id=eos)
             decode_s = result.seconds - result.prefill_seconds
-            calls = swarm.dispatcher.accounting.calls[len(swarm.moe_layers):]
+            calls = swarm.layer_calls()[len(swarm.moe_layers):]
             results[speculate] = result
             plain = results[0]
             step_s, tokens_per_step = decode_s / result.steps, (len(result.tokens) - 1) / result.steps
@@ -198,7 +198,6 @@ def load_prompts(codec, max_tokens: int) -> dict[str, list[int]]:
 
 def run_wan(model: str, quick: bool = False) -> dict:
     """Run every scenario on `model`; returns {"meta": {...}, "rows": [...]}."""
-    torch.set_num_threads(1)
     steps, repeats, new_tokens, widths = (3, 1, 8, (1, 8)) if quick else (8, 3, 24, (1, 16))
     local_model = load_local(model)
     config = local_model.config
@@ -210,9 +209,9 @@ def run_wan(model: str, quick: bool = False) -> dict:
             wan_links(addresses, LinkProfile(rtt_s=PETALS_RTT_S[0])) as links:
         swarms: dict[str, Swarm] = {}
         try:
-            swarms["direct"] = connect_swarm(model, addresses)
-            swarms["star"] = connect_swarm(model, links.addresses, fanout="star")
-            swarms["chain"] = connect_swarm(model, links.addresses, fanout="chain")
+            swarms["direct"] = open_swarm(model, addresses)
+            swarms["star"] = open_swarm(model, links.addresses, fanout="star")
+            swarms["chain"] = open_swarm(model, links.addresses, fanout="chain")
             rows = petals(local_model, swarms, links, prompts["non_repetitive"], steps, repeats)
             rows += fanout(swarms, links, prompts["non_repetitive"], steps, widths)
             rows += speculation(swarms["star"], links, prompts, new_tokens, steps, codec.eos_token_id)

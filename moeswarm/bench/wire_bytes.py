@@ -16,14 +16,13 @@ from pathlib import Path
 
 import torch
 
-from moeswarm.dispatch.connection import WorkerConnection
-from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_workers, split_experts
-from moeswarm.model.checkpoint import Checkpoint
-from moeswarm.model.experts import num_experts_in_config
-from moeswarm.swarm import connect_swarm
+from moeswarm.local_workers import local_swarm, local_workers, split_experts
+from moeswarm.model.source import open_source
+from moeswarm.swarm import connect
+from moeswarm.transport.tcp import TcpLink
 from moeswarm.wire.codecs import FLOAT_CODECS
+from moeswarm.wire.config import WireConfig
 
 # The brief's reference layer: hidden size 3072, top-8. Attention and experts are kept tiny:
 # bytes on the wire depend only on the hidden size, top-k and placement.
@@ -43,36 +42,33 @@ def make_synthetic_model(out: Path) -> Path:
     return out
 
 
-def _row(model: str, mode, dispatch, combine, workers, hidden, top_k, tokens, summary) -> dict:
-    return {"model": str(model), "mode": mode, "wire_dispatch": dispatch or "lossless",
-            "wire_combine": combine or "lossless", "workers": workers, "hidden": hidden, "top_k": top_k,
+def _row(model: str, wire: WireConfig, workers, hidden, top_k, tokens, summary) -> dict:
+    return {"model": str(model), "mode": wire.mode.value, "wire_dispatch": wire.dispatch_codec or "lossless",
+            "wire_combine": wire.combine_codec or "lossless", "workers": workers, "hidden": hidden, "top_k": top_k,
             "tokens_per_frame": tokens, "bytes_out": summary["bytes_out_per_token_layer"],
             "bytes_in": summary["bytes_in_per_token_layer"]}
 
 
 def synthetic_layer_bytes(model: str, workers: int, configs=ALL_CONFIGS, frames: int = 4) -> list[dict]:
     """Drive the synthetic layer directly: random hidden states, uniform top-k routing."""
-    checkpoint = Checkpoint.open(model)
-    config = checkpoint.config
+    source = open_source(model)
+    config = source.config
     experts, top_k, hidden_size = config.num_experts, config.num_experts_per_tok, config.hidden_size
     generator = torch.Generator().manual_seed(0)
     rows = []
     with local_workers(model, split_experts(experts, workers)) as addresses:
-        connections = [WorkerConnection(a) for a in addresses]
-        for connection in connections:
-            connection.connect(checkpoint.fingerprint)
-        dispatcher = Dispatcher(connections, experts)
+        links = [TcpLink(a) for a in addresses]
+        dispatcher = connect(links, source.fingerprint, experts, hidden_size, [0])
         try:
             for (mode, dispatch, combine), tokens in itertools.product(configs, (1, 64)):
-                dispatcher.configure(mode, dispatch, combine)
+                dispatcher.wire = wire = WireConfig(mode, dispatch, combine)
                 dispatcher.accounting.reset()
                 for _ in range(frames):
                     hidden = torch.randn(tokens, hidden_size, generator=generator)  # [T, d]
                     index = torch.rand(tokens, experts, generator=generator).argsort(dim=1)[:, :top_k]  # [T, k]
                     weights = torch.rand(tokens, top_k, generator=generator)  # [T, k]
                     dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
-                rows.append(_row(model, mode, dispatch, combine, workers, hidden_size, top_k, tokens,
-                                 dispatcher.accounting.summary()))
+                rows.append(_row(model, wire, workers, hidden_size, top_k, tokens, dispatcher.accounting.summary()))
         finally:
             dispatcher.close()
     return rows
@@ -80,27 +76,22 @@ def synthetic_layer_bytes(model: str, workers: int, configs=ALL_CONFIGS, frames:
 
 def model_bytes(model: str, workers: int, configs=MATCHED_CONFIGS, decode_tokens: int = 16, prefill_tokens: int = 64) -> list[dict]:
     """A real model generating greedily: its own routing decides who gets which tokens."""
-    config = Checkpoint.open(model).config
-    num_experts = num_experts_in_config(config)
+    config = open_source(model).config
     top_k = getattr(config, "num_experts_per_tok", None)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (prefill_tokens,), generator=generator).tolist()
     rows = []
-    with local_workers(model, split_experts(num_experts, workers)) as addresses:
-        swarm = connect_swarm(model, addresses)
-        try:
-            for mode, dispatch, combine in configs:
-                swarm.dispatcher.configure(mode, dispatch, combine)
-                accounting = swarm.dispatcher.accounting
-                stepper = Stepper(swarm.model)
-                accounting.reset()
-                token = int(stepper.forward(prompt)[-1].argmax())
-                prefill = accounting.summary()
-                accounting.reset()
-                for _ in range(decode_tokens):
-                    token = int(stepper.forward([token])[-1].argmax())
-                rows.append(_row(model, mode, dispatch, combine, workers, config.hidden_size, top_k, 1, accounting.summary()))
-                rows.append(_row(model, mode, dispatch, combine, workers, config.hidden_size, top_k, prefill_tokens, prefill))
-        finally:
-            swarm.close()
+    with local_swarm(model, workers) as swarm:
+        for mode, dispatch, combine in configs:
+            wire = WireConfig(mode, dispatch, combine)
+            swarm.configure(wire)
+            stepper = Stepper(swarm.model)
+            swarm.reset_accounting()
+            token = int(stepper.forward(prompt)[-1].argmax())
+            prefill = swarm.accounting()
+            swarm.reset_accounting()
+            for _ in range(decode_tokens):
+                token = int(stepper.forward([token])[-1].argmax())
+            rows.append(_row(model, wire, workers, config.hidden_size, top_k, 1, swarm.accounting()))
+            rows.append(_row(model, wire, workers, config.hidden_size, top_k, prefill_tokens, prefill))
     return rows

@@ -1,4 +1,4 @@
-"""`moeswarm bench`: loopback overhead, backbone memory, bytes on the wire."""
+"""`moeswarm bench`: loopback overhead, PING under load, backbone memory, bytes on the wire, WAN."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--worker-model", action="append", default=[], metavar="PATH",
                         help="also measure workers (a quarter vs all experts) on this model directory or .gguf")
     memory.add_argument("--json", action="store_true")
+    ping = sub.add_parser("ping", help="a worker's PING round trip while it computes a long prefill, against idle")
+    ping.add_argument("--model", default=None, help="model directory or .gguf (default: the bundled model)")
+    ping.add_argument("--prefill-tokens", type=int, default=2048)
+    ping.add_argument("--json", action="store_true")
     wire = sub.add_parser("bytes", help="bytes per token per MoE layer on the wire")
     wire.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     wire.add_argument("--json", action="store_true")
@@ -32,22 +36,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from moeswarm.bundled import demo_model
+    from moeswarm.commands._setup import set_threads
 
     # Backbone and workers share this machine's cores: one thread each, or idle OpenMP threads
     # spinning in one process steal the others' time and the figures measure contention.
-    torch.set_num_threads(1)
+    set_threads(1)
 
     if args.bench == "loopback":
         from moeswarm.bench.loopback import run_loopback
 
         result = run_loopback(args.model or str(demo_model()), args.workers, args.steps, args.repeats)
         _print(result, args.json)
+    elif args.bench == "ping":
+        from moeswarm.bench.ping_load import run_ping_under_load
+
+        _print(run_ping_under_load(args.model or str(demo_model()), args.prefill_tokens), args.json)
     elif args.bench == "memory":
         from moeswarm.bench.memory import MEMORY_MODEL, make_memory_model, run_memory, run_worker_memory
-        from moeswarm.model.checkpoint import Checkpoint
+        from moeswarm.model.source import open_source
         from moeswarm.model.experts import num_experts_in_config
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             result = run_memory(generated)
             result["workers"] = [run_worker_memory(generated, MEMORY_MODEL["num_experts"])]
             for path in args.worker_model:
-                config = Checkpoint.open(path).config
+                config = open_source(path).config
                 experts = num_experts_in_config(config)
                 result["workers"].append(run_worker_memory(path, experts))
         _print(result, args.json)

@@ -17,39 +17,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.bundled import DEMO_PROMPT, demo_model
+    from moeswarm.commands._setup import set_threads
     from moeswarm.errors import MoeSwarmError
     from moeswarm.generation.run import GenerationRequest, run_generation, summary_lines
-    from moeswarm.local_workers import local_workers, split_experts
-    from moeswarm.model.checkpoint import Checkpoint
+    from moeswarm.local_workers import local_swarm, split_experts
     from moeswarm.model.experts import num_experts_in_config
-    from moeswarm.swarm import connect_swarm
+    from moeswarm.model.source import open_source
+    from moeswarm.ids import format_ids
 
     if args.workers < 2:
         raise MoeSwarmError("the demo runs at least 2 workers")
     if args.max_new_tokens < 1:
         raise MoeSwarmError("--max-new-tokens must be at least 1")
-    import torch
-
     # The backbone shares this machine with the workers: one thread each, or idle OpenMP
     # threads spinning here steal the workers' cores while the backbone waits for them.
-    torch.set_num_threads(1)
+    set_threads(1)
     model = args.model or str(demo_model())
-    config = Checkpoint.open(model).config
-    num_experts = num_experts_in_config(config)
-    ranges = split_experts(num_experts, args.workers)
+    config = open_source(model).config
+    expert_sets = split_experts(num_experts_in_config(config), args.workers)
     if not args.json:
         print(f"moeswarm demo: {config.model_type} from {model}; starting {args.workers} workers with experts "
-              + ", ".join(f"{a}-{b}" for a, b in ranges), flush=True)
-    with local_workers(model, ranges) as addresses:
-        swarm = connect_swarm(model, addresses)
-        try:
-            prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
-            if not args.json:
-                print(prompt, end="", flush=True)
-            request = GenerationRequest(prompt, None, args.max_new_tokens, args.speculate, True, stream=not args.json)
-            report = run_generation(swarm, request)
-        finally:
-            swarm.close()
+              + ", ".join(format_ids(experts) for experts in expert_sets), flush=True)
+    with local_swarm(model, expert_sets) as swarm:
+        prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
+        if not args.json:
+            print(prompt, end="", flush=True)
+        request = GenerationRequest(prompt, None, args.max_new_tokens, args.speculate, True, stream=not args.json)
+        report = run_generation(swarm, request)
     if args.json:
         print(json.dumps(report))
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-COMBINE_MODES = ("exact", "partial")
+from moeswarm.wire.config import COMBINE_MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,21 +25,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from moeswarm.bundled import PROMPTS, demo_model
-    from moeswarm.errors import MoeSwarmError
+    from moeswarm.commands._setup import set_threads
     from moeswarm.gate import GateConfig, load_prompts, run_gate, run_gates
     from moeswarm.wire.codecs import FLOAT_CODECS
+    from moeswarm.wire.config import WireConfig
 
-    for flag, codec in (("--wire-dispatch", args.wire_dispatch), ("--wire-combine", args.wire_combine)):
-        if codec is not None and codec not in FLOAT_CODECS:
-            raise MoeSwarmError(f"{flag}: unknown codec {codec!r} (choose from {', '.join(FLOAT_CODECS)})")
-    torch.set_num_threads(1)
+    wire = WireConfig(args.combine, args.wire_dispatch, args.wire_combine)  # checked before anything loads
+    set_threads(1)
     model = args.reference if args.reference != "local" else (args.model or str(demo_model()))
     prompts = load_prompts(args.prompts or PROMPTS)
     if args.matrix:
-        configs = [GateConfig(mode, codec, codec, args.min_argmax, args.min_cosine)
+        configs = [GateConfig(WireConfig(mode, codec, codec), args.min_argmax, args.min_cosine)
                    for mode in COMBINE_MODES for codec in FLOAT_CODECS]
         reports = run_gates(model, prompts, configs, args.workers)
         for report in reports:
@@ -50,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
             for report in reports:
                 print(_line(report))
         return 0
-    config = GateConfig(args.combine, args.wire_dispatch, args.wire_combine, args.min_argmax, args.min_cosine)
+    config = GateConfig(wire, args.min_argmax, args.min_cosine)
     report = run_gate(model, prompts, config, args.workers)
     report["reference"] = args.reference
     if args.json:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from moeswarm.dispatch.dispatcher import FANOUTS
+from moeswarm.transport import FANOUTS
+from moeswarm.wire.config import COMBINE_MODES, PRESETS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,10 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-local", action="store_true",
                         help="also run the model locally (eager) and compare every step's logits and token")
     parser.add_argument("--fanout", choices=FANOUTS, default="star")
-    parser.add_argument("--wire", choices=("exact", "wan"), default="exact",
+    parser.add_argument("--wire", choices=tuple(PRESETS), default="exact",
                         help="preset: exact (bit-identical, lossless) or wan (the gated cheap wire: partial sums, "
                              "int8 blockwise both ways; docs/wire.md); the flags below override it")
-    parser.add_argument("--combine", choices=("exact", "partial"), default=None,
+    parser.add_argument("--combine", choices=COMBINE_MODES, default=None,
                         help="exact: per-expert outputs, bit-identical; partial: one weighted sum per token per worker")
     parser.add_argument("--wire-dispatch", default=None, help="codec for hidden states (default: the preset's)")
     parser.add_argument("--wire-combine", default=None, help="codec for the experts' outputs (default: the preset's)")
@@ -33,32 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moeswarm.commands._setup import set_threads
     from moeswarm.generation.run import GenerationRequest, run_generation, summary_lines
-    from moeswarm.swarm import connect_swarm
+    from moeswarm.swarm import open_swarm
+    from moeswarm.wire.config import WireConfig
 
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(max(1, args.threads))
-    from moeswarm.errors import MoeSwarmError
-    from moeswarm.wire.codecs import FLOAT_CODECS
-    from moeswarm.wire.defaults import EXACT, WAN
-
-    preset = WAN if args.wire == "wan" else EXACT
-    args.combine = args.combine or preset.mode
-    args.wire_dispatch = args.wire_dispatch or preset.wire_dispatch
-    args.wire_combine = args.wire_combine or preset.wire_combine
-    for flag, codec in (("--wire-dispatch", args.wire_dispatch), ("--wire-combine", args.wire_combine)):
-        if codec is not None and codec not in FLOAT_CODECS:
-            raise MoeSwarmError(f"{flag}: unknown codec {codec!r} (choose from {', '.join(FLOAT_CODECS)})")
-    swarm = connect_swarm(args.model, args.workers, fanout=args.fanout, mode=args.combine,
-                          wire_dispatch=args.wire_dispatch, wire_combine=args.wire_combine)
-    try:
+    wire = WireConfig.from_flags(args.wire, args.combine, args.wire_dispatch, args.wire_combine)
+    set_threads(args.threads)
+    with open_swarm(args.model, args.workers, wire, args.fanout) as swarm:
         request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
                                     args.check_local, stream=not args.json)
         report = run_generation(swarm, request)
-    finally:
-        swarm.close()
     if args.json:
         print(json.dumps(report))
     else:

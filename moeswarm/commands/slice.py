@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from moeswarm.commands.worker import _range
+from moeswarm.commands.worker import _range, expert_list
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="GGUF model file (or a slice file holding the requested experts)")
-    parser.add_argument("--experts", required=True, type=_range("experts"), help="inclusive expert range A-B, e.g. 0-31")
+    parser.add_argument("--experts", required=True, type=expert_list, help="experts to keep, ids and inclusive ranges, e.g. 0-31 or 0-3,9")
     parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
     parser.add_argument("--with-backbone", action="store_true",
                         help="also copy every non-expert tensor, so the file can run a backbone too")
@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.errors import ModelError
-    from moeswarm.weights.gguf_file import is_gguf_path
+    from moeswarm.ids import format_ids
+    from moeswarm.model.source import is_gguf_path
     from moeswarm.weights.gguf_slice import write_slice
 
     if not is_gguf_path(args.model):
@@ -29,8 +30,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"wrote {report['out']}: experts {args.experts[0]}-{args.experts[1]} of MoE layers "
-              f"{report['layers'][0]}-{report['layers'][-1]} ({report['expert_tensors']} expert tensors"
+        print(f"wrote {report['out']}: experts {format_ids(report['experts'])} of MoE layers "
+              f"{format_ids(report['layers'])} ({report['expert_tensors']} expert tensors"
               f"{', ' + str(report['backbone_tensors']) + ' backbone tensors' if args.with_backbone else ''}, "
               f"{report['bytes'] / 1e6:.1f} MB), model {report['fingerprint']}")
     return 0

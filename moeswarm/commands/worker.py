@@ -1,4 +1,4 @@
-"""`moeswarm worker`: serve a slice of a model's routed experts."""
+"""`moeswarm worker`: serve some of a model's routed experts (any set of them)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import asyncio
 import logging
 import signal
 
-from moeswarm.ids import parse_range
+from moeswarm.ids import parse_experts, parse_range
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
-    parser.add_argument("--experts", required=True, type=_range("experts"), help="inclusive expert range A-B, e.g. 0-15")
+    parser.add_argument("--experts", type=expert_list, default=None,
+                        help="experts to serve, ids and inclusive ranges, e.g. 0-3,9,17-20 "
+                             "(default: what the model source holds: every expert, or a slice file's)")
     parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="TCP port (0: pick a free one and print it)")
@@ -20,6 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; use 1 when several workers share a machine)")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def expert_list(text: str) -> list[int]:
+    """argparse type for an expert list such as 0-3,9,17-20."""
+    try:
+        return parse_experts(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _range(what: str):
@@ -33,23 +43,22 @@ def _range(what: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.model.loading import load_expert_slice
+    from moeswarm.commands._setup import set_threads
+    from moeswarm.model.loading import load_experts
     from moeswarm.worker.server import WorkerServer
     from moeswarm.worker.store import ExpertStore
 
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(max(1, args.threads))
+    set_threads(args.threads)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    slices, checkpoint, num_experts = load_expert_slice(args.model, args.layers, args.experts)
-    store = ExpertStore(slices, num_experts, checkpoint.config.hidden_size)
-    server = WorkerServer(store, checkpoint.fingerprint, checkpoint.config.model_type, args.max_payload)
+    hosted, source, num_experts = load_experts(args.model, args.experts, args.layers)
+    store = ExpertStore(hosted, num_experts, source.config.hidden_size)
+    del hosted  # the store holds the experts now (re-placed per contiguous run)
+    server = WorkerServer(store, source.fingerprint, source.config.model_type, args.max_payload)
 
     async def main() -> None:
         host, port = await server.start(args.host, args.port)
-        print(f"moeswarm worker: listening on {host}:{port} model {checkpoint.config.model_type} "
-              f"{checkpoint.fingerprint} {store.describe()}", flush=True)
+        print(f"moeswarm worker: listening on {host}:{port} model {source.config.model_type} "
+              f"{source.fingerprint} {store.describe()}", flush=True)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -60,4 +69,3 @@ def run(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
-

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from moeswarm.errors import MoeSwarmError
 from moeswarm.generation.loop import generate
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.loading import load_local
@@ -23,13 +24,13 @@ class GenerationRequest:
 
 
 def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
-    codec = load_text_codec(swarm.checkpoint.path, swarm.model.config.vocab_size)
+    codec = load_text_codec(swarm.source.path, swarm.model.config.vocab_size)
     prompt = request.prompt_ids if request.prompt_ids is not None else codec.encode(request.prompt or "")
     vocab = swarm.model.config.vocab_size
     if not prompt or any(not 0 <= t < vocab for t in prompt):
-        raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab}): got {prompt[:8]}...")
-    reference = Stepper(load_local(swarm.checkpoint.path)) if request.check_local else None
-    swarm.dispatcher.accounting.reset()
+        raise MoeSwarmError(f"the prompt must give at least one token, each id in [0, {vocab}): got {prompt[:8]}")
+    reference = Stepper(load_local(swarm.source)) if request.check_local else None
+    swarm.reset_accounting()
 
     streamed: list[int] = []
 
@@ -44,14 +45,16 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
                       codec.eos_token_id, show if request.stream else None)
     if request.stream:
         sys.stdout.write("\n")
-    accounting = swarm.dispatcher.accounting.summary()
+    accounting = swarm.accounting()
     return {
-        "model": str(swarm.checkpoint.path),
+        "model": str(swarm.source.path),
         "model_type": swarm.model.config.model_type,
-        "fingerprint": swarm.checkpoint.fingerprint,
-        "workers": [w.address for w in swarm.dispatcher.workers],
-        "fanout": swarm.dispatcher.fanout,
-        "mode": swarm.dispatcher.mode,
+        "fingerprint": swarm.source.fingerprint,
+        "workers": swarm.workers,
+        "fanout": swarm.fanout,
+        "mode": swarm.wire.mode.value,
+        "wire_dispatch": swarm.wire.dispatch_codec or "lossless",
+        "wire_combine": swarm.wire.combine_codec or "lossless",
         "tokenizer": codec.name,
         "prompt_tokens": len(prompt),
         "tokens": result.tokens,

@@ -1,20 +1,31 @@
-"""A Hugging Face model directory: config, safetensors shards (lazily opened) and fingerprint."""
+"""A Hugging Face model directory as a model source: config, safetensors shards, fingerprint.
+
+It implements moeswarm.model.source.ModelSource: the backbone and any set of experts are loaded
+through transformers' own loader (moeswarm.model.hf_tensors), reading only the tensors (and, in
+fused expert tensors, only the rows) that are asked for.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import ClassVar
 
 from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from moeswarm.errors import ModelError
+from moeswarm.ids import LayerId, runs
+from moeswarm.model.hf_tensors import Rows, load_tensors
 
 _SAMPLE_BYTES = 1 << 16
+_PER_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -22,17 +33,17 @@ class Checkpoint:
     """A model directory with config.json and *.safetensors files."""
 
     path: Path
+    kind: ClassVar[str] = "hf"
+    held_layers: ClassVar[frozenset[int] | None] = None  # a directory holds every layer...
+    held_experts: ClassVar[tuple[int, ...] | None] = None  # ...and every expert
 
     @classmethod
     def open(cls, path: str | Path) -> "Checkpoint":
-        """A model directory; a `.gguf` path gives its sibling, weights.gguf_model.GGUFCheckpoint."""
         path = Path(path)
-        if path.suffix.lower() == ".gguf":
-            from moeswarm.weights.gguf_model import GGUFCheckpoint
-
-            return GGUFCheckpoint.open(path)
+        if not path.exists():
+            raise ModelError(f"{path}: not a model directory (nothing at that path)")
         if not path.is_dir():
-            raise ModelError(f"{path}: not a model directory (expected config.json and *.safetensors)")
+            raise ModelError(f"{path}: not a model directory (expected config.json and *.safetensors, or a .gguf file)")
         if not (path / "config.json").is_file():
             raise ModelError(f"{path}: no config.json")
         if not list(path.glob("*.safetensors")):
@@ -58,6 +69,47 @@ class Checkpoint:
             for key in handle.keys():
                 slices[key] = handle.get_slice(key)
         return slices
+
+    # -- ModelSource --------------------------------------------------------------------------
+
+    def load_backbone(self, model: PreTrainedModel, skip: set[str]) -> None:
+        """Every parameter of the meta-built `model` except those named in `skip` (the routed experts')."""
+        load_tensors(model, self.open_tensors(), self.path, keep=lambda target: target not in skip)
+        model.tie_weights()
+
+    def load_experts(self, model: PreTrainedModel, hosted: dict[LayerId, str], experts: Sequence[int], num_experts: int) -> None:
+        """Fill the experts modules named in `hosted` (shrunk to len(experts)) with those experts' rows.
+
+        Per-expert checkpoint keys (`...experts.12.w1...`) are kept for hosted experts only and
+        renumbered to their position in `experts`; fused [E, ...] tensors are read one contiguous
+        run of hosted experts at a time.
+        """
+        position = {expert: i for i, expert in enumerate(experts)}
+        rows = runs(experts)
+        wanted = {f"{name}.{p}" for name in hosted.values() for p, _ in model.get_submodule(name).named_parameters()}
+
+        def select(key: str, tensor):
+            match = _PER_EXPERT_KEY.search(key)
+            if match:  # one tensor per expert: keep ours, renumbered 0..n-1
+                expert = int(match.group(1))
+                if expert not in position:
+                    return None
+                return key[: match.start()] + f".experts.{position[expert]}." + key[match.end() :], tensor
+            shape = tensor.get_shape()
+            if not shape or shape[0] != num_experts:
+                raise ModelError(f"{self.path}: fused expert tensor {key} has shape {shape}, expected [{num_experts}, ...]")
+            return key, Rows(tensor, rows)
+
+        load_tensors(model, self.open_tensors(), self.path, keep=lambda target: target in wanted, select=select)
+
+    def load_reference(self) -> PreTrainedModel:
+        """The whole model with transformers' eager experts, loaded as transformers loads it."""
+        return AutoModelForCausalLM.from_pretrained(self.path, experts_implementation="eager").eval()
+
+    def load_tokenizer(self) -> object | None:
+        if (self.path / "tokenizer.json").exists() or (self.path / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(self.path)
+        return None
 
     @cached_property
     def fingerprint(self) -> str:

@@ -7,6 +7,7 @@ per-family code. The MoE layer id is the decoder layer index in the module's nam
 
 from __future__ import annotations
 
+import copy
 import re
 
 import torch
@@ -49,9 +50,17 @@ def expert_parameter_names(model: torch.nn.Module) -> set[str]:
 
 
 def set_experts_implementation(model: torch.nn.Module, implementation: str) -> None:
-    """Point every experts module at `implementation` (a name in transformers' ExpertsInterface)."""
-    for _, module in experts_modules(model).values():
-        module.config._experts_implementation = implementation
+    """Point every experts module of `model` at `implementation` (a name in transformers' ExpertsInterface).
+
+    The modules get their own copy of the config: a config object is shared with whatever else
+    was built from it (experts held in this process must keep computing with `eager`).
+    """
+    modules = [module for _, module in experts_modules(model).values()]
+    if modules:
+        config = copy.copy(modules[0].config)
+        config._experts_implementation = implementation
+        for module in modules:
+            module.config = config
 
 
 def num_experts_in_config(config) -> int:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
 
 COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, vocab_size=260, max_position_embeddings=256, tie_word_embeddings=False)
@@ -95,8 +94,6 @@ def tiny_config(family: str, **overrides):
 
 def make_tiny_model(family: str, out: str | Path, seed: int = 0, **overrides) -> Path:
     """Write a random model of `family` to `out` (config, safetensors, byte tokenizer)."""
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

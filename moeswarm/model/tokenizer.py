@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from transformers import AutoTokenizer
+from moeswarm.model.source import as_source
 
 
 @dataclass
@@ -30,19 +29,16 @@ class TextCodec:
         return getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
 
 
-def load_text_codec(path: str | Path, vocab_size: int) -> TextCodec:
-    path = Path(path)
-    if path.suffix.lower() == ".gguf":
-        from moeswarm.weights.gguf_file import GGUFFile
-        from moeswarm.weights.gguf_tokenizer import gguf_tokenizer
+_WHERE = {"hf": "the model directory", "gguf": "the GGUF metadata"}
 
-        f = GGUFFile.open(path)
-        if "tokenizer.ggml.tokens" not in f.metadata:
-            return TextCodec("utf-8 bytes (no tokenizer in the GGUF metadata)", None, vocab_size)
-        return TextCodec("tokenizer (GGUF metadata)", gguf_tokenizer(f), vocab_size)
-    if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
-        return TextCodec("tokenizer", AutoTokenizer.from_pretrained(path), vocab_size)
-    name = "utf-8 bytes (no tokenizer in the model directory)"
+
+def load_text_codec(path_or_source, vocab_size: int) -> TextCodec:
+    """The source's tokenizer, or UTF-8 bytes when it has none. path_or_source: a path or a ModelSource."""
+    source = as_source(path_or_source)
+    where = _WHERE.get(source.kind, source.kind)
+    tokenizer = source.load_tokenizer()
+    if tokenizer is not None:
+        return TextCodec(f"tokenizer ({where})", tokenizer, vocab_size)
     if vocab_size < 256:
-        name = f"utf-8 bytes modulo {vocab_size} (no tokenizer in the model directory)"
-    return TextCodec(name, None, vocab_size)
+        return TextCodec(f"utf-8 bytes modulo {vocab_size} (no tokenizer in {where})", None, vocab_size)
+    return TextCodec(f"utf-8 bytes (no tokenizer in {where})", None, vocab_size)

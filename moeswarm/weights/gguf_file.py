@@ -26,10 +26,6 @@ LAYERS_KEY = "moeswarm.layers"
 _SAMPLE_BYTES = 1 << 16
 
 
-def is_gguf_path(path) -> bool:
-    return str(path).lower().endswith(".gguf")
-
-
 @dataclass(eq=False)
 class GGUFFile:
     """A validated GGUF file. `tensors` maps each tensor name to its memory-mapped view."""
@@ -103,7 +99,7 @@ class GGUFFile:
 
     @property
     def expert_first(self) -> int:
-        """Global id of the first expert stored along ne[2] of the stacked tensors (0 in a full file)."""
+        """Global id of the first expert stored along ne[2] (0 in a full file); `expert_ids` says which all are."""
         return int(self.metadata.get(EXPERT_FIRST_KEY, 0))
 
     @property
@@ -159,4 +155,4 @@ def type_name(qtype: GGMLQuantizationType | int) -> str:
     return GGMLQuantizationType(int(qtype)).name
 
 
-__all__ = ["GGUFFile", "is_gguf_path", "type_name", "GGUFValueType"]
+__all__ = ["GGUFFile", "type_name", "GGUFValueType"]

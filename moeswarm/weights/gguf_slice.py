@@ -16,11 +16,14 @@ worker. llama.cpp itself cannot run a slice file (its expert tensors are short);
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
 from moeswarm.errors import ModelError
+from moeswarm.ids import format_ids, runs
 from moeswarm.weights.gguf_file import (
     EXPERT_FIRST_KEY,
     EXPERT_IDS_KEY,
@@ -39,20 +42,23 @@ def expert_layer(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def write_slice(source: str | Path, out: str | Path, experts: tuple[int, int], layers: tuple[int, int] | None = None,
+def write_slice(source: str | Path, out: str | Path, experts: Sequence[int], layers: tuple[int, int] | None = None,
                 with_backbone: bool = False) -> dict:
-    """Write experts [low, high] of the MoE layers in `layers` (all when None) of `source` to `out`."""
+    """Write `experts` (ascending distinct ids) of the MoE layers in `layers` (all when None) of `source` to `out`."""
     f = GGUFFile.open(source)
-    low, high = experts
+    experts = [int(e) for e in experts]
+    if not experts or experts != sorted(set(experts)):
+        raise ModelError(f"experts must be a non-empty list of distinct ascending ids, got {experts}")
     held = f.expert_ids if f.expert_ids is not None else list(range(int(f.require("expert_count"))))
-    lacking = [e for e in range(low, high + 1) if e not in held]
+    where = {expert: i for i, expert in enumerate(held)}  # global id -> index along ne[2]
+    lacking = [e for e in experts if e not in where]
     if lacking:
-        raise ModelError(f"{f.path}: has experts {held[0]}-{held[-1]}, not {lacking[0]}-{lacking[-1]} (asked {low}-{high})")
+        raise ModelError(f"{f.path}: has experts {format_ids(held)}, not {format_ids(lacking)} (asked {format_ids(experts)})")
     moe_layers = sorted({layer for name in f.tensors if (layer := expert_layer(name)) is not None})
     chosen = [layer for layer in moe_layers if layers is None or layers[0] <= layer <= layers[1]]
     if not chosen:
         raise ModelError(f"{f.path}: no MoE layer in range {layers}; its MoE layers are {moe_layers}")
-    rows = slice(low - f.expert_first, high + 1 - f.expert_first)
+    stored_runs = runs([where[e] for e in experts])  # contiguous index ranges along ne[2]
 
     writer = GGUFWriter(str(out), f.arch)
     for key, field in f.reader.fields.items():
@@ -63,8 +69,8 @@ def write_slice(source: str | Path, out: str | Path, experts: tuple[int, int], l
     if f.get("vocab_size") is None and "token_embd.weight" in f.tensors:  # a slice may lack the embedding
         writer.add_uint32(f"{f.arch}.vocab_size", int(f.tensors["token_embd.weight"].shape[1]))
     writer.add_key_value(FINGERPRINT_KEY, f.fingerprint, GGUFValueType.STRING)
-    writer.add_key_value(EXPERT_FIRST_KEY, low, GGUFValueType.UINT32)
-    writer.add_key_value(EXPERT_IDS_KEY, list(range(low, high + 1)), GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
+    writer.add_key_value(EXPERT_FIRST_KEY, experts[0], GGUFValueType.UINT32)
+    writer.add_key_value(EXPERT_IDS_KEY, experts, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
     writer.add_key_value(LAYERS_KEY, chosen, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
 
     copied = {"expert_tensors": 0, "backbone_tensors": 0, "bytes": 0}
@@ -74,7 +80,7 @@ def write_slice(source: str | Path, out: str | Path, experts: tuple[int, int], l
             continue
         if layer is not None and layer not in chosen:
             continue
-        data = tensor.data if layer is None else tensor.data[rows]  # experts: rows of the outermost (ne[2]) axis
+        data = tensor.data if layer is None else _rows(tensor.data, stored_runs)  # experts: rows of the outermost (ne[2]) axis
         writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
         copied["expert_tensors" if layer is not None else "backbone_tensors"] += 1
         copied["bytes"] += data.nbytes
@@ -82,5 +88,11 @@ def write_slice(source: str | Path, out: str | Path, experts: tuple[int, int], l
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {"source": str(f.path), "out": str(out), "fingerprint": f.fingerprint, "experts": [low, high],
+    return {"source": str(f.path), "out": str(out), "fingerprint": f.fingerprint, "experts": experts,
             "layers": chosen, **copied}
+
+
+def _rows(data: np.ndarray, stored_runs: list[range]) -> np.ndarray:
+    """The blocks of some experts of a stacked tensor, byte for byte (one read per contiguous run)."""
+    pieces = [data[run.start : run.stop] for run in stored_runs]
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)

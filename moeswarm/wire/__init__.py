@@ -1,1 +1,1 @@
-"""Wire protocol v1: framed binary messages over persistent TCP. See docs/protocol.md."""
+"""Wire protocol v2: framed binary messages over persistent TCP. See docs/protocol.md."""

@@ -4,7 +4,7 @@ Layout (little-endian), pinned by golden-byte tests:
 
     offset size field
     0      4    magic        b"MSWM"
-    4      1    version      1
+    4      1    version      2 (1: HELLO listed one expert range for all layers)
     5      1    opcode       Opcode
     6      2    flags        reserved, 0
     8      8    request_id   echoed by the reply
@@ -27,7 +27,7 @@ import msgpack
 from moeswarm.errors import ProtocolError
 
 MAGIC = b"MSWM"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4sBBHQII")
 HEADER_SIZE = HEADER.size  # 24
 MAX_META_BYTES = 1 << 20
@@ -58,21 +58,36 @@ class Header:
         return self.meta_len + self.payload_len
 
 
+Buffer = bytes | bytearray | memoryview
+
+
 @dataclass(frozen=True)
 class Frame:
+    """One message. `payload` is one buffer (as received) or a tuple of buffers (as built for
+    sending: each tensor's bytes stay where the codec put them and go to the socket uncopied)."""
+
     opcode: Opcode
     request_id: int
     meta: dict[str, Any] = field(default_factory=dict)
-    payload: bytes | bytearray | memoryview = b""
+    payload: Buffer | tuple[Buffer, ...] = b""
 
-    def encode(self) -> list[bytes | bytearray | memoryview]:
+    @property
+    def parts(self) -> tuple[Buffer, ...]:
+        return self.payload if isinstance(self.payload, tuple) else (self.payload,)
+
+    def encode(self) -> list[Buffer]:
         """The frame as buffers ready for `sendmsg`/`writelines` (the payload is not copied)."""
         meta = msgpack.packb(self.meta, use_bin_type=True)
-        header = HEADER.pack(MAGIC, VERSION, int(self.opcode), 0, self.request_id, len(meta), len(self.payload))
-        return [header + meta, self.payload] if len(self.payload) else [header + meta]
+        parts = [part for part in self.parts if _nbytes(part)]
+        header = HEADER.pack(MAGIC, VERSION, int(self.opcode), 0, self.request_id, len(meta), sum(map(_nbytes, parts)))
+        return [header + meta, *parts]
 
     def to_bytes(self) -> bytes:
         return b"".join(bytes(b) for b in self.encode())
+
+
+def _nbytes(buffer: Buffer) -> int:
+    return buffer.nbytes if isinstance(buffer, memoryview) else len(buffer)
 
 
 def parse_header(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Header:

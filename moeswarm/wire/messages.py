@@ -1,4 +1,4 @@
-"""Typed messages of protocol v1 and their frames.
+"""Typed messages of protocol v2 and their frames.
 
 HELLO      backbone -> worker: {"fingerprint", "role"}; worker -> backbone: WorkerInfo
 DISPATCH   backbone -> worker: one MoE layer, all tokens of the step routed to this worker
@@ -17,10 +17,12 @@ import torch
 from moeswarm.errors import ProtocolError
 from moeswarm.wire import tensors as wire_tensors
 from moeswarm.wire.codecs import get_codec, lossless_codec
-from moeswarm.wire.frames import Frame, Opcode
+from moeswarm.wire.config import COMBINE_MODES, CombineMode
+from moeswarm.wire.frames import VERSION, Frame, Opcode
 
-PROTOCOL_VERSION = 1
-COMBINE_MODES = ("exact", "partial")
+PROTOCOL_VERSION = VERSION
+MAX_LAYERS = 1 << 12  # far above any model's MoE layers: a bound on what a HELLO may list
+MAX_EXPERTS = 1 << 16
 
 
 def field(meta: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -47,31 +49,52 @@ class Hello:
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """What a worker serves: its answer to HELLO."""
+    """What a worker serves: its answer to HELLO.
+
+    held: {MoE layer: experts held in that layer, ascending}. Any set per layer, not only
+    ranges; on the wire a list of [layer, [experts...]] pairs (msgpack map keys must be strings).
+    """
 
     fingerprint: str
     model_type: str
     num_experts: int
     hidden_size: int
-    layers: list[int]
-    experts: list[int]
-    codecs: list[str]
+    held: dict[int, tuple[int, ...]]
+    codecs: tuple[str, ...]
 
     def to_frame(self, request_id: int) -> Frame:
-        return Frame(Opcode.HELLO, request_id, {"protocol": PROTOCOL_VERSION, **self.__dict__})
+        meta = {
+            "protocol": PROTOCOL_VERSION, "fingerprint": self.fingerprint, "model_type": self.model_type,
+            "num_experts": self.num_experts, "hidden_size": self.hidden_size,
+            "held": [[layer, list(experts)] for layer, experts in sorted(self.held.items())],
+            "codecs": list(self.codecs),
+        }
+        return Frame(Opcode.HELLO, request_id, meta)
 
     @classmethod
     def from_frame(cls, frame: Frame) -> "WorkerInfo":
         m = frame.meta
-        return cls(
-            field(m, "fingerprint", str),
-            field(m, "model_type", str),
-            field(m, "num_experts", int),
-            field(m, "hidden_size", int),
-            [int(x) for x in field(m, "layers", list)],
-            [int(x) for x in field(m, "experts", list)],
-            [str(x) for x in field(m, "codecs", list)],
-        )
+        num_experts = field(m, "num_experts", int)
+        hidden_size = field(m, "hidden_size", int)
+        if not 0 < num_experts <= MAX_EXPERTS or hidden_size <= 0:
+            raise ProtocolError(f"HELLO announces {num_experts} experts of hidden size {hidden_size}")
+        pairs = field(m, "held", list)
+        if len(pairs) > MAX_LAYERS:
+            raise ProtocolError(f"HELLO lists {len(pairs)} layers, over the limit of {MAX_LAYERS}")
+        held: dict[int, tuple[int, ...]] = {}
+        for pair in pairs:
+            if not (isinstance(pair, list) and len(pair) == 2 and _is_int(pair[0]) and isinstance(pair[1], list)):
+                raise ProtocolError(f"HELLO 'held' entries must be [layer, [experts...]], got {pair!r:.80}")
+            layer, experts = pair
+            if not 0 <= layer < MAX_LAYERS or layer in held:
+                raise ProtocolError(f"HELLO lists layer {layer} twice or out of range")
+            if not experts or not all(_is_int(e) and 0 <= e < num_experts for e in experts) or experts != sorted(set(experts)):
+                raise ProtocolError(f"HELLO layer {layer}: experts must be distinct ascending ids in 0-{num_experts - 1}, "
+                                    f"got {experts!r:.80}")
+            held[layer] = tuple(experts)
+        codecs = field(m, "codecs", list)
+        return cls(field(m, "fingerprint", str), field(m, "model_type", str), num_experts, hidden_size, held,
+                   tuple(str(c) for c in codecs))
 
 
 @dataclass(frozen=True)
@@ -90,7 +113,7 @@ class Dispatch:
     hidden: torch.Tensor
     top_k_index: torch.Tensor
     top_k_weights: torch.Tensor
-    mode: str = "exact"
+    mode: CombineMode = CombineMode.EXACT
     wire_dispatch: str = "f32"
     wire_combine: str = "f32"
 
@@ -102,8 +125,8 @@ class Dispatch:
                 ("w", self.top_k_weights, lossless_codec(self.top_k_weights.dtype)),
             ]
         )
-        meta = {"layer": self.layer, "mode": self.mode, "combine": self.wire_combine, "tensors": descriptors}
-        return Frame(Opcode.DISPATCH, request_id, meta, _join(buffers))
+        meta = {"layer": self.layer, "mode": CombineMode(self.mode).value, "combine": self.wire_combine, "tensors": descriptors}
+        return Frame(Opcode.DISPATCH, request_id, meta, tuple(buffers))
 
     @classmethod
     def from_frame(cls, frame: Frame) -> "Dispatch":
@@ -111,6 +134,7 @@ class Dispatch:
         mode = field(m, "mode", str)
         if mode not in COMBINE_MODES:
             raise ProtocolError(f"unknown combine mode {mode!r} (known: {', '.join(COMBINE_MODES)})")
+        mode = CombineMode(mode)
         descriptors = field(m, "tensors", list)
         tensors = wire_tensors.unpack(descriptors, frame.payload)
         for name in ("x", "ids", "w"):
@@ -147,7 +171,7 @@ class Result:
     """
 
     layer: int
-    mode: str
+    mode: CombineMode
     outputs: torch.Tensor
     experts: list[int]
     counts: list[int]
@@ -155,10 +179,10 @@ class Result:
 
     def to_frame(self, request_id: int) -> Frame:
         descriptors, buffers = wire_tensors.pack([("y", self.outputs, self.wire_combine)])
-        meta = {"layer": self.layer, "mode": self.mode, "tensors": descriptors}
-        if self.mode == "exact":
+        meta = {"layer": self.layer, "mode": CombineMode(self.mode).value, "tensors": descriptors}
+        if self.mode == CombineMode.EXACT:
             meta.update(experts=self.experts, counts=self.counts)
-        return Frame(Opcode.RESULT, request_id, meta, _join(buffers))
+        return Frame(Opcode.RESULT, request_id, meta, tuple(buffers))
 
     @classmethod
     def from_frame(cls, frame: Frame) -> "Result":
@@ -167,12 +191,15 @@ class Result:
         if outputs is None or outputs.dim() != 2:
             raise ProtocolError("RESULT must carry a 2-d tensor 'y'")
         mode = field(m, "mode", str)
-        if mode == "exact":
-            experts = [int(x) for x in field(m, "experts", list)]
-            counts = [int(x) for x in field(m, "counts", list)]
+        if mode not in COMBINE_MODES:
+            raise ProtocolError(f"RESULT has unknown combine mode {mode!r}")
+        if mode == CombineMode.EXACT:
+            experts, counts = field(m, "experts", list), field(m, "counts", list)
+            if not all(_is_int(x) for x in experts + counts):
+                raise ProtocolError("RESULT 'experts' and 'counts' must be integers")
         else:
             experts, counts = [], []
-        return cls(field(m, "layer", int), mode, outputs, experts, counts)
+        return cls(field(m, "layer", int), CombineMode(mode), outputs, experts, counts)
 
 
 @dataclass(frozen=True)
@@ -198,5 +225,5 @@ def _compact_ids(index: torch.Tensor) -> tuple[torch.Tensor, str]:
     return index.to(torch.int32), "i32"
 
 
-def _join(buffers: list[memoryview]) -> bytes:
-    return b"".join(buffers)
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,67 +1,100 @@
 """The experts a worker hosts, and the maths it runs on a DISPATCH.
 
-Legend: T = dispatched tokens, k = router top-k, d = hidden size, n_e = rows routed to expert e.
+Legend: T = dispatched tokens, k = router top-k, d = hidden size, n_e = rows routed to expert e,
+S = sum of n_e (the routed (token, expert) pairs this worker computes).
 
-Each expert runs the family's own experts class with the eager implementation, on exactly the
+A worker may hold any set of experts per layer. Each contiguous run of them is one module of
+the family's own experts class with the eager implementation; each expert runs on exactly the
 rows routed to it in eager's order (slot-major, then token), as a one-expert problem: the same
-inputs through the same kernels give the same bits as a local eager run.
+inputs through the same kernels, at the same address alignment, give the same bits as a local
+eager run.
 """
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
 
 from moeswarm.errors import ProtocolError
-from moeswarm.ids import LayerId
-from moeswarm.model.loading import ExpertSlice
+from moeswarm.ids import LayerId, format_ids, runs
+from moeswarm.model.hosted import HostedLayer
+from moeswarm.wire.config import CombineMode
 from moeswarm.wire.messages import Dispatch, Result
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive hosted experts in one experts module: global expert `experts[i]` is its expert i."""
+
+    experts: range
+    module: torch.nn.Module
+
+
 class ExpertStore:
-    def __init__(self, slices: dict[LayerId, ExpertSlice], num_experts: int, hidden_size: int):
-        for hosted in slices.values():
-            mirror_alignment(hosted.module, hosted.low)
-        self.slices = slices
-        self.num_experts = num_experts
-        self.hidden_size = hidden_size
+    def __init__(self, hosted: dict[LayerId, HostedLayer], num_experts: int, hidden_size: int):
+        if not hosted:
+            raise ValueError("an expert store needs at least one hosted layer")
+        self._held = {int(layer): tuple(int(e) for e in h.experts) for layer, h in sorted(hosted.items())}
+        self._runs = {int(layer): _split(h) for layer, h in hosted.items()}
+        self._num_experts = num_experts
+        self._hidden_size = hidden_size
 
     @property
-    def layers(self) -> list[int]:
-        return sorted(self.slices)
+    def held(self) -> dict[int, tuple[int, ...]]:
+        """{MoE layer: the experts held in it, ascending}."""
+        return dict(self._held)
 
     @property
-    def experts(self) -> list[int]:
-        return list(next(iter(self.slices.values())).experts)
+    def num_experts(self) -> int:
+        """The model's routed experts per layer (not how many this worker holds)."""
+        return self._num_experts
+
+    @property
+    def hidden_size(self) -> int:
+        return self._hidden_size
 
     def describe(self) -> str:
-        layers, experts = self.layers, self.experts
-        return f"layers {_span(layers)}, experts {_span(experts)}"
+        """e.g. "layers 0-3, experts 0-3,9,17-20"; per layer when the layers hold different experts."""
+        expert_sets = set(self._held.values())
+        if len(expert_sets) == 1:
+            return f"layers {format_ids(list(self._held))}, experts {format_ids(expert_sets.pop())}"
+        return "; ".join(f"layer {layer}: experts {format_ids(experts)}" for layer, experts in self._held.items())
 
     @torch.inference_mode()
     def run(self, request: Dispatch) -> Result:
-        hosted = self._check(request)
+        layer_runs = self._check(request)
         hidden, index, weights = request.hidden, request.top_k_index, request.top_k_weights  # [T, d], [T, k], [T, k]
         hit = torch.unique(index[index >= 0]).tolist()  # ascending, as eager visits them
         slots, tokens = zip(*(torch.where(index.T == expert) for expert in hit))  # per expert: [n_e] each, eager's order
         counts = [t.numel() for t in tokens]
-        rows = torch.cat(tokens)  # [S]: the (token, expert) pairs, grouped by expert
-        local = torch.repeat_interleave(torch.tensor(hit) - hosted.low, torch.tensor(counts)).unsqueeze(1)  # [S, 1]
-        pair_weights = torch.cat([weights[t, s] for t, s in zip(tokens, slots)]).unsqueeze(1)  # [S, 1]
-        # One call of the family's eager experts over all pairs: each expert sees exactly its rows in
-        # eager's order (the same matrices as a local run), and each output row is one pair's w * E(x).
-        outputs = hosted.module(hidden[rows], local, pair_weights)  # [S, d]
-        if request.mode == "partial":
+        outputs = []
+        for run in layer_runs:
+            mine = [i for i, expert in enumerate(hit) if expert in run.experts]
+            if not mine:
+                continue
+            rows = torch.cat([tokens[i] for i in mine])  # [S_run]: the run's (token, expert) pairs, grouped by expert
+            local = torch.repeat_interleave(torch.tensor([hit[i] - run.experts.start for i in mine]),
+                                            torch.tensor([counts[i] for i in mine])).unsqueeze(1)  # [S_run, 1]
+            pair_weights = torch.cat([weights[tokens[i], slots[i]] for i in mine]).unsqueeze(1)  # [S_run, 1]
+            # One call of the family's eager experts over the run's pairs: each expert sees exactly its
+            # rows in eager's order (the same matrices as a local run); each output row is one pair's w * E(x).
+            outputs.append(run.module(hidden[rows], local, pair_weights))  # [S_run, d]
+        outputs = torch.cat(outputs)  # [S, d], experts ascending
+        if request.mode == CombineMode.PARTIAL:
+            rows = torch.cat(tokens)  # [S]
             outputs = torch.zeros_like(hidden).index_add_(0, rows, outputs)  # [T, d], experts added in ascending order
         return Result(request.layer, request.mode, outputs, hit, counts, request.wire_combine)
 
-    def _check(self, request: Dispatch) -> ExpertSlice:
-        hosted = self.slices.get(LayerId(request.layer))
-        if hosted is None:
+    def _check(self, request: Dispatch) -> list[_Run]:
+        layer_runs = self._runs.get(request.layer)
+        if layer_runs is None:
             raise ProtocolError(f"layer {request.layer} is not served by this worker (it serves {self.describe()})")
         tokens, width = request.hidden.shape
-        if width != self.hidden_size:
-            raise ProtocolError(f"hidden size {width} does not match the model's {self.hidden_size}")
-        dtype = next(hosted.module.parameters()).dtype
+        if width != self._hidden_size:
+            raise ProtocolError(f"hidden size {width} does not match the model's {self._hidden_size}")
+        dtype = next(layer_runs[0].module.parameters()).dtype
         if request.hidden.dtype != dtype:
             raise ProtocolError(f"dtype mismatch: hidden states are {request.hidden.dtype}, the experts compute in {dtype}")
         if not request.top_k_weights.is_floating_point():
@@ -70,18 +103,43 @@ class ExpertStore:
             raise ProtocolError("DISPATCH with no tokens")
         index = request.top_k_index
         chosen = index[index >= 0]
-        if (index < -1).any() or (chosen >= self.num_experts).any():
-            bad = index[(index < -1) | (index >= self.num_experts)][0].item()
-            raise ProtocolError(f"expert id {bad} out of range: the model has experts 0-{self.num_experts - 1}")
+        if (index < -1).any() or (chosen >= self._num_experts).any():
+            bad = index[(index < -1) | (index >= self._num_experts)][0].item()
+            raise ProtocolError(f"expert id {bad} out of range: the model has experts 0-{self._num_experts - 1}")
         if chosen.numel() == 0:
             raise ProtocolError("DISPATCH routes no token to any expert (every id is -1)")
-        outside = chosen[(chosen < hosted.low) | (chosen > hosted.high)]
+        held = self._held[request.layer]
+        outside = chosen[~torch.isin(chosen, torch.tensor(held))]
         if outside.numel():
             raise ProtocolError(
                 f"expert {outside[0].item()} of layer {request.layer} is not held by this worker "
-                f"(it holds experts {hosted.low}-{hosted.high})"
+                f"(it holds experts {format_ids(held)})"
             )
-        return hosted
+        return layer_runs
+
+
+def _split(hosted: HostedLayer) -> list[_Run]:
+    """One module per contiguous run of hosted experts, each placed as in a full local model."""
+    found, start = [], 0
+    for experts in runs(hosted.experts):
+        module = _narrowed(hosted.module, start, start + len(experts))
+        mirror_alignment(module, experts.start)
+        found.append(_Run(experts, module))
+        start += len(experts)
+    return found
+
+
+def _narrowed(module: torch.nn.Module, start: int, stop: int) -> torch.nn.Module:
+    """The experts module restricted to its experts [start, stop) (views, no copy); itself when that is all of it."""
+    if start == 0 and stop == module.num_experts:
+        return module
+    narrowed = copy.copy(module)  # shares config and submodules; gets its own parameter table
+    narrowed._parameters = {
+        name: torch.nn.Parameter(param[start:stop], requires_grad=False) for name, param in module._parameters.items()
+    }
+    # Eager code one-hots expert ids with num_classes=num_experts (gpt_oss): local ids must stay below it.
+    narrowed.num_experts = stop - start
+    return narrowed
 
 
 def mirror_alignment(module: torch.nn.Module, first_expert: int, quantum_bytes: int = 64) -> None:
@@ -104,7 +162,3 @@ def mirror_alignment(module: torch.nn.Module, first_expert: int, quantum_bytes: 
         view = buffer[shift : shift + param.numel()].view(param.shape)
         view.copy_(param.detach())
         setattr(module, name, torch.nn.Parameter(view, requires_grad=False))
-
-
-def _span(values: list[int]) -> str:
-    return f"{values[0]}-{values[-1]}" if values else "none"

@@ -1,4 +1,8 @@
-"""GGUF fixtures made by llama.cpp's own tools from moeswarm's small HF models (tests, measurements).
+"""GGUF fixtures made by llama.cpp's own tools from moeswarm's small HF models (test tooling).
+
+Lives in tests/, not in the package: it downloads llama.cpp's source and needs llama-cpp-python,
+neither of which a moeswarm user installs. Test modules import it as `llamacpp_fixtures` (pytest
+puts tests/ on sys.path for rootdir-relative test files without __init__.py).
 
 - `convert_hf`: llama.cpp's `convert_hf_to_gguf.py` (from the llama-cpp-python source archive,
   with its vendored gguf-py first on sys.path), run in a subprocess, for f32 / f16 / bf16 / q8_0.
@@ -10,6 +14,8 @@ the BPE vocabulary path instead of sentencepiece.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import os
 import subprocess
@@ -83,13 +89,38 @@ def quantize(source: str | Path, out: str | Path, kind: str) -> Path:
     return Path(out)
 
 
+@contextlib.contextmanager
+def _without_extra_buffer_types():
+    """Load models without llama.cpp's CPU "extra buffer types" (AMX tiles, repacked weights).
+
+    On this machine's CPUs (AMX-capable Xeons, in a sandbox) a native build of llama-cpp-python
+    segfaults in its first Q8_0 or Q4_K_M eval with them, and runs without them. `Llama` does not
+    take the model parameter, so its default is overridden while the model loads.
+    """
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def params():
+        value = default()
+        value.use_extra_bufts = False
+        return value
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
 def llama_cpp_logits(path: str | Path, tokens: list[int]):
     """llama.cpp's logits [n, V] (float32 numpy) for `tokens` fed as one batch from position 0."""
     import llama_cpp
     import numpy as np
 
-    model = llama_cpp.Llama(str(path), logits_all=True, n_ctx=max(64, len(tokens) + 8), n_threads=1,
-                            n_batch=max(64, len(tokens)), verbose=False)
+    with _without_extra_buffer_types():
+        model = llama_cpp.Llama(str(path), logits_all=True, n_ctx=max(64, len(tokens) + 8), n_threads=1,
+                                n_batch=max(64, len(tokens)), verbose=False)
     try:
         model.eval(tokens)
         return np.array(model.scores[: len(tokens)], dtype=np.float32)

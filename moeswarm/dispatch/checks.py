@@ -1,0 +1,30 @@
+"""Does a RESULT answer what was asked? Checked before any of it is combined.
+
+Legend: T_w = tokens sent to the worker, d = hidden size, n_e = rows routed to expert e.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeswarm.dispatch.plan import WorkerShare
+from moeswarm.wire.config import CombineMode
+from moeswarm.wire.messages import Result
+
+
+def result_problem(share: WorkerShare, layer: int, mode: CombineMode, width: int, result: Result) -> str | None:
+    """What is wrong with `result` as the answer to `share`, or None."""
+    if result.layer != layer or result.mode != mode:
+        return f"RESULT for layer {result.layer} ({result.mode.value}), asked layer {layer} ({mode.value})"
+    if mode == CombineMode.EXACT:
+        routed = share.top_k_index[share.top_k_index >= 0]  # [n]
+        experts = torch.unique(routed).tolist()  # ascending
+        counts = [int((routed == e).sum()) for e in experts]  # n_e per expert
+        if result.experts != experts or result.counts != counts:
+            return f"RESULT covers experts {result.experts} x {result.counts} rows, expected {experts} x {counts}"
+        rows = sum(counts)
+    else:
+        rows = share.tokens.numel()
+    if tuple(result.outputs.shape) != (rows, width):
+        return f"RESULT has shape {list(result.outputs.shape)}, expected [{rows}, {width}]"
+    return None

@@ -1,0 +1,27 @@
+"""A model's modules without its weights: built on the meta device, experts modules shrunk to a subset.
+
+Loaders start from this skeleton and assign only the tensors they are asked for, so a backbone
+never reads an expert byte and a worker never reads another worker's experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+
+def meta_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The model's modules with parameters on the meta device and real buffers (rotary inv_freq)."""
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    return model.eval()
+
+
+def shrink_experts(module: torch.nn.Module, num_experts: int) -> None:
+    """Resize an experts module's (meta) parameters to `num_experts` along the expert axis (dim 0)."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        shape = (num_experts, *param.shape[1:])
+        setattr(module, name, torch.nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=False))
+    module.num_experts = num_experts
+

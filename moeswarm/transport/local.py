@@ -1,0 +1,68 @@
+"""Experts held in the backbone's own process, behind the same link interface as a worker.
+
+"This expert runs on the backbone" is then a placement decision: the dispatcher plans, sends and
+combines exactly as for a remote worker. The holder computes when its reply is awaited, so the
+fan-out's remote requests are already in flight while it runs. Tensors are not encoded: the
+rows go to the experts as they are, which is what a lossless wire delivers too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from moeswarm.errors import MoeSwarmError, WorkerError
+from moeswarm.transport.link import Pending, Reply
+from moeswarm.wire.codecs import CODECS
+from moeswarm.wire.messages import Dispatch, WorkerInfo
+
+LOCAL_ADDRESS = "local"
+
+
+class LocalLink:
+    """store: anything with `held`, `num_experts`, `hidden_size` and `run(Dispatch) -> Result`."""
+
+    def __init__(self, store, model_type: str = "local"):
+        self.address = LOCAL_ADDRESS
+        self.store = store
+        self.model_type = model_type
+        self.info: WorkerInfo | None = None
+        self._queue: deque[tuple[int, Dispatch]] = deque()
+        self._next_id = 1
+
+    @property
+    def broken(self) -> bool:
+        return False
+
+    def connect(self, fingerprint: str) -> WorkerInfo:
+        self.info = WorkerInfo(fingerprint, self.model_type, self.store.num_experts, self.store.hidden_size,
+                               dict(self.store.held), tuple(sorted(CODECS)))
+        return self.info
+
+    def reconnect(self) -> WorkerInfo:
+        assert self.info is not None
+        return self.info
+
+    def prepare(self, request: Dispatch) -> Dispatch:
+        return request
+
+    def send(self, request: Dispatch) -> Pending:
+        self._next_id += 1
+        self._queue.append((self._next_id, request))
+        return Pending(self._next_id, 0, time.perf_counter())
+
+    def wait(self, pending: Pending, deadline: float) -> Reply:
+        request_id, request = self._queue.popleft()
+        if request_id != pending.request_id:
+            raise WorkerError(self.address, f"awaited request {pending.request_id} before {request_id}")
+        try:
+            result = self.store.run(request)
+        except MoeSwarmError as error:
+            raise WorkerError(self.address, str(error)) from None
+        return Reply(result, 0, time.perf_counter() - pending.sent_at)
+
+    def ping(self, timeout_s: float = 10.0) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        self._queue.clear()

@@ -1,0 +1,123 @@
+"""Reading and writing frames on a connection: one module for the blocking client and the asyncio server.
+
+Both sides read the same way: the 24-byte header, checked against the limits before anything
+else is read or allocated, then the body, then `decode_frame`. A `ProtocolError` from
+`parse_header` means the stream can no longer be trusted (close it); one from `decode_frame`
+concerns that frame only (its body was read whole, so the stream is still in step).
+
+Writing never joins the payload: the header and metadata go out as one buffer and each tensor's
+bytes as their own (`sendmsg` / `writelines`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from moeswarm.errors import ProtocolError
+from moeswarm.wire.frames import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    HEADER_SIZE,
+    Frame,
+    Header,
+    decode_meta,
+    opcode_of,
+    parse_header,
+)
+
+
+class StreamClosed(ConnectionError):
+    """The peer closed the connection; `partial` bytes of the expected item had arrived."""
+
+    def __init__(self, what: str, partial: int, expected: int):
+        super().__init__(f"connection closed after {partial} of {expected} bytes of the {what}")
+        self.partial = partial
+
+
+def decode_frame(header: Header, body: bytes | bytearray | memoryview) -> Frame:
+    """A frame from its checked header and whole body; ProtocolError names what is wrong."""
+    opcode = opcode_of(header)
+    view = memoryview(body)
+    meta = decode_meta(view[: header.meta_len])
+    return Frame(opcode, header.request_id, meta, view[header.meta_len :])
+
+
+# -- blocking sockets (the backbone's side) ---------------------------------------------------
+
+
+def send_frame(sock: socket.socket, frame: Frame) -> int:
+    """Write a frame with `sendmsg`, no payload copies; return the bytes written."""
+    buffers = [memoryview(b).cast("B") for b in frame.encode()]
+    total = sum(b.nbytes for b in buffers)
+    while buffers:
+        sent = sock.sendmsg(buffers)
+        while buffers and sent >= buffers[0].nbytes:
+            sent -= buffers[0].nbytes
+            buffers.pop(0)
+        if sent:
+            buffers[0] = buffers[0][sent:]
+    return total
+
+
+def recv_frame(sock: socket.socket, deadline: float | None = None,
+               max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[Frame, int]:
+    """Read one frame before `deadline` (time.monotonic(); None: no limit).
+
+    The deadline covers the whole frame, not each read: a peer that trickles one byte a second
+    cannot hold the caller beyond it (socket.timeout is raised). Returns (frame, bytes read).
+    """
+    header = parse_header(bytes(_recv_exactly(sock, HEADER_SIZE, deadline, "frame header")), max_payload)
+    body = _recv_exactly(sock, header.body_len, deadline, "frame body")
+    return decode_frame(header, body), HEADER_SIZE + header.body_len
+
+
+def _recv_exactly(sock: socket.socket, size: int, deadline: float | None, what: str) -> bytearray:
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"timed out after {got} of {size} bytes of the {what}")
+            sock.settimeout(left)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise StreamClosed(what, got, size)
+        got += n
+    return buffer
+
+
+# -- asyncio streams (the worker's side) ------------------------------------------------------
+
+
+async def read_header(reader: asyncio.StreamReader, timeout: float | None,
+                      max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Header | None:
+    """The next frame's checked header; None at a clean end of stream (no byte of a new frame).
+
+    Raises StreamClosed for a truncated header, asyncio.TimeoutError when it does not arrive
+    within `timeout`, ProtocolError when it is malformed.
+    """
+    try:
+        head = await asyncio.wait_for(reader.readexactly(HEADER_SIZE), timeout)
+    except asyncio.IncompleteReadError as eof:
+        if not eof.partial:
+            return None
+        raise StreamClosed("frame header", len(eof.partial), HEADER_SIZE) from None
+    return parse_header(head, max_payload)
+
+
+async def read_body(reader: asyncio.StreamReader, header: Header, timeout: float | None) -> bytes:
+    """The body announced by `header`; StreamClosed or asyncio.TimeoutError when it does not come."""
+    try:
+        return await asyncio.wait_for(reader.readexactly(header.body_len), timeout)
+    except asyncio.IncompleteReadError as eof:
+        raise StreamClosed("frame body", len(eof.partial), header.body_len) from None
+
+
+async def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> int:
+    """Write a frame (no payload copies) and wait for the transport's buffer to drain."""
+    buffers = frame.encode()
+    writer.writelines(buffers)
+    await writer.drain()
+    return sum(len(memoryview(b).cast("B")) for b in buffers)

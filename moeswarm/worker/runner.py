@@ -1,0 +1,180 @@
+"""The worker's compute runner: one thread runs the experts, fed by fair, bounded queues.
+
+Compute never runs on the event loop: the loop only reads frames, answers PING and HELLO at
+once, and writes replies. Work waits in one FIFO queue per owner (one owner per connection);
+the compute thread takes the owners' heads in turn (round-robin), so one backbone's backlog never
+holds another back by more than one job per turn. One thread is enough: torch releases the GIL
+inside its kernels, and one thread keeps the kernels' threading exactly as the worker set it
+(bit-identical results need the same kernels, not more of them at once).
+
+The queues are bounded in total (jobs waiting, not the one running): a full runner refuses new
+work with WorkerBusy instead of growing without limit. Results travel back as asyncio futures,
+settled on their loop's thread (`call_soon_threadsafe`), so only the loop ever touches a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from moeswarm.errors import MoeSwarmError
+
+log = logging.getLogger("moeswarm.worker")
+DEFAULT_QUEUE_LIMIT = 64
+T = TypeVar("T")
+
+
+class WorkerBusy(MoeSwarmError):
+    """The runner's queues hold `limit` jobs already: the request is refused, to be retried later."""
+
+    def __init__(self, queued: int, limit: int):
+        super().__init__(f"worker busy: {queued} requests queued (limit {limit}); retry later")
+        self.queued = queued
+        self.limit = limit
+
+
+@dataclass(frozen=True)
+class Job(Generic[T]):
+    """One unit of work and the future, on `loop`, that receives its outcome."""
+
+    work: Callable[[], T]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[T]
+
+    def settle(self, value: Any, error: BaseException | None) -> None:
+        """Hand the outcome to the loop (called on the compute thread)."""
+        try:
+            self.loop.call_soon_threadsafe(_resolve, self.future, value, error)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+
+def _resolve(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if future.done():  # cancelled meanwhile: its connection went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+class ComputeRunner:
+    """A compute thread serving per-owner FIFO queues round-robin, at most `queue_limit` jobs waiting.
+
+    `submit`, `drop`, `stop` and `close` are called on the event loop; the work runs on the thread.
+    A runner is started once and stopped once; it cannot be restarted.
+    """
+
+    def __init__(self, queue_limit: int = DEFAULT_QUEUE_LIMIT, name: str = "moeswarm-compute"):
+        if queue_limit < 1:
+            raise MoeSwarmError(f"queue limit must be at least 1, got {queue_limit}")
+        self.queue_limit = queue_limit
+        self._name = name
+        self._ready = threading.Condition()
+        # Owners with waiting jobs, in turn order: the head's first job runs next, then that
+        # owner goes to the back if it has more.
+        self._queues: collections.OrderedDict[Hashable, collections.deque[Job]] = collections.OrderedDict()
+        self._queued = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting (not counting the one running)."""
+        with self._ready:
+            return self._queued
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        # A daemon thread: a server whose loop is dropped without close() must not keep the
+        # process alive; close() still stops and joins it properly.
+        self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+        self._thread.start()
+
+    def submit(self, owner: Hashable, work: Callable[[], T]) -> asyncio.Future[T]:
+        """Queue `work` behind `owner`'s earlier jobs; its future resolves on the calling loop.
+
+        Raises WorkerBusy when `queue_limit` jobs are waiting already.
+        """
+        loop = asyncio.get_running_loop()
+        job = Job(work, loop, loop.create_future())
+        with self._ready:
+            if self._stopping:
+                raise MoeSwarmError("worker is shutting down")
+            if self._queued >= self.queue_limit:
+                raise WorkerBusy(self._queued, self.queue_limit)
+            self._queues.setdefault(owner, collections.deque()).append(job)
+            self._queued += 1
+            self._ready.notify()
+        return job.future
+
+    def drop(self, owner: Hashable) -> int:
+        """Forget `owner`'s jobs that have not started (their futures are cancelled); return how many."""
+        with self._ready:
+            jobs = self._queues.pop(owner, ())
+            self._queued -= len(jobs)
+        for job in jobs:
+            job.future.cancel()
+        return len(jobs)
+
+    def stop(self) -> asyncio.Future[None]:
+        """Refuse new work, cancel what waits, and let the thread end after its current job.
+
+        Returns a future that resolves once the thread has ended. The join runs in the loop's
+        default executor from this call on, so it goes on even if the caller is cancelled while
+        waiting, and asyncio.run() waits for it before the interpreter ends: a daemon thread cut
+        off in the middle of a torch kernel aborts the process ("terminate called ...").
+        """
+        with self._ready:
+            self._stopping = True
+            jobs = [job for queue in self._queues.values() for job in queue]
+            self._queues.clear()
+            self._queued = 0
+            self._ready.notify_all()
+        for job in jobs:
+            job.future.cancel()
+        loop = asyncio.get_running_loop()
+        if self._thread is None or not self._thread.is_alive():
+            ended = loop.create_future()
+            ended.set_result(None)
+            return ended
+        return loop.run_in_executor(None, self._thread.join)
+
+    async def close(self) -> None:
+        """Stop, and wait for the thread to finish its current job (off the loop)."""
+        await asyncio.shield(self.stop())
+
+    def _serve(self) -> None:
+        while True:
+            with self._ready:
+                while not self._stopping and not self._queues:
+                    self._ready.wait()
+                if self._stopping:
+                    return
+                job = self._next_job()
+            try:
+                value, error = job.work(), None
+            except Exception as failure:  # the owner's request failed, not the runner
+                value, error = None, failure
+            job.settle(value, error)
+
+    def _next_job(self) -> Job:
+        """Pop the head owner's first job; round-robin: that owner goes to the back. Lock held."""
+        owner, queue = next(iter(self._queues.items()))
+        job = queue.popleft()
+        if queue:
+            self._queues.move_to_end(owner)
+        else:
+            del self._queues[owner]
+        self._queued -= 1
+        return job

@@ -1,0 +1,154 @@
+"""`combine_exact` and `combine_partial` against transformers' eager experts, in-process.
+
+Legend: T = tokens, k = top-k, d = hidden size, E = routed experts, n_e = rows of expert e.
+
+Per-expert outputs are made the way a worker makes them (moeswarm/worker/store.py `run`): one
+call of the eager experts module over the (token, expert) pairs of the experts it holds, each
+expert's rows in eager's order (slot-major, then token), each row one pair's w * E_e(x).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from moeswarm.dispatch.combine import combine_exact, combine_partial
+from moeswarm.dispatch.plan import plan_layer
+from moeswarm.model.experts import experts_modules
+
+FAMILIES = ("qwen2_moe", "mixtral", "gpt_oss")
+TOKENS = 9
+TOP_K = 4  # above the models' own top-2: with 2 experts a token's sum has one association only
+PARTIAL_TOLERANCE = dict(rtol=1e-6, atol=1e-6)  # a few float32 ulps of outputs of order 1 (measured: 1-2 ulps)
+
+
+@pytest.fixture(scope="module")
+def experts_of(tiny_models):
+    """family -> {layer: experts module} of the tiny model loaded with eager experts."""
+    loaded: dict[str, dict] = {}
+
+    def get(family: str) -> dict:
+        if family not in loaded:
+            model = AutoModelForCausalLM.from_pretrained(tiny_models(family), experts_implementation="eager")
+            loaded[family] = {layer: module for layer, (_, module) in experts_modules(model).items()}
+        return loaded[family]
+
+    return get
+
+
+def _routing(module: torch.nn.Module, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random hidden [T, d], top_k_index [T, k] (distinct experts per row), top_k_weights [T, k] (softmaxed)."""
+    generator = torch.Generator().manual_seed(seed)
+    dtype = next(module.parameters()).dtype
+    hidden = torch.randn(TOKENS, module.config.hidden_size, generator=generator, dtype=dtype)  # [T, d]
+    index = torch.rand(TOKENS, module.num_experts, generator=generator).argsort(dim=1)[:, :TOP_K]  # [T, k]
+    weights = torch.randn(TOKENS, TOP_K, generator=generator).softmax(dim=-1).to(dtype)  # [T, k]
+    return hidden, index, weights
+
+
+@torch.inference_mode()
+def _worker_outputs(module, hidden, index, weights) -> tuple[list[int], list[int], torch.Tensor]:
+    """What a worker returns for one share: experts hit (ascending), rows per expert, outputs [sum(n_e), d].
+
+    hidden [T_w, d], index [T_w, k] with -1 for other workers' experts, weights [T_w, k].
+    """
+    hit = torch.unique(index[index >= 0]).tolist()  # ascending, as eager visits them
+    slots, tokens = zip(*(torch.where(index.T == expert) for expert in hit))  # per expert [n_e], eager's order
+    counts = [t.numel() for t in tokens]
+    rows = torch.cat(tokens)  # [S]
+    experts = torch.repeat_interleave(torch.tensor(hit), torch.tensor(counts)).unsqueeze(1)  # [S, 1]
+    pair_weights = torch.cat([weights[t, s] for t, s in zip(tokens, slots)]).unsqueeze(1)  # [S, 1]
+    return hit, counts, module(hidden[rows], experts, pair_weights)  # [S, d]
+
+
+def _split(num_experts: int, workers: int) -> torch.Tensor:
+    """owner [E]: experts dealt round-robin, so a token's experts alternate between workers."""
+    return torch.arange(num_experts) % workers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_combine_exact_is_eager_bit_for_bit(experts_of, family):
+    for layer, module in experts_of(family).items():
+        hidden, index, weights = _routing(module, seed=layer)
+        with torch.inference_mode():
+            eager = module(hidden, index, weights)  # [T, d]
+        per_expert: dict[int, torch.Tensor] = {}
+        for share in plan_layer(_split(module.num_experts, 2), index, weights):
+            hit, counts, outputs = _worker_outputs(module, hidden[share.tokens], share.top_k_index, share.top_k_weights)
+            per_expert.update(zip(hit, torch.split(outputs, counts)))  # {e: [n_e, d]}
+
+        combined = combine_exact(hidden, index, per_expert)
+
+        assert sorted(per_expert) == torch.unique(index).tolist()
+        assert combined.dtype == eager.dtype and torch.equal(combined, eager), f"{family} layer {layer}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_combine_partial_is_eager_up_to_addition_order(experts_of, family):
+    """Partial combine is NOT required to be bit-identical, and this test does not ask it to be.
+
+    Each worker first adds its own experts' rows per token, then the backbone adds the workers'
+    sums: a token routed to experts 0, 1, 2, 3 on workers {0, 2} and {1, 3} gets
+    (y0 + y2) + (y1 + y3) where eager computes ((y0 + y1) + y2) + y3. Float addition is not
+    associative, so the last bits may differ; the products w * E_e(x) themselves are the same.
+    """
+    for layer, module in experts_of(family).items():
+        hidden, index, weights = _routing(module, seed=100 + layer)
+        with torch.inference_mode():
+            eager = module(hidden, index, weights)  # [T, d]
+        partials = []
+        for share in plan_layer(_split(module.num_experts, 2), index, weights):
+            hit, counts, outputs = _worker_outputs(module, hidden[share.tokens], share.top_k_index, share.top_k_weights)
+            _, local_tokens = zip(*(torch.where(share.top_k_index.T == e) for e in hit))
+            sums = torch.zeros(share.tokens.numel(), hidden.shape[1], dtype=hidden.dtype)  # [T_w, d]
+            sums.index_add_(0, torch.cat(local_tokens), outputs)  # experts in ascending order, as the worker does
+            partials.append((share.tokens, sums))
+
+        combined = combine_partial(hidden, partials)
+
+        assert len(partials) == 2
+        torch.testing.assert_close(combined, eager, **PARTIAL_TOLERANCE)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_combine_partial_of_one_worker_is_eager_bit_for_bit(experts_of, family):
+    """With every expert on one worker, its per-token sum adds in eager's order: nothing to reassociate."""
+    for layer, module in experts_of(family).items():
+        hidden, index, weights = _routing(module, seed=200 + layer)
+        with torch.inference_mode():
+            eager = module(hidden, index, weights)
+        hit, counts, outputs = _worker_outputs(module, hidden, index, weights)
+        _, tokens = zip(*(torch.where(index.T == e) for e in hit))
+        sums = torch.zeros_like(hidden).index_add_(0, torch.cat(tokens), outputs)  # [T, d]
+
+        assert torch.equal(combine_partial(hidden, [(torch.arange(TOKENS), sums)]), eager)
+
+
+def test_combine_exact_by_hand():
+    hidden = torch.zeros(3, 2)  # [T, d]: only its shape and dtype count
+    index = torch.tensor([[0, 1], [1, 2], [2, 0]])  # [T, k]
+    # rows in eager order: expert 0 at (slot 0, token 0), (slot 1, token 2); expert 1 at (0, 1), (1, 0); ...
+    per_expert = {
+        0: torch.tensor([[1.0, 2.0], [3.0, 4.0]]),  # tokens 0, 2
+        1: torch.tensor([[10.0, 20.0], [30.0, 40.0]]),  # tokens 1, 0
+        2: torch.tensor([[100.0, 200.0], [300.0, 400.0]], dtype=torch.bfloat16),  # tokens 2, 1: cast to f32
+    }
+
+    combined = combine_exact(hidden, index, per_expert)
+
+    assert combined.dtype == torch.float32
+    assert torch.equal(combined, torch.tensor([[31.0, 42.0], [310.0, 420.0], [103.0, 204.0]]))
+
+
+def test_combine_partial_by_hand():
+    hidden = torch.zeros(3, 2, dtype=torch.float64)
+    partials = [
+        (torch.tensor([0, 2]), torch.tensor([[1.0, 2.0], [3.0, 4.0]])),
+        (torch.tensor([2]), torch.tensor([[10.0, 20.0]], dtype=torch.float16)),
+    ]
+
+    combined = combine_partial(hidden, partials)
+
+    assert combined.dtype == torch.float64
+    assert torch.equal(combined, torch.tensor([[1.0, 2.0], [0.0, 0.0], [13.0, 24.0]], dtype=torch.float64))

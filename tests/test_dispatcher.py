@@ -1,0 +1,310 @@
+"""The dispatcher over fake links (in process) and over a real TCP worker that answers garbage.
+
+Whatever fails in the middle of a layer, at send or at receive, the next layer must work: every
+link drained, or closed and reconnected.
+
+Legend: T = tokens, k = top-k, d = hidden size, E = experts.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from moeswarm.dispatch.accounting import Accounting, LayerCall
+from moeswarm.dispatch.dispatcher import Dispatcher
+from moeswarm.errors import MoeSwarmError, WorkerError
+from moeswarm.placement.table import build_table
+from moeswarm.transport.link import Pending, Reply
+from moeswarm.transport.tcp import TcpLink
+from moeswarm.wire.codecs import CODECS
+from moeswarm.wire.config import CombineMode, WireConfig
+from moeswarm.wire.frames import Frame, Opcode
+from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerInfo
+from moeswarm.wire.stream import recv_frame, send_frame
+
+E, D, K = 8, 4, 2
+
+
+def expert_output(expert: int, x: torch.Tensor) -> torch.Tensor:
+    """A stand-in for expert e's MLP: [n, d] -> [n, d]."""
+    return torch.tanh(x * (expert + 1) + expert)
+
+
+def answer(request: Dispatch) -> Result:
+    """What an honest holder returns, in the worker's layout (experts ascending, eager row order)."""
+    index, weights, hidden = request.top_k_index, request.top_k_weights, request.hidden  # [T, k], [T, k], [T, d]
+    hit = torch.unique(index[index >= 0]).tolist()
+    blocks, counts = [], []
+    for expert in hit:
+        slot, token = torch.where(index.T == expert)  # [n_e]
+        blocks.append(weights[token, slot].unsqueeze(1) * expert_output(expert, hidden[token]))  # [n_e, d]
+        counts.append(token.numel())
+    outputs = torch.cat(blocks)
+    if request.mode == CombineMode.PARTIAL:
+        rows = torch.cat([torch.where(index.T == e)[1] for e in hit])
+        outputs = torch.zeros_like(hidden).index_add_(0, rows, outputs)
+    return Result(request.layer, request.mode, outputs, hit, counts, request.wire_combine)
+
+
+def reference(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Eager's sum: experts ascending, each added with index_add_."""
+    out = torch.zeros_like(hidden)
+    for expert in torch.unique(index).tolist():
+        slot, token = torch.where(index.T == expert)
+        out.index_add_(0, token, weights[token, slot].unsqueeze(1) * expert_output(expert, hidden[token]))
+    return out
+
+
+class FakeLink:
+    """An in-process holder that can be told to fail its next send or wait."""
+
+    def __init__(self, name: str, held: list[int]):
+        self.address, self.held = name, held
+        self.info = WorkerInfo("fp", "fake", E, D, {0: tuple(held), 1: tuple(held)}, tuple(CODECS))
+        self.fail_send = self.fail_wait = False
+        self.queue: list[tuple[int, Dispatch]] = []
+        self.is_broken = False
+        self.reconnects = 0
+        self._id = 0
+
+    @property
+    def broken(self) -> bool:
+        return self.is_broken
+
+    def connect(self, fingerprint):
+        return self.info
+
+    def reconnect(self):
+        self.is_broken, self.queue = False, []
+        self.reconnects += 1
+        return self.info
+
+    def prepare(self, request: Dispatch) -> Dispatch:
+        request.to_frame(0)  # encode as a TCP link would: a codec that refuses the data raises here
+        return request
+
+    def send(self, request: Dispatch) -> Pending:
+        if self.fail_send:
+            self.fail_send, self.is_broken = False, True
+            raise WorkerError(self.address, "connection lost while sending")
+        self._id += 1
+        self.queue.append((self._id, request))
+        return Pending(self._id, 100, time.perf_counter())
+
+    def wait(self, pending: Pending, deadline: float) -> Reply:
+        request_id, request = self.queue.pop(0)
+        assert request_id == pending.request_id, "replies must be awaited in order"
+        if self.fail_wait:
+            self.fail_wait, self.is_broken = False, True
+            raise WorkerError(self.address, "bad reply: bad magic")
+        return Reply(answer(request), 10, 0.001)
+
+    def ping(self, timeout_s=10.0):
+        return 0.0
+
+    def close(self):
+        self.queue = []
+
+
+def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, D, generator=g)  # [T, d]
+    index = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :K]  # [T, k] distinct experts per row
+    weights = torch.rand(tokens, K, generator=g).softmax(-1)  # [T, k]
+    return hidden, index, weights
+
+
+def _dispatcher(wire: WireConfig = WireConfig(), fanout: str = "star") -> tuple[Dispatcher, list[FakeLink]]:
+    links = [FakeLink("a", [0, 2, 4, 6]), FakeLink("b", [1, 3, 5, 7])]
+    table = build_table({i: link.info.held for i, link in enumerate(links)}, E)
+    return Dispatcher(links, table, wire, fanout), links
+
+
+@pytest.mark.parametrize("fanout", ["star", "chain"])
+def test_exact_combine_equals_eager_sum(fanout):
+    dispatcher, _ = _dispatcher(fanout=fanout)
+    hidden, index, weights = _routing(6, 0)
+    out = dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+    assert torch.equal(out, reference(hidden, index, weights))
+    call = dispatcher.accounting.calls[0]
+    assert (call.layer, call.tokens, call.bytes_out, call.bytes_in) == (0, 6, 200, 20)
+    assert call.round_trips == (1 if fanout == "star" else 2)
+    assert call.worker_seconds == {"a": 0.001, "b": 0.001}
+
+
+def test_partial_combine_is_close_to_eager_sum():
+    dispatcher, _ = _dispatcher(WireConfig(CombineMode.PARTIAL))
+    hidden, index, weights = _routing(6, 1)
+    out = dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+    torch.testing.assert_close(out, reference(hidden, index, weights), rtol=1e-6, atol=1e-6)
+
+
+def test_failure_while_sending_leaves_the_next_layer_working():
+    dispatcher, (a, b) = _dispatcher()
+    b.fail_send = True  # a was sent first; its reply must be drained
+    hidden, index, weights = _routing(6, 2)
+    with pytest.raises(WorkerError) as caught:
+        dispatcher.dispatch(0, hidden, index, weights)
+    assert str(caught.value) == "worker b: connection lost while sending"
+    assert a.queue == [] and b.broken
+    out = dispatcher.combine(dispatcher.dispatch(1, hidden, index, weights))
+    assert torch.equal(out, reference(hidden, index, weights)) and b.reconnects == 1
+
+
+def test_failure_while_receiving_leaves_the_next_layer_working():
+    dispatcher, (a, b) = _dispatcher()
+    a.fail_wait = True  # a fails first; b's reply must still be read
+    hidden, index, weights = _routing(6, 3)
+    handle = dispatcher.dispatch(0, hidden, index, weights)
+    with pytest.raises(WorkerError) as caught:
+        dispatcher.combine(handle)
+    assert str(caught.value) == "worker a: bad reply: bad magic"
+    assert b.queue == [] and a.broken and not b.broken
+    out = dispatcher.combine(dispatcher.dispatch(1, hidden, index, weights))
+    assert torch.equal(out, reference(hidden, index, weights)) and a.reconnects == 1
+
+
+def test_codec_refusing_its_input_sends_nothing():
+    dispatcher, (a, b) = _dispatcher(WireConfig(CombineMode.PARTIAL, "int8-b128"))
+    hidden, index, weights = _routing(6, 4)
+    hidden[5, 0] = float("nan")
+    with pytest.raises(MoeSwarmError, match="non-finite"):
+        dispatcher.dispatch(0, hidden, index, weights)
+    assert a.queue == [] and b.queue == [] and a._id == 0 and b._id == 0
+    hidden[5, 0] = 0.0
+    dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+
+
+def test_a_result_for_the_wrong_experts_names_the_worker():
+    dispatcher, (a, _) = _dispatcher()
+    hidden, index, weights = _routing(6, 5)
+    a.wait = lambda pending, deadline: Reply(  # claims a different expert set
+        Result(0, CombineMode.EXACT, torch.zeros(1, D), [9], [1]), 10, 0.0)
+    with pytest.raises(WorkerError, match=r"^worker a: RESULT covers experts \[9\] x \[1\] rows, expected \["):
+        dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+
+
+def test_missing_experts_are_named():
+    links = [FakeLink("a", [0, 1, 2, 3])]
+    dispatcher = Dispatcher(links, build_table({0: links[0].info.held}, E))
+    with pytest.raises(MoeSwarmError) as caught:
+        dispatcher.check_covers([0, 1])
+    assert str(caught.value) == "no worker holds layer 0 experts 4-7; layer 1 experts 4-7"
+
+
+def test_accounting_summary_is_exact():
+    accounting = Accounting()
+    accounting.record(LayerCall(0, 4, 400, 800, 1, 0.002, {"a": 0.001, "b": 0.003}))
+    accounting.record(LayerCall(1, 1, 100, 300, 1, 0.004, {"a": 0.002}))
+    summary = accounting.summary()
+    assert summary["layer_calls"] == 2 and summary["round_trips"] == 2
+    assert (summary["bytes_out"], summary["bytes_in"]) == (500, 1100)
+    assert summary["bytes_out_per_token_layer"] == 100.0 and summary["bytes_in_per_token_layer"] == 220.0
+    assert summary["decode_bytes_out_per_token_layer"] == 100.0 and summary["decode_bytes_in_per_token_layer"] == 300.0
+    assert summary["seconds_per_layer_call_mean"] == pytest.approx(0.003)
+    assert summary["worker_rtt_ms_mean"] == pytest.approx({"a": 1.5, "b": 3.0})
+
+
+# -- a real TCP worker that answers garbage in the middle of a layer --------------------------
+
+
+class GarbageWorker:
+    """A protocol-speaking worker on 127.0.0.1 whose `garbage_on`-th DISPATCH gets random bytes."""
+
+    def __init__(self, held: list[int], garbage_on: int):
+        self.held, self.garbage_on, self.dispatches, self.connections = held, garbage_on, 0, 0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket):
+        with conn:
+            while True:
+                try:
+                    frame, _ = recv_frame(conn)
+                except (OSError, MoeSwarmError):
+                    return
+                if frame.opcode == Opcode.HELLO:
+                    info = WorkerInfo(Hello.from_frame(frame).fingerprint, "fake", E, D,
+                                      {0: tuple(self.held), 1: tuple(self.held)}, tuple(CODECS))
+                    send_frame(conn, info.to_frame(frame.request_id))
+                elif frame.opcode == Opcode.DISPATCH:
+                    self.dispatches += 1
+                    if self.dispatches == self.garbage_on:
+                        conn.sendall(b"\x17garbage, not a frame" * 3)
+                        continue
+                    send_frame(conn, answer(Dispatch.from_frame(frame)).to_frame(frame.request_id))
+                else:
+                    send_frame(conn, ErrorReply("bad_request", "unexpected").to_frame(frame.request_id))
+
+    def close(self):
+        self.server.close()
+
+
+def test_tcp_worker_answering_garbage_mid_layer_is_reconnected():
+    honest, liar = GarbageWorker([0, 2, 4, 6], garbage_on=0), GarbageWorker([1, 3, 5, 7], garbage_on=2)
+    links = [TcpLink(honest.address), TcpLink(liar.address)]
+    try:
+        for link in links:
+            link.connect("fp")
+        dispatcher = Dispatcher(links, build_table({i: link.info.held for i, link in enumerate(links)}, E))
+        hidden, index, weights = _routing(5, 6)
+        expected = reference(hidden, index, weights)
+        assert torch.equal(dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights)), expected)
+        with pytest.raises(WorkerError) as caught:  # layer 1: the liar's reply is garbage
+            dispatcher.combine(dispatcher.dispatch(1, hidden, index, weights))
+        assert str(caught.value).startswith(f"worker {liar.address}: bad reply: bad magic")
+        assert links[1].broken and not links[0].broken
+        assert torch.equal(dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights)), expected)
+        assert (honest.connections, liar.connections) == (1, 2)  # only the liar's link was reopened
+    finally:
+        for link in links:
+            link.close()
+        honest.close()
+        liar.close()
+
+
+def test_error_text_from_a_worker_is_escaped():
+    error = WorkerError("w:1", "ok\x1b[2J\rforged line")
+    assert str(error) == "worker w:1: ok\\x1b[2J\\rforged line"
+
+
+def test_ping_overtaken_reply_is_matched_by_request_id():
+    """A PONG may overtake a RESULT on one connection: the link matches replies by id."""
+    server = socket.create_server(("127.0.0.1", 0))
+    address = "127.0.0.1:%d" % server.getsockname()[1]
+
+    def serve():
+        conn, _ = server.accept()
+        with conn:
+            hello, _ = recv_frame(conn)
+            send_frame(conn, WorkerInfo("fp", "fake", E, D, {0: tuple(range(E))}, ("f32",)).to_frame(hello.request_id))
+            dispatch, _ = recv_frame(conn)
+            ping, _ = recv_frame(conn)
+            send_frame(conn, Frame(Opcode.PONG, ping.request_id))  # answered first
+            send_frame(conn, answer(Dispatch.from_frame(dispatch)).to_frame(dispatch.request_id))
+
+    threading.Thread(target=serve, daemon=True).start()
+    link = TcpLink(address)
+    link.connect("fp")
+    hidden, index, weights = _routing(3, 7)
+    pending = link.send(link.prepare(Dispatch(0, hidden, index, weights)))
+    assert link.ping() >= 0.0
+    reply = link.wait(pending, time.monotonic() + 10)
+    assert torch.equal(reply.result.outputs, answer(Dispatch(0, hidden, index, weights)).outputs)
+    link.close()
+    server.close()
