@@ -136,18 +136,18 @@ def family_keys(model_type: str) -> tuple[dict, str]:
 
 
 @contextlib.contextmanager
-def thread_workers(path: str, ranges: list[tuple[int, int]]):
-    """One WorkerServer per expert range, each on its own asyncio loop in a daemon thread."""
-    from moeswarm.model.loading import load_expert_slice
+def thread_workers(path: str, expert_sets: list[list[int]]):
+    """One WorkerServer per expert set, each on its own asyncio loop in a daemon thread."""
+    from moeswarm.model.loading import load_experts
     from moeswarm.worker.server import WorkerServer
     from moeswarm.worker.store import ExpertStore
 
     loops, servers, addresses = [], [], []
     try:
-        for low, high in ranges:
-            slices, checkpoint, num_experts = load_expert_slice(path, None, (low, high))
-            store = ExpertStore(slices, num_experts, checkpoint.config.hidden_size)
-            server = WorkerServer(store, checkpoint.fingerprint, checkpoint.config.model_type)
+        for experts in expert_sets:
+            hosted, source, num_experts = load_experts(path, experts)
+            store = ExpertStore(hosted, num_experts, source.config.hidden_size)
+            server = WorkerServer(store, source.fingerprint, source.config.model_type)
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, daemon=True).start()
             loops.append(loop)
@@ -157,18 +157,9 @@ def thread_workers(path: str, ranges: list[tuple[int, int]]):
         yield addresses
     finally:
         for loop, server in zip(loops, servers):
-            asyncio.run_coroutine_threadsafe(_stop(server), loop).result(10)
+            asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
         for loop in loops:
             loop.call_soon_threadsafe(loop.stop)
-
-
-async def _stop(server) -> None:
-    """Close the listener and end every connection task, so the loop stops clean."""
-    if server._server is not None:
-        server._server.close()
-    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    if tasks:  # the client has closed its sockets: the connection tasks end on EOF
-        await asyncio.wait(tasks, timeout=5)
 
 
 class OwnCacheStepper:
@@ -194,7 +185,7 @@ def check(model_type: str, keys: dict, workdir: str, stepper=None) -> dict:
     stepper = stepper or Stepper
     from moeswarm.model.experts import experts_modules
     from moeswarm.model.loading import load_local
-    from moeswarm.swarm import connect_swarm
+    from moeswarm.swarm import open_swarm
 
     record = {"model_type": model_type, "model_class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], "keys": keys}
     added = model_type not in tiny.FAMILIES
@@ -212,9 +203,9 @@ def check(model_type: str, keys: dict, workdir: str, stepper=None) -> dict:
             return {**record, "status": "fail", "stage": stage, "reason": "no experts module found in the tiny model"}
         local = stepper(local_model)
         stage = "workers"
-        with thread_workers(path, [(0, 3), (4, 7)]) as addresses:
+        with thread_workers(path, [[0, 1, 2, 3], [4, 5, 6, 7]]) as addresses:
             stage = "connect"
-            swarm = connect_swarm(path, addresses)
+            swarm = open_swarm(path, addresses)
             try:
                 remote = stepper(swarm.model)
                 feed = list(PREFILL)
@@ -228,7 +219,7 @@ def check(model_type: str, keys: dict, workdir: str, stepper=None) -> dict:
                         return {**record, "status": "fail", "stage": stage,
                                 "reason": f"logits differ at step {step} (max abs diff {diff:.3g})"}
                     feed = [int(remote_logits[-1].argmax())]
-                summary = swarm.dispatcher.accounting.summary()
+                summary = swarm.accounting()
             finally:
                 swarm.close()
         served = set(summary["worker_rtt_ms_mean"])

@@ -21,6 +21,7 @@ import torch
 from moeswarm.dispatch.plan import plan_layer
 from moeswarm.generation.loop import generate
 from moeswarm.generation.stepper import Stepper
+from moeswarm.local_workers import local_workers
 from moeswarm.model.experts import experts_modules
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
@@ -173,6 +174,15 @@ def test_chain_fanout_same_tokens_one_round_trip_per_worker_reached(qwen2_moe, q
     assert chain["fanout"] == "chain"
     _check_traffic(star, traffic, round_trips=len(traffic))
     _check_traffic(chain, traffic, round_trips=sum(len(t.workers) for t in traffic))  # same frames, sent one by one
+
+
+def test_non_contiguous_workers_are_bit_identical(qwen2_moe, plain_local):
+    """`worker --experts 0,2,5-6` and `--experts 1,3-4,7`: generate --check-local stays bit-identical."""
+    with local_workers(qwen2_moe, [[0, 2, 5, 6], [1, 3, 4, 7]]) as workers:
+        report = _generate(qwen2_moe, workers, "--check-local")
+    assert (report["bit_identical"], report["tokens_match_local"]) == (True, True)
+    assert report["tokens"] == plain_local[1].tokens
+    assert sorted(report["worker_rtt_ms_mean"]) == sorted(workers)
 
 
 def test_demo_json_on_a_given_model(qwen2_moe):

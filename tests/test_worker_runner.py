@@ -378,7 +378,7 @@ def test_close_cancels_queued_work_and_stops_the_compute_thread():
 
 
 SIGINT_SCRIPT = """
-import asyncio, signal, sys, threading
+import asyncio, signal, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 from test_worker_runner import FINGERPRINT, FakeStore
 from moeswarm.worker.server import WorkerServer
@@ -386,16 +386,23 @@ from moeswarm.worker.server import WorkerServer
 store = FakeStore()
 server = WorkerServer(store, FINGERPRINT, "fake")
 
+def when(condition, then):
+    def wait():
+        while not condition():
+            time.sleep(0.005)
+        then()
+    threading.Thread(target=wait, daemon=True).start()
+
 async def main():
     host, port = await server.start("127.0.0.1", 0)
     print(f"listening on {host}:{port}", flush=True)
-    threading.Thread(target=lambda: store.entered.acquire() and print("computing", flush=True)).start()
+    when(lambda: store.calls and server.runner.queued == 2, lambda: print("computing, 2 queued", flush=True))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     serving = asyncio.create_task(server.serve_forever())
     await stop.wait()
-    threading.Timer(0.3, store.release, (10,)).start()  # the running job ends while the server closes
+    when(lambda: server.runner.queued == 0, store.release)  # the running job ends while the server closes
     serving.cancel()
 
 asyncio.run(main())
@@ -416,7 +423,7 @@ def test_sigint_during_compute_stops_cleanly():
         sock = _greeted((host, int(port)))
         for request_id in (2, 3, 4):
             send_frame(sock, _dispatch(request_id, request_id))
-        assert process.stdout.readline() == "computing\n"
+        assert process.stdout.readline() == "computing, 2 queued\n"
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=WAIT_S)
     finally:

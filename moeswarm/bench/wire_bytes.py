@@ -22,7 +22,7 @@ from moeswarm.model.source import open_source
 from moeswarm.swarm import connect
 from moeswarm.transport.tcp import TcpLink
 from moeswarm.wire.codecs import FLOAT_CODECS
-from moeswarm.wire.config import WireConfig
+from moeswarm.wire.config import COMBINE_MODES, WireConfig
 
 # The brief's reference layer: hidden size 3072, top-8. Attention and experts are kept tiny:
 # bytes on the wire depend only on the hidden size, top-k and placement.
@@ -30,8 +30,8 @@ SYNTHETIC_3072 = dict(hidden_size=3072, num_hidden_layers=1, num_attention_heads
                       head_dim=16, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=8,
                       intermediate_size=64, vocab_size=260)
 
-ALL_CONFIGS = [(mode, d, c) for mode in ("exact", "partial") for d, c in itertools.product(FLOAT_CODECS, FLOAT_CODECS)]
-MATCHED_CONFIGS = [("exact", None, None)] + [(mode, c, c) for mode in ("exact", "partial") for c in FLOAT_CODECS]
+ALL_CONFIGS = [(mode, d, c) for mode in COMBINE_MODES for d, c in itertools.product(FLOAT_CODECS, FLOAT_CODECS)]
+MATCHED_CONFIGS = [("exact", None, None)] + [(mode, c, c) for mode in COMBINE_MODES for c in FLOAT_CODECS]
 
 
 def make_synthetic_model(out: Path) -> Path:

@@ -83,7 +83,8 @@ class WorkerServer:
         self.body_timeout_s = body_timeout_s
         self.runner = ComputeRunner(queue_limit)
         self._server: asyncio.base_events.Server | None = None
-        self._sessions: set[asyncio.Task] = set()
+        self._sessions: dict[asyncio.Task, _Session] = {}
+        self._closing = False
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen and start the compute thread; return the bound (host, port)."""
@@ -101,6 +102,7 @@ class WorkerServer:
 
     async def close(self) -> None:
         """Stop listening, end every connection, stop the compute thread after its current job."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
         # The thread's join is under way before the first await: a second cancellation (asyncio.run
@@ -108,6 +110,10 @@ class WorkerServer:
         stopped = self.runner.stop()
         sessions = [task for task in self._sessions if task is not asyncio.current_task()]
         for task in sessions:
+            # Cancelling alone is not enough on Python 3.11: asyncio.wait_for swallows a cancellation
+            # that meets a completed read (gh-86296), and the session would wait for its next frame.
+            # The flag and the closed transport end it either way.
+            self._sessions[task].writer.transport.abort()
             task.cancel()
         await asyncio.gather(*sessions, return_exceptions=True)
         await asyncio.shield(stopped)
@@ -120,9 +126,9 @@ class WorkerServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session = _Session(writer)
         task = asyncio.current_task()
-        self._sessions.add(task)
+        self._sessions[task] = session
         try:
-            while await self._next_frame(reader, session):
+            while not self._closing and await self._next_frame(reader, session):
                 pass
         except (ConnectionError, OSError) as error:
             log.info("connection from %s ended: %s", session.peer, error)
@@ -131,7 +137,7 @@ class WorkerServer:
             # connection callback that ends cancelled, and nobody awaits this task.
             pass
         finally:
-            self._sessions.discard(task)
+            self._sessions.pop(task, None)
             dropped = self.runner.drop(session)
             if dropped:
                 log.info("connection from %s closed with %d requests queued: dropped", session.peer, dropped)
