@@ -19,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="TCP port (0: pick a free one and print it)")
     parser.add_argument("--max-payload", type=int, default=1 << 30, help="largest frame payload accepted, in bytes")
+    parser.add_argument("--queue-limit", type=_at_least_one, default=64,
+                        help="DISPATCHes that may wait for the compute thread, over all connections; beyond it a "
+                             "request is answered 'busy' (default 64)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; use 1 when several workers share a machine)")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -53,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     hosted, source, num_experts = load_experts(args.model, args.experts, args.layers)
     store = ExpertStore(hosted, num_experts, source.config.hidden_size)
     del hosted  # the store holds the experts now (re-placed per contiguous run)
-    server = WorkerServer(store, source.fingerprint, source.config.model_type, args.max_payload)
+    server = WorkerServer(store, source.fingerprint, source.config.model_type, args.max_payload,
+                          queue_limit=args.queue_limit)
 
     async def main() -> None:
         host, port = await server.start(args.host, args.port)
@@ -69,3 +73,13 @@ def run(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

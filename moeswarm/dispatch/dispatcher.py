@@ -62,13 +62,14 @@ class Dispatcher:
 
     def dispatch(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Handle:
         """Plan and send layer `layer`'s rows. hidden [T, d], top_k_index [T, k] long, top_k_weights [T, k]."""
+        started = time.perf_counter()
         try:
             shares = tuple(plan_layer(self._owner(LayerId(layer)), top_k_index, top_k_weights))
         except LookupError as error:
             raise MoeSwarmError(f"layer {layer}: {error}") from None
         requests = tuple(self._request(layer, hidden, share) for share in shares)
         sent = tuple(submit(self.links, self._addressed(shares, requests))) if self.fanout == "star" else ()
-        return Handle(LayerId(layer), hidden, top_k_index, shares, requests, sent, time.perf_counter())
+        return Handle(LayerId(layer), hidden, top_k_index, shares, requests, sent, started)
 
     def combine(self, handle: Handle) -> torch.Tensor:
         """Gather the replies and add them into [T, d]."""
