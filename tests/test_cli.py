@@ -222,3 +222,12 @@ def test_missing_model_is_one_clear_line(tmp_path):
 def test_generate_against_a_dead_worker_names_it(qwen2_moe):
     done = _moeswarm("generate", "--model", qwen2_moe, "--workers", "127.0.0.1:1", "--prompt", "a")
     assert done.returncode == 2 and "worker 127.0.0.1:1: cannot connect" in done.stderr
+
+
+def test_help_loads_neither_torch_nor_transformers():
+    code = ("import sys\nfrom moeswarm.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+    assert "usage: moeswarm" in done.stdout and "generate" in done.stdout
