@@ -23,7 +23,7 @@ from moeswarm.transport.link import Pending, Reply
 from moeswarm.transport.tcp import TcpLink
 from moeswarm.wire.codecs import CODECS
 from moeswarm.wire.config import CombineMode, WireConfig
-from moeswarm.wire.frames import Frame, Opcode
+from moeswarm.wire.frames import HEADER, MAGIC, VERSION, Frame, Opcode
 from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerInfo
 from moeswarm.wire.stream import recv_frame, send_frame
 
@@ -307,4 +307,31 @@ def test_ping_overtaken_reply_is_matched_by_request_id():
     reply = link.wait(pending, time.monotonic() + 10)
     assert torch.equal(reply.result.outputs, answer(Dispatch(0, hidden, index, weights)).outputs)
     link.close()
+    server.close()
+
+
+def test_a_reply_larger_than_its_result_is_refused_unread():
+    """A worker declaring a 1 GiB RESULT: refused from the header, nothing allocated; the link reconnects."""
+    server = socket.create_server(("127.0.0.1", 0))
+    address = "127.0.0.1:%d" % server.getsockname()[1]
+
+    def serve():
+        conn, _ = server.accept()
+        with conn:
+            hello, _ = recv_frame(conn)
+            send_frame(conn, WorkerInfo("fp", "fake", E, D, {0: tuple(range(E))}, ("f32",)).to_frame(hello.request_id))
+            dispatch, _ = recv_frame(conn)
+            conn.sendall(HEADER.pack(MAGIC, VERSION, Opcode.RESULT, 0, dispatch.request_id, 0, 1 << 30))
+            conn.recv(1)  # until the backbone hangs up
+
+    threading.Thread(target=serve, daemon=True).start()
+    link = TcpLink(address)
+    link.connect("fp")
+    hidden, index, weights = _routing(3, 8)  # 3 tokens x top-2: 6 rows of 4 f32 come back in exact mode
+    pending = link.send(link.prepare(Dispatch(0, hidden, index, weights)))
+    with pytest.raises(WorkerError) as caught:
+        link.wait(pending, time.monotonic() + 10)
+    assert str(caught.value) == (f"worker {address}: bad reply: frame payload of {1 << 30} bytes is over the limit "
+                                 f"of {6 * D * 4}")
+    assert link.broken
     server.close()

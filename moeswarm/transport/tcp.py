@@ -17,6 +17,8 @@ import time
 from moeswarm.errors import MoeSwarmError, ProtocolError, WorkerError
 from moeswarm.ids import WorkerAddress, parse_address
 from moeswarm.transport.link import Pending, Reply
+from moeswarm.wire.codecs import get_codec
+from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerInfo
 from moeswarm.wire.stream import StreamClosed, recv_frame, send_frame
@@ -32,7 +34,7 @@ class TcpLink:
         self._fingerprint: str | None = None
         self._sock: socket.socket | None = None
         self._next_id = 1
-        self._waiting: set[int] = set()  # request ids sent and not yet answered
+        self._waiting: dict[int, int] = {}  # request id sent and not yet answered -> largest payload its reply may have
         self._early: dict[int, tuple[Frame, int]] = {}  # replies that overtook the one awaited
 
     @property
@@ -49,8 +51,8 @@ class TcpLink:
         except OSError as error:
             raise WorkerError(self.address, f"cannot connect ({error.strerror or error}): is the worker running?") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock, self._waiting, self._early = sock, set(), {}
-        pending = self.send(Hello(fingerprint).to_frame(self._new_id()))
+        self._sock, self._waiting, self._early = sock, {}, {}
+        pending = self._send(Hello(fingerprint).to_frame(self._new_id()))
         frame, _ = self._receive(pending.request_id, time.monotonic() + HELLO_TIMEOUT_S)
         try:
             info = WorkerInfo.from_frame(frame)
@@ -74,10 +76,16 @@ class TcpLink:
             raise WorkerError(self.address, "came back holding other experts than it announced: not used again")
         return info
 
-    def prepare(self, request: Dispatch) -> Frame:
-        return request.to_frame(self._new_id())
+    def prepare(self, request: Dispatch) -> tuple[Frame, int]:
+        """The DISPATCH frame, and the exact payload size of the RESULT that answers it."""
+        return request.to_frame(self._new_id()), result_payload_bytes(request)
 
-    def send(self, frame: Frame) -> Pending:
+    def send(self, prepared: tuple[Frame, int]) -> Pending:
+        return self._send(*prepared)
+
+    def _send(self, frame: Frame, reply_payload_limit: int = 0) -> Pending:
+        """Write `frame`; its reply may carry at most `reply_payload_limit` payload bytes (a larger
+        one is refused from its header, before anything is allocated or read)."""
         sock = self._require()
         try:
             sock.settimeout(CONNECT_TIMEOUT_S)
@@ -85,7 +93,7 @@ class TcpLink:
         except OSError as error:
             self.close()
             raise WorkerError(self.address, f"connection lost while sending ({error})") from None
-        self._waiting.add(frame.request_id)
+        self._waiting[frame.request_id] = reply_payload_limit
         return Pending(frame.request_id, sent, time.perf_counter())
 
     def wait(self, pending: Pending, deadline: float) -> Reply:
@@ -99,7 +107,7 @@ class TcpLink:
 
     def ping(self, timeout_s: float = 10.0) -> float:
         start = time.perf_counter()
-        pending = self.send(Frame(Opcode.PING, self._new_id()))
+        pending = self._send(Frame(Opcode.PING, self._new_id()))
         self._receive(pending.request_id, time.monotonic() + timeout_s)
         return time.perf_counter() - start
 
@@ -126,7 +134,7 @@ class TcpLink:
                 raise WorkerError(self.address, f"reply to request {frame.request_id}, which is not outstanding")
             self._early[frame.request_id] = (frame, size)
         frame, size = self._early.pop(request_id)
-        self._waiting.discard(request_id)
+        self._waiting.pop(request_id, None)
         if frame.opcode == Opcode.ERROR:
             raise WorkerError(self.address, ErrorReply.from_frame(frame).message)
         return frame, size
@@ -134,7 +142,7 @@ class TcpLink:
     def _read(self, deadline: float) -> tuple[Frame, int]:
         sock = self._require()
         try:
-            return recv_frame(sock, deadline)
+            return recv_frame(sock, deadline, max(self._waiting.values(), default=0))
         except socket.timeout:
             self.close()
             raise WorkerError(self.address, "no reply before the deadline (worker stalled or overloaded?)") from None
@@ -147,3 +155,11 @@ class TcpLink:
         except OSError as error:
             self.close()
             raise WorkerError(self.address, f"connection lost while reading ({error})") from None
+
+
+def result_payload_bytes(request: Dispatch) -> int:
+    """The payload size of the RESULT that answers `request`: its rows times the hidden size in the
+    reply codec (exact: one row per routed (token, expert) pair; partial: one per token)."""
+    tokens, width = request.hidden.shape  # [T_w, d]
+    rows = int((request.top_k_index >= 0).sum()) if request.mode == CombineMode.EXACT else tokens
+    return get_codec(request.wire_combine).nbytes((rows, width))
