@@ -3,6 +3,9 @@
 Each subcommand lives in `moeswarm/commands/<name>.py` and exposes `add_arguments(parser)` and
 `run(args) -> int`. Only the chosen command's module is imported (its flags are only needed
 then), so `moeswarm --help` loads no torch and one command's heavy imports never slow another.
+
+A user's mistake (a bad flag, a missing file, a busy port) ends in one line on stderr and exit
+status 2; a traceback means a bug (`moeswarm --debug COMMAND ...` shows one for any error).
 """
 
 from __future__ import annotations
@@ -19,22 +22,51 @@ import argparse  # noqa: E402
 import importlib  # noqa: E402
 import sys  # noqa: E402
 
+from moeswarm import __version__  # noqa: E402
+
 COMMANDS: dict[str, str] = {
     "demo": "run a generation on the bundled model with local workers and report the accounting",
     "worker": "serve a slice of a model's routed experts over TCP",
     "generate": "generate text with a backbone whose experts live on remote workers",
     "gate": "argmax/cosine gate of a wire configuration (combine mode, codecs) against exact local",
-    "bench": "benchmarks: loopback overhead, backbone memory, bytes on the wire",
+    "bench": "benchmarks: loopback overhead, PING under load, backbone memory, bytes on the wire, WAN",
     "make-model": "write a small random MoE model of a given family (for tests and trials)",
     "slice": "cut a GGUF slice file holding some experts of a GGUF model (for workers)",
     "wan": "emulate a WAN link: a TCP proxy with latency, jitter, bandwidth and faults",
 }
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default, unless its help already speaks of one or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        hidden = hidden or not action.option_strings
+        if hidden or "default" in help_text or isinstance(action, argparse._StoreConstAction):
+            return help_text
+        return f"{help_text} (default: %(default)s)" if help_text else "(default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argument mistake is one line naming it and where help is, not the whole usage block."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The parser, with the flags of the command named in `argv` (if any) filled in."""
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
-    parser = argparse.ArgumentParser(prog="moeswarm", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="moeswarm", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"moeswarm {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, show the full traceback instead of one line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, help_text in COMMANDS.items():
@@ -60,12 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except Exception as error:  # one clear line for the user, not a traceback
-        from moeswarm.errors import MoeSwarmError
+    except Exception as error:  # one clear line for the user's mistakes; anything else is a bug: a traceback
+        from moeswarm.errors import MoeSwarmError, one_line
 
-        if not isinstance(error, MoeSwarmError):
+        if args.debug or not isinstance(error, MoeSwarmError):
             raise
-        print(f"moeswarm {args.command}: error: {error}", file=sys.stderr)
+        print(f"moeswarm {args.command}: error: {one_line(error)}", file=sys.stderr)
         return 2
 
 

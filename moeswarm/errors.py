@@ -29,3 +29,8 @@ def printable(text: str, limit: int = 2000) -> str:
     """Text from a peer made safe to print: control characters escaped, length bounded."""
     text = str(text)[:limit]
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (a message quoting a file or a peer may hold line breaks)."""
+    return " ".join(str(error).split())

@@ -8,25 +8,28 @@ import tempfile
 from pathlib import Path
 
 
+JSON_HELP = "print JSON instead of text"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     loopback = sub.add_parser("loopback", help="remote-on-loopback vs local: tokens/s and overhead per MoE round trip")
     loopback.add_argument("--model", default=None, help="model directory (default: the bundled model)")
-    loopback.add_argument("--workers", type=int, default=2)
-    loopback.add_argument("--steps", type=int, default=32)
-    loopback.add_argument("--repeats", type=int, default=3)
-    loopback.add_argument("--json", action="store_true")
+    loopback.add_argument("--workers", type=int, default=2, help="number of local worker processes")
+    loopback.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
+    loopback.add_argument("--repeats", type=int, default=3, help="timed runs, local and remote each")
+    loopback.add_argument("--json", action="store_true", help=JSON_HELP)
     memory = sub.add_parser("memory", help="backbone vs full load resident memory, on a model with ~90%% routed experts")
     memory.add_argument("--worker-model", action="append", default=[], metavar="PATH",
                         help="also measure workers (a quarter vs all experts) on this model directory or .gguf")
-    memory.add_argument("--json", action="store_true")
+    memory.add_argument("--json", action="store_true", help=JSON_HELP)
     ping = sub.add_parser("ping", help="a worker's PING round trip while it computes a long prefill, against idle")
     ping.add_argument("--model", default=None, help="model directory or .gguf (default: the bundled model)")
-    ping.add_argument("--prefill-tokens", type=int, default=2048)
-    ping.add_argument("--json", action="store_true")
+    ping.add_argument("--prefill-tokens", type=int, default=2048, help="tokens in each prefill DISPATCH that loads the worker")
+    ping.add_argument("--json", action="store_true", help=JSON_HELP)
     wire = sub.add_parser("bytes", help="bytes per token per MoE layer on the wire")
     wire.add_argument("--model", default=None, help="model directory (default: the bundled model)")
-    wire.add_argument("--json", action="store_true")
+    wire.add_argument("--json", action="store_true", help=JSON_HELP)
     wan = sub.add_parser("wan", help="decode steps/s with workers behind emulated WAN links (docs/bench.md)")
     wan.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     wan.add_argument("--quick", action="store_true", help="a reduced run, for smoke tests")

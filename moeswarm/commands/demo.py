@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
+from moeswarm.commands._types import non_negative, positive, prompt_text
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: the bundled model)")
-    parser.add_argument("--prompt", default=None, help="prompt text (default: a Python function header)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--prompt", type=prompt_text, default=None, help="prompt text (default: a Python function header)")
+    parser.add_argument("--max-new-tokens", type=positive, default=48, help="most tokens to generate")
     parser.add_argument("--workers", type=int, default=2, help="number of local worker processes (>= 2)")
-    parser.add_argument("--speculate", type=int, default=0, metavar="K")
+    parser.add_argument("--speculate", type=non_negative, default=0, metavar="K",
+                        help="draft up to K tokens per step by n-gram lookup (0: off)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -19,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.bundled import DEMO_PROMPT, demo_model
     from moeswarm.commands._setup import set_threads
     from moeswarm.errors import MoeSwarmError
-    from moeswarm.generation.run import GenerationRequest, run_generation, summary_lines
+    from moeswarm.generation.run import GenerationRequest, check_request, run_generation, summary_lines
     from moeswarm.local_workers import local_swarm, split_experts
     from moeswarm.model.experts import num_experts_in_config
     from moeswarm.model.source import open_source
@@ -27,22 +30,22 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers < 2:
         raise MoeSwarmError("the demo runs at least 2 workers")
-    if args.max_new_tokens < 1:
-        raise MoeSwarmError("--max-new-tokens must be at least 1")
     # The backbone shares this machine with the workers: one thread each, or idle OpenMP
     # threads spinning here steal the workers' cores while the backbone waits for them.
     set_threads(1)
     model = args.model or str(demo_model())
-    config = open_source(model).config
+    source = open_source(model)
+    config = source.config
+    prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
+    request = GenerationRequest(prompt, None, args.max_new_tokens, args.speculate, True, stream=not args.json)
+    check_request(source, request)  # before any worker starts
     expert_sets = split_experts(num_experts_in_config(config), args.workers)
     if not args.json:
         print(f"moeswarm demo: {config.model_type} from {model}; starting {args.workers} workers with experts "
               + ", ".join(format_ids(experts) for experts in expert_sets), flush=True)
     with local_swarm(model, expert_sets) as swarm:
-        prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
         if not args.json:
             print(prompt, end="", flush=True)
-        request = GenerationRequest(prompt, None, args.max_new_tokens, args.speculate, True, stream=not args.json)
         report = run_generation(swarm, request)
     if args.json:
         print(json.dumps(report))

@@ -10,7 +10,8 @@ from moeswarm.wire.config import COMBINE_MODES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: the bundled model)")
-    parser.add_argument("--combine", choices=COMBINE_MODES, default="partial")
+    parser.add_argument("--combine", choices=COMBINE_MODES, default="partial",
+                        help="exact: per-expert outputs; partial: one weighted sum per token per worker")
     parser.add_argument("--wire-dispatch", default=None, help="codec for hidden states (default: lossless)")
     parser.add_argument("--wire-combine", default=None, help="codec for the experts' outputs (default: lossless)")
     parser.add_argument("--reference", default="local",
@@ -18,10 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default=None, help="JSONL ({\"text\": ...}) or text file (default: bundled held-out prompts)")
     parser.add_argument("--min-argmax", type=float, default=0.99, help="minimum top-1 agreement (default 0.99)")
     parser.add_argument("--min-cosine", type=float, default=0.998, help="minimum mean logit cosine (default 0.998)")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="number of local worker processes")
     parser.add_argument("--matrix", action="store_true",
                         help="gate every combine mode x codec pair (same codec both ways) and print them all")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from moeswarm.commands._types import non_negative, positive, prompt_text
 from moeswarm.transport import FANOUTS
 from moeswarm.wire.config import COMBINE_MODES, PRESETS
 
@@ -13,37 +14,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
     parser.add_argument("--workers", required=True, type=_workers, help="comma-separated HOST:PORT list")
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt", type=prompt_text, help="prompt text")
     prompt.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
-    parser.add_argument("--max-new-tokens", type=_positive, default=32)
-    parser.add_argument("--speculate", type=_non_negative, default=0, metavar="K",
+    parser.add_argument("--max-new-tokens", type=positive, default=32, help="most tokens to generate")
+    parser.add_argument("--speculate", type=non_negative, default=0, metavar="K",
                         help="draft up to K tokens per step by n-gram lookup (0: off)")
     parser.add_argument("--check-local", action="store_true",
                         help="also run the model locally (eager) and compare every step's logits and token")
-    parser.add_argument("--fanout", choices=FANOUTS, default="star")
+    parser.add_argument("--fanout", choices=FANOUTS, default="star",
+                        help="star: send every worker its share before awaiting any reply; chain: one worker after another")
     parser.add_argument("--wire", choices=tuple(PRESETS), default="exact",
                         help="preset: exact (bit-identical, lossless) or wan (the gated cheap wire: partial sums, "
                              "int8 blockwise both ways; docs/wire.md); the flags below override it")
     parser.add_argument("--combine", choices=COMBINE_MODES, default=None,
-                        help="exact: per-expert outputs, bit-identical; partial: one weighted sum per token per worker")
+                        help="exact: per-expert outputs, bit-identical; partial: one weighted sum per token per worker "
+                             "(default: the preset's)")
     parser.add_argument("--wire-dispatch", default=None, help="codec for hidden states (default: the preset's)")
     parser.add_argument("--wire-combine", default=None, help="codec for the experts' outputs (default: the preset's)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive, default=None,
                         help="torch CPU threads for the backbone (default: torch's choice)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.commands._setup import set_threads
-    from moeswarm.generation.run import GenerationRequest, run_generation, summary_lines
+    from moeswarm.generation.run import GenerationRequest, check_request, run_generation, summary_lines
+    from moeswarm.model.source import open_source
     from moeswarm.swarm import open_swarm
     from moeswarm.wire.config import WireConfig
 
     wire = WireConfig.from_flags(args.wire, args.combine, args.wire_dispatch, args.wire_combine)
+    request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
+                                args.check_local, stream=not args.json)
+    source = open_source(args.model)
+    check_request(source, request)  # before the backbone loads or a worker is reached
     set_threads(args.threads)
-    with open_swarm(args.model, args.workers, wire, args.fanout) as swarm:
-        request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
-                                    args.check_local, stream=not args.json)
+    with open_swarm(source, args.workers, wire, args.fanout) as swarm:
         report = run_generation(swarm, request)
     if args.json:
         print(json.dumps(report))
@@ -71,20 +77,3 @@ def _ids(text: str) -> list[int]:
         return [int(t) for t in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad token id list {text!r}: expected integers separated by commas") from None
-
-
-def _positive(text: str) -> int:
-    value = _non_negative(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value

@@ -8,7 +8,7 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", required=True, help="model family, e.g. qwen3_moe (see docs/models.md)")
     parser.add_argument("--out", required=True, help="directory to write")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
 
 
 def run(args: argparse.Namespace) -> int:

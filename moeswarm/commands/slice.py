@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from moeswarm.commands.worker import _range, expert_list
 
@@ -19,13 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.errors import ModelError
+    from moeswarm.errors import ModelError, MoeSwarmError
     from moeswarm.ids import format_ids
     from moeswarm.model.source import is_gguf_path
     from moeswarm.weights.gguf_slice import write_slice
 
     if not is_gguf_path(args.model):
         raise ModelError(f"{args.model}: slice takes a .gguf model file")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise MoeSwarmError(f"cannot write {out}: there is no directory {out.parent} (create it, or choose another -o)")
+    if out.is_dir():
+        raise MoeSwarmError(f"cannot write {out}: it is a directory (give -o a file name, e.g. {out / 'part.gguf'})")
     report = write_slice(args.model, args.out, args.experts, args.layers, args.with_backbone)
     if args.json:
         print(json.dumps(report))

@@ -55,8 +55,8 @@ def _bandwidth(text: str) -> float | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     address, duration = _flag_type(parse_address), _flag_type(_duration)
-    parser.add_argument("--listen", type=address, metavar="HOST:PORT", help="where clients connect")
-    parser.add_argument("--upstream", type=address, metavar="HOST:PORT", help="where the proxy connects")
+    parser.add_argument("--listen", type=address, metavar="HOST:PORT", help="where clients connect (required unless --selftest)")
+    parser.add_argument("--upstream", type=address, metavar="HOST:PORT", help="where the proxy connects (required unless --selftest)")
     parser.add_argument("--rtt", type=duration, help=f"round-trip delay, e.g. 80ms (default 0; selftest {SELFTEST_RTT})")
     parser.add_argument("--jitter", type=duration, default=0.0, help="+- one-way delay spread, e.g. 5ms")
     parser.add_argument(
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_flag_type(_bandwidth),
         help=f"per-direction rate, e.g. 100mbit, 1gbit, 12.5MB/s, off (default off; selftest {SELFTEST_BANDWIDTH})",
     )
-    parser.add_argument("--control", type=address, metavar="HOST:PORT", help="line-based control port")
+    parser.add_argument("--control", type=address, metavar="HOST:PORT", help="line-based control port (default: none)")
     parser.add_argument(
         "--spin",
         type=duration,
@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--selftest", action="store_true", help="measure configured vs actual RTT and rate")
     parser.add_argument("--json", action="store_true", help="selftest: print the measurement as JSON")
     parser.add_argument("--rounds", type=int, default=50, help="selftest: ping-pong round trips")
-    parser.add_argument("--bytes", type=int, default=None, help="selftest: bytes for the rate measurement")
+    parser.add_argument("--bytes", type=int, default=None, help="selftest: bytes for the rate measurement (default: about one second at --bandwidth, 256 KiB to 64 MiB)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,15 +16,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="experts to serve, ids and inclusive ranges, e.g. 0-3,9,17-20 "
                              "(default: what the model source holds: every expert, or a slice file's)")
     parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="TCP port (0: pick a free one and print it)")
-    parser.add_argument("--max-payload", type=int, default=1 << 30, help="largest frame payload accepted, in bytes")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=_port, default=0, help="TCP port (0: pick a free one and print it)")
+    parser.add_argument("--max-payload", type=_at_least_one, default=1 << 30, help="largest frame payload accepted, in bytes")
     parser.add_argument("--queue-limit", type=_at_least_one, default=64,
                         help="DISPATCHes that may wait for the compute thread, over all connections; beyond it a "
                              "request is answered 'busy' (default 64)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=_at_least_one, default=None,
                         help="torch CPU threads (default: torch's choice; use 1 when several workers share a machine)")
-    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="least severe log records printed on stderr")
 
 
 def expert_list(text: str) -> list[int]:
@@ -46,6 +47,10 @@ def _range(what: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    from moeswarm.worker.listen import check_can_listen
+
+    check_can_listen(args.host, args.port)  # a busy port is found now, before torch and the experts load
+
     from moeswarm.commands._setup import set_threads
     from moeswarm.model.loading import load_experts
     from moeswarm.worker.server import WorkerServer
@@ -73,6 +78,16 @@ def run(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+    return value
 
 
 def _at_least_one(text: str) -> int:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from moeswarm.errors import MoeSwarmError
 from moeswarm.generation.loop import generate
+from moeswarm.generation.prompt import check_context, prompt_tokens
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.loading import load_local
+from moeswarm.model.source import ModelSource
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.swarm import Swarm
 
@@ -23,12 +24,16 @@ class GenerationRequest:
     stream: bool = False
 
 
+def check_request(source: ModelSource, request: GenerationRequest) -> None:
+    """The prompt checks `run_generation` makes, made early: they need only the config and tokenizer."""
+    codec = load_text_codec(source, source.config.vocab_size)
+    check_context(source.config, len(prompt_tokens(codec, request.prompt, request.prompt_ids)), request.max_new_tokens)
+
+
 def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
     codec = load_text_codec(swarm.source.path, swarm.model.config.vocab_size)
-    prompt = request.prompt_ids if request.prompt_ids is not None else codec.encode(request.prompt or "")
-    vocab = swarm.model.config.vocab_size
-    if not prompt or any(not 0 <= t < vocab for t in prompt):
-        raise MoeSwarmError(f"the prompt must give at least one token, each id in [0, {vocab}): got {prompt[:8]}")
+    prompt = prompt_tokens(codec, request.prompt, request.prompt_ids)
+    check_context(swarm.model.config, len(prompt), request.max_new_tokens)
     reference = Stepper(load_local(swarm.source)) if request.check_local else None
     swarm.reset_accounting()
 
