@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 
+from moeswarm.commands._types import positive
 from moeswarm.ids import parse_experts, parse_range
 
 
@@ -18,11 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=_port, default=0, help="TCP port (0: pick a free one and print it)")
-    parser.add_argument("--max-payload", type=_at_least_one, default=1 << 30, help="largest frame payload accepted, in bytes")
-    parser.add_argument("--queue-limit", type=_at_least_one, default=64,
+    parser.add_argument("--max-payload", type=positive, default=1 << 30, help="largest frame payload accepted, in bytes")
+    parser.add_argument("--queue-limit", type=positive, default=64,
                         help="DISPATCHes that may wait for the compute thread, over all connections; beyond it a "
                              "request is answered 'busy' (default 64)")
-    parser.add_argument("--threads", type=_at_least_one, default=None,
+    parser.add_argument("--threads", type=positive, default=None,
                         help="torch CPU threads (default: torch's choice; use 1 when several workers share a machine)")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="least severe log records printed on stderr")
@@ -87,14 +88,4 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
-    return value
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
