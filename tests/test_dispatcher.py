@@ -283,10 +283,10 @@ def test_error_text_from_a_worker_is_escaped():
     assert str(error) == "worker w:1: ok\\x1b[2J\\rforged line"
 
 
-def test_ping_overtaken_reply_is_matched_by_request_id():
-    """A PONG may overtake a RESULT on one connection: the link matches replies by id."""
+def _one_dispatch_worker(then) -> tuple[str, socket.socket]:
+    """A worker on 127.0.0.1 that answers HELLO, reads one DISPATCH and hands (connection, DISPATCH)
+    to `then`. Returns (its address, its listening socket)."""
     server = socket.create_server(("127.0.0.1", 0))
-    address = "127.0.0.1:%d" % server.getsockname()[1]
 
     def serve():
         conn, _ = server.accept()
@@ -294,11 +294,21 @@ def test_ping_overtaken_reply_is_matched_by_request_id():
             hello, _ = recv_frame(conn)
             send_frame(conn, WorkerInfo("fp", "fake", E, D, {0: tuple(range(E))}, ("f32",)).to_frame(hello.request_id))
             dispatch, _ = recv_frame(conn)
-            ping, _ = recv_frame(conn)
-            send_frame(conn, Frame(Opcode.PONG, ping.request_id))  # answered first
-            send_frame(conn, answer(Dispatch.from_frame(dispatch)).to_frame(dispatch.request_id))
+            then(conn, dispatch)
 
     threading.Thread(target=serve, daemon=True).start()
+    return "127.0.0.1:%d" % server.getsockname()[1], server
+
+
+def test_ping_overtaken_reply_is_matched_by_request_id():
+    """A PONG may overtake a RESULT on one connection: the link matches replies by id."""
+
+    def pong_first(conn, dispatch):
+        ping, _ = recv_frame(conn)
+        send_frame(conn, Frame(Opcode.PONG, ping.request_id))  # answered first
+        send_frame(conn, answer(Dispatch.from_frame(dispatch)).to_frame(dispatch.request_id))
+
+    address, server = _one_dispatch_worker(pong_first)
     link = TcpLink(address)
     link.connect("fp")
     hidden, index, weights = _routing(3, 7)
@@ -312,19 +322,12 @@ def test_ping_overtaken_reply_is_matched_by_request_id():
 
 def test_a_reply_larger_than_its_result_is_refused_unread():
     """A worker declaring a 1 GiB RESULT: refused from the header, nothing allocated; the link reconnects."""
-    server = socket.create_server(("127.0.0.1", 0))
-    address = "127.0.0.1:%d" % server.getsockname()[1]
 
-    def serve():
-        conn, _ = server.accept()
-        with conn:
-            hello, _ = recv_frame(conn)
-            send_frame(conn, WorkerInfo("fp", "fake", E, D, {0: tuple(range(E))}, ("f32",)).to_frame(hello.request_id))
-            dispatch, _ = recv_frame(conn)
-            conn.sendall(HEADER.pack(MAGIC, VERSION, Opcode.RESULT, 0, dispatch.request_id, 0, 1 << 30))
-            conn.recv(1)  # until the backbone hangs up
+    def huge_header(conn, dispatch):
+        conn.sendall(HEADER.pack(MAGIC, VERSION, Opcode.RESULT, 0, dispatch.request_id, 0, 1 << 30))
+        conn.recv(1)  # until the backbone hangs up
 
-    threading.Thread(target=serve, daemon=True).start()
+    address, server = _one_dispatch_worker(huge_header)
     link = TcpLink(address)
     link.connect("fp")
     hidden, index, weights = _routing(3, 8)  # 3 tokens x top-2: 6 rows of 4 f32 come back in exact mode

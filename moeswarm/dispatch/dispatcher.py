@@ -25,7 +25,8 @@ from moeswarm.errors import MoeSwarmError, WorkerError
 from moeswarm.ids import LayerId, WorkerId
 from moeswarm.placement.chooser import choose_owners
 from moeswarm.placement.table import PlacementTable, describe_gaps, missing
-from moeswarm.transport.fanout import FANOUTS, Sent, gather, submit
+from moeswarm.transport import FANOUTS
+from moeswarm.transport.fanout import Sent, gather, submit
 from moeswarm.transport.link import Reply, WorkerLink
 from moeswarm.wire.codecs import lossless_codec
 from moeswarm.wire.config import EXACT, CombineMode, WireConfig

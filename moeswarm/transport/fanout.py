@@ -17,11 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moeswarm.errors import WorkerError
-from moeswarm.transport import FANOUTS
 from moeswarm.transport.link import Pending, Reply, WorkerLink
 from moeswarm.wire.messages import Dispatch
 
-__all__ = ["FANOUTS", "Sent", "gather", "ready", "submit"]
 DRAIN_TIMEOUT_S = 10.0  # how long, after one holder failed, the others' replies are awaited
 
 
