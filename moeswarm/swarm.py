@@ -6,7 +6,7 @@ methods for accounting and configuration, never the dispatcher's insides.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedModel
 
@@ -18,7 +18,7 @@ from moeswarm.model.backend import attach
 from moeswarm.model.experts import experts_modules, num_experts_of
 from moeswarm.model.loading import load_backbone, load_experts
 from moeswarm.model.source import ModelSource
-from moeswarm.placement.table import build_table
+from moeswarm.placement.table import build_table, describe_gaps, missing
 from moeswarm.transport.link import WorkerLink
 from moeswarm.transport.local import LocalLink
 from moeswarm.transport.tcp import TcpLink
@@ -68,6 +68,37 @@ class Swarm:
 
     def ping(self, worker: int = 0, timeout_s: float = 10.0) -> float:
         return self._dispatcher.links[worker].ping(timeout_s)
+
+    def interpose(self, wrap: Callable[[Dispatcher], object]) -> object:
+        """Route the model's MoE layers through `wrap(dispatcher)` (a batcher, say); return it.
+
+        The wrapper must offer the dispatcher's `dispatch(layer, hidden, index, weights)` and
+        `combine(handle)`.
+        """
+        wrapper = wrap(self._dispatcher)
+        attach(self.model, wrapper)
+        return wrapper
+
+    def health(self, timeout_s: float = 2.0) -> list[str]:
+        """What stops a forward now ([] when ready): unreachable holders and the experts left uncovered.
+
+        Reconnects broken links and pings the others. Not thread-safe against a running forward:
+        call it between steps.
+        """
+        problems, reachable = [], {}
+        for i, link in enumerate(self._dispatcher.links):
+            try:
+                if link.broken:
+                    link.reconnect()
+                link.ping(timeout_s)
+                reachable[WorkerId(i)] = link.info.held
+            except (MoeSwarmError, OSError) as error:
+                problems.append(error if isinstance(error, MoeSwarmError) else WorkerError(link.address, str(error)))
+        gaps = missing(build_table(reachable, self._dispatcher.table.num_experts), self.moe_layers)
+        messages = [str(p) for p in problems]
+        if gaps:
+            messages.append(f"no reachable worker holds {describe_gaps(gaps)}")
+        return messages
 
     def close(self) -> None:
         self._dispatcher.close()
