@@ -1,0 +1,124 @@
+"""`moeswarm serve`: an OpenAI-compatible gateway; concurrent requests share every MoE round trip.
+
+Every flag can also come from the environment as MOESWARM_<FLAG> (--max-batch: MOESWARM_MAX_BATCH);
+a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from moeswarm.commands._types import non_negative, positive
+from moeswarm.transport import FANOUTS
+from moeswarm.wire.config import COMBINE_MODES, PRESETS
+
+ENV_PREFIX = "MOESWARM_"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from moeswarm.commands.generate import _workers
+
+    add = parser.add_argument
+    add("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
+    add("--workers", required=True, type=_workers, help="comma-separated HOST:PORT list")
+    add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    add("--port", type=_port, default=8080, help="TCP port to listen on")
+    add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    add("--model-name", default=None, help="the model's id in the API (default: the model's directory or file name)")
+    add("--wire", choices=tuple(PRESETS), default="exact", help="wire preset: exact (bit-identical) or wan (docs/wire.md)")
+    add("--combine", choices=COMBINE_MODES, default=None, help="combine mode (default: the preset's)")
+    add("--wire-dispatch", default=None, help="codec for hidden states (default: the preset's)")
+    add("--wire-combine", default=None, help="codec for the experts' outputs (default: the preset's)")
+    add("--fanout", choices=FANOUTS, default="star", help="star: every worker at once; chain: one after another")
+    add("--speculate", type=non_negative, default=0, metavar="K",
+        help="most n-gram drafts per request per step (0: off); a request may ask for fewer with 'speculate'")
+    add("--max-batch", type=positive, default=16, help="requests stepped together; more wait in a queue")
+    add("--ctx-size", type=positive, default=None,
+        help="positions per request, prompt and output (default: the model's max_position_embeddings)")
+    add("--prefill-chunk", type=positive, default=64, help="most prompt tokens a request feeds per step")
+    add("--step-tokens", type=positive, default=256, help="token budget of a step: decode tokens first, then prompt chunks")
+    add("--cache-slots", type=non_negative, default=8, help="finished requests' KV caches kept for prefix reuse (0: off)")
+    add("--check-local", action="store_true",
+        help="debug: run every batched step on a local eager model too and count logits that are not bit-identical "
+             "(moeswarm_check_local_mismatched_logits in /metrics)")
+    add("--threads", type=positive, default=None, help="torch CPU threads (default: torch's choice)")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")
+    _defaults_from_environment(parser)
+
+
+def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
+    """MOESWARM_<FLAG> gives a flag's default; argparse converts it with the flag's own type."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = os.environ.get(ENV_PREFIX + action.dest.upper())
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = value.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            action.default = value  # a string default goes through the flag's type, as if given on the command line
+        action.required = False
+
+
+def run(args: argparse.Namespace) -> int:
+    import threading
+
+    import uvicorn
+
+    from moeswarm.commands._setup import set_threads
+    from moeswarm.errors import MoeSwarmError
+    from moeswarm.model.source import open_source
+    from moeswarm.serve.api import ServeState, create_app
+    from moeswarm.serve.engine import EngineConfig
+    from moeswarm.serve.loader import Backend, load
+    from moeswarm.wire.config import WireConfig
+    from moeswarm.worker.listen import check_can_listen
+
+    wire = WireConfig.from_flags(args.wire, args.combine, args.wire_dispatch, args.wire_combine)
+    source = open_source(args.model)  # a missing or broken model ends here, before anything listens
+    positions = getattr(source.config, "max_position_embeddings", None)
+    context = args.ctx_size or positions or 4096
+    if positions is not None and context > positions:
+        raise MoeSwarmError(f"--ctx-size {context} is more than the model's {positions} positions (max_position_embeddings)")
+    check_can_listen(args.host, args.port)
+    set_threads(args.threads)
+    engine = EngineConfig(context, args.max_batch, args.speculate, args.prefill_chunk, args.step_tokens, args.cache_slots)
+    state = ServeState(args.model_name or _model_name(source.path), args.api_key)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    fatal: list[str] = []
+
+    def on_fatal(message: str) -> None:
+        fatal.append(message)
+        state.loading = f"failed: {message}"
+        server.should_exit = True
+
+    backend = Backend(source, args.workers, wire, args.fanout, engine, args.check_local)
+    threading.Thread(target=load, args=(state, backend, on_fatal), name="moeswarm-load", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        if state.engine is not None:
+            state.engine.stop()
+            state.engine.swarm.close()
+    if fatal:
+        raise MoeSwarmError(fatal[0])
+    return 0
+
+
+def _model_name(path) -> str:
+    from pathlib import Path
+
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return path.stem
+    return path.parent.name if path.name == "hf" else path.name  # models/pymoe/hf -> pymoe
+
+
+def _port(text: str) -> int:
+    value = non_negative(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 1 to 65535, got {value}")
+    return value

@@ -1,0 +1,230 @@
+"""The engine: one thread owns the model and the swarm, and steps every active request together.
+
+Requests join and leave between steps. A step plans each sequence's feed (a prompt chunk, or its
+last token plus its drafts: `scheduler.plan_step`), runs every sequence's forward at once (one
+thread each, meeting at every MoE layer in the `StepBatcher`: one DISPATCH per worker per layer
+for the whole step), then lets each sequence accept or reject its drafts and emit its text.
+
+With a reference model (serve --check-local), every step also runs on a local eager model with the
+same sequences in the same slots, and every logit row is compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from moeswarm.errors import MoeSwarmError, one_line
+from moeswarm.generation.stepper import Stepper
+from moeswarm.model.backend import attach
+from moeswarm.model.tokenizer import TextCodec
+from moeswarm.serve.batcher import StepBatcher
+from moeswarm.serve.eager import EagerExperts
+from moeswarm.serve.job import Failed, Job
+from moeswarm.serve.metrics import ServeMetrics
+from moeswarm.serve.prefix_cache import PrefixCache
+from moeswarm.serve.scheduler import Slot, plan_step
+from moeswarm.serve.sequence import Sequence
+from moeswarm.swarm import Swarm
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    context: int  # positions a sequence may use (prompt + output)
+    max_batch: int = 16  # sequences stepped together; more wait in the queue
+    speculate: int = 0  # most n-gram drafts per sequence per step (0: off)
+    prefill_chunk: int = 64  # most prompt tokens a sequence feeds per step
+    step_tokens: int = 256  # token budget of a step (decode tokens first, then prompt chunks)
+    cache_slots: int = 8  # finished sequences' KV caches kept for prefix reuse (0: off)
+    health_interval_s: float = 2.0
+
+
+class Engine:
+    def __init__(self, swarm: Swarm, codec: TextCodec, config: EngineConfig, metrics: ServeMetrics | None = None,
+                 reference: torch.nn.Module | None = None):
+        self.swarm, self.codec, self.config = swarm, codec, config
+        self.metrics = metrics or ServeMetrics()
+        self.batcher = swarm.interpose(StepBatcher)
+        self.reference = reference
+        self.reference_batcher = None
+        if reference is not None:
+            self.reference_batcher = StepBatcher(EagerExperts(reference))
+            attach(reference, self.reference_batcher)
+        self.prefix_cache = PrefixCache(config.cache_slots)
+        self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
+        self.checked_rows = self.mismatched_rows = 0
+        self.steps = 0
+        self._queue: deque[Job] = deque()
+        self._active: list[Sequence] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._health_due = 0.0
+        self._pool = ThreadPoolExecutor(config.max_batch, thread_name_prefix="moeswarm-seq")
+        self._thread = threading.Thread(target=self._run, name="moeswarm-engine", daemon=True)
+
+    # -- called from other threads -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        self._thread.join()
+        self._pool.shutdown()
+
+    def submit(self, job: Job) -> None:
+        with self._wake:
+            self._queue.append(job)
+            self.metrics.queue_depth.set(len(self._queue))
+            self._wake.notify_all()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if self._stopping:
+                    break
+                if not self._queue and not self._active:
+                    self._wake.wait(timeout=max(0.0, self._health_due - time.monotonic()))
+                    if self._stopping:
+                        break
+            if time.monotonic() >= self._health_due and (not self._active or self.problems):
+                self._check_health()
+            self._admit()
+            if self._active:
+                self._step()
+        for sequence in self._active:
+            sequence.job.emit(Failed("the server is shutting down", 503))
+
+    def _check_health(self) -> None:
+        try:
+            self.problems = self.swarm.health()
+        except Exception as error:  # a health check must never end the engine
+            self.problems = [f"health check failed: {one_line(error)}"]
+        self._health_due = time.monotonic() + self.config.health_interval_s
+
+    def _admit(self) -> None:
+        with self._wake:
+            while self._queue and len(self._active) < self.config.max_batch:
+                job = self._queue.popleft()
+                if not job.cancelled.is_set():
+                    self._active.append(self._start(job))
+            self.metrics.queue_depth.set(len(self._queue))
+        self.metrics.active.set(len(self._active))
+
+    def _start(self, job: Job) -> Sequence:
+        speculate = self.config.speculate if job.speculate is None else job.speculate
+        reused, caches = self.prefix_cache.take(job.prompt)
+        stepper = Stepper(self.swarm.model)
+        reference = Stepper(self.reference) if self.reference is not None else None
+        if caches is not None:
+            stepper.cache, stepper_ref_cache = caches
+            stepper.crop(reused)
+            if reference is not None:
+                reference.cache = stepper_ref_cache
+                reference.crop(reused)
+        (self.metrics.prefix_hits if reused else self.metrics.prefix_misses).inc()
+        self.metrics.prompt_tokens.inc(len(job.prompt))
+        self.metrics.cached_prompt_tokens.inc(reused)
+        return Sequence(job, stepper, self.codec, speculate, reused, reference)
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        for sequence in list(self._active):
+            if sequence.job.cancelled.is_set():  # the client went away: free its slot now
+                self._active.remove(sequence)
+        if not self._active:
+            return
+        sequences = list(self._active)
+        for sequence in sequences:
+            sequence.plan_drafts(self.config.context)
+        feeds = plan_step([Slot(s.prefill_left, len(s.drafts)) for s in sequences],
+                          self.config.prefill_chunk, self.config.step_tokens)
+        work = [(s, s.feed(n)) for s, n in zip(sequences, feeds) if n]
+        self.swarm.reset_accounting()
+        outputs = self._forward_all(self.batcher, [(s.stepper, feed) for s, feed in work])
+        calls = self.swarm.layer_calls()
+        if self.reference is not None:
+            expected = self._forward_all(self.reference_batcher, [(s.reference, feed) for s, feed in work])
+            self._compare(outputs, expected)
+        failed_worker = False
+        for (sequence, _), logits in zip(work, outputs):
+            if isinstance(logits, BaseException):
+                failed_worker |= isinstance(logits, MoeSwarmError)
+                self._fail(sequence, logits)
+                continue
+            self._advance(sequence, logits)
+        self.steps += 1
+        self.metrics.observe_step(len(work), sum(len(feed) for _, feed in work), time.monotonic() - started, calls)
+        for sequence in [s for s in self._active if s.done]:
+            self._active.remove(sequence)
+            self.prefix_cache.put(sequence.context[: sequence.stepper.length],
+                                  (sequence.stepper.cache, sequence.reference.cache if sequence.reference else None))
+        self.metrics.active.set(len(self._active))
+        if failed_worker:
+            self._health_due = 0.0  # find out now which holders are gone
+
+    def _advance(self, sequence: Sequence, logits: torch.Tensor) -> None:
+        before = (len(sequence.output), sequence.drafted, sequence.accepted, sequence.first_token_at)
+        try:
+            sequence.advance(logits)
+        except Exception as error:  # a bug in one sequence's bookkeeping ends that sequence, not the engine
+            self._fail(sequence, error)
+            return
+        self.metrics.generated_tokens.inc(len(sequence.output) - before[0])
+        self.metrics.drafted.inc(sequence.drafted - before[1])
+        self.metrics.accepted.inc(sequence.accepted - before[2])
+        if before[3] is None and sequence.first_token_at is not None:
+            hit = "hit" if sequence.cached_tokens else "miss"
+            self.metrics.first_token.labels(hit).observe(sequence.first_token_at - sequence.job.submitted)
+
+    def _fail(self, sequence: Sequence, error: BaseException) -> None:
+        self._active.remove(sequence)
+        self.metrics.failed_sequences.inc()
+        if isinstance(error, MoeSwarmError):
+            sequence.job.emit(Failed(one_line(error), 503))
+        else:
+            sequence.job.emit(Failed(f"internal error: {one_line(error)}", 500))
+
+    def _forward_all(self, batcher: StepBatcher, pairs: list[tuple[Stepper, list[int]]]) -> list:
+        """Every forward of the step at once; each result is its logits [n, V] or the exception it raised."""
+        batcher.begin(len(pairs))
+        futures = [self._pool.submit(_forward_one, batcher, order, stepper, feed) for order, (stepper, feed) in enumerate(pairs)]
+        return [future.result() for future in futures]
+
+    def _compare(self, outputs: list, expected: list) -> None:
+        for got, want in zip(outputs, expected):
+            if isinstance(got, BaseException) or isinstance(want, BaseException):
+                continue
+            rows = got.shape[0]
+            differing = int((got != want).any(dim=-1).sum())
+            self.checked_rows += rows
+            self.mismatched_rows += differing
+            self.metrics.checked_logits.inc(rows)
+            self.metrics.mismatched_logits.inc(differing)
+
+
+def _forward_one(batcher: StepBatcher, order: int, stepper: Stepper, feed: list[int]):
+    batcher.enter(order)
+    try:
+        return stepper.forward(feed)
+    except Exception as error:
+        return error
+    finally:
+        batcher.leave()

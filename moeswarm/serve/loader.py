@@ -1,0 +1,81 @@
+"""Bringing the gateway up: the model and its workers, loaded while the HTTP side already answers.
+
+/health says 503 with the reason until the engine runs. Workers that are not up yet are waited for
+(the backbone loads once they accept connections); a model that cannot load ends the server.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from moeswarm.errors import MoeSwarmError, WorkerError, one_line
+from moeswarm.ids import parse_address
+from moeswarm.model.loading import load_local
+from moeswarm.model.source import ModelSource
+from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.serve.api import ServeState
+from moeswarm.serve.engine import Engine, EngineConfig
+from moeswarm.swarm import open_swarm
+from moeswarm.wire.config import WireConfig
+
+RETRY_S = 2.0
+
+
+@dataclass(frozen=True)
+class Backend:
+    source: ModelSource
+    workers: Sequence[str]
+    wire: WireConfig
+    fanout: str
+    engine: EngineConfig
+    check_local: bool = False
+
+
+def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -> None:
+    """Run in a thread: fill `state` (codec, engine) or call `on_fatal(message)`."""
+    try:
+        state.codec = load_text_codec(backend.source, backend.source.config.vocab_size)
+        state.vocab_size = backend.source.config.vocab_size
+        state.context = backend.engine.context
+        while True:
+            _wait_for_workers(state, backend.workers)
+            state.loading = "loading the backbone and connecting to the workers"
+            try:
+                swarm = open_swarm(backend.source, backend.workers, backend.wire, backend.fanout)
+                break
+            except WorkerError as error:  # a worker that is still starting, or one that went away again
+                state.loading = f"waiting for workers: {one_line(error)}"
+                time.sleep(RETRY_S)
+        reference = load_local(backend.source) if backend.check_local else None
+        engine = Engine(swarm, state.codec, backend.engine, state.metrics, reference)
+        engine.start()
+        state.engine = engine
+        print(f"moeswarm serve: ready ({swarm.model.config.model_type}, {len(swarm.workers)} workers, "
+              f"{len(swarm.moe_layers)} MoE layers, context {backend.engine.context})", file=sys.stderr, flush=True)
+    except MoeSwarmError as error:
+        on_fatal(one_line(error))
+    except Exception as error:  # a bug: said in one line here too, the server must not hang in "loading"
+        on_fatal(f"internal error while loading: {one_line(error)}")
+
+
+def _wait_for_workers(state: ServeState, workers: Sequence[str]) -> None:
+    """Until every worker accepts a TCP connection (cheap: nothing is loaded meanwhile)."""
+    while True:
+        down = [w for w in workers if not _accepts(w)]
+        if not down:
+            return
+        state.loading = f"waiting for workers: {', '.join(down)} not reachable"
+        time.sleep(RETRY_S)
+
+
+def _accepts(address: str) -> bool:
+    host, port = parse_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=RETRY_S):
+            return True
+    except OSError:
+        return False
