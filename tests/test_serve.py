@@ -8,12 +8,8 @@ model with an API key takes the bad requests.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +24,7 @@ from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import local_workers, spawn_worker, split_experts, stop, wait_listening
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.serve.process import ServeProcess
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -35,46 +32,9 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__
 KEY = "sk-test-key"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: str, workers: list[str], *flags: str, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "moeswarm.cli", "serve", "--model", model, "--workers", ",".join(workers),
-                   "--port", str(self.port), "--threads", "1", "--log-level", "warning", *flags]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        env={**os.environ, **(env or {})})
-
-    def wait_ready(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"serve exited: {self.process.stderr.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError("serve did not become ready")
-
+class Server(ServeProcess):
     def metric(self, name: str, headers: dict | None = None) -> float:
-        text = httpx.get(self.url + "/metrics", headers=headers or {}, timeout=10).text
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
-
-    def stop(self) -> str:
-        self.process.send_signal(signal.SIGINT)
-        try:
-            _, err = self.process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            _, err = self.process.communicate()
-        return err
+        return self.metrics(headers).get(name, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +173,7 @@ def test_a_client_that_goes_away_frees_its_slot(trained_server):
 @pytest.fixture(scope="module")
 def tiny_server(qwen2_moe):
     with local_workers(qwen2_moe, split_experts(8, 2)) as workers:
-        server = Server(qwen2_moe, workers, "--ctx-size", "64", "--model-name", "tiny", env={"MOESWARM_API_KEY": KEY})  # the key from the environment
+        server = Server(qwen2_moe, workers, "--ctx-size", "64", "--model-name", "tiny", env={"MOESWARM_API_KEY": KEY})
         try:
             server.wait_ready()
             yield server, workers

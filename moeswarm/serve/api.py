@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -21,6 +21,7 @@ from moeswarm.errors import MoeSwarmError, one_line, printable
 from moeswarm.generation.sampling import SamplingParams
 from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.chat import NoChatTemplate, chat_prompt
+from moeswarm.serve.dashboard import PAGE, dashboard_data
 from moeswarm.serve.engine import Engine
 from moeswarm.serve.job import Delta, Failed, Finished, Job
 from moeswarm.serve.metrics import ServeMetrics
@@ -28,7 +29,7 @@ from moeswarm.serve.responses import APIError, Shapes, error_body, sse
 from moeswarm.serve.schemas import ChatRequest, CompletionRequest, Sampling
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-OPEN_ROUTES = ("/health",)  # answered without the API key
+OPEN_ROUTES = ("/health", "/")  # answered without the API key (the page holds no data: it fetches /v1/dashboard)
 
 
 @dataclass
@@ -88,6 +89,14 @@ def create_app(state: ServeState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/")
+    async def page():
+        return FileResponse(PAGE, media_type="text/html")
+
+    @app.get("/v1/dashboard")
+    async def dashboard():
+        return dashboard_data(state)
 
     @app.get("/v1/models")
     async def models():

@@ -11,6 +11,7 @@ same sequences in the same slots, and every logit row is compared bit for bit.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -22,6 +23,7 @@ import torch
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.backend import attach
+from moeswarm.model.experts import num_experts_of
 from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.batcher import StepBatcher
 from moeswarm.serve.eager import EagerExperts
@@ -30,7 +32,11 @@ from moeswarm.serve.metrics import ServeMetrics
 from moeswarm.serve.prefix_cache import PrefixCache
 from moeswarm.serve.scheduler import Slot, plan_step
 from moeswarm.serve.sequence import Sequence
+from moeswarm.serve.stats import EngineStats, StepRecord
 from moeswarm.swarm import Swarm
+
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,8 @@ class Engine:
                  reference: torch.nn.Module | None = None):
         self.swarm, self.codec, self.config = swarm, codec, config
         self.metrics = metrics or ServeMetrics()
-        self.batcher = swarm.interpose(StepBatcher)
+        self.stats = EngineStats(num_experts_of(swarm.model))
+        self.batcher = swarm.interpose(lambda dispatcher: StepBatcher(dispatcher, self.stats.record_routing))
         self.reference = reference
         self.reference_batcher = None
         if reference is not None:
@@ -70,6 +77,9 @@ class Engine:
     # -- called from other threads -----------------------------------------------------------
 
     def start(self) -> None:
+        # A step's forwards take turns on the GIL at every torch op; a thread back from one waits
+        # for the holder's switch interval (5 ms by default) before it may run again.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread.start()
 
     def stop(self) -> None:
@@ -163,15 +173,19 @@ class Engine:
         if self.reference is not None:
             expected = self._forward_all(self.reference_batcher, [(s.reference, feed) for s, feed in work])
             self._compare(outputs, expected)
-        failed_worker = False
+        failed_worker, generated, drafted, accepted = False, 0, 0, 0
         for (sequence, _), logits in zip(work, outputs):
             if isinstance(logits, BaseException):
                 failed_worker |= isinstance(logits, MoeSwarmError)
                 self._fail(sequence, logits)
                 continue
-            self._advance(sequence, logits)
+            counts = self._advance(sequence, logits)
+            generated, drafted, accepted = generated + counts[0], drafted + counts[1], accepted + counts[2]
         self.steps += 1
-        self.metrics.observe_step(len(work), sum(len(feed) for _, feed in work), time.monotonic() - started, calls)
+        fed = sum(len(feed) for _, feed in work)
+        self.metrics.observe_step(len(work), fed, time.monotonic() - started, calls)
+        self.stats.record_step(StepRecord(time.monotonic(), len(work), fed, generated, drafted, accepted),
+                               [call.worker_seconds for call in calls])
         for sequence in [s for s in self._active if s.done]:
             self._active.remove(sequence)
             self.prefix_cache.put(sequence.context[: sequence.stepper.length],
@@ -180,19 +194,22 @@ class Engine:
         if failed_worker:
             self._health_due = 0.0  # find out now which holders are gone
 
-    def _advance(self, sequence: Sequence, logits: torch.Tensor) -> None:
+    def _advance(self, sequence: Sequence, logits: torch.Tensor) -> tuple[int, int, int]:
+        """Let `sequence` take its logits; (tokens generated, drafts fed, drafts accepted) by it."""
         before = (len(sequence.output), sequence.drafted, sequence.accepted, sequence.first_token_at)
         try:
             sequence.advance(logits)
         except Exception as error:  # a bug in one sequence's bookkeeping ends that sequence, not the engine
             self._fail(sequence, error)
-            return
-        self.metrics.generated_tokens.inc(len(sequence.output) - before[0])
-        self.metrics.drafted.inc(sequence.drafted - before[1])
-        self.metrics.accepted.inc(sequence.accepted - before[2])
+            return 0, 0, 0
+        counts = (len(sequence.output) - before[0], sequence.drafted - before[1], sequence.accepted - before[2])
+        self.metrics.generated_tokens.inc(counts[0])
+        self.metrics.drafted.inc(counts[1])
+        self.metrics.accepted.inc(counts[2])
         if before[3] is None and sequence.first_token_at is not None:
             hit = "hit" if sequence.cached_tokens else "miss"
             self.metrics.first_token.labels(hit).observe(sequence.first_token_at - sequence.job.submitted)
+        return counts
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         self._active.remove(sequence)

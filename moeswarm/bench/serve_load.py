@@ -1,0 +1,148 @@
+"""`moeswarm bench serve`: concurrent streaming clients against `moeswarm serve` over emulated WAN links.
+
+The trained model, its experts split over 4 worker processes, each behind its own emulated link
+(80 ms round trip); one `moeswarm serve` process; N = 1, 2, 4, 8, 16 clients streaming greedy
+completions at once through the official openai client. Per N: aggregate and per-request tokens/s,
+time to first token, and from the server's /metrics the round trips and tokens per step. Then the
+same with n-gram speculation on.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from moeswarm.bench.wan_links import wan_links
+from moeswarm.bundled import PROMPTS, TRAINED
+from moeswarm.local_workers import local_workers, split_experts
+from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.serve.process import ServeProcess
+from moeswarm.wan import LinkProfile
+
+RTT_S = 0.080
+WORKERS = 4
+CLIENTS = (1, 2, 4, 8, 16)
+QUICK_CLIENTS = (1, 2, 4)
+PROMPT_TOKENS = 48
+SPECULATE = 4
+
+
+def run_serve_bench(model: str | None = None, quick: bool = False, max_tokens: int | None = None,
+                    progress=None, clients: tuple[int, ...] | None = None, speculate: tuple[int, ...] = (0, SPECULATE),
+                    threads: int = 1) -> dict:
+    model = str(model or TRAINED)
+    clients = tuple(sorted(set(clients or (QUICK_CLIENTS if quick else CLIENTS)) | {1}))
+    max_tokens = max_tokens or (12 if quick else 32)
+    prompts = _prompts(model, max(clients))
+    alone = _alone(model, prompts, max_tokens)
+    rows = []
+    with local_workers(model, split_experts(_num_experts(model), WORKERS)) as workers, \
+            wan_links(workers, LinkProfile(rtt_s=RTT_S)) as links:
+        for drafts in speculate:
+            with ServeProcess(model, links.addresses, "--max-batch", str(max(clients)), "--speculate", str(drafts),
+                              "--model-name", "bench", threads=threads) as server:
+                server.wait_ready()
+                _round(server, prompts[:1], 4)  # warm-up: first-call costs stay out of the figures
+                for n in clients:
+                    row = _round(server, prompts[:n], max_tokens)
+                    row["identical_to_alone"] = sum(t == a for t, a in zip(row.pop("texts"), alone))
+                    rows.append({"clients": n, "speculate": drafts} | row)
+                    if progress:
+                        progress(rows[-1])
+    for row in rows:
+        base = next(r for r in rows if r["clients"] == 1 and r["speculate"] == row["speculate"])
+        row["scaling"] = row["aggregate_tokens_per_s"] / (row["clients"] * base["aggregate_tokens_per_s"])
+    return {"meta": {"model": model, "workers": WORKERS, "rtt_ms": RTT_S * 1000, "max_tokens": max_tokens,
+                     "prompt_tokens": PROMPT_TOKENS, "serve_threads": threads,
+                     "command": "moeswarm bench serve" + (" --quick" if quick else "")},
+            "rows": rows}
+
+
+def _round(server: ServeProcess, prompts: list[str], max_tokens: int) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="bench", max_retries=0, timeout=600)
+    before = server.metrics()
+    barrier = threading.Barrier(len(prompts))
+
+    def one(prompt: str) -> dict:
+        barrier.wait()
+        start = time.perf_counter()
+        first, tokens, text = None, 0, []
+        stream = client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                text.append(chunk.choices[0].text)
+                first = first if first is not None else time.perf_counter() - start
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return {"seconds": time.perf_counter() - start, "ttft": first or 0.0, "tokens": tokens, "text": "".join(text)}
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(one, prompts))
+    wall = time.perf_counter() - start
+    after = server.metrics()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = delta.get("moeswarm_steps_total", 0.0) or 1.0
+    drafted = delta.get("moeswarm_drafted_tokens_total", 0.0)
+    return {
+        "aggregate_tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "per_request_tokens_per_s": statistics.mean(r["tokens"] / r["seconds"] for r in results),
+        "ttft_s_mean": statistics.mean(r["ttft"] for r in results),
+        "ttft_s_max": max(r["ttft"] for r in results),
+        "tokens": sum(r["tokens"] for r in results),
+        "seconds": wall,
+        "steps": steps,
+        "round_trips_per_step": delta.get("moeswarm_step_round_trips_sum", 0.0) / steps,
+        "tokens_per_step": delta.get("moeswarm_step_tokens_sum", 0.0) / steps,
+        "batch_per_step": delta.get("moeswarm_step_batch_size_sum", 0.0) / steps,
+        "accepted_per_drafted": delta.get("moeswarm_accepted_drafts_total", 0.0) / drafted if drafted else None,
+        "texts": [r["text"] for r in results],
+    }
+
+
+def _prompts(model: str, count: int) -> list[str]:
+    """Held-out code from the bundled prompt set, cut to PROMPT_TOKENS tokens each."""
+    codec = load_text_codec(model, 4096)
+    texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    cut = [codec.decode(codec.encode(text)[:PROMPT_TOKENS]) for text in texts]
+    return [cut[i % len(cut)] for i in range(count)]
+
+
+def _alone(model: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt's greedy text run alone on the local eager model (what `generate --check-local` equals)."""
+    from moeswarm.generation.loop import generate
+    from moeswarm.generation.stepper import Stepper
+    from moeswarm.model.loading import load_local
+
+    reference = load_local(model)
+    codec = load_text_codec(model, reference.config.vocab_size)
+    texts = []
+    for prompt in prompts:
+        tokens = generate(Stepper(reference), codec.encode(prompt), max_tokens, eos_token_id=codec.eos_token_id).tokens
+        texts.append(codec.decode([t for t in tokens if t != codec.eos_token_id]))
+    return texts
+
+
+def _num_experts(model: str) -> int:
+    from moeswarm.model.experts import num_experts_in_config
+    from moeswarm.model.source import open_source
+
+    return num_experts_in_config(open_source(model).config)
+
+
+def table_lines(result: dict) -> list[str]:
+    lines = [f"{'clients':>7} {'spec':>4} {'agg tok/s':>9} {'req tok/s':>9} {'scaling':>7} {'TTFT s':>7} "
+             f"{'trips/step':>10} {'tok/step':>8} {'batch':>5} {'accept':>6} {'=alone':>6}"]
+    for r in result["rows"]:
+        accept = "-" if r["accepted_per_drafted"] is None else f"{r['accepted_per_drafted']:.2f}"
+        lines.append(f"{r['clients']:>7} {r['speculate']:>4} {r['aggregate_tokens_per_s']:>9.2f} "
+                     f"{r['per_request_tokens_per_s']:>9.2f} {r['scaling']:>7.2f} {r['ttft_s_mean']:>7.2f} "
+                     f"{r['round_trips_per_step']:>10.2f} {r['tokens_per_step']:>8.2f} {r['batch_per_step']:>5.1f} {accept:>6} "
+                     f"{r['identical_to_alone']:>3}/{r['clients']:<2}")
+    return lines

@@ -1,0 +1,69 @@
+"""The dashboard in a real browser: Debian's headless Chromium, driven through chromedriver, during a run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from moeswarm.local_workers import local_workers, split_experts
+from moeswarm.model.source import open_source
+from moeswarm.serve.process import ServeProcess
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                                reason="Debian's chromium and chromium-driver are not installed (the README's test command installs them)")
+
+
+def _browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1100,900"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def test_dashboard_shows_workers_and_expert_heat_while_a_generation_runs(qwen2_moe, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with local_workers(qwen2_moe, split_experts(8, 2)) as workers, \
+            ServeProcess(qwen2_moe, workers, "--model-name", "tiny", "--api-key", "k") as server:
+        server.wait_ready()
+        body = {"model": "tiny", "prompt": "abcabc", "max_tokens": 120, "temperature": 0, "stream": True}
+        generating = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=120,
+                                                                headers={"Authorization": "Bearer k"}))
+        generating.start()
+        browser = _browser()
+        try:
+            browser.get(server.url + "/?key=k")
+            wait = WebDriverWait(browser, 60)
+            wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#workers tbody tr")) == 2)
+            wait.until(lambda b: b.find_element(By.ID, "generated").text not in ("-", "0"))
+            rows = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "#workers tbody tr")]
+            for address, experts in zip(workers, ("0-3", "4-7")):
+                assert any(address in row and experts in row and "up" in row for row in rows)
+            cells = open_source(qwen2_moe).config.num_hidden_layers * 8  # every layer is MoE, 8 experts each
+            heat = browser.find_elements(By.CSS_SELECTOR, "#heat td")
+            assert len(heat) == cells
+            assert any("layer 0 expert" in c.get_attribute("title") and not c.get_attribute("title").endswith(" 0 routed tokens")
+                       for c in heat)
+            coverage = browser.find_elements(By.CSS_SELECTOR, "#coverage td")
+            assert [c.get_attribute("title").rsplit(": ", 1)[1] for c in coverage] == ["1 holder(s)"] * cells
+            time.sleep(0.5)
+            # MOESWARM_DASHBOARD_SCREENSHOT=docs/dashboard.png refreshes the picture docs/dashboard.md shows
+            assert browser.save_screenshot(os.environ.get("MOESWARM_DASHBOARD_SCREENSHOT", str(tmp_path / "dashboard.png")))
+        finally:
+            browser.quit()
+            generating.join(timeout=120)
+        unauthorized = httpx.get(server.url + "/v1/dashboard")
+        assert unauthorized.status_code == 401
