@@ -28,11 +28,15 @@ COMMANDS: dict[str, str] = {
     "demo": "run a generation on the bundled model with local workers and report the accounting",
     "worker": "serve a slice of a model's routed experts over TCP",
     "generate": "generate text with a backbone whose experts live on remote workers",
+    "serve": "an OpenAI-compatible HTTP gateway: concurrent requests share every MoE round trip",
     "gate": "argmax/cosine gate of a wire configuration (combine mode, codecs) against exact local",
     "bench": "benchmarks: loopback overhead, PING under load, backbone memory, bytes on the wire, WAN",
     "make-model": "write a small random MoE model of a given family (for tests and trials)",
     "slice": "cut a GGUF slice file holding some experts of a GGUF model (for workers)",
     "wan": "emulate a WAN link: a TCP proxy with latency, jitter, bandwidth and faults",
+    "info": "describe a model: family, layers, experts, sizes, tensor types, and an --experts split",
+    "keygen": "make a swarm key: mutual TLS between the backbones and workers that hold it",
+    "ping": "ask running workers what they serve (model, layers, experts) and time their PING round trip",
 }
 
 

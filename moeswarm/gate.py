@@ -21,6 +21,7 @@ from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import local_swarm
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.progress import progress
 from moeswarm.wire.config import CombineMode, WireConfig
 
 MAX_PROMPT_TOKENS = 256
@@ -61,14 +62,16 @@ def run_gates(model: str, prompts: list[str], configs: list[GateConfig], workers
     local = load_local(model)
     codec = load_text_codec(model, local.config.vocab_size)
     token_lists = [t for t in (codec.encode(p)[:MAX_PROMPT_TOKENS] for p in prompts) if t]
-    references = [Stepper(local).forward(tokens) for tokens in token_lists]  # [T, V] each
+    references = [Stepper(local).forward(tokens)  # [T, V] each
+                  for tokens in progress(token_lists, desc="local reference", unit="prompt")]
     reports = []
     with local_swarm(model, workers) as swarm:
         for config in configs:
             swarm.configure(config.wire)
             swarm.reset_accounting()
             cosines, agree = [], []
-            for tokens, local_logits in zip(token_lists, references):
+            label = f"gate {config.wire.mode.value} {config.wire.dispatch_codec or 'lossless'}/{config.wire.combine_codec or 'lossless'}"
+            for tokens, local_logits in progress(list(zip(token_lists, references)), desc=label, unit="prompt"):
                 remote_logits = Stepper(swarm.model).forward(tokens)  # [T, V]
                 cosines.append(torch.nn.functional.cosine_similarity(remote_logits, local_logits, dim=-1))
                 agree.append(remote_logits.argmax(-1) == local_logits.argmax(-1))

@@ -41,19 +41,35 @@ def local_workers(model: str, expert_sets: Sequence[Sequence[int]], host: str = 
     processes = []
     try:
         for experts in expert_sets:
-            command = [sys.executable, "-m", "moeswarm.cli", "worker", "--model", str(model),
-                       "--experts", format_ids(experts), "--host", host, "--port", "0", "--threads", "1", *extra_args]
-            processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                              env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-        yield [_wait_listening(process) for process in processes]
+            processes.append(spawn_worker(model, experts, host, 0, extra_args))
+        yield [wait_listening(process) for process in processes]
     finally:
-        for process in processes:
+        stop(processes)
+
+
+def spawn_worker(model: str, experts: Sequence[int], host: str = "127.0.0.1", port: int = 0,
+                 extra_args: Sequence[str] = ()) -> subprocess.Popen:
+    """Start one `moeswarm worker` process (not yet listening: see `wait_listening`)."""
+    command = [sys.executable, "-m", "moeswarm.cli", "worker", "--model", str(model),
+               "--experts", format_ids(experts), "--host", host, "--port", str(port), "--threads", "1", *extra_args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def stop(processes: Sequence[subprocess.Popen]) -> None:
+    """Terminate the processes (kill those that linger)."""
+    for process in processes:
+        if process.poll() is None:
             process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
 
 
 @contextlib.contextmanager
@@ -66,7 +82,17 @@ def local_swarm(model: str, workers: int | Sequence[Sequence[int]] = 2, **swarm_
         yield swarm
 
 
-def _wait_listening(process: subprocess.Popen) -> str:
+def replicated_split(num_experts: int, workers: int, copies: int = 2) -> list[list[int]]:
+    """Expert sets in which every expert is held by `copies` workers: the experts cut into
+    `workers` slices, worker i holding slices i, i+1, ... (mod workers). 2 workers: both hold all."""
+    if not 1 <= copies <= workers:
+        raise MoeSwarmError(f"cannot hold {copies} copies of each expert on {workers} workers")
+    slices = split_experts(num_experts, workers)
+    return [sorted({e for c in range(copies) for e in slices[(i + c) % workers]}) for i in range(workers)]
+
+
+def wait_listening(process: subprocess.Popen) -> str:
+    """The address a started worker listens on, once it says so."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         line = process.stdout.readline()

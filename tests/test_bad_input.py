@@ -141,9 +141,17 @@ def _with_meta(data: bytes, edit) -> bytes:
         (lambda: _with_meta(_dispatch_bytes(), lambda m: m.update(mode="fancy")), ["unknown combine mode 'fancy'"]),
         (lambda: _with_meta(_dispatch_bytes(), lambda m: m.update(combine="zip")), ["unknown codec 'zip'"]),
         (lambda: _with_meta(_dispatch_bytes(), lambda m: m.pop("layer")), ["'layer' missing"]),
+        (lambda: _dispatch_bytes(top_k_index=torch.tensor([[1, 1], [3, -1]])), ["DISPATCH row 0 names expert 1 twice"]),
+        (lambda: _with_meta(_dispatch_bytes(), lambda m: m.update(combine="i32")),
+         ["combine codec 'i32' cannot carry the experts' outputs"]),
+        (lambda: _dispatch_bytes(top_k_index=torch.tensor([[0] + [-1] * 64, [3] + [-1] * 64]),
+                                 top_k_weights=torch.rand(2, 65)),
+         ["DISPATCH tensor 'ids' has top-k 65, over the limit of 64 (worker flag --max-top-k)"]),
+        (lambda: _with_meta(_dispatch_bytes(), lambda m: m["tensors"][0].__setitem__(3, [0, 2**31 - 1])),
+         ["tensor 'x': shape [0, 2147483647] has no elements"]),
     ],
     ids=["codec", "layer", "expert", "expert-range", "shape", "dtype", "routing-shape", "length", "index-dtype", "mode",
-         "combine-codec", "field"],
+         "combine-codec", "field", "duplicate-ids", "integer-combine", "top-k", "zero-size"],
 )
 def test_bad_dispatch_gets_error_and_connection_lives(worker, make, fragments):
     address, fingerprint = worker
@@ -198,7 +206,7 @@ def test_backbone_names_worker_and_cause_of_an_error_reply(qwen2_moe, qwen2_work
     with pytest.raises(WorkerError) as caught:
         dispatcher.combine(dispatcher.dispatch(1, torch.randn(1, 32), torch.tensor([[5, 0]]), torch.rand(1, 2)))
     assert str(caught.value) == (f"worker {qwen2_workers[0]}: expert 5 of layer 1 is not held by this worker "
-                                 "(it holds experts 0-3)")
+                                 "(it holds experts 0-3); layer 1 experts 0,5 have no other usable holder")
     dispatcher.close()
 
 

@@ -9,6 +9,7 @@ the wire's own message classes size each DISPATCH and RESULT frame.
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import subprocess
 import sys
@@ -231,3 +232,65 @@ def test_help_loads_neither_torch_nor_transformers():
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]"
     assert "usage: moeswarm" in done.stdout and "generate" in done.stdout
+
+
+def _generate_here(capsys, model: str, workers: list[str], *extra: str) -> tuple[int, dict]:
+    """`moeswarm generate ... --json` run in this process (no interpreter start): (exit status, report)."""
+    from moeswarm.cli import main
+
+    status = main(["generate", "--model", model, "--workers", ",".join(workers), "--max-new-tokens", str(MAX_NEW_TOKENS),
+                   "--threads", "1", "--json", *extra])
+    return status, json.loads(capsys.readouterr().out)
+
+
+def test_generate_sampling_is_seeded_checked_and_stops(qwen2_moe, qwen2_workers, tmp_path, capsys):
+    """Sampling with a seed repeats itself and stays bit-identical to local; a stop string cuts the text."""
+    sampled = ("--temperature", "0.8", "--top-k", "20", "--top-p", "0.95", "--seed", "5", "--speculate", "3")
+    status, first = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, *sampled, "--check-local")
+    _, again = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, *sampled)
+
+    assert again["tokens"] == first["tokens"] and len(first["tokens"]) == MAX_NEW_TOKENS
+    assert (status, first["check"], first["check_passed"], first["bit_identical"]) == (0, "exact", True, True)
+    assert (first["temperature"], first["top_p"], first["top_k"], first["seed"]) == (0.8, 0.95, 20, 5)
+    assert (first["finish_reason"], first["stop"]) == ("length", [])
+    # A stop: the first ASCII character the sampled output holds after its first token.
+    codec = load_text_codec(qwen2_moe, 260)
+    stop = next(codec.decode([t]) for t in first["tokens"][1:] if t < 128)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT)
+    _, stopped = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt-file", str(prompt_file), *sampled,
+                                "--stop", stop, "--stop", "never")
+    assert stopped["text"] == first["text"][: first["text"].index(stop)] and stop not in stopped["text"]
+    assert stopped["tokens"] == first["tokens"][: len(stopped["tokens"])] and codec.decode(stopped["tokens"][-1:]) == stop
+    assert (stopped["finish_reason"], stopped["stop"], stopped["prompt_tokens"]) == ("stop", [stop, "never"], first["prompt_tokens"])
+
+
+def test_generate_reads_the_prompt_from_stdin(qwen2_moe, qwen2_workers, plain_local, monkeypatch, capsys):
+    for flag in ("--prompt", "--prompt-file"):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(PROMPT.encode())))
+        status, report = _generate_here(capsys, qwen2_moe, qwen2_workers, flag, "-")
+        assert status == 0 and report["tokens"] == plain_local[1].tokens and report["prompt_tokens"] == len(plain_local[0])
+        assert (report["temperature"], report["seed"], report["check"]) == (0.0, None, None)
+
+
+def test_generate_lossy_check_local_follows_the_gates_thresholds(qwen2_moe, qwen2_workers, monkeypatch, capsys):
+    """Under a lossy wire --check-local reports argmax agreement and cosine; the exit status is the gate's verdict."""
+    from moeswarm import gate
+    from moeswarm.generation.run import summary_lines
+
+    status, report = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--check-local", "--wire", "wan")
+    thresholds = gate.GateConfig()
+    assert (report["check"], report["mode"], report["wire_dispatch"]) == ("gate", "partial", "int8-b128")
+    assert report["positions_checked"] == report["prompt_tokens"] + report["steps"]  # prefill rows, then one per step
+    assert (report["min_argmax_agreement"], report["min_cosine_mean"]) == (thresholds.min_argmax_agreement, thresholds.min_cosine_mean)
+    assert 0.0 <= report["argmax_agreement"] <= 1.0 and 0.9 < report["cosine_min"] <= report["cosine_mean"] < 1.0 + 1e-6
+    assert report["check_passed"] is (report["argmax_agreement"] >= thresholds.min_argmax_agreement
+                                      and report["cosine_mean"] >= thresholds.min_cosine_mean)
+    assert report["check_passed"] and status == 0  # int8 both ways keeps the tiny model close
+    assert summary_lines(report)[-1].startswith(f"close to local (lossy wire, gate check over {report['positions_checked']} positions)")
+
+    monkeypatch.setattr(gate, "GateConfig", lambda: thresholds.__class__(min_cosine_mean=1.01))  # a gate nothing passes
+    status, report = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--check-local", "--combine", "partial")
+    assert (report["check"], report["wire_dispatch"], report["min_cosine_mean"]) == ("gate", "lossless", 1.01)
+    assert (report["check_passed"], status) == (False, 1)
+    assert summary_lines(report)[-1].endswith("FAILED")

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from test_gguf_errors import _write as write_gguf  # a tiny GGUF file written with gguf-py
 
 from moeswarm import __version__
@@ -83,7 +84,7 @@ def test_bad_flag_values_are_one_line():
         "moeswarm generate: error: the following arguments are required: --workers (see moeswarm generate --help)")
     assert _error("nosuch") == (
         "moeswarm: error: argument COMMAND: invalid choice: 'nosuch' (choose from 'demo', 'worker', 'generate', "
-        "'gate', 'bench', 'make-model', 'slice', 'wan') (see moeswarm --help)")
+        "'serve', 'gate', 'bench', 'make-model', 'slice', 'wan', 'info', 'keygen', 'ping') (see moeswarm --help)")
 
 
 def test_debug_shows_the_traceback(tmp_path):
@@ -113,3 +114,39 @@ def test_every_flag_has_help():
     assert [flag for command in COMMANDS for flag in flags_without_help(build_parser([command]), "moeswarm")] == []
     help_text = build_parser(["generate"])._subparsers._group_actions[0].choices["generate"].format_help()
     assert "most tokens to generate (default: 32)" in " ".join(help_text.split())
+
+
+def test_sampling_stop_and_prompt_file_flags_are_one_line(tmp_path, capsys):
+    good, empty, missing = tmp_path / "prompt.txt", tmp_path / "empty.txt", tmp_path / "nope.txt"
+    good.write_text("def f(")
+    empty.write_text("")
+    cases = {
+        ("--temperature", "-1"): "argument --temperature: must be from 0 (greedy) to 100, got -1",
+        ("--temperature", "nan"): "argument --temperature: must be from 0 (greedy) to 100, got nan",
+        ("--temperature", "hot"): "argument --temperature: expected a number, got 'hot'",
+        ("--top-p", "0"): "argument --top-p: must be more than 0 and at most 1 (1: off), got 0",
+        ("--top-p", "1.5"): "argument --top-p: must be more than 0 and at most 1 (1: off), got 1.5",
+        ("--top-k", "-2"): "argument --top-k: must not be negative, got -2",
+        ("--seed", "-1"): "argument --seed: must not be negative, got -1",
+        ("--seed", str(2**64)): f"argument --seed: must be at most 2**64 - 1, got {2**64}",
+        ("--stop", ""): "argument --stop: a stop string must not be empty",
+        ("--prompt-file", str(good)): "argument --prompt-file: not allowed with argument --prompt",
+    }
+    for flags, message in cases.items():
+        argv = ["generate", "--model", "x", "--workers", NO_WORKER, "--prompt", "a", *flags]
+        with pytest.raises(SystemExit) as caught:
+            build_parser(argv).parse_args(argv)
+        assert caught.value.code == 2
+        assert capsys.readouterr().err == f"moeswarm generate: error: {message} (see moeswarm generate --help)\n"
+    # As a user runs it: the file named, one line.
+    base = ("generate", "--model", "x", "--workers", NO_WORKER)
+    assert _error(*base, "--prompt-file", str(missing)) == (
+        f"moeswarm generate: error: argument --prompt-file: cannot read {missing}: No such file or directory "
+        f"(see moeswarm generate --help)")
+    assert _error(*base, "--prompt-file", str(empty)) == (
+        f"moeswarm generate: error: argument --prompt-file: {empty} is empty: write the prompt in it "
+        f"(see moeswarm generate --help)")
+    done = subprocess.run([sys.executable, "-m", "moeswarm.cli", *base, "--prompt", "-"], input="", capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (2, "moeswarm generate: error: argument --prompt: standard input is empty: "
+                                                 "pipe the prompt into it (see moeswarm generate --help)\n")

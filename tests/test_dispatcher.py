@@ -1,7 +1,10 @@
-"""The dispatcher over fake links (in process) and over a real TCP worker that answers garbage.
+"""The dispatcher over fake links (in process) and over fake workers on real TCP (FakeWorker,
+shared with the failover, spot-check and malicious-worker tests).
 
-Whatever fails in the middle of a layer, at send or at receive, the next layer must work: every
-link drained, or closed and reconnected.
+Whatever fails in the middle of a layer, at send or at receive, the layer's output must still be
+right (another holder, or the same one after a successful probe) or the error must name the
+worker, the layer and the experts; and the next layer must work: every link drained, or closed
+and reconnected. Also: deadlines from measured round trips, backoff, replicas sharing the load.
 
 Legend: T = tokens, k = top-k, d = hidden size, E = experts.
 """
@@ -79,7 +82,7 @@ class FakeLink:
     def connect(self, fingerprint):
         return self.info
 
-    def reconnect(self):
+    def reconnect(self, timeout_s=None):
         self.is_broken, self.queue = False, []
         self.reconnects += 1
         return self.info
@@ -95,6 +98,15 @@ class FakeLink:
         self._id += 1
         self.queue.append((self._id, request))
         return Pending(self._id, 100, time.perf_counter())
+
+    def fileno(self):
+        return None  # replies are computed when awaited
+
+    def has_reply(self, pending: Pending) -> bool:
+        return True
+
+    def forget(self, pending: Pending) -> None:
+        self.queue = [(i, r) for i, r in self.queue if i != pending.request_id]
 
     def wait(self, pending: Pending, deadline: float) -> Reply:
         request_id, request = self.queue.pop(0)
@@ -144,29 +156,37 @@ def test_partial_combine_is_close_to_eager_sum():
     torch.testing.assert_close(out, reference(hidden, index, weights), rtol=1e-6, atol=1e-6)
 
 
-def test_failure_while_sending_leaves_the_next_layer_working():
+def test_failure_while_sending_is_retried_on_the_same_holder_after_a_probe():
     dispatcher, (a, b) = _dispatcher()
-    b.fail_send = True  # a was sent first; its reply must be drained
+    b.fail_send = True  # no replica: b is probed (reconnect, PING) and asked again in the same call
+    hidden, index, weights = _routing(6, 2)
+    out = dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+    assert torch.equal(out, reference(hidden, index, weights)) and b.reconnects == 1
+    assert (dispatcher.stats.takedowns, dispatcher.stats.readmissions, dispatcher.stats.failovers) == (1, 1, 1)
+    assert a.queue == [] and b.queue == []
+
+
+def test_failure_while_receiving_is_retried_on_the_same_holder_after_a_probe():
+    dispatcher, (a, b) = _dispatcher()
+    a.fail_wait = True
+    hidden, index, weights = _routing(6, 3)
+    out = dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+    assert torch.equal(out, reference(hidden, index, weights)) and a.reconnects == 1
+    assert a.queue == [] and b.queue == [] and not a.broken and not b.broken
+
+
+@pytest.mark.parametrize("where", ["send", "wait"])
+def test_without_another_holder_the_error_names_worker_layer_experts(where):
+    dispatcher, (a, b) = _dispatcher()
+    setattr(b, f"fail_{where}", True)
+    b.reconnect = lambda timeout_s=None: (_ for _ in ()).throw(WorkerError("b", "cannot connect"))
     hidden, index, weights = _routing(6, 2)
     with pytest.raises(WorkerError) as caught:
-        dispatcher.dispatch(0, hidden, index, weights)
-    assert str(caught.value) == "worker b: connection lost while sending"
-    assert a.queue == [] and b.broken
-    out = dispatcher.combine(dispatcher.dispatch(1, hidden, index, weights))
-    assert torch.equal(out, reference(hidden, index, weights)) and b.reconnects == 1
-
-
-def test_failure_while_receiving_leaves_the_next_layer_working():
-    dispatcher, (a, b) = _dispatcher()
-    a.fail_wait = True  # a fails first; b's reply must still be read
-    hidden, index, weights = _routing(6, 3)
-    handle = dispatcher.dispatch(0, hidden, index, weights)
-    with pytest.raises(WorkerError) as caught:
-        dispatcher.combine(handle)
-    assert str(caught.value) == "worker a: bad reply: bad magic"
-    assert b.queue == [] and a.broken and not b.broken
-    out = dispatcher.combine(dispatcher.dispatch(1, hidden, index, weights))
-    assert torch.equal(out, reference(hidden, index, weights)) and a.reconnects == 1
+        dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+    cause = "connection lost while sending" if where == "send" else "bad reply: bad magic"
+    assert str(caught.value) == f"worker b: {cause}; layer 0 experts 1,3,5,7 have no other usable holder"
+    assert (caught.value.layer, caught.value.experts) == (0, [1, 3, 5, 7])
+    assert a.queue == [] and dispatcher.holders[1].cause == "cannot connect"
 
 
 def test_codec_refusing_its_input_sends_nothing():
@@ -210,14 +230,26 @@ def test_accounting_summary_is_exact():
     assert summary["worker_rtt_ms_mean"] == pytest.approx({"a": 1.5, "b": 3.0})
 
 
-# -- a real TCP worker that answers garbage in the middle of a layer --------------------------
+# -- fake workers over real TCP: honest, or answering what a test tells them to ----------------
 
 
-class GarbageWorker:
-    """A protocol-speaking worker on 127.0.0.1 whose `garbage_on`-th DISPATCH gets random bytes."""
+def honest_hello(worker: "FakeWorker", hello: Frame) -> Frame:
+    return WorkerInfo(Hello.from_frame(hello).fingerprint, "fake", E, D,
+                      {0: tuple(worker.held), 1: tuple(worker.held)}, tuple(CODECS)).to_frame(hello.request_id)
 
-    def __init__(self, held: list[int], garbage_on: int):
-        self.held, self.garbage_on, self.dispatches, self.connections = held, garbage_on, 0, 0
+
+def honest_reply(worker: "FakeWorker", conn: socket.socket, frame: Frame) -> None:
+    send_frame(conn, answer(Dispatch.from_frame(frame)).to_frame(frame.request_id))
+
+
+class FakeWorker:
+    """A protocol-speaking worker on 127.0.0.1 (threads, real TCP). `on_dispatch(worker, conn, frame)`
+    answers each DISPATCH (`worker.dispatches` counts them); `on_hello(worker, frame)` builds the
+    HELLO answer. PING gets PONG."""
+
+    def __init__(self, held: list[int], on_dispatch=honest_reply, on_hello=honest_hello):
+        self.held, self.on_dispatch, self.on_hello = held, on_dispatch, on_hello
+        self.dispatches = self.connections = 0
         self.server = socket.create_server(("127.0.0.1", 0))
         self.address = "127.0.0.1:%d" % self.server.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -236,44 +268,54 @@ class GarbageWorker:
             while True:
                 try:
                     frame, _ = recv_frame(conn)
+                    if frame.opcode == Opcode.HELLO:
+                        conn.sendall(b"".join(bytes(b) for b in self.on_hello(self, frame).encode()))
+                    elif frame.opcode == Opcode.DISPATCH:
+                        self.dispatches += 1
+                        self.on_dispatch(self, conn, frame)
+                    elif frame.opcode == Opcode.PING:
+                        send_frame(conn, Frame(Opcode.PONG, frame.request_id))
+                    else:
+                        send_frame(conn, ErrorReply("bad_request", "unexpected").to_frame(frame.request_id))
                 except (OSError, MoeSwarmError):
                     return
-                if frame.opcode == Opcode.HELLO:
-                    info = WorkerInfo(Hello.from_frame(frame).fingerprint, "fake", E, D,
-                                      {0: tuple(self.held), 1: tuple(self.held)}, tuple(CODECS))
-                    send_frame(conn, info.to_frame(frame.request_id))
-                elif frame.opcode == Opcode.DISPATCH:
-                    self.dispatches += 1
-                    if self.dispatches == self.garbage_on:
-                        conn.sendall(b"\x17garbage, not a frame" * 3)
-                        continue
-                    send_frame(conn, answer(Dispatch.from_frame(frame)).to_frame(frame.request_id))
-                else:
-                    send_frame(conn, ErrorReply("bad_request", "unexpected").to_frame(frame.request_id))
 
     def close(self):
         self.server.close()
 
 
+def garbage_on(n: int):
+    """An answer policy: honest, except random bytes for the n-th DISPATCH."""
+
+    def reply(worker: FakeWorker, conn: socket.socket, frame: Frame) -> None:
+        if worker.dispatches == n:
+            conn.sendall(b"\x17garbage, not a frame" * 3)
+        else:
+            honest_reply(worker, conn, frame)
+
+    return reply
+
+
+def tcp_dispatcher(workers: list[FakeWorker], **options) -> Dispatcher:
+    """A dispatcher over TCP links to `workers`, connected."""
+    links = [TcpLink(worker.address) for worker in workers]
+    for link in links:
+        link.connect("fp")
+    return Dispatcher(links, build_table({i: link.info.held for i, link in enumerate(links)}, E), **options)
+
+
 def test_tcp_worker_answering_garbage_mid_layer_is_reconnected():
-    honest, liar = GarbageWorker([0, 2, 4, 6], garbage_on=0), GarbageWorker([1, 3, 5, 7], garbage_on=2)
-    links = [TcpLink(honest.address), TcpLink(liar.address)]
+    honest, liar = FakeWorker([0, 2, 4, 6]), FakeWorker([1, 3, 5, 7], garbage_on(2))
+    dispatcher = tcp_dispatcher([honest, liar])
     try:
-        for link in links:
-            link.connect("fp")
-        dispatcher = Dispatcher(links, build_table({i: link.info.held for i, link in enumerate(links)}, E))
         hidden, index, weights = _routing(5, 6)
         expected = reference(hidden, index, weights)
-        assert torch.equal(dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights)), expected)
-        with pytest.raises(WorkerError) as caught:  # layer 1: the liar's reply is garbage
-            dispatcher.combine(dispatcher.dispatch(1, hidden, index, weights))
-        assert str(caught.value).startswith(f"worker {liar.address}: bad reply: bad magic")
-        assert links[1].broken and not links[0].broken
-        assert torch.equal(dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights)), expected)
+        for layer in (0, 1, 0):  # layer 1: the liar's reply is garbage; it is reconnected and asked again
+            assert torch.equal(dispatcher.combine(dispatcher.dispatch(layer, hidden, index, weights)), expected)
+        assert (dispatcher.stats.takedowns, dispatcher.stats.readmissions) == (1, 1)
         assert (honest.connections, liar.connections) == (1, 2)  # only the liar's link was reopened
     finally:
-        for link in links:
-            link.close()
+        dispatcher.close()
         honest.close()
         liar.close()
 
@@ -338,3 +380,54 @@ def test_a_reply_larger_than_its_result_is_refused_unread():
                                  f"of {6 * D * 4}")
     assert link.broken
     server.close()
+
+
+# -- failover, deadlines and backoff (in process) -----------------------------------------------
+
+
+def test_a_failed_share_goes_to_a_replica_within_the_same_call():
+    links = [FakeLink("a", list(range(E))), FakeLink("b", list(range(E)))]  # every expert held twice
+    dispatcher = Dispatcher(links, build_table({i: link.info.held for i, link in enumerate(links)}, E))
+    hidden, index, weights = _routing(6, 9)
+    links[1].fail_wait = True
+    out = dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+    assert torch.equal(out, reference(hidden, index, weights))
+    assert dispatcher.stats.failovers == 1 and dispatcher.stats.takedowns == 1
+    assert [h.up for h in dispatcher.holders] == [True, False]
+    assert dispatcher.holders[1].cause == "bad reply: bad magic"
+    call = dispatcher.accounting.calls[-1]
+    assert list(call.worker_seconds) == ["a"]  # a answered b's share too
+
+
+def test_replicas_share_the_load_by_expert_id():
+    links = [FakeLink("a", list(range(E))), FakeLink("b", list(range(E)))]
+    dispatcher = Dispatcher(links, build_table({i: link.info.held for i, link in enumerate(links)}, E))
+    assert dispatcher._owner(0).tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+
+
+def test_deadline_is_a_multiple_of_the_recent_p99_between_floor_and_cap():
+    from moeswarm.dispatch.health import DeadlinePolicy, Holder
+
+    holder = Holder(DeadlinePolicy(cap_s=10.0, floor_s=0.5, multiple=4.0, min_samples=8))
+    assert holder.deadline_s(1) == 10.0  # not measured yet: the cap
+    for seconds in [0.01] * 99 + [0.2]:
+        holder.round_trips.record(seconds, 1)
+    assert holder.deadline_s(1) == 0.8  # 4 x p99 (0.2 s)
+    assert holder.deadline_s(100) == 10.0  # 100x the usual rows: 80 s, capped
+    for seconds in [0.01] * 256:
+        holder.round_trips.record(seconds, 1)
+    assert holder.deadline_s(1) == 0.5  # 4 x 10 ms is under the floor
+    assert holder.hedge_after_s(1) == 0.01
+
+
+def test_a_failed_holder_is_probed_with_exponential_backoff():
+    from moeswarm.dispatch.health import DeadlinePolicy, Holder
+
+    holder = Holder(DeadlinePolicy(backoff_s=0.5, backoff_max_s=3.0))
+    waits = []
+    for _ in range(5):
+        holder.fail(100.0, "down")
+        waits.append(holder.retry_at - 100.0)
+    assert waits == [0.5, 1.0, 2.0, 3.0, 3.0] and not holder.usable
+    holder.readmit()
+    assert holder.usable and holder.failures == 0

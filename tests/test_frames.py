@@ -141,3 +141,44 @@ def test_unknown_opcode_and_bad_meta():
 def test_error_reply_round_trip():
     frame = _reparse(ErrorReply("bad_request", "expert 9 is not held").to_frame(3))
     assert frame.opcode == Opcode.ERROR and ErrorReply.from_frame(frame).message == "expert 9 is not held"
+
+
+def _dispatch_meta(**changes) -> Frame:
+    frame = _reparse(Dispatch(0, torch.randn(2, 4), torch.tensor([[0, 1], [2, -1]]), torch.rand(2, 2)).to_frame(1))
+    meta = {**frame.meta, **changes}
+    return Frame(frame.opcode, frame.request_id, meta, frame.payload)
+
+
+def _descriptor(meta, name, **fields):
+    index = {"x": 0, "ids": 1, "w": 2}[name]
+    tensors = [list(d) for d in meta["tensors"]]
+    for field, value in fields.items():
+        tensors[index][{"codec": 1, "dtype": 2, "shape": 3}[field]] = value
+    return tensors
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda m: {"combine": "i32"}, "combine codec 'i32' cannot carry the experts' outputs (choose from f32, "),
+        (lambda m: {"combine": "u8"}, "combine codec 'u8' cannot carry the experts' outputs"),
+        (lambda m: {"tensors": _descriptor(m, "ids", dtype="f32")},
+         "expert ids must be integers in their own codec (u8, i16, i32 or i64), got dtype 'f32' in codec 'u8'"),
+        (lambda m: {"tensors": _descriptor(m, "ids", dtype="i64")},
+         "expert ids must be integers in their own codec (u8, i16, i32 or i64), got dtype 'i64' in codec 'u8'"),
+        (lambda m: {"tensors": _descriptor(m, "x", codec="i32")}, "DISPATCH tensor 'x' must travel in a float codec, got 'i32'"),
+        (lambda m: {"tensors": _descriptor(m, "x", shape=[0, 2**31 - 1])}, "tensor 'x': shape [0, 2147483647] has no elements"),
+        (lambda m: {"tensors": _descriptor(m, "w", codec=["f32"])}, "codec name must be a string, got list"),
+        (lambda m: {"tensors": _descriptor(m, "w", dtype={"a": 1})}, "tensor 'w': unknown dtype {'a': 1}"),
+        (lambda m: {"tensors": m["tensors"] + [m["tensors"][0]]}, "tensor 'x' is described twice"),
+        (lambda m: {"tensors": m["tensors"] * 3}, "frame describes 9 tensors, over the limit of 8"),
+    ],
+    ids=["combine-i32", "combine-u8", "float-ids", "ids-dtype", "int-hidden", "empty-huge", "codec-type", "dtype-type",
+         "twice", "too-many"],
+)
+def test_stricter_dispatch_checks_are_named(change, message):
+    frame = _dispatch_meta()
+    frame = _dispatch_meta(**change(frame.meta))
+    with pytest.raises(ProtocolError) as caught:
+        Dispatch.from_frame(frame)
+    assert str(caught.value).startswith(message), str(caught.value)

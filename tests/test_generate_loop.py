@@ -1,4 +1,4 @@
-"""`generate` with a fake stepper: greedy, speculative, eos, limits, the check against a reference.
+"""`generate` with a fake stepper: greedy, sampled, speculative, eos, stops, limits, the check against a reference.
 
 The fake model knows one sequence SEQ: after a context equal to SEQ's first n tokens it predicts
 SEQ[n]; after any other context it predicts WRONG. A rejected draft left in its context (a missed
@@ -7,10 +7,16 @@ SEQ[n]; after any other context it predicts WRONG. A rejected draft left in its 
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import pytest
 import torch
+from test_sampling import assert_matches  # chi-square (scipy) and a total-variation bound
 
+from moeswarm.gate import GateConfig
 from moeswarm.generation.loop import generate
+from moeswarm.generation.sampling import SamplingParams, make_generator, probabilities
 
 SEQ = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4, 1, 2, 3, 4]
 PROMPT = SEQ[:6]  # [1, 2, 3, 4, 1, 2]
@@ -178,3 +184,96 @@ def test_an_empty_prompt_is_refused_before_any_forward():
         generate(model, [], 8)
     assert str(caught.value) == "empty prompt: give at least one token"
     assert model.feeds == []
+
+
+# --- sampling -------------------------------------------------------------------------------------
+
+MARKOV = torch.tensor([
+    [0.2, 2.0, 0.5, -1.0],
+    [0.0, 0.3, 1.8, 0.6],
+    [1.0, 0.0, 0.4, 1.5],
+    [2.2, 0.8, -0.5, 0.1],
+])  # [4, 4]: row t = logits of the token after t
+CYCLE = [0, 1, 2, 3, 0, 1]  # a prompt whose n-grams give drafts at most steps
+SAMPLED = SamplingParams(temperature=0.8, top_k=3)
+
+
+class MarkovStepper(FakeStepper):
+    """Logits after each token are MARKOV's row for that token: a model with a real distribution."""
+
+    def forward(self, tokens: list[int]) -> torch.Tensor:
+        self.feeds.append(list(tokens))
+        self.context += tokens
+        return MARKOV[tokens].clone()  # [n, 4]
+
+
+def test_sampled_generation_with_or_without_speculation_follows_the_model():
+    """The joint law of three sampled tokens is the chain's, speculating or not (chi-square, fixed seed)."""
+    law = probabilities(MARKOV, SAMPLED).double()  # [4, 4]
+    expected = {(a, b, c): float(law[CYCLE[-1], a] * law[a, b] * law[b, c]) for a in range(4) for b in range(4) for c in range(4)}
+    runs = 1500
+    for speculate in (0, 3):
+        generator = make_generator(21 + speculate)
+        counts, drafted = Counter(), 0
+        for _ in range(runs):
+            result = generate(MarkovStepper(), CYCLE, 3, speculate, sampling=SAMPLED, generator=generator)
+            counts[tuple(result.tokens)] += 1
+            drafted += result.drafted
+        assert (drafted > runs // 2) if speculate else (drafted == 0)  # speculation really ran (or really did not)
+        assert_matches(counts, expected, runs)  # top-k's zeros never appear, the rest in proportion
+
+
+def test_sampling_with_a_seed_is_reproducible():
+    def tokens(seed: int, speculate: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=seed)
+        return generate(MarkovStepper(), CYCLE, 24, speculate, sampling=params).tokens
+
+    assert tokens(3, 0) == tokens(3, 0) and tokens(3, 4) == tokens(3, 4)
+    assert tokens(3, 0) != tokens(4, 0)
+
+
+# --- how a generation ends --------------------------------------------------------------------------
+
+def test_finish_reason_is_length_or_stop():
+    assert generate(FakeStepper(), PROMPT, 8).finish_reason == "length"
+    assert generate(FakeStepper(), PROMPT, 8, eos_token_id=4).finish_reason == "stop"
+    assert generate(FakeStepper(), PROMPT, 6, eos_token_id=4).finish_reason == "stop"  # eos as the last allowed token
+
+
+@pytest.mark.parametrize("speculate", [0, 3])
+def test_a_stop_ends_at_the_token_that_completes_it(speculate):
+    # With speculate=3, step 3 accepts drafts [2, 3]: the stop completes at 2, so 3 is dropped.
+    calls: list[list[int]] = []
+    result = generate(FakeStepper(), PROMPT, 8, speculate, on_tokens=calls.append, stop=lambda out: out[-2:] == [1, 2])
+
+    assert result.tokens == [3, 5, 1, 2] and result.finish_reason == "stop"
+    assert [t for call in calls for t in call] == result.tokens
+
+
+# --- the check against a reference under a lossy wire ------------------------------------------------
+
+GATE = GateConfig()
+
+
+@pytest.mark.parametrize("perturb, cosine_at_perturbed, agreeing, passed, first", [
+    ({3: (0, 0.05)}, 1 / math.sqrt(1 + 0.05**2), 13, True, None),  # close: passes
+    ({3: (0, 0.25)}, 1 / math.sqrt(1 + 0.25**2), 13, False, None),  # same argmax, cosine mean 0.9977 < 0.998
+    ({5: (WRONG, 2.0)}, 1 / math.sqrt(5), 12, False, "argmax differs at step 4"),  # one argmax in 13 differs
+])
+def test_a_lossy_check_judges_argmax_and_cosine_by_the_gates_thresholds(perturb, cosine_at_perturbed, agreeing, passed, first):
+    result = generate(FakeStepper(), PROMPT, 8, reference=FakeStepper(perturb=perturb), exact_check=False)
+    check = result.check
+
+    assert result.tokens == SEQ[6:14]  # the swarm's tokens drive both
+    assert (check.kind, check.positions, check.argmax_agreeing) == ("gate", 6 + 7, agreeing)  # prefill rows + 7 steps
+    assert check.cosine_min == pytest.approx(cosine_at_perturbed, abs=1e-6)
+    assert check.cosine_mean == pytest.approx((12 + cosine_at_perturbed) / 13, abs=1e-6)
+    assert check.passed is passed
+    assert check.passed == (check.argmax_agreement >= GATE.min_argmax_agreement and check.cosine_mean >= GATE.min_cosine_mean)
+    assert (result.bit_identical, result.first_mismatch) == (False, first)
+
+
+def test_an_exact_check_passes_only_when_bit_identical():
+    assert generate(FakeStepper(), PROMPT, 8, reference=FakeStepper()).check.passed is True
+    close = generate(FakeStepper(), PROMPT, 8, reference=FakeStepper(perturb={3: (0, 0.05)})).check
+    assert (close.kind, close.passed, close.first_mismatch) == ("exact", False, "logits differ at step 2")

@@ -246,3 +246,29 @@ def test_a_failing_forward_fails_its_job_with_a_one_line_error(qwen2_moe):
             engine.stop()
     assert isinstance(got.ends[0], Failed) and got.ends[0].status == 500 and "\n" not in got.ends[0].message
     assert isinstance(got.ends[1], Finished) and len(got.tokens[1]) == 4
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_without_pausing_a_running_stream(qwen2_moe):
+    with open_swarm(qwen2_moe, [], local_experts=list(range(8))) as swarm:
+        codec = load_text_codec(swarm.source, swarm.model.config.vocab_size)
+        engine = Engine(swarm, codec, EngineConfig(context=128, prefill_chunk=8, step_tokens=16))
+        engine.start()
+        try:
+            steps_of_a: list[int] = []
+            started = threading.Event()
+            got = Collector(2)
+
+            def emit_a(event) -> None:
+                if isinstance(event, Delta):
+                    steps_of_a.append(engine.steps)
+                    started.set()
+                got.emit_for(0)(event)
+
+            engine.submit(Job(PROMPTS[0], 30, SamplingParams(), emit_a))
+            assert started.wait(60)
+            engine.submit(Job(list(range(1, 97)), 2, SamplingParams(), got.emit_for(1)))  # 96 tokens: 12 chunks of 8
+            got.wait()
+        finally:
+            engine.stop()
+    assert got.ends[1] == Finished("length", 96, 2, 0)
+    assert steps_of_a == list(range(steps_of_a[0], steps_of_a[0] + 30))  # a token every step, prefill or not

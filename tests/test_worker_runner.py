@@ -26,6 +26,7 @@ from moeswarm.wire.codecs import CODECS
 from moeswarm.wire.frames import HEADER, MAGIC, VERSION, Frame, Opcode
 from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerInfo
 from moeswarm.wire.stream import StreamClosed, recv_frame, send_frame
+from moeswarm.worker.limits import WorkerLimits
 from moeswarm.worker.server import WorkerServer
 
 FINGERPRINT = "hf-test0001"
@@ -91,7 +92,7 @@ def running(server: WorkerServer):
 @contextlib.contextmanager
 def serving(store: FakeStore, **options):
     """(server, (host, port)) serving the fake store; nothing stays blocked in it afterwards."""
-    server = WorkerServer(store, FINGERPRINT, "fake", **options)
+    server = WorkerServer(store, FINGERPRINT, "fake", WorkerLimits(**options))
     with running(server) as (_, address):
         try:
             yield server, address
@@ -222,20 +223,23 @@ def test_full_queue_answers_busy_then_serves_what_it_queued():
         busy = "worker busy: 2 requests queued (limit 2); retry later"
         send_frame(first, _dispatch(4, 14))
         _expect_error(first, 14, "busy", busy)
-        send_frame(other, _dispatch(5, 15))  # the limit is over all connections
-        _expect_error(other, 15, "busy", busy)
-        store.release(3)
+        send_frame(other, _dispatch(5, 15))  # a connection with nothing waiting is still admitted...
+        _wait_until(lambda: server.runner.queued == 3, "the other connection's DISPATCH queued")
+        send_frame(other, _dispatch(6, 16))  # ...but not a second one: the limit is over all connections
+        _expect_error(other, 16, "busy", "worker busy: 3 requests queued (limit 2); retry later")
+        store.release(4)
         for tag, request_id in ((1, 11), (2, 12), (3, 13)):
             _expect_result(first, tag, request_id)
-        send_frame(other, _dispatch(6, 16))  # room again
+        _expect_result(other, 5, 15)
+        send_frame(other, _dispatch(7, 17))  # room again
         store.release()
-        _expect_result(other, 6, 16)
-        assert store.calls == [1, 2, 3, 6]
+        _expect_result(other, 7, 17)
+        assert store.calls == [1, 5, 2, 3, 7]
 
 
 def test_queue_limit_must_be_positive():
-    with pytest.raises(MoeSwarmError, match=r"^queue limit must be at least 1, got 0$"):
-        WorkerServer(FakeStore(), FINGERPRINT, "fake", queue_limit=0)
+    with pytest.raises(MoeSwarmError, match=r"^worker limit queue-limit must be positive, got 0$"):
+        WorkerLimits(queue_limit=0)
 
 
 # -- fairness --------------------------------------------------------------------------------------
@@ -251,13 +255,40 @@ def test_connections_are_served_in_turn_not_backlog_first():
         _wait_until(lambda: server.runner.queued == 4, "A's backlog queued")
         send_frame(b, _dispatch(100, 1))
         _wait_until(lambda: server.runner.queued == 5, "B's DISPATCH queued")
-        store.release(3)  # A1, A2, then B's turn: A's last cannot have run
+        store.release(2)  # A1, then B: its start tag is the running job's, ahead of A's backlog
         _expect_result(b, 100, 1)
-        assert store.finished == [1, 2, 100]
-        store.release(3)
+        assert store.finished == [1, 100]
+        store.release(4)
         for tag in range(1, 6):
             _expect_result(a, tag, tag)
-        assert store.finished == [1, 2, 100, 3, 4, 5]
+        assert store.finished == [1, 100, 2, 3, 4, 5]
+
+
+def _sized_dispatch(tag: int, request_id: int, tokens: int) -> Frame:
+    ids = torch.tensor([[0, 1]] * tokens)
+    return Dispatch(0, torch.full((tokens, HIDDEN), float(tag)), ids, torch.rand(tokens, 2)).to_frame(request_id)
+
+
+def test_the_compute_thread_is_shared_by_tokens_not_by_jobs():
+    """Fair queuing by cost: B's two small DISPATCHes both run before A's second large one
+    (round-robin by jobs would run A2 between them)."""
+    store = FakeStore()
+    with serving(store) as (server, address):
+        a, b = _greeted(address), _greeted(address)
+        send_frame(a, _sized_dispatch(1, 1, 50))
+        _computing(store)
+        for tag in (2, 3):
+            send_frame(a, _sized_dispatch(tag, tag, 50))
+        _wait_until(lambda: server.runner.queued == 2, "A's backlog queued")
+        for tag in (101, 102):
+            send_frame(b, _sized_dispatch(tag, tag, 2))
+        _wait_until(lambda: server.runner.queued == 4, "B's DISPATCHes queued")
+        store.release(5)
+        for tag in (1, 2, 3):
+            assert _recv(a).opcode == Opcode.RESULT
+        for tag in (101, 102):
+            assert _recv(b).opcode == Opcode.RESULT
+        assert store.finished == [1, 101, 102, 2, 3]
 
 
 def test_closed_connection_drops_its_queued_dispatches():
@@ -332,7 +363,7 @@ def test_broken_framing_closes_only_that_connection(garbage, request_id, code, m
 
 
 def test_a_body_that_stalls_is_cut_off():
-    with serving(FakeStore(gated=False), body_timeout_s=0.2) as (_, address):
+    with serving(FakeStore(gated=False), frame_timeout_s=0.2) as (_, address):
         bad = _greeted(address)
         bad.sendall(_header(payload_len=100) + b"\x80" * 30)  # and nothing more, connection open
         _expect_error(bad, 3, "truncated", "truncated frame: body of 110 bytes not received within 0.2 s")

@@ -13,6 +13,7 @@ import time
 from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import local_swarm
 from moeswarm.model.loading import load_local
+from moeswarm.progress import progress
 
 
 def decode_seconds(stepper_factory, prompt: list[int], steps: int) -> float:
@@ -32,7 +33,7 @@ def run_loopback(model: str, workers: int = 2, steps: int = 32, repeats: int = 3
     with local_swarm(model, workers) as swarm:
         pings = [swarm.ping(0) for _ in range(200)]
         local_runs, remote_runs = [], []
-        for _ in range(repeats):
+        for _ in progress(range(repeats), desc=f"loopback, {steps} decode steps local and remote", unit="repeat"):
             local_runs.append(decode_seconds(lambda: Stepper(local_model), prompt, steps))
             swarm.reset_accounting()
             remote_runs.append(decode_seconds(lambda: Stepper(swarm.model), prompt, steps))

@@ -27,6 +27,7 @@ WORKERS = 4
 CLIENTS = (1, 2, 4, 8, 16)
 QUICK_CLIENTS = (1, 2, 4)
 PROMPT_TOKENS = 48
+PREFIX_TOKENS = 192  # a long shared prefix (a system prompt, a conversation so far): 3 prefill chunks of 64
 SPECULATE = 4
 
 
@@ -38,7 +39,7 @@ def run_serve_bench(model: str | None = None, quick: bool = False, max_tokens: i
     max_tokens = max_tokens or (12 if quick else 32)
     prompts = _prompts(model, max(clients))
     alone = _alone(model, prompts, max_tokens)
-    rows = []
+    rows, prefix = [], None
     with local_workers(model, split_experts(_num_experts(model), WORKERS)) as workers, \
             wan_links(workers, LinkProfile(rtt_s=RTT_S)) as links:
         for drafts in speculate:
@@ -46,6 +47,8 @@ def run_serve_bench(model: str | None = None, quick: bool = False, max_tokens: i
                               "--model-name", "bench", threads=threads) as server:
                 server.wait_ready()
                 _round(server, prompts[:1], 4)  # warm-up: first-call costs stay out of the figures
+                if drafts == 0:
+                    prefix = _prefix_ttft(server, model)
                 for n in clients:
                     row = _round(server, prompts[:n], max_tokens)
                     row["identical_to_alone"] = sum(t == a for t, a in zip(row.pop("texts"), alone))
@@ -55,7 +58,7 @@ def run_serve_bench(model: str | None = None, quick: bool = False, max_tokens: i
     for row in rows:
         base = next(r for r in rows if r["clients"] == 1 and r["speculate"] == row["speculate"])
         row["scaling"] = row["aggregate_tokens_per_s"] / (row["clients"] * base["aggregate_tokens_per_s"])
-    return {"meta": {"model": model, "workers": WORKERS, "rtt_ms": RTT_S * 1000, "max_tokens": max_tokens,
+    return {"prefix_cache": prefix, "meta": {"model": model, "workers": WORKERS, "rtt_ms": RTT_S * 1000, "max_tokens": max_tokens,
                      "prompt_tokens": PROMPT_TOKENS, "serve_threads": threads,
                      "command": "moeswarm bench serve" + (" --quick" if quick else "")},
             "rows": rows}
@@ -106,6 +109,23 @@ def _round(server: ServeProcess, prompts: list[str], max_tokens: int) -> dict:
     }
 
 
+def _prefix_ttft(server: ServeProcess, model: str) -> dict:
+    """Time to first token of a long prompt (a miss), then of the same prompt with a new last line (a hit)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="bench", max_retries=0, timeout=600)
+    codec = load_text_codec(model, 4096)
+    texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    long = codec.decode(codec.encode("".join(texts))[:PREFIX_TOKENS])
+    result = {"prompt_tokens": PREFIX_TOKENS}
+    for name, prompt in (("miss", long), ("hit", long + "\n    return")):
+        start = time.perf_counter()
+        reply = client.completions.create(model="bench", prompt=prompt, max_tokens=1, temperature=0)
+        result[f"ttft_s_{name}"] = time.perf_counter() - start
+        result[f"cached_tokens_{name}"] = reply.usage.prompt_tokens_details.cached_tokens
+    return result
+
+
 def _prompts(model: str, count: int) -> list[str]:
     """Held-out code from the bundled prompt set, cut to PROMPT_TOKENS tokens each."""
     codec = load_text_codec(model, 4096)
@@ -145,4 +165,9 @@ def table_lines(result: dict) -> list[str]:
                      f"{r['per_request_tokens_per_s']:>9.2f} {r['scaling']:>7.2f} {r['ttft_s_mean']:>7.2f} "
                      f"{r['round_trips_per_step']:>10.2f} {r['tokens_per_step']:>8.2f} {r['batch_per_step']:>5.1f} {accept:>6} "
                      f"{r['identical_to_alone']:>3}/{r['clients']:<2}")
+    prefix = result.get("prefix_cache")
+    if prefix:
+        lines.append(f"prefix cache: a {prefix['prompt_tokens']}-token prompt's first token in {prefix['ttft_s_miss']:.2f} s "
+                     f"(miss); the same prompt plus one line in {prefix['ttft_s_hit']:.2f} s "
+                     f"(hit, {prefix['cached_tokens_hit']} tokens reused)")
     return lines

@@ -34,6 +34,7 @@ from moeswarm.local_workers import local_workers, split_experts
 from moeswarm.model.experts import num_experts_of
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.progress import progress
 from moeswarm.swarm import Swarm, open_swarm
 from moeswarm.wan import LinkProfile
 from moeswarm.wire.config import EXACT, WAN
@@ -94,8 +95,10 @@ def petals(local_model, swarms: dict[str, Swarm], links, prompt: list[int], step
     configs += [("wan", r, b, w) for r in PETALS_RTT_S for b in PETALS_BANDWIDTH_BPS for w in WIRES]
     times: dict[int, list[float]] = {i: [] for i in range(len(configs))}
     last: dict[int, dict] = {}
+    bar = progress(desc="petals scenario", total=repeats * len(configs), unit="config")
     for repeat in range(repeats):  # interleaved, every other repeat reversed: drifting load hits all alike
         for i, (link, rtt_s, bandwidth_bps, wire) in list(enumerate(configs))[:: 1 if repeat % 2 == 0 else -1]:
+            bar.update()
             if link == "local":
                 prefill_s, step_times = _forwards(Stepper(local_model), prompt, steps)
                 times[i] += step_times
@@ -110,6 +113,7 @@ def petals(local_model, swarms: dict[str, Swarm], links, prompt: list[int], step
             times[i] += measured.pop("times")
             del measured["calls"]
             last[i] = {**measured, "ping_ms": ping_ms}
+    bar.close()
     rows = []
     for i, (link, rtt_s, bandwidth_bps, wire) in enumerate(configs):
         config = WIRES.get(wire)
@@ -129,7 +133,7 @@ def fanout(swarms: dict[str, Swarm], links, prompt: list[int], steps: int, width
     for name, combine_rtts, nominal_ms in (("star", max, max(rtt_ms.values())), ("chain", sum, sum(rtt_ms.values()))):
         swarm = swarms[name]
         swarm.configure(EXACT)
-        for width in widths:
+        for width in progress(widths, desc=f"fanout scenario, {name}", unit="width"):
             measured = _measure(swarm, prompt, steps, width)
             reached = [[rtt_ms[w] for w in call.worker_seconds] for call in measured["calls"]]
             expected_ms = statistics.fmean(combine_rtts(r) for r in reached)
@@ -151,7 +155,7 @@ def speculation(swarm: Swarm, links, prompts: dict[str, list[int]], new_tokens: 
     step_1_s, step_verify_s = statistics.median(one["times"]), statistics.median(verify["times"])
     rows = [{**base, "prompt": "verify-cost", "speculate": SPECULATE, "step_1_token_s": step_1_s,
              "step_verify_s": step_verify_s, "break_even_tokens_per_step": step_verify_s / step_1_s}]
-    for kind, prompt in prompts.items():
+    for kind, prompt in progress(list(prompts.items()), desc="speculation scenario", unit="prompt"):
         results = {}
         for speculate in (0, SPECULATE):
             swarm.reset_accounting()

@@ -19,6 +19,7 @@ import torch
 from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import local_swarm, local_workers, split_experts
 from moeswarm.model.source import open_source
+from moeswarm.progress import progress
 from moeswarm.swarm import connect
 from moeswarm.transport.tcp import TcpLink
 from moeswarm.wire.codecs import FLOAT_CODECS
@@ -29,6 +30,8 @@ from moeswarm.wire.config import COMBINE_MODES, WireConfig
 SYNTHETIC_3072 = dict(hidden_size=3072, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                       head_dim=16, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=8,
                       intermediate_size=64, vocab_size=260)
+
+SYNTHETIC_LABEL = "synthetic-3072"  # what the synthetic rows are, wherever the model was written
 
 ALL_CONFIGS = [(mode, d, c) for mode in COMBINE_MODES for d, c in itertools.product(FLOAT_CODECS, FLOAT_CODECS)]
 MATCHED_CONFIGS = [("exact", None, None)] + [(mode, c, c) for mode in COMBINE_MODES for c in FLOAT_CODECS]
@@ -42,15 +45,16 @@ def make_synthetic_model(out: Path) -> Path:
     return out
 
 
-def _row(model: str, wire: WireConfig, workers, hidden, top_k, tokens, summary) -> dict:
-    return {"model": str(model), "mode": wire.mode.value, "wire_dispatch": wire.dispatch_codec or "lossless",
+def _row(label: str, wire: WireConfig, workers, hidden, top_k, tokens, summary) -> dict:
+    return {"model": label, "mode": wire.mode.value, "wire_dispatch": wire.dispatch_codec or "lossless",
             "wire_combine": wire.combine_codec or "lossless", "workers": workers, "hidden": hidden, "top_k": top_k,
             "tokens_per_frame": tokens, "bytes_out": summary["bytes_out_per_token_layer"],
             "bytes_in": summary["bytes_in_per_token_layer"]}
 
 
-def synthetic_layer_bytes(model: str, workers: int, configs=ALL_CONFIGS, frames: int = 4) -> list[dict]:
-    """Drive the synthetic layer directly: random hidden states, uniform top-k routing."""
+def synthetic_layer_bytes(model: str, workers: int, configs=ALL_CONFIGS, frames: int = 4,
+                          label: str = SYNTHETIC_LABEL) -> list[dict]:
+    """Drive the synthetic layer directly: random hidden states, uniform top-k routing; rows say `label`."""
     source = open_source(model)
     config = source.config
     experts, top_k, hidden_size = config.num_experts, config.num_experts_per_tok, config.hidden_size
@@ -60,7 +64,8 @@ def synthetic_layer_bytes(model: str, workers: int, configs=ALL_CONFIGS, frames:
         links = [TcpLink(a) for a in addresses]
         dispatcher = connect(links, source.fingerprint, experts, hidden_size, [0])
         try:
-            for (mode, dispatch, combine), tokens in itertools.product(configs, (1, 64)):
+            cases = list(itertools.product(configs, (1, 64)))
+            for (mode, dispatch, combine), tokens in progress(cases, desc=f"{label}, {workers} workers", unit="config"):
                 dispatcher.wire = wire = WireConfig(mode, dispatch, combine)
                 dispatcher.accounting.reset()
                 for _ in range(frames):
@@ -68,21 +73,23 @@ def synthetic_layer_bytes(model: str, workers: int, configs=ALL_CONFIGS, frames:
                     index = torch.rand(tokens, experts, generator=generator).argsort(dim=1)[:, :top_k]  # [T, k]
                     weights = torch.rand(tokens, top_k, generator=generator)  # [T, k]
                     dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
-                rows.append(_row(model, wire, workers, hidden_size, top_k, tokens, dispatcher.accounting.summary()))
+                rows.append(_row(label, wire, workers, hidden_size, top_k, tokens, dispatcher.accounting.summary()))
         finally:
             dispatcher.close()
     return rows
 
 
-def model_bytes(model: str, workers: int, configs=MATCHED_CONFIGS, decode_tokens: int = 16, prefill_tokens: int = 64) -> list[dict]:
-    """A real model generating greedily: its own routing decides who gets which tokens."""
+def model_bytes(model: str, workers: int, configs=MATCHED_CONFIGS, decode_tokens: int = 16, prefill_tokens: int = 64,
+                label: str | None = None) -> list[dict]:
+    """A real model generating greedily: its own routing decides who gets which tokens; rows say `label` (default: the path)."""
+    label = label or str(model)
     config = open_source(model).config
     top_k = getattr(config, "num_experts_per_tok", None)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (prefill_tokens,), generator=generator).tolist()
     rows = []
     with local_swarm(model, workers) as swarm:
-        for mode, dispatch, combine in configs:
+        for mode, dispatch, combine in progress(configs, desc=label, unit="config"):
             wire = WireConfig(mode, dispatch, combine)
             swarm.configure(wire)
             stepper = Stepper(swarm.model)
@@ -92,6 +99,6 @@ def model_bytes(model: str, workers: int, configs=MATCHED_CONFIGS, decode_tokens
             swarm.reset_accounting()
             for _ in range(decode_tokens):
                 token = int(stepper.forward([token])[-1].argmax())
-            rows.append(_row(model, wire, workers, config.hidden_size, top_k, 1, swarm.accounting()))
-            rows.append(_row(model, wire, workers, config.hidden_size, top_k, prefill_tokens, prefill))
+            rows.append(_row(label, wire, workers, config.hidden_size, top_k, 1, swarm.accounting()))
+            rows.append(_row(label, wire, workers, config.hidden_size, top_k, prefill_tokens, prefill))
     return rows

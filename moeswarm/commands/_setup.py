@@ -18,10 +18,47 @@ def quiet_transformers() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
-def set_threads(threads: int | None) -> None:
-    """torch's CPU threads for this process: `threads` (at least 1), or torch's own choice when None."""
-    if threads is None:
-        return
+def set_threads(threads: int | None) -> int:
+    """Set torch's CPU threads for this process: `threads` (at least 1), or `default_threads()` when None."""
     import torch  # here, not above: `moeswarm --help` must not load torch
 
-    torch.set_num_threads(max(1, threads))
+    chosen = max(1, threads) if threads is not None else default_threads()
+    torch.set_num_threads(chosen)
+    return chosen
+
+
+def default_threads() -> int:
+    """This process's share of the cores it may run on: those cores over the moeswarm processes on them.
+
+    torch's own default takes every core, in every process: a backbone and two workers on a
+    2-core machine ran 6 busy threads on 2 cores. Counting the moeswarm processes already running
+    (this one included) shares the cores instead; a process alone on a machine still gets them all.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // moeswarm_processes())
+
+
+def moeswarm_processes() -> int:
+    """moeswarm processes running on this machine (`moeswarm ...` or `python -m moeswarm.cli ...`), at least this one."""
+    import psutil
+
+    others = 0
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = process.info.get("cmdline") or []
+        if process.info["pid"] != os.getpid() and any(
+                os.path.basename(arg) == "moeswarm" or arg == "moeswarm.cli" for arg in cmdline[:3]):
+            others += 1
+    return others + 1
+
+
+def add_quiet(parser) -> None:
+    """The `--quiet` flag of a command with long operations; its run calls `quiet_progress(args)`."""
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars on stderr (they are only drawn when stderr is a terminal)")
+
+
+def quiet_progress(args) -> None:
+    """Apply a command's `--quiet` (absent on a subcommand without it: bars stay on)."""
+    from moeswarm.progress import set_quiet
+
+    set_quiet(getattr(args, "quiet", False))

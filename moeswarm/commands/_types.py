@@ -6,12 +6,14 @@ Nothing here imports torch: building a command's parser (and `--help`) stays fas
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def prompt_text(text: str) -> str:
+    """The prompt as given; `-` reads it from standard input."""
     if not text:
         raise argparse.ArgumentTypeError("the prompt is empty: give some text")
-    return text
+    return prompt_file("-") if text == "-" else text
 
 
 def positive(text: str) -> int:
@@ -29,3 +31,64 @@ def non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
     return value
+
+
+# The sampling flags' ranges: moeswarm.generation.sampling.SamplingParams checks the same for
+# library callers (that module imports torch, so it is not consulted here).
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**64 - 1
+
+
+def temperature(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value <= MAX_TEMPERATURE:  # nan and inf fail too
+        raise argparse.ArgumentTypeError(f"must be from 0 (greedy) to {MAX_TEMPERATURE:g}, got {text}")
+    return value
+
+
+def top_p(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1 (1: off), got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    value = non_negative(text)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be at most 2**64 - 1, got {value}")
+    return value
+
+
+def stop_string(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string must not be empty")
+    return text
+
+
+def prompt_file(path: str) -> str:
+    """The text of a prompt file, verbatim; `-` reads standard input."""
+    name = "standard input" if path == "-" else path
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as file:
+                data = file.read()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {name}: {error.strerror or error}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{name} is not UTF-8 text (byte {error.start})") from None
+    if not text:
+        fix = "pipe the prompt into it" if path == "-" else "write the prompt in it"
+        raise argparse.ArgumentTypeError(f"{name} is empty: {fix}")
+    return text
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None

@@ -7,6 +7,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from moeswarm.commands._setup import add_quiet
 
 JSON_HELP = "print JSON instead of text"
 
@@ -36,15 +37,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wan.add_argument("--json", action="store_true", help="print {meta, rows} as JSON: every measured row")
     wan.add_argument("--out-json", metavar="FILE", default=None, help="also write {meta, rows} to FILE")
     wan.add_argument("--report", action="store_true", help="write docs/bench.md and its plots under docs/bench/")
+    serve = sub.add_parser("serve", help="concurrent streaming clients against moeswarm serve, workers at 80 ms RTT (docs/serve.md)")
+    serve.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    serve.add_argument("--quick", action="store_true", help="1, 2 and 4 clients and 12 tokens each, for smoke tests")
+    serve.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: 32, --quick 12)")
+    serve.add_argument("--clients", type=_counts, default=None, help="comma-separated client counts (default: 1,2,4,8,16)")
+    serve.add_argument("--speculate", type=_counts, default=(0, 4), help="draft limits to run, comma-separated")
+    serve.add_argument("--serve-threads", type=int, default=1, help="torch threads of the serve process")
+    serve.add_argument("--json", action="store_true", help=JSON_HELP)
+    serve.add_argument("--report", action="store_true", help="write docs/serve.md and its plot under docs/serve/")
+    for bench in (loopback, memory, ping, wire, wan, serve):
+        add_quiet(bench)
+    fuzz = sub.add_parser("fuzz", help="fuzz a live worker: crashes, hangs, wrong replies, RSS (docs/protocol.md, Limits)")
+    fuzz.add_argument("--cases", type=int, default=2000, help="fuzz cases to send (default 2000)")
+    fuzz.add_argument("--seed", type=int, default=0, help="seed of the case generator (default 0)")
+    fuzz.add_argument("--model", default=None, help="model directory (default: a tiny random qwen2_moe)")
+    fuzz.add_argument("--json", action="store_true", help=JSON_HELP)
+    flood = sub.add_parser("flood", help="a well-behaved client's latency before and during floods of a worker")
+    flood.add_argument("--half-open", type=int, default=200, help="half-sent connections in that attack (default 200)")
+    flood.add_argument("--flooders", type=int, default=4, help="pipelining connections that never read (default 4)")
+    flood.add_argument("--samples", type=int, default=300, help="round trips timed per phase (default 300)")
+    flood.add_argument("--json", action="store_true", help=JSON_HELP)
+    faults = sub.add_parser("faults", help="generations through WAN faults and SIGKILL with a replica of every expert, "
+                                           "the tail with one slow worker, spot checks against a liar (docs/failover.md)")
+    faults.add_argument("--generations", type=int, default=100, help="generations, one random fault each (default 100)")
+    faults.add_argument("--parts", default="generations,tail,spot-checks",
+                        help="comma-separated parts to run: generations, tail, spot-checks (default: all)")
+    faults.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    faults.add_argument("--seed", type=int, default=0, help="seed of the faults drawn (default 0)")
+    faults.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.bundled import demo_model
-    from moeswarm.commands._setup import set_threads
+    from moeswarm.commands._setup import quiet_progress, set_threads
 
     # Backbone and workers share this machine's cores: one thread each, or idle OpenMP threads
     # spinning in one process steal the others' time and the figures measure contention.
     set_threads(1)
+    quiet_progress(args)
 
     if args.bench == "loopback":
         from moeswarm.bench.loopback import run_loopback
@@ -72,19 +103,35 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "bytes":
         from moeswarm.bench.wire_bytes import (ALL_CONFIGS, MATCHED_CONFIGS, make_synthetic_model, model_bytes,
                                                synthetic_layer_bytes)
+        from moeswarm.bundled import PYMOE
 
         rows = []
         with tempfile.TemporaryDirectory() as tmp:
             synthetic = str(make_synthetic_model(Path(tmp) / "synthetic-3072"))
             rows += synthetic_layer_bytes(synthetic, 1, ALL_CONFIGS)  # every mode x codec pair
             rows += synthetic_layer_bytes(synthetic, 4, MATCHED_CONFIGS)
-        rows += model_bytes(args.model or str(demo_model()), 2)
+        rows += model_bytes(args.model or str(demo_model()), 2, label=args.model or f"{PYMOE.name} (bundled)")
         if args.json:
             print(json.dumps(rows))
         else:
             _table(rows)
     elif args.bench == "wan":
         _run_wan(args, args.model or str(demo_model()))
+    elif args.bench == "serve":
+        _run_serve(args, args.model or str(demo_model()))
+    elif args.bench == "fuzz":
+        from moeswarm.bench.fuzz import run_fuzz
+
+        _print(run_fuzz(args.cases, args.seed, args.model, progress=_fuzz_progress), args.json)
+    elif args.bench == "flood":
+        from moeswarm.bench.flood import run_flood
+
+        _print(run_flood(args.half_open, args.flooders, args.samples), args.json)
+    elif args.bench == "faults":
+        from moeswarm.bench.faults import print_report, run_faults
+
+        result = run_faults(args.model or str(demo_model()), args.generations, tuple(args.parts.split(",")), args.seed)
+        print(json.dumps(result)) if args.json else print_report(result)
     return 0
 
 
@@ -103,6 +150,40 @@ def _run_wan(args: argparse.Namespace, model: str) -> None:
         print(json.dumps(result))
     else:
         print_tables(result)
+
+
+def _run_serve(args: argparse.Namespace, model: str) -> None:
+    import sys
+
+    from moeswarm.bench.serve_load import run_serve_bench, table_lines
+
+    def show(row: dict) -> None:
+        if sys.stderr.isatty() and not args.quiet:
+            print(f"clients {row['clients']:>2} speculate {row['speculate']}: {row['aggregate_tokens_per_s']:.2f} tokens/s",
+                  file=sys.stderr)
+
+    result = run_serve_bench(model, args.quick, args.max_tokens, show, args.clients, args.speculate, args.serve_threads)
+    if args.report:
+        from moeswarm.bench.serve_report import write_serve_report
+
+        write_serve_report(result)
+    print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if any(c < 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"counts must not be negative, got {text!r}")
+    return counts
+
+
+def _fuzz_progress(done: int, counts: dict) -> None:
+    import sys
+
+    print(f"fuzz: {done} cases, findings {counts or 'none'}", file=sys.stderr, flush=True)
 
 
 def _print(result: dict, as_json: bool) -> None:

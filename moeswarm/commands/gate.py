@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from moeswarm.commands._setup import add_quiet
 from moeswarm.wire.config import COMBINE_MODES
 
 
@@ -23,17 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--matrix", action="store_true",
                         help="gate every combine mode x codec pair (same codec both ways) and print them all")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_quiet(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.bundled import PROMPTS, demo_model
-    from moeswarm.commands._setup import set_threads
+    from moeswarm.commands._setup import quiet_progress, set_threads
     from moeswarm.gate import GateConfig, load_prompts, run_gate, run_gates
     from moeswarm.wire.codecs import FLOAT_CODECS
     from moeswarm.wire.config import WireConfig
 
     wire = WireConfig(args.combine, args.wire_dispatch, args.wire_combine)  # checked before anything loads
     set_threads(1)
+    quiet_progress(args)
     model = args.reference if args.reference != "local" else (args.model or str(demo_model()))
     prompts = load_prompts(args.prompts or PROMPTS)
     if args.matrix:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from moeswarm.commands._types import non_negative, positive, prompt_text
+from moeswarm.commands._types import non_negative, positive, prompt_file, prompt_text, seed, stop_string, temperature, top_p
+from moeswarm.commands._tls import add_swarm_key, client_tls
+from moeswarm.dispatch.health import fraction_flag, reply_timeout_flag
 from moeswarm.transport import FANOUTS
 from moeswarm.wire.config import COMBINE_MODES, PRESETS
 
@@ -14,13 +16,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
     parser.add_argument("--workers", required=True, type=_workers, help="comma-separated HOST:PORT list")
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", type=prompt_text, help="prompt text")
+    prompt.add_argument("--prompt", type=prompt_text, help="prompt text (-: read it from standard input)")
+    prompt.add_argument("--prompt-file", type=prompt_file, metavar="FILE", dest="prompt",
+                        help="read the prompt from FILE, verbatim (-: standard input)")
     prompt.add_argument("--prompt-ids", type=_ids, help="prompt as comma-separated token ids")
     parser.add_argument("--max-new-tokens", type=positive, default=32, help="most tokens to generate")
+    parser.add_argument("--temperature", type=temperature, default=0.0,
+                        help="sampling temperature; 0: greedy (the argmax, no randomness)")
+    parser.add_argument("--top-p", type=top_p, default=1.0,
+                        help="sample from the fewest most likely tokens whose probability reaches P (1: off)")
+    parser.add_argument("--top-k", type=non_negative, default=0, help="sample from the K most likely tokens (0: off)")
+    parser.add_argument("--seed", type=seed, default=None,
+                        help="random seed for sampling: the same seed gives the same tokens (default: a fresh one, "
+                             "shown in the report)")
+    parser.add_argument("--stop", type=stop_string, action="append", default=[], metavar="STR",
+                        help="end the generation where STR appears (STR itself is not printed); repeatable")
     parser.add_argument("--speculate", type=non_negative, default=0, metavar="K",
                         help="draft up to K tokens per step by n-gram lookup (0: off)")
     parser.add_argument("--check-local", action="store_true",
-                        help="also run the model locally (eager) and compare every step's logits and token")
+                        help="also run the model locally (eager) on the same tokens and compare every step: "
+                             "torch.equal logits on an exact wire, the gate's argmax/cosine thresholds on a lossy one")
     parser.add_argument("--fanout", choices=FANOUTS, default="star",
                         help="star: send every worker its share before awaiting any reply; chain: one worker after another")
     parser.add_argument("--wire", choices=tuple(PRESETS), default="exact",
@@ -32,30 +47,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wire-dispatch", default=None, help="codec for hidden states (default: the preset's)")
     parser.add_argument("--wire-combine", default=None, help="codec for the experts' outputs (default: the preset's)")
     parser.add_argument("--threads", type=positive, default=None,
-                        help="torch CPU threads for the backbone (default: torch's choice)")
+                        help="torch CPU threads for the backbone (default: this machine's cores shared among the moeswarm processes on it)")
+    parser.add_argument("--reply-timeout", type=reply_timeout_flag, default=120.0, metavar="SECONDS",
+                        help="the most any worker's reply is awaited; measured deadlines are shorter (docs/failover.md)")
+    parser.add_argument("--no-hedge", action="store_true",
+                        help="never send a late share's duplicate to a replica of its experts")
+    parser.add_argument("--spot-check", type=fraction_flag, default=0.0, metavar="FRACTION",
+                        help="recompute this fraction of remote answers on another holder; ban a liar (0: off)")
+    add_swarm_key(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.commands._setup import set_threads
     from moeswarm.generation.run import GenerationRequest, check_request, run_generation, summary_lines
+    from moeswarm.generation.sampling import SamplingParams
     from moeswarm.model.source import open_source
     from moeswarm.swarm import open_swarm
     from moeswarm.wire.config import WireConfig
 
     wire = WireConfig.from_flags(args.wire, args.combine, args.wire_dispatch, args.wire_combine)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
-                                args.check_local, stream=not args.json)
+                                args.check_local, stream=not args.json, sampling=sampling, stops=tuple(args.stop))
     source = open_source(args.model)
     check_request(source, request)  # before the backbone loads or a worker is reached
     set_threads(args.threads)
-    with open_swarm(source, args.workers, wire, args.fanout) as swarm:
+    tls = client_tls(args.swarm_key)
+    with open_swarm(source, args.workers, wire, args.fanout, reply_timeout_s=args.reply_timeout,
+                    hedge=not args.no_hedge, spot_check=args.spot_check, tls=tls) as swarm:
         report = run_generation(swarm, request)
     if args.json:
         print(json.dumps(report))
     else:
         print("\n".join(summary_lines(report)))
-    return 0 if report["bit_identical"] is not False else 1
+    return 0 if report["check_passed"] is not False else 1
 
 
 def _workers(text: str) -> list[str]:

@@ -18,6 +18,9 @@ def run(args: argparse.Namespace) -> int:
     if args.family not in FAMILIES and args.family not in EXTRA_FAMILIES:
         raise MoeSwarmError(f"unknown family {args.family!r}; known: {', '.join(sorted({**FAMILIES, **EXTRA_FAMILIES}))}")
 
+    from moeswarm.model.summary import summarize, summary_lines
+
     path = make_tiny_model(args.family, args.out, args.seed)
     print(f"wrote a tiny {args.family} model to {path}")
+    print("\n".join(summary_lines(summarize(path))))
     return 0

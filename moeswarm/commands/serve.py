@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from moeswarm.commands._tls import add_swarm_key, client_tls
 from moeswarm.commands._types import non_negative, positive
+from moeswarm.dispatch.health import fraction_flag, reply_timeout_flag
 from moeswarm.transport import FANOUTS
 from moeswarm.wire.config import COMBINE_MODES, PRESETS
 
@@ -39,10 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prefill-chunk", type=positive, default=64, help="most prompt tokens a request feeds per step")
     add("--step-tokens", type=positive, default=256, help="token budget of a step: decode tokens first, then prompt chunks")
     add("--cache-slots", type=non_negative, default=8, help="finished requests' KV caches kept for prefix reuse (0: off)")
+    add("--reply-timeout", type=reply_timeout_flag, default=120.0, metavar="SECONDS",
+        help="the most any worker's reply is awaited; measured deadlines are shorter (docs/failover.md)")
+    add("--no-hedge", action="store_true", help="never send a late share's duplicate to a replica of its experts")
+    add("--spot-check", type=fraction_flag, default=0.0, metavar="FRACTION",
+        help="recompute this fraction of remote answers on another holder; ban a liar (0: off)")
+    add_swarm_key(parser)
     add("--check-local", action="store_true",
         help="debug: run every batched step on a local eager model too and count logits that are not bit-identical "
              "(moeswarm_check_local_mismatched_logits in /metrics)")
-    add("--threads", type=positive, default=None, help="torch CPU threads (default: torch's choice)")
+    add("--threads", type=positive, default=None, help="torch CPU threads (default: this machine's cores shared among the moeswarm processes on it)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")
     _defaults_from_environment(parser)
 
@@ -95,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
         state.loading = f"failed: {message}"
         server.should_exit = True
 
-    backend = Backend(source, args.workers, wire, args.fanout, engine, args.check_local)
+    swarm_options = {"reply_timeout_s": args.reply_timeout, "hedge": not args.no_hedge, "spot_check": args.spot_check,
+                     "tls": client_tls(args.swarm_key)}
+    backend = Backend(source, args.workers, wire, args.fanout, engine, args.check_local, swarm_options)
     threading.Thread(target=load, args=(state, backend, on_fatal), name="moeswarm-load", daemon=True).start()
     try:
         server.run()

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from moeswarm.commands._setup import add_quiet, quiet_progress
 from moeswarm.commands.worker import _range, expert_list
 
 
@@ -17,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also copy every non-expert tensor, so the file can run a backbone too")
     parser.add_argument("-o", "--out", required=True, help="slice file to write (PART.gguf)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_quiet(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.model.source import is_gguf_path
     from moeswarm.weights.gguf_slice import write_slice
 
+    quiet_progress(args)
     if not is_gguf_path(args.model):
         raise ModelError(f"{args.model}: slice takes a .gguf model file")
     out = Path(args.out)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 
+from moeswarm.commands._tls import add_swarm_key, server_tls
 from moeswarm.commands._types import positive
 from moeswarm.ids import parse_experts, parse_range
 
@@ -19,14 +20,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=_port, default=0, help="TCP port (0: pick a free one and print it)")
-    parser.add_argument("--max-payload", type=positive, default=1 << 30, help="largest frame payload accepted, in bytes")
-    parser.add_argument("--queue-limit", type=positive, default=64,
-                        help="DISPATCHes that may wait for the compute thread, over all connections; beyond it a "
-                             "request is answered 'busy' (default 64)")
+    add_swarm_key(parser)
+    _add_limits(parser)
     parser.add_argument("--threads", type=positive, default=None,
-                        help="torch CPU threads (default: torch's choice; use 1 when several workers share a machine)")
+                        help="torch CPU threads (default: this machine's cores shared among the moeswarm processes on it)")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="least severe log records printed on stderr")
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    from moeswarm.worker.limits import WorkerLimits
+
+    d = WorkerLimits()
+    limits = parser.add_argument_group("limits", "what the worker accepts from the network (docs/protocol.md, Limits)")
+    add = limits.add_argument
+    add("--max-connections", type=positive, default=d.max_connections,
+        help=f"open connections; one more is answered ERROR busy and closed at once (default {d.max_connections})")
+    add("--queue-limit", type=positive, default=d.queue_limit,
+        help=f"DISPATCHes waiting for the compute thread, over all connections; beyond it a request is answered "
+             f"'busy' (default {d.queue_limit})")
+    add("--queue-per-connection", type=positive, default=d.queue_per_connection,
+        help=f"of those, waiting from one connection (default {d.queue_per_connection})")
+    add("--max-buffered-bytes", type=positive, default=d.max_buffered_bytes,
+        help=f"request bodies held at once, being read, queued or computing; a larger one is read, dropped and "
+             f"answered 'busy' (default {d.max_buffered_bytes})")
+    add("--max-payload", type=positive, default=d.max_payload,
+        help=f"largest frame payload accepted, in bytes (default {d.max_payload})")
+    add("--max-tokens", type=positive, default=d.max_tokens, help=f"tokens per DISPATCH (default {d.max_tokens})")
+    add("--max-top-k", type=positive, default=d.max_top_k, help=f"top-k per DISPATCH (default {d.max_top_k})")
+    add("--hello-max-bytes", type=positive, default=d.hello_max_bytes,
+        help=f"largest frame body before a successful HELLO; a larger one closes the connection "
+             f"(default {d.hello_max_bytes})")
+    add("--hello-timeout", type=_seconds, default=d.hello_timeout_s,
+        help=f"seconds from connecting to a successful HELLO (default {d.hello_timeout_s:g})")
+    add("--frame-timeout", type=_seconds, default=d.frame_timeout_s,
+        help=f"seconds for a frame's header and body once its first byte arrived (default {d.frame_timeout_s:g})")
+    add("--idle-timeout", type=_seconds, default=d.idle_timeout_s,
+        help=f"seconds a connection may send no request, or take none of its replies, before it is closed "
+             f"(default {d.idle_timeout_s:g})")
+    add("--max-unsent-bytes", type=positive, default=d.max_unsent_bytes,
+        help=f"replies of one connection its client has not read; its requests are not read beyond it "
+             f"(default {d.max_unsent_bytes})")
+
+
+def limits_from(args: argparse.Namespace):
+    """The WorkerLimits the flags ask for."""
+    from moeswarm.worker.limits import WorkerLimits
+
+    return WorkerLimits(
+        max_connections=args.max_connections, queue_limit=args.queue_limit,
+        queue_per_connection=args.queue_per_connection, max_buffered_bytes=args.max_buffered_bytes,
+        max_payload=args.max_payload, max_tokens=args.max_tokens, max_top_k=args.max_top_k,
+        hello_max_bytes=args.hello_max_bytes, hello_timeout_s=args.hello_timeout, frame_timeout_s=args.frame_timeout,
+        idle_timeout_s=args.idle_timeout, max_unsent_bytes=args.max_unsent_bytes,
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def expert_list(text: str) -> list[int]:
@@ -48,9 +105,12 @@ def _range(what: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.worker.listen import check_can_listen
+    from moeswarm.worker.listen import check_can_listen, raise_open_files_limit
 
     check_can_listen(args.host, args.port)  # a busy port is found now, before torch and the experts load
+    tls = server_tls(args.swarm_key, args.host)
+    limits = limits_from(args)
+    raise_open_files_limit(limits.max_connections)
 
     from moeswarm.commands._setup import set_threads
     from moeswarm.model.loading import load_experts
@@ -62,8 +122,7 @@ def run(args: argparse.Namespace) -> int:
     hosted, source, num_experts = load_experts(args.model, args.experts, args.layers)
     store = ExpertStore(hosted, num_experts, source.config.hidden_size)
     del hosted  # the store holds the experts now (re-placed per contiguous run)
-    server = WorkerServer(store, source.fingerprint, source.config.model_type, args.max_payload,
-                          queue_limit=args.queue_limit)
+    server = WorkerServer(store, source.fingerprint, source.config.model_type, limits, tls)
 
     async def main() -> None:
         host, port = await server.start(args.host, args.port)

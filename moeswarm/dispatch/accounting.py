@@ -1,4 +1,5 @@
-"""What remote experts cost: bytes at the socket, round trips, per-worker round-trip times."""
+"""What remote experts cost: bytes at the socket, round trips, per-worker round-trip times; and
+what went wrong on the way (failovers, hedges, spot checks)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,26 @@ class Accounting:
             "seconds_per_layer_call_mean": _ratio(sum(c.seconds for c in self.calls), len(self.calls)),
             "worker_rtt_ms_mean": {w: 1000 * sum(v) / len(v) for w, v in sorted(rtts.items())},
         }
+
+
+@dataclass
+class Resilience:
+    """Counts since the swarm opened: each says how often the dispatcher had to do something."""
+
+    takedowns: int = 0  # holders taken out of use (error, deadline, lost connection, bad RESULT)
+    deadline_misses: int = 0
+    failovers: int = 0  # parts re-planned over other holders within their layer call
+    readmissions: int = 0  # holders back in use after a good HELLO and PING
+    hedges: int = 0  # duplicates sent to a replica for a late reply
+    hedge_wins: int = 0  # ... that answered first
+    checks: int = 0  # spot checks sent
+    checks_skipped: int = 0  # drawn, but no other usable holder had the experts
+    checks_dropped: int = 0  # the checking holder failed first
+    check_failures: int = 0  # answers that differed from their recomputation
+    bans: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(vars(self))
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:

@@ -12,8 +12,12 @@ from moeswarm.wire.config import CombineMode
 from moeswarm.wire.messages import Result
 
 
-def result_problem(share: WorkerShare, layer: int, mode: CombineMode, width: int, result: Result) -> str | None:
-    """What is wrong with `result` as the answer to `share`, or None."""
+def result_problem(share: WorkerShare, layer: int, mode: CombineMode, width: int, result: Result,
+                   hidden: torch.Tensor | None = None) -> str | None:
+    """What is wrong with `result` as the answer to `share`, or None.
+
+    hidden  [T_w, d] the rows sent: when they are all finite, so must the outputs be.
+    """
     if result.layer != layer or result.mode != mode:
         return f"RESULT for layer {result.layer} ({result.mode.value}), asked layer {layer} ({mode.value})"
     if mode == CombineMode.EXACT:
@@ -27,4 +31,9 @@ def result_problem(share: WorkerShare, layer: int, mode: CombineMode, width: int
         rows = share.tokens.numel()
     if tuple(result.outputs.shape) != (rows, width):
         return f"RESULT has shape {list(result.outputs.shape)}, expected [{rows}, {width}]"
+    if not result.outputs.dtype.is_floating_point:
+        return f"RESULT outputs are {result.outputs.dtype}, expected floating point"
+    if (hidden is None or bool(torch.isfinite(hidden).all())) and not bool(torch.isfinite(result.outputs).all()):
+        bad = int((~torch.isfinite(result.outputs)).any(dim=1).sum())
+        return f"RESULT has NaN or inf in {bad} of {rows} rows for finite inputs"
     return None

@@ -1,1 +1,1 @@
-"""Greedy generation over a backbone (remote experts) with optional local check and speculation."""
+"""Generation over a backbone (remote experts) with optional local check and speculation."""

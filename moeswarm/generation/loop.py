@@ -1,9 +1,10 @@
-"""The generation loop: greedy, optionally speculative, optionally checked against local.
+"""The generation loop: greedy or sampled, optionally speculative, optionally checked against local.
 
 A step feeds the last token plus up to K drafted tokens in one forward: one dispatch per MoE layer
-carries all of them. Drafts are accepted while they equal the model's own greedy choice, so the
-output is the greedy output whatever the drafts were. With a reference model (local eager), the
-same forwards run on it and every step's logits are compared bit for bit.
+carries all of them. `verify` keeps or rejects the drafts (greedy: while they equal the argmax;
+sampled: speculative sampling's rule), so the output follows the model's own distribution
+whatever the drafts were: exactly the greedy output when greedy. With a reference model (local
+eager), the same forwards run on it and every step is compared (`generation/check.py`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeswarm.generation.check import LocalCheck
 from moeswarm.generation.draft import propose
+from moeswarm.generation.sampling import SamplingParams, make_generator, sample, verify
 from moeswarm.generation.stepper import Stepper
+
+GREEDY = SamplingParams()
 
 
 @dataclass
@@ -27,54 +32,84 @@ class GenerationResult:
     accepted: int = 0
     seconds: float = 0.0  # in the backbone's forwards (the check against local is not counted)
     prefill_seconds: float = 0.0
-    bit_identical: bool | None = None
-    tokens_match: bool | None = None
-    first_mismatch: str | None = None
-    max_abs_diff: float = 0.0
+    finish_reason: str | None = None  # "stop": eos or a stop string; "length": max_new_tokens reached
+    check: LocalCheck | None = None  # with a reference
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def bit_identical(self) -> bool | None:
+        return None if self.check is None else self.check.bit_identical
+
+    @property
+    def tokens_match(self) -> bool | None:
+        return None if self.check is None else self.check.tokens_match
+
+    @property
+    def first_mismatch(self) -> str | None:
+        return None if self.check is None else self.check.first_mismatch
+
+    @property
+    def max_abs_diff(self) -> float:
+        return 0.0 if self.check is None else self.check.max_abs_diff
+
 
 def generate(model_stepper: Stepper, prompt: list[int], max_new_tokens: int, speculate: int = 0,
              reference: Stepper | None = None, eos_token_id: int | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+             on_tokens: Callable[[list[int]], None] | None = None, *, sampling: SamplingParams = GREEDY,
+             generator: torch.Generator | None = None, stop: Callable[[list[int]], bool] | None = None,
+             exact_check: bool = True) -> GenerationResult:
+    """Up to `max_new_tokens` tokens after `prompt`.
+
+    generator: the sampling's random source (default: one seeded with `sampling.seed`).
+    stop: called with the output after each token; True ends the generation there (stop strings).
+    exact_check: compare with `reference` bit for bit; False: by the gate's argmax/cosine thresholds.
+    """
     if not prompt:
         raise ValueError("empty prompt: give at least one token")
-    result = GenerationResult(list(prompt))
-    if reference is not None:
-        result.bit_identical, result.tokens_match = True, True
+    generator = generator if generator is not None else make_generator(sampling.seed)
+    result = GenerationResult(list(prompt), check=LocalCheck(exact_check) if reference is not None else None)
     logits = _forward(model_stepper, reference, prompt, result, "prefill")  # [P, V]
     result.prefill_seconds = result.seconds
-    next_token = int(logits[-1].argmax())
+    next_token = sample(logits[-1], sampling, generator)
     context = list(prompt)
-    while True:
-        result.tokens.append(next_token)
-        if on_tokens:
-            on_tokens([next_token])
-        if len(result.tokens) >= max_new_tokens or next_token == eos_token_id:
-            break
+    while not _emit(result, [next_token], max_new_tokens, eos_token_id, stop, on_tokens):
         drafts = propose(context + [next_token], min(speculate, max_new_tokens - len(result.tokens) - 1))
         feed = [next_token] + drafts
         logits = _forward(model_stepper, reference, feed, result, f"step {result.steps + 1}")  # [1 + D, V]
         result.steps += 1
-        greedy = logits.argmax(dim=-1).tolist()  # [1 + D]
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == greedy[accepted] and drafts[accepted] != eos_token_id:
-            accepted += 1
+        # eos is never kept as a draft: it comes as a step's own token, which ends the generation.
+        kept = drafts.index(eos_token_id) if eos_token_id in drafts else len(drafts)
+        accepted, next_token = verify(logits[: 1 + kept], drafts[:kept], sampling, generator)
         result.drafted += len(drafts)
         result.accepted += accepted
         context += feed[: 1 + accepted]
         for stepper in (model_stepper, reference):
             if stepper is not None:
                 stepper.crop(len(context))
-        if accepted:
-            result.tokens.extend(drafts[:accepted])
-            if on_tokens:
-                on_tokens(drafts[:accepted])
-        next_token = greedy[accepted]
+        if accepted and _emit(result, drafts[:accepted], max_new_tokens, eos_token_id, stop, on_tokens):
+            break
     return result
+
+
+def _emit(result: GenerationResult, tokens: list[int], max_new_tokens: int, eos_token_id: int | None,
+          stop: Callable[[list[int]], bool] | None, on_tokens: Callable[[list[int]], None] | None) -> bool:
+    """Append `tokens` one by one until one ends the generation (then set finish_reason, return True)."""
+    taken = 0
+    for token in tokens:
+        result.tokens.append(token)
+        taken += 1
+        if token == eos_token_id or (stop is not None and stop(result.tokens)):
+            result.finish_reason = "stop"
+        elif len(result.tokens) >= max_new_tokens:
+            result.finish_reason = "length"
+        if result.finish_reason:
+            break
+    if on_tokens:
+        on_tokens(tokens[:taken])
+    return result.finish_reason is not None
 
 
 def _forward(stepper: Stepper, reference: Stepper | None, feed: list[int], result: GenerationResult, what: str) -> torch.Tensor:
@@ -82,11 +117,5 @@ def _forward(stepper: Stepper, reference: Stepper | None, feed: list[int], resul
     logits = stepper.forward(feed)
     result.seconds += time.perf_counter() - start  # the backbone's time only, not the reference's
     if reference is not None:
-        expected = reference.forward(feed)
-        if not torch.equal(logits, expected):
-            result.bit_identical = False
-            result.max_abs_diff = max(result.max_abs_diff, float((logits - expected).abs().max()))
-            result.first_mismatch = result.first_mismatch or f"logits differ at {what}"
-        if not torch.equal(logits.argmax(-1), expected.argmax(-1)):
-            result.tokens_match = False
+        result.check.compare(logits, reference.forward(feed), what)
     return logits

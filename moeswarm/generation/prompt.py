@@ -18,7 +18,7 @@ def prompt_tokens(codec: TextCodec, text: str | None, ids: Sequence[int] | None)
     """The prompt as token ids: `ids` when given, else `text` encoded; checked against the vocabulary."""
     if ids is None:
         if not text:
-            raise MoeSwarmError("the prompt is empty: give some text with --prompt, or token ids with --prompt-ids")
+            raise MoeSwarmError("the prompt is empty: give some text with --prompt or --prompt-file, or token ids with --prompt-ids")
         ids = codec.encode(text)
     check_prompt_ids(ids, codec.vocab_size)
     return list(ids)
@@ -27,7 +27,7 @@ def prompt_tokens(codec: TextCodec, text: str | None, ids: Sequence[int] | None)
 def check_prompt_ids(ids: Sequence[int], vocab_size: int) -> None:
     """Raise unless there is at least one id and every id is in [0, vocab_size)."""
     if not ids:
-        raise MoeSwarmError("the prompt gives no tokens: give some text with --prompt, or token ids with --prompt-ids")
+        raise MoeSwarmError("the prompt gives no tokens: give some text with --prompt or --prompt-file, or token ids with --prompt-ids")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise MoeSwarmError(f"token id {bad} is out of range: the model's vocabulary has {vocab_size} ids "

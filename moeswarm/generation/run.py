@@ -5,9 +5,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from moeswarm.generation.check import LocalCheck
 from moeswarm.generation.loop import generate
 from moeswarm.generation.prompt import check_context, prompt_tokens
+from moeswarm.generation.sampling import SamplingParams, make_generator
 from moeswarm.generation.stepper import Stepper
+from moeswarm.generation.stream import TextStream
 from moeswarm.model.loading import load_local
 from moeswarm.model.source import ModelSource
 from moeswarm.model.tokenizer import load_text_codec
@@ -22,6 +25,8 @@ class GenerationRequest:
     speculate: int = 0
     check_local: bool = False
     stream: bool = False
+    sampling: SamplingParams = SamplingParams()
+    stops: tuple[str, ...] = ()
 
 
 def check_request(source: ModelSource, request: GenerationRequest) -> None:
@@ -36,18 +41,14 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
     check_context(swarm.model.config, len(prompt), request.max_new_tokens)
     reference = Stepper(load_local(swarm.source)) if request.check_local else None
     swarm.reset_accounting()
-
-    streamed: list[int] = []
-
-    def show(tokens: list[int]) -> None:
-        # Decode the whole output each time so multi-byte characters print whole.
-        before = codec.decode(streamed)
-        streamed.extend(tokens)
-        sys.stdout.write(codec.decode(streamed)[len(before):])
-        sys.stdout.flush()
+    sampling = request.sampling
+    generator = make_generator(sampling.seed)
+    text = TextStream(codec.decode, request.stops, _write if request.stream else None)
 
     result = generate(Stepper(swarm.model), prompt, request.max_new_tokens, request.speculate, reference,
-                      codec.eos_token_id, show if request.stream else None)
+                      codec.eos_token_id, text.add, sampling=sampling, generator=generator,
+                      stop=text.stopped if request.stops else None, exact_check=swarm.wire.exact)
+    text.finish()
     if request.stream:
         sys.stdout.write("\n")
     accounting = swarm.accounting()
@@ -63,10 +64,17 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
         "tokenizer": codec.name,
         "prompt_tokens": len(prompt),
         "tokens": result.tokens,
-        "text": codec.decode(result.tokens),
+        "text": text.text,
+        "finish_reason": result.finish_reason,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "seed": None if sampling.greedy else generator.initial_seed(),  # the one drawn when none was given
+        "stop": list(request.stops),
         "bit_identical": result.bit_identical,
         "tokens_match_local": result.tokens_match,
         "first_mismatch": result.first_mismatch,
+        **_check_report(result.check),
         "steps": result.steps,
         "speculate": request.speculate,
         "drafted": result.drafted,
@@ -87,22 +95,53 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
     }
 
 
+def _check_report(check: LocalCheck | None) -> dict:
+    """--check-local's figures: which check ("exact": torch.equal; "gate": argmax/cosine), its verdict, the numbers."""
+    if check is None:
+        return {"check": None, "check_passed": None, "positions_checked": 0, "argmax_agreement": None,
+                "cosine_min": None, "cosine_mean": None, "min_argmax_agreement": None, "min_cosine_mean": None,
+                "max_abs_diff": None}
+    gate = not check.exact
+    return {"check": check.kind, "check_passed": check.passed, "positions_checked": check.positions,
+            "argmax_agreement": check.argmax_agreement, "cosine_min": check.cosine_min, "cosine_mean": check.cosine_mean,
+            "min_argmax_agreement": check.min_argmax_agreement if gate else None,
+            "min_cosine_mean": check.min_cosine_mean if gate else None, "max_abs_diff": check.max_abs_diff}
+
+
 def summary_lines(report: dict) -> list[str]:
     """A human summary of a generation report."""
-    check = {True: "yes (every step's logits torch.equal to local eager)", False: f"NO: {report['first_mismatch']}",
-             None: "not checked (pass --check-local)"}[report["bit_identical"]]
+    sampling = ("greedy" if report["seed"] is None else
+                f"temperature {report['temperature']:g}, top-p {report['top_p']:g}, top-k {report['top_k']}, seed {report['seed']}")
     lines = [
         f"model       {report['model_type']} {report['fingerprint']} ({report['moe_layers']} MoE layers)",
         f"workers     {', '.join(report['workers'])} ({report['fanout']} fan-out, {report['mode']} combine)",
         f"tokens      {len(report['tokens'])} generated from {report['prompt_tokens']} prompt tokens in {report['steps']} decode steps"
         + (f", {report['accepted']}/{report['drafted']} drafts accepted" if report["speculate"] else ""),
+        f"sampling    {sampling}; finished by {report['finish_reason']}",
         f"round trips {report['round_trips']} ({report['round_trips'] / max(1, report['steps'] + 1):.1f} per forward)",
         f"bytes       {_kb(report['bytes_out_per_token_layer'])} out, {_kb(report['bytes_in_per_token_layer'])} in per token per MoE layer"
         f" (decode: {_kb(report['decode_bytes_out_per_token_layer'])} out, {_kb(report['decode_bytes_in_per_token_layer'])} in)",
         f"speed       {report['tokens_per_s']:.1f} tokens/s",
-        f"bit-identical to local: {check}",
+        _check_line(report),
     ]
     return lines
+
+
+def _check_line(report: dict) -> str:
+    if report["check"] == "gate":
+        verdict = "passed" if report["check_passed"] else "FAILED" + (f" ({report['first_mismatch']})" if report["first_mismatch"] else "")
+        return (f"close to local (lossy wire, gate check over {report['positions_checked']} positions): "
+                f"argmax agreement {report['argmax_agreement']:.2%} (needs {report['min_argmax_agreement']:.0%}), "
+                f"cosine min {report['cosine_min']:.5f} mean {report['cosine_mean']:.5f} "
+                f"(mean needs {report['min_cosine_mean']}): {verdict}")
+    check = {True: "yes (every step's logits torch.equal to local eager)", False: f"NO: {report['first_mismatch']}",
+             None: "not checked (pass --check-local)"}[report["bit_identical"]]
+    return f"bit-identical to local: {check}"
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _kb(value: float | None) -> str:

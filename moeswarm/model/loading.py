@@ -22,6 +22,11 @@ from moeswarm.model.experts import expert_parameter_names, experts_modules
 from moeswarm.model.hosted import HostedLayer
 from moeswarm.model.skeleton import meta_model, shrink_experts
 from moeswarm.model.source import ModelSource, as_source
+from moeswarm.progress import chunks, progress, status
+
+# Experts are loaded in at most this many calls, one progress step each: a model directory's
+# loader scans every checkpoint key per call, so one call per layer would cost layers x keys.
+LOAD_STEPS = 16
 
 PathOrSource = str | os.PathLike | ModelSource
 
@@ -33,7 +38,9 @@ def empty_model(path_or_source: PathOrSource) -> PreTrainedModel:
 
 def load_local(path_or_source: PathOrSource) -> PreTrainedModel:
     """The whole model with transformers' eager experts (every expert): what remote execution must equal."""
-    return as_source(path_or_source).load_reference()
+    source = as_source(path_or_source)
+    with status(f"loading the whole model from {source.path}"):
+        return source.load_reference()
 
 
 def load_backbone(path_or_source: PathOrSource) -> tuple[PreTrainedModel, ModelSource]:
@@ -41,7 +48,8 @@ def load_backbone(path_or_source: PathOrSource) -> tuple[PreTrainedModel, ModelS
     source = as_source(path_or_source)
     model = meta_model(source.config)
     skip = expert_parameter_names(model)
-    source.load_backbone(model, skip)
+    with status(f"loading the backbone from {source.path}"):
+        source.load_backbone(model, skip)
     left_on_meta = sorted(n for n, p in model.named_parameters() if p.is_meta and n not in skip)
     if left_on_meta:
         raise ModelError(f"{source.path}: the checkpoint lacks backbone tensors {left_on_meta[:5]}")
@@ -66,7 +74,10 @@ def load_experts(path_or_source: PathOrSource, experts: Sequence[int] | None = N
     wanted = _chosen_experts(source, experts, num_experts)
     for layer in chosen:
         shrink_experts(modules[layer][1], len(wanted))
-    source.load_experts(model, {layer: modules[layer][0] for layer in chosen}, wanted, num_experts)
+    with progress(desc=f"loading {len(wanted)} experts", total=len(chosen), unit="layer") as bar:
+        for part in chunks(chosen, LOAD_STEPS):
+            source.load_experts(model, {layer: modules[layer][0] for layer in part}, wanted, num_experts)
+            bar.update(len(part))
     missing = sorted(f"{modules[layer][0]}.{p}" for layer in chosen for p, value in modules[layer][1].named_parameters()
                      if value.is_meta)
     if missing:

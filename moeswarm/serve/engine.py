@@ -118,7 +118,11 @@ class Engine:
                 self._check_health()
             self._admit()
             if self._active:
-                self._step()
+                try:
+                    self._step()
+                except Exception as error:  # a bug outside any one sequence: fail the step's sequences, keep serving
+                    for sequence in list(self._active):
+                        self._fail(sequence, error)
         for sequence in self._active:
             sequence.job.emit(Failed("the server is shutting down", 503))
 

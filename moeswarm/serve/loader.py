@@ -10,7 +10,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moeswarm.errors import MoeSwarmError, WorkerError, one_line
 from moeswarm.ids import parse_address
@@ -33,6 +33,7 @@ class Backend:
     fanout: str
     engine: EngineConfig
     check_local: bool = False
+    swarm_options: dict = field(default_factory=dict)  # open_swarm's keywords: deadlines, hedging, spot checks, TLS
 
 
 def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -> None:
@@ -45,7 +46,7 @@ def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -
             _wait_for_workers(state, backend.workers)
             state.loading = "loading the backbone and connecting to the workers"
             try:
-                swarm = open_swarm(backend.source, backend.workers, backend.wire, backend.fanout)
+                swarm = open_swarm(backend.source, backend.workers, backend.wire, backend.fanout, **backend.swarm_options)
                 break
             except WorkerError as error:  # a worker that is still starting, or one that went away again
                 state.loading = f"waiting for workers: {one_line(error)}"

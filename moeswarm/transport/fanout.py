@@ -1,26 +1,20 @@
-"""Fan-out: one layer's requests to their holders, and their replies back.
+"""Fan-out primitives: send one request on a link, and wait until some links have a reply.
 
-`star` sends every request before awaiting any reply (one round trip per layer, bounded by the
-slowest holder); `chain` awaits each reply before the next send (for measurement: the sum of the
-round trips).
-
-Whatever fails, every link is left in step for the next layer: all requests are encoded before
-any is sent (a codec that refuses its input sends nothing); after a failure the other links'
-replies are still awaited (drained), and a link whose stream broke has closed itself and is
-reconnected before its next request. The first error is raised, naming the worker and the cause.
+The dispatcher (dispatch/flight.py) keeps several requests in flight over several links at once
+(each holder's share, hedged duplicates, spot checks) and reacts to whichever reply comes first.
+These helpers are the only place that touches the links' sockets for that: `send` prepares and
+sends (a codec that refuses its input raises before any byte goes out), `readable` selects on
+the links that have a socket and returns those with something to read.
 """
 
 from __future__ import annotations
 
-import time
+import select
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moeswarm.errors import WorkerError
-from moeswarm.transport.link import Pending, Reply, WorkerLink
+from moeswarm.transport.link import Pending, WorkerLink
 from moeswarm.wire.messages import Dispatch
-
-DRAIN_TIMEOUT_S = 10.0  # how long, after one holder failed, the others' replies are awaited
 
 
 @dataclass(frozen=True)
@@ -29,37 +23,28 @@ class Sent:
     pending: Pending
 
 
-def ready(link: WorkerLink) -> None:
+def ready(link: WorkerLink, timeout_s: float | None = None) -> None:
     """Reconnect a link that broke during an earlier call."""
     if link.broken:
-        link.reconnect()
+        link.reconnect(timeout_s)
 
 
-def submit(links: Sequence[WorkerLink], requests: Sequence[tuple[int, Dispatch]]) -> list[Sent]:
-    """Send each (worker, request); on a failure, drain what was sent and raise."""
-    for worker, _ in requests:
-        ready(links[worker])
-    prepared = [(worker, links[worker].prepare(request)) for worker, request in requests]
-    sent: list[Sent] = []
-    for worker, item in prepared:
-        try:
-            sent.append(Sent(worker, links[worker].send(item)))
-        except WorkerError:
-            gather(links, sent, time.monotonic() + DRAIN_TIMEOUT_S, raise_first=False)
-            raise
-    return sent
+def send(links: Sequence[WorkerLink], worker: int, request: Dispatch) -> Sent:
+    """Prepare and send `request` to `links[worker]`; WorkerError when the link fails."""
+    link = links[worker]
+    return Sent(worker, link.send(link.prepare(request)))
 
 
-def gather(links: Sequence[WorkerLink], sent: Sequence[Sent], deadline: float,
-           raise_first: bool = True) -> list[Reply]:
-    """Every sent request's reply, in order; after a failure the rest are still awaited."""
-    replies: list[Reply] = []
-    first: WorkerError | None = None
-    for item in sent:
-        try:
-            replies.append(links[item.worker].wait(item.pending, deadline))
-        except WorkerError as error:
-            first = first or error
-    if first is not None and raise_first:
-        raise first
-    return replies
+def readable(links: Sequence[WorkerLink], workers: set[int], timeout_s: float) -> list[int]:
+    """Of `workers`, those whose socket has data (or EOF) within `timeout_s`."""
+    by_fd, buffered = {}, []
+    for worker in workers:
+        if getattr(links[worker], "buffered", lambda: False)():  # a TLS socket may hold a record select cannot see
+            buffered.append(worker)
+        fd = links[worker].fileno()
+        if fd is not None:
+            by_fd[fd] = worker
+    if buffered or not by_fd:
+        return sorted(buffered)
+    ready_fds, _, _ = select.select(list(by_fd), [], [], max(0.0, timeout_s))
+    return sorted(by_fd[fd] for fd in ready_fds)

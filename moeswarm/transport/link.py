@@ -10,6 +10,10 @@ its input sends nothing), `send` puts it on its way and returns a `Pending`, `wa
 `Reply` before a deadline. A link whose stream fell out of step (a timeout, a broken frame, a lost
 connection) closes itself and reports `broken`; `reconnect` opens it again and checks that the
 holder still serves what it announced.
+
+Several requests may be in flight on one link (a hedged duplicate, a spot check). The fan-out
+selects on `fileno()` (None: the reply is computed when awaited), reads a readable link's next
+frame with `pump`, asks `has_reply`, and `forget`s a request whose answer is no longer wanted.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class WorkerLink(Protocol):
     def connect(self, fingerprint: str) -> WorkerInfo:
         """Open the link and exchange HELLO; the holder must serve the model `fingerprint`."""
 
-    def reconnect(self) -> WorkerInfo:
+    def reconnect(self, timeout_s: float | None = None) -> WorkerInfo:
         """Open a broken link again; WorkerError if the holder now serves something else."""
 
     def prepare(self, request: Dispatch) -> Any:
@@ -58,6 +62,18 @@ class WorkerLink(Protocol):
 
     def wait(self, pending: Pending, deadline: float) -> Reply:
         """The reply to `pending` before `deadline` (time.monotonic()); WorkerError naming the cause."""
+
+    def fileno(self) -> int | None:
+        """What to select on for replies; None when `wait` computes the reply itself."""
+
+    def has_reply(self, pending: Pending) -> bool:
+        """Whether `wait(pending)` would return without reading the network."""
+
+    def pump(self, deadline: float) -> None:
+        """Read the next whole frame (the link is readable) before `deadline`; keep it for `wait`."""
+
+    def forget(self, pending: Pending) -> None:
+        """Give up on `pending`: its reply is dropped, now or when it arrives."""
 
     def ping(self, timeout_s: float) -> float:
         """Round-trip seconds of a PING."""

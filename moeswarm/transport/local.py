@@ -9,7 +9,6 @@ rows go to the experts as they are, which is what a lossless wire delivers too.
 from __future__ import annotations
 
 import time
-from collections import deque
 
 from moeswarm.errors import MoeSwarmError, WorkerError
 from moeswarm.transport.link import Pending, Reply
@@ -27,7 +26,7 @@ class LocalLink:
         self.store = store
         self.model_type = model_type
         self.info: WorkerInfo | None = None
-        self._queue: deque[tuple[int, Dispatch]] = deque()
+        self._queue: dict[int, Dispatch] = {}  # sent, not yet awaited
         self._next_id = 1
 
     @property
@@ -39,7 +38,7 @@ class LocalLink:
                                dict(self.store.held), tuple(sorted(CODECS)))
         return self.info
 
-    def reconnect(self) -> WorkerInfo:
+    def reconnect(self, timeout_s: float | None = None) -> WorkerInfo:
         assert self.info is not None
         return self.info
 
@@ -48,13 +47,23 @@ class LocalLink:
 
     def send(self, request: Dispatch) -> Pending:
         self._next_id += 1
-        self._queue.append((self._next_id, request))
+        self._queue[self._next_id] = request
         return Pending(self._next_id, 0, time.perf_counter())
 
+    def fileno(self) -> None:
+        """Nothing to select on: the reply is computed when it is awaited."""
+        return None
+
+    def has_reply(self, pending: Pending) -> bool:
+        return True
+
+    def forget(self, pending: Pending) -> None:
+        self._queue.pop(pending.request_id, None)
+
     def wait(self, pending: Pending, deadline: float) -> Reply:
-        request_id, request = self._queue.popleft()
-        if request_id != pending.request_id:
-            raise WorkerError(self.address, f"awaited request {pending.request_id} before {request_id}")
+        request = self._queue.pop(pending.request_id, None)
+        if request is None:
+            raise WorkerError(self.address, f"request {pending.request_id} is not outstanding")
         try:
             result = self.store.run(request)
         except MoeSwarmError as error:

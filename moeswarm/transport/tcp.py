@@ -7,11 +7,19 @@ no event loop or thread hop sits on the per-layer hot path.
 Replies are matched by request id: a worker answers PING at once even while it computes, so a
 PONG may overtake a RESULT. Any failure that leaves the stream out of step (timeout, broken frame,
 lost connection, a reply nobody asked for) closes the socket; the next call reconnects.
+
+Several requests may be in flight at once (a hedged duplicate, a spot check): `pump` reads one
+whole frame when the socket is readable, `has_reply` says whether a request's reply is in, and
+`forget` gives up on a request: its reply, when it comes, is read (within its size limit) and
+dropped, so the stream stays in step without waiting for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import select
 import socket
+import ssl
 import time
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, WorkerError
@@ -19,41 +27,53 @@ from moeswarm.ids import WorkerAddress, parse_address
 from moeswarm.transport.link import Pending, Reply
 from moeswarm.wire.codecs import get_codec
 from moeswarm.wire.config import CombineMode
-from moeswarm.wire.frames import Frame, Opcode
+from moeswarm.wire.frames import HEADER_SIZE, Frame, Header, Opcode, parse_header
 from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerInfo
-from moeswarm.wire.stream import StreamClosed, recv_frame, send_frame
+from moeswarm.wire.stream import StreamClosed, decode_frame, send_frame
 
 CONNECT_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = 30.0
+HELLO_PAYLOAD_LIMIT = 0  # a HELLO answer is all metadata: no payload bytes are accepted
 
 
 class TcpLink:
-    def __init__(self, address: str):
+    def __init__(self, address: str, tls: ssl.SSLContext | None = None):
         self.address = WorkerAddress(address)
+        self.tls = tls  # the swarm key's client context (transport/tls.py); None: plain TCP
         self.info: WorkerInfo | None = None
         self._fingerprint: str | None = None
         self._sock: socket.socket | None = None
         self._next_id = 1
         self._waiting: dict[int, int] = {}  # request id sent and not yet answered -> largest payload its reply may have
         self._early: dict[int, tuple[Frame, int]] = {}  # replies that overtook the one awaited
+        self._dropped: set[int] = set()  # forgotten requests: their replies are read and discarded
+        self._inbox = Inbox()
 
     @property
     def broken(self) -> bool:
         return self._sock is None
 
-    def connect(self, fingerprint: str) -> WorkerInfo:
+    def connect(self, fingerprint: str, timeout_s: float | None = None) -> WorkerInfo:
+        """timeout_s: for the TCP connect and the HELLO answer (default 10 s and 30 s)."""
         try:
             host, port = parse_address(self.address)
         except ValueError as error:
             raise WorkerError(self.address, str(error)) from None
         try:
-            sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+            sock = socket.create_connection((host, port), timeout=timeout_s or CONNECT_TIMEOUT_S)
         except OSError as error:
             raise WorkerError(self.address, f"cannot connect ({error.strerror or error}): is the worker running?") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock, self._waiting, self._early = sock, {}, {}
-        pending = self._send(Hello(fingerprint).to_frame(self._new_id()))
-        frame, _ = self._receive(pending.request_id, time.monotonic() + HELLO_TIMEOUT_S)
+        if self.tls is not None:
+            try:
+                sock = self.tls.wrap_socket(sock)  # the handshake, within the connect timeout
+            except OSError as error:  # ssl.SSLError included
+                sock.close()
+                raise WorkerError(self.address, f"TLS handshake failed ({error}): does the worker hold the same "
+                                                "--swarm-key?") from None
+        self._sock, self._waiting, self._early, self._dropped, self._inbox = sock, {}, {}, set(), Inbox()
+        pending = self._send(Hello(fingerprint).to_frame(self._new_id()), HELLO_PAYLOAD_LIMIT)
+        frame, _ = self._receive(pending.request_id, time.monotonic() + (timeout_s or HELLO_TIMEOUT_S))
         try:
             info = WorkerInfo.from_frame(frame)
         except ProtocolError as error:
@@ -65,13 +85,14 @@ class TcpLink:
         self._fingerprint, self.info = fingerprint, info
         return info
 
-    def reconnect(self) -> WorkerInfo:
+    def reconnect(self, timeout_s: float | None = None) -> WorkerInfo:
         before = self.info
         if self._fingerprint is None or before is None:
             raise WorkerError(self.address, "never connected")
         self.close()
-        info = self.connect(self._fingerprint)
+        info = self.connect(self._fingerprint, timeout_s)
         if info.held != before.held:
+            self.info = before  # what it must announce to come back
             self.close()
             raise WorkerError(self.address, "came back holding other experts than it announced: not used again")
         return info
@@ -105,6 +126,31 @@ class TcpLink:
             raise WorkerError(self.address, f"bad RESULT: {error}") from None
         return Reply(result, received, seconds)
 
+    def fileno(self) -> int | None:
+        """The socket to select on for replies (None when closed)."""
+        return None if self._sock is None else self._sock.fileno()
+
+    def buffered(self) -> bool:
+        """Bytes already read from the network but not yet returned by the socket (TLS records)."""
+        pending = getattr(self._sock, "pending", None)
+        return bool(pending and pending())
+
+    def has_reply(self, pending: Pending) -> bool:
+        """Whether `pending`'s reply has been read (by `pump` or while awaiting another)."""
+        return pending.request_id in self._early
+
+    def pump(self, deadline: float) -> None:
+        """Read what the socket holds now (it is readable) without blocking; keep whole frames for
+        `wait`. A frame in progress stays in the inbox, so a trickling peer holds nobody up."""
+        self._pump_once()
+
+    def forget(self, pending: Pending) -> None:
+        """Give up on `pending`: its reply is dropped, now or when it arrives."""
+        if self._early.pop(pending.request_id, None) is not None:
+            self._waiting.pop(pending.request_id, None)
+        elif pending.request_id in self._waiting:
+            self._dropped.add(pending.request_id)
+
     def ping(self, timeout_s: float = 10.0) -> float:
         start = time.perf_counter()
         pending = self._send(Frame(Opcode.PING, self._new_id()))
@@ -128,21 +174,48 @@ class TcpLink:
     def _receive(self, request_id: int, deadline: float) -> tuple[Frame, int]:
         """The reply to `request_id`; replies to other outstanding requests are kept for later."""
         while request_id not in self._early:
-            frame, size = self._read(deadline)
-            if frame.request_id not in self._waiting:
-                self.close()
-                raise WorkerError(self.address, f"reply to request {frame.request_id}, which is not outstanding")
-            self._early[frame.request_id] = (frame, size)
+            self._keep(*self._read(deadline))
         frame, size = self._early.pop(request_id)
         self._waiting.pop(request_id, None)
         if frame.opcode == Opcode.ERROR:
             raise WorkerError(self.address, ErrorReply.from_frame(frame).message)
         return frame, size
 
+    def _keep(self, frame: Frame, size: int) -> None:
+        if frame.request_id not in self._waiting:
+            self.close()
+            raise WorkerError(self.address, f"reply to request {frame.request_id}, which is not outstanding")
+        if frame.request_id in self._dropped:
+            self._dropped.discard(frame.request_id)
+            self._waiting.pop(frame.request_id)
+            return
+        self._early[frame.request_id] = (frame, size)
+
     def _read(self, deadline: float) -> tuple[Frame, int]:
-        sock = self._require()
+        """The next whole frame before `deadline` (the deadline covers the whole frame: a peer that
+        trickles one byte a second cannot hold the caller beyond it)."""
+        with self._reading():
+            while (got := self._inbox.next_frame(self._limit())) is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not (self.buffered() or select.select([self._require()], [], [], left)[0]):
+                    raise socket.timeout
+                self._inbox.receive(self._require())
+            return got
+
+    def _pump_once(self) -> None:
+        with self._reading():
+            self._inbox.receive(self._require())
+            while (got := self._inbox.next_frame(self._limit())) is not None:
+                self._keep(*got)
+
+    def _limit(self) -> int:
+        return max(self._waiting.values(), default=0)
+
+    @contextlib.contextmanager
+    def _reading(self):
+        """Turn what can go wrong while reading into a WorkerError (and a closed link)."""
         try:
-            return recv_frame(sock, deadline, max(self._waiting.values(), default=0))
+            yield
         except socket.timeout:
             self.close()
             raise WorkerError(self.address, "no reply before the deadline (worker stalled or overloaded?)") from None
@@ -155,6 +228,38 @@ class TcpLink:
         except OSError as error:
             self.close()
             raise WorkerError(self.address, f"connection lost while reading ({error})") from None
+
+
+class Inbox:
+    """Bytes read from a socket, cut into frames. Each header is checked against the payload limit
+    before its body is read, and no more is read than the frame in progress needs."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self):
+        self._data = bytearray()
+        self._header: Header | None = None
+
+    def receive(self, sock: socket.socket) -> None:
+        """One recv (the socket is readable) of at most what the current frame lacks."""
+        need = (HEADER_SIZE if self._header is None else HEADER_SIZE + self._header.body_len) - len(self._data)
+        chunk = sock.recv(max(1, min(need, self.CHUNK)))
+        if not chunk:
+            raise StreamClosed("frame", len(self._data), max(need, 0) + len(self._data))
+        self._data += chunk
+
+    def next_frame(self, max_payload: int) -> tuple[Frame, int] | None:
+        if self._header is None:
+            if len(self._data) < HEADER_SIZE:
+                return None
+            self._header = parse_header(bytes(self._data[:HEADER_SIZE]), max_payload)
+        total = HEADER_SIZE + self._header.body_len
+        if len(self._data) < total:
+            return None
+        header, body = self._header, bytes(self._data[HEADER_SIZE:total])
+        del self._data[:total]
+        self._header = None
+        return decode_frame(header, body), total
 
 
 def result_payload_bytes(request: Dispatch) -> int:

@@ -24,6 +24,7 @@ from gguf import GGUFValueType, GGUFWriter
 
 from moeswarm.errors import ModelError
 from moeswarm.ids import format_ids, runs
+from moeswarm.progress import enabled, progress
 from moeswarm.weights.gguf_file import (
     EXPERT_FIRST_KEY,
     EXPERT_IDS_KEY,
@@ -74,7 +75,7 @@ def write_slice(source: str | Path, out: str | Path, experts: Sequence[int], lay
     writer.add_key_value(LAYERS_KEY, chosen, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
 
     copied = {"expert_tensors": 0, "backbone_tensors": 0, "bytes": 0}
-    for tensor in f.reader.tensors:
+    for tensor in progress(f.reader.tensors, desc=f"slicing {f.path.name}", unit="tensor"):
         layer = expert_layer(tensor.name)
         if layer is None and not with_backbone:
             continue
@@ -86,7 +87,7 @@ def write_slice(source: str | Path, out: str | Path, experts: Sequence[int], lay
         copied["bytes"] += data.nbytes
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_tensors_to_file(progress=enabled())  # gguf's own bar, in bytes, on stderr
     writer.close()
     return {"source": str(f.path), "out": str(out), "fingerprint": f.fingerprint, "experts": experts,
             "layers": chosen, **copied}

@@ -67,6 +67,7 @@ class RawCodec:
 
 CODECS: dict = {name: RawCodec(name, dtype) for name, dtype in DTYPES.items()}
 FLOAT_CODECS = ["f32", "f16", "bf16"] + [c.name for c in BLOCKWISE_CODECS]  # for hidden states
+INTEGER_CODECS = ("u8", "i16", "i32", "i64")  # for expert ids
 
 
 def register_codec(codec) -> None:
@@ -75,10 +76,12 @@ def register_codec(codec) -> None:
 
 
 def get_codec(name: str):
+    if not isinstance(name, str):
+        raise ProtocolError(f"codec name must be a string, got {type(name).__name__}")
     try:
         return CODECS[name]
     except KeyError:
-        raise ProtocolError(f"unknown codec {name!r} (known: {', '.join(sorted(CODECS))})") from None
+        raise ProtocolError(f"unknown codec {name!r:.80} (known: {', '.join(sorted(CODECS))})") from None
 
 
 def lossless_codec(dtype: torch.dtype) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from moeswarm.errors import ProtocolError
 from moeswarm.wire import tensors as wire_tensors
-from moeswarm.wire.codecs import get_codec, lossless_codec
+from moeswarm.wire.codecs import FLOAT_CODECS, INTEGER_CODECS, get_codec, lossless_codec
 from moeswarm.wire.config import COMBINE_MODES, CombineMode
 from moeswarm.wire.frames import VERSION, Frame, Opcode
 
@@ -146,15 +146,23 @@ class Dispatch:
                 f"DISPATCH shapes do not match: x {list(hidden.shape)} (want [T, d]), "
                 f"ids {list(index.shape)} and w {list(weights.shape)} (want [T, k])"
             )
-        if index.is_floating_point():
-            raise ProtocolError(f"expert ids must be integers, got {index.dtype}")
         codec_of = {d[0]: d[1] for d in descriptors}
+        dtype_of = {d[0]: d[2] for d in descriptors}
+        if codec_of["ids"] not in INTEGER_CODECS or dtype_of["ids"] != codec_of["ids"]:
+            raise ProtocolError(f"expert ids must be integers in their own codec (u8, i16, i32 or i64), "
+                                f"got dtype {dtype_of['ids']!r} in codec {codec_of['ids']!r}")
         index = index.long()
         if codec_of["ids"] == "u8":
             index = torch.where(index == 255, -1, index)
         wire_dispatch = codec_of["x"]
+        for name in ("x", "w"):
+            if codec_of[name] not in FLOAT_CODECS:
+                raise ProtocolError(f"DISPATCH tensor {name!r} must travel in a float codec, got {codec_of[name]!r}")
         combine = field(m, "combine", str)
         get_codec(combine)  # an unknown combine codec is refused now, not after the experts ran
+        if combine not in FLOAT_CODECS:
+            raise ProtocolError(f"combine codec {combine!r} cannot carry the experts' outputs "
+                                f"(choose from {', '.join(FLOAT_CODECS)})")
         return cls(field(m, "layer", int), hidden, index, weights, mode, wire_dispatch, combine)
 
 

@@ -1,9 +1,10 @@
-"""Reading and writing frames on a connection: one module for the blocking client and the asyncio server.
+"""Reading and writing frames on a blocking socket (the backbone's side), and `decode_frame` for both sides.
 
 Both sides read the same way: the 24-byte header, checked against the limits before anything
 else is read or allocated, then the body, then `decode_frame`. A `ProtocolError` from
 `parse_header` means the stream can no longer be trusted (close it); one from `decode_frame`
-concerns that frame only (its body was read whole, so the stream is still in step).
+concerns that frame only (its body was read whole, so the stream is still in step). The worker's
+asyncio side, with its deadlines and budgets, is moeswarm/worker/framing.py.
 
 Writing never joins the payload: the header and metadata go out as one buffer and each tensor's
 bytes as their own (`sendmsg` / `writelines`).
@@ -11,11 +12,10 @@ bytes as their own (`sendmsg` / `writelines`).
 
 from __future__ import annotations
 
-import asyncio
 import socket
+import ssl
 import time
 
-from moeswarm.errors import ProtocolError
 from moeswarm.wire.frames import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     HEADER_SIZE,
@@ -47,9 +47,12 @@ def decode_frame(header: Header, body: bytes | bytearray | memoryview) -> Frame:
 
 
 def send_frame(sock: socket.socket, frame: Frame) -> int:
-    """Write a frame with `sendmsg`, no payload copies; return the bytes written."""
+    """Write a frame with `sendmsg`, no payload copies (one joined write over TLS); return the bytes written."""
     buffers = [memoryview(b).cast("B") for b in frame.encode()]
     total = sum(b.nbytes for b in buffers)
+    if isinstance(sock, ssl.SSLSocket):  # TLS has no sendmsg: one write (encryption copies the bytes anyway)
+        sock.sendall(b"".join(buffers))
+        return total
     while buffers:
         sent = sock.sendmsg(buffers)
         while buffers and sent >= buffers[0].nbytes:
@@ -86,38 +89,3 @@ def _recv_exactly(sock: socket.socket, size: int, deadline: float | None, what: 
             raise StreamClosed(what, got, size)
         got += n
     return buffer
-
-
-# -- asyncio streams (the worker's side) ------------------------------------------------------
-
-
-async def read_header(reader: asyncio.StreamReader, timeout: float | None,
-                      max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Header | None:
-    """The next frame's checked header; None at a clean end of stream (no byte of a new frame).
-
-    Raises StreamClosed for a truncated header, asyncio.TimeoutError when it does not arrive
-    within `timeout`, ProtocolError when it is malformed.
-    """
-    try:
-        head = await asyncio.wait_for(reader.readexactly(HEADER_SIZE), timeout)
-    except asyncio.IncompleteReadError as eof:
-        if not eof.partial:
-            return None
-        raise StreamClosed("frame header", len(eof.partial), HEADER_SIZE) from None
-    return parse_header(head, max_payload)
-
-
-async def read_body(reader: asyncio.StreamReader, header: Header, timeout: float | None) -> bytes:
-    """The body announced by `header`; StreamClosed or asyncio.TimeoutError when it does not come."""
-    try:
-        return await asyncio.wait_for(reader.readexactly(header.body_len), timeout)
-    except asyncio.IncompleteReadError as eof:
-        raise StreamClosed("frame body", len(eof.partial), header.body_len) from None
-
-
-async def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> int:
-    """Write a frame (no payload copies) and wait for the transport's buffer to drain."""
-    buffers = frame.encode()
-    writer.writelines(buffers)
-    await writer.drain()
-    return sum(len(memoryview(b).cast("B")) for b in buffers)

@@ -3,7 +3,8 @@
 Each descriptor is a 4-item list `[name, codec, dtype, shape]` (a list, not a map: on a decode
 step of a reduced wire every byte of metadata counts); the payload is the codecs' bytes
 concatenated in descriptor order. On receipt every field is checked before any byte is read:
-known codec and dtype, a shape of non-negative ints, and lengths that add up to the payload.
+known codec and dtype, a shape of positive ints (no empty tensor), and lengths that add up to the
+payload.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from moeswarm.errors import ProtocolError
 from moeswarm.wire.codecs import DTYPE_NAMES, DTYPES, MAX_RANK, get_codec
 
 Descriptor = list[Any]
+MAX_TENSORS = 8  # a message carries at most 3
 
 
 def pack(tensors: list[tuple[str, torch.Tensor, str]]) -> tuple[list[Descriptor], list[memoryview]]:
@@ -32,10 +34,12 @@ def unpack(descriptors: Any, payload: memoryview | bytes) -> dict[str, torch.Ten
     """Decode a frame's tensors; raise ProtocolError naming the first field that does not fit."""
     if not isinstance(descriptors, list):
         raise ProtocolError("metadata field 'tensors' must be a list")
+    if len(descriptors) > MAX_TENSORS:
+        raise ProtocolError(f"frame describes {len(descriptors)} tensors, over the limit of {MAX_TENSORS}")
     payload = memoryview(payload)
-    offset, out = 0, {}
+    offset, out, seen = 0, {}, set()
     for index, desc in enumerate(descriptors):
-        name, codec, dtype, shape = _check_descriptor(index, desc)
+        name, codec, dtype, shape = _check_descriptor(index, desc, seen)
         size = codec.nbytes(shape)
         if offset + size > len(payload):
             raise ProtocolError(
@@ -49,19 +53,26 @@ def unpack(descriptors: Any, payload: memoryview | bytes) -> dict[str, torch.Ten
     return out
 
 
-def _check_descriptor(index: int, desc: Any):
+def _check_descriptor(index: int, desc: Any, seen: set[str]):
     if not isinstance(desc, list) or len(desc) != 4:
         raise ProtocolError(f"tensor descriptor {index} must be a list [name, codec, dtype, shape]")
     name, codec_name, dtype_name, shape = desc
     if not isinstance(name, str):
         raise ProtocolError(f"tensor descriptor {index} has no string name")
+    if name in seen:
+        raise ProtocolError(f"tensor {name!r:.80} is described twice")
+    seen.add(name)
     codec = get_codec(codec_name)
-    if dtype_name not in DTYPES:
-        raise ProtocolError(f"tensor {name!r}: unknown dtype {dtype_name!r} (known: {', '.join(DTYPES)})")
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise ProtocolError(f"tensor {name!r:.80}: unknown dtype {dtype_name!r:.80} (known: {', '.join(DTYPES)})")
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_RANK
         or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 31 for n in shape)
     ):
-        raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
+        raise ProtocolError(f"tensor {name!r}: bad shape {shape!r:.200}")
+    if 0 in shape:
+        # Nothing in the protocol is empty (a DISPATCH has >= 1 token, a RESULT >= 1 row), and an
+        # empty tensor's other dims would reach the experts unchecked by any byte count.
+        raise ProtocolError(f"tensor {name!r}: shape {shape} has no elements")
     return name, codec, DTYPES[dtype_name], tuple(shape)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 
 from moeswarm.errors import MoeSwarmError
@@ -31,3 +32,28 @@ def _cannot_listen(host: str, port: int, error: OSError) -> str:
     if error.errno == errno.EADDRINUSE:
         return f"port {port} on {host} is already in use: choose another --port, or --port 0 for any free one"
     return f"cannot listen on {host}:{port}: {error.strerror or error}"
+
+
+FILES_BESIDES_CONNECTIONS = 256  # the model's files, torch's, logs: what a worker opens besides sockets
+
+
+def raise_open_files_limit(max_connections: int) -> None:
+    """Raise the soft open-files limit to what `max_connections` needs (up to the hard limit); warn when short.
+
+    Without it a flood of connections exhausts file descriptors before --max-connections is
+    reached, and accept fails for everyone, well-behaved backbones included.
+    """
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    want = max_connections + FILES_BESIDES_CONNECTIONS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft != resource.RLIM_INFINITY and soft < want:
+        logging.getLogger("moeswarm.worker").warning(
+            "open-files limit %d is below the %d that --max-connections %d needs: lower --max-connections or "
+            "raise the limit (ulimit -n)", soft, want, max_connections)

@@ -1,14 +1,19 @@
 """The worker's compute runner: one thread runs the experts, fed by fair, bounded queues.
 
 Compute never runs on the event loop: the loop only reads frames, answers PING and HELLO at
-once, and writes replies. Work waits in one FIFO queue per owner (one owner per connection);
-the compute thread takes the owners' heads in turn (round-robin), so one backbone's backlog never
-holds another back by more than one job per turn. One thread is enough: torch releases the GIL
+once, and writes replies. Work waits in one FIFO queue per owner (one owner per connection).
+The compute thread shares itself between owners by cost (a DISPATCH's tokens), with start-time
+fair queuing: each job gets a start tag, max(the tag of the job in service, its owner's previous
+finish tag), and a finish tag start + cost; the head with the smallest start tag runs next. So a
+backlog of large prefills on some connections never holds a small decode step of another back by
+more than the job in service, and equal jobs take turns (round-robin). One thread is enough: torch releases the GIL
 inside its kernels, and one thread keeps the kernels' threading exactly as the worker set it
 (bit-identical results need the same kernels, not more of them at once).
 
-The queues are bounded in total (jobs waiting, not the one running): a full runner refuses new
-work with WorkerBusy instead of growing without limit. Results travel back as asyncio futures,
+The queues are bounded in total and per owner (jobs waiting, not the one running): a full runner
+refuses new work with WorkerBusy instead of growing without limit. An owner with nothing waiting
+is still admitted when the total is reached (one job over the total per owner at most), so a
+flood from some connections cannot starve a well-behaved one. Results travel back as asyncio futures,
 settled on their loop's thread (`call_soon_threadsafe`), so only the loop ever touches a socket.
 """
 
@@ -30,21 +35,22 @@ T = TypeVar("T")
 
 
 class WorkerBusy(MoeSwarmError):
-    """The runner's queues hold `limit` jobs already: the request is refused, to be retried later."""
+    """The worker holds `limit` of something already: the request is refused, to be retried later."""
 
-    def __init__(self, queued: int, limit: int):
-        super().__init__(f"worker busy: {queued} requests queued (limit {limit}); retry later")
+    def __init__(self, queued: int, limit: int, what: str = "requests queued"):
+        super().__init__(f"worker busy: {queued} {what} (limit {limit}); retry later")
         self.queued = queued
         self.limit = limit
 
 
 @dataclass(frozen=True)
 class Job(Generic[T]):
-    """One unit of work and the future, on `loop`, that receives its outcome."""
+    """One unit of work, its start tag (fair queuing), and the future, on `loop`, that receives its outcome."""
 
     work: Callable[[], T]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[T]
+    start: float = 0.0
 
     def settle(self, value: Any, error: BaseException | None) -> None:
         """Hand the outcome to the loop (called on the compute thread)."""
@@ -64,21 +70,26 @@ def _resolve(future: asyncio.Future, value: Any, error: BaseException | None) ->
 
 
 class ComputeRunner:
-    """A compute thread serving per-owner FIFO queues round-robin, at most `queue_limit` jobs waiting.
+    """A compute thread serving per-owner FIFO queues round-robin, at most `queue_limit` jobs waiting
+    in all and `owner_limit` (default: no tighter bound) from one owner.
 
     `submit`, `drop`, `stop` and `close` are called on the event loop; the work runs on the thread.
     A runner is started once and stopped once; it cannot be restarted.
     """
 
-    def __init__(self, queue_limit: int = DEFAULT_QUEUE_LIMIT, name: str = "moeswarm-compute"):
+    def __init__(self, queue_limit: int = DEFAULT_QUEUE_LIMIT, name: str = "moeswarm-compute",
+                 owner_limit: int | None = None):
         if queue_limit < 1:
             raise MoeSwarmError(f"queue limit must be at least 1, got {queue_limit}")
         self.queue_limit = queue_limit
+        self.owner_limit = owner_limit or queue_limit
         self._name = name
         self._ready = threading.Condition()
         # Owners with waiting jobs, in turn order: the head's first job runs next, then that
         # owner goes to the back if it has more.
-        self._queues: collections.OrderedDict[Hashable, collections.deque[Job]] = collections.OrderedDict()
+        self._queues: dict[Hashable, collections.deque[Job]] = {}
+        self._finish: dict[Hashable, float] = {}  # each owner's last finish tag, until drop(owner)
+        self._virtual_time = 0.0  # the start tag of the job in service
         self._queued = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -101,18 +112,27 @@ class ComputeRunner:
         self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
         self._thread.start()
 
-    def submit(self, owner: Hashable, work: Callable[[], T]) -> asyncio.Future[T]:
+    def submit(self, owner: Hashable, work: Callable[[], T], cost: float = 1.0) -> asyncio.Future[T]:
         """Queue `work` behind `owner`'s earlier jobs; its future resolves on the calling loop.
 
-        Raises WorkerBusy when `queue_limit` jobs are waiting already.
+        cost: the job's share of the compute thread (a DISPATCH's tokens); fair queuing weighs by it.
+        Raises WorkerBusy when `owner_limit` of `owner`'s jobs are waiting already, or when
+        `queue_limit` jobs are waiting and `owner` has one of them.
         """
         loop = asyncio.get_running_loop()
-        job = Job(work, loop, loop.create_future())
         with self._ready:
             if self._stopping:
                 raise MoeSwarmError("worker is shutting down")
-            if self._queued >= self.queue_limit:
+            queue = self._queues.get(owner)
+            # An owner with nothing waiting is admitted even when the total is reached: others'
+            # floods cannot starve it, and the excess is bounded by one job per owner.
+            if self._queued >= self.queue_limit and queue:
                 raise WorkerBusy(self._queued, self.queue_limit)
+            if queue is not None and len(queue) >= self.owner_limit:
+                raise WorkerBusy(len(queue), self.owner_limit, "requests of this connection queued")
+            start = max(self._virtual_time, self._finish.get(owner, 0.0))
+            self._finish[owner] = start + max(cost, 1.0)
+            job = Job(work, loop, loop.create_future(), start)
             self._queues.setdefault(owner, collections.deque()).append(job)
             self._queued += 1
             self._ready.notify()
@@ -122,6 +142,7 @@ class ComputeRunner:
         """Forget `owner`'s jobs that have not started (their futures are cancelled); return how many."""
         with self._ready:
             jobs = self._queues.pop(owner, ())
+            self._finish.pop(owner, None)
             self._queued -= len(jobs)
         for job in jobs:
             job.future.cancel()
@@ -139,6 +160,7 @@ class ComputeRunner:
             self._stopping = True
             jobs = [job for queue in self._queues.values() for job in queue]
             self._queues.clear()
+            self._finish.clear()
             self._queued = 0
             self._ready.notify_all()
         for job in jobs:
@@ -169,12 +191,12 @@ class ComputeRunner:
             job.settle(value, error)
 
     def _next_job(self) -> Job:
-        """Pop the head owner's first job; round-robin: that owner goes to the back. Lock held."""
-        owner, queue = next(iter(self._queues.items()))
+        """Pop the head with the smallest start tag (the earliest owner on a tie). Lock held."""
+        owner = min(self._queues, key=lambda o: self._queues[o][0].start)  # dicts keep insertion order: ties FIFO
+        queue = self._queues[owner]
         job = queue.popleft()
-        if queue:
-            self._queues.move_to_end(owner)
-        else:
-            del self._queues[owner]
+        if not queue:
+            del self._queues[owner]  # its finish tag stays until drop(): it just had its share
+        self._virtual_time = job.start
         self._queued -= 1
         return job

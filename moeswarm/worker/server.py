@@ -1,64 +1,57 @@
 """The worker's asyncio TCP server: one persistent connection per backbone.
 
-The event loop reads frames (through `moeswarm.wire.stream`), answers PING and HELLO at once and
-writes every reply; the experts run on the compute runner's thread (runner.py), which also
-decodes each DISPATCH's tensors and encodes its RESULT. So a PING is answered while experts
-compute, also on the connection whose DISPATCH is running: a PONG may overtake a RESULT (replies
-carry their request id). RESULTs of one connection leave in the order of its DISPATCHes.
+The event loop reads frames (worker/framing.py), answers PING and HELLO at once and writes every
+reply; the experts run on the compute runner's thread (runner.py), which also decodes each
+DISPATCH's tensors and encodes its RESULT. So a PING is answered while experts compute, also on
+the connection whose DISPATCH is running: a PONG may overtake a RESULT (replies carry their
+request id). RESULTs of one connection leave in the order of its DISPATCHes.
+
+Everything the network sends is bounded before use (worker/limits.py, docs/protocol.md
+"Limits"): connections, frame sizes (smaller before HELLO), tokens and top-k per DISPATCH,
+requests queued per connection and in total, bytes of request bodies held, replies a client has
+not taken (reading its requests pauses beyond the bound), and the time a frame, a HELLO or an
+idle connection may take.
 
 A bad frame gets an ERROR reply and the worker goes on serving. When the framing itself is
-broken (bad magic or version, a length over the limit, a truncated header or body, a body that
+broken (bad magic or version, a length over the limit, a truncated header or body, a frame that
 does not arrive in time) the stream cannot be trusted past that point: the worker replies ERROR
-and closes that one connection, never the server. When the runner's queue is full a DISPATCH is
-answered at once with ERROR code "busy". A connection that closes loses its DISPATCHes that had
-not started.
+and closes that one connection, never the server. A connection that closes loses its DISPATCHes
+that had not started, and the memory its requests and replies held is released.
 
 ERROR codes: "bad_request" (the request broke the protocol or asked for what this worker does
-not serve), "busy" (retry later), "framing" and "truncated" (the connection closes after them),
-"internal" (a bug in the worker).
+not serve), "busy" (a limit is full: retry later; also the answer to a connection over the
+limit, which is then closed), "framing" and "truncated" (the connection closes after them),
+"timeout" (no HELLO, or no frame, in time: the connection closes), "internal" (a bug in the
+worker). Peer text is escaped (`printable`) before it reaches the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import functools
 import logging
 import socket
+import time
 from typing import TYPE_CHECKING
 
-from moeswarm.errors import MoeSwarmError, ProtocolError
+from moeswarm.errors import MoeSwarmError, ProtocolError, printable
 from moeswarm.wire.codecs import CODECS
-from moeswarm.wire.frames import DEFAULT_MAX_PAYLOAD_BYTES, HEADER_SIZE, Frame, Header, Opcode
+from moeswarm.wire.config import CombineMode
+from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, WorkerInfo
-from moeswarm.wire.stream import StreamClosed, decode_frame, read_body, read_header, write_frame
-from moeswarm.worker.runner import DEFAULT_QUEUE_LIMIT, ComputeRunner, WorkerBusy
+from moeswarm.wire.stream import decode_frame
+from moeswarm.worker.framing import FrameFault, Idle, Incoming, read_frame
+from moeswarm.worker.limits import (ByteBudget, WorkerLimits, check_dispatch_size, check_reply_size, check_routing,
+                                    declared_shape, reply_estimate)
+from moeswarm.worker.memory import release_freed_memory
+from moeswarm.worker.runner import ComputeRunner, WorkerBusy
+from moeswarm.worker.session import Session
 
 if TYPE_CHECKING:
     from moeswarm.worker.store import ExpertStore
 
 log = logging.getLogger("moeswarm.worker")
-BODY_TIMEOUT_S = 30.0  # a header promised this body: a peer that stalls mid-frame is cut off
-
-
-class _Session:
-    """One connection's state: whether HELLO succeeded, its writer, and its pending RESULT tasks."""
-
-    def __init__(self, writer: asyncio.StreamWriter):
-        self.writer = writer
-        self.peer = writer.get_extra_info("peername")
-        self.greeted = False
-        # Replies are written by several tasks (the reader, one per RESULT): one frame at a time,
-        # and in FIFO order, which keeps one connection's RESULTs in the order they were computed.
-        self._write_lock = asyncio.Lock()
-        self.replies: set[asyncio.Task] = set()
-
-    async def send(self, frame: Frame) -> None:
-        async with self._write_lock:
-            await write_frame(self.writer, frame)
-
-    def track(self, task: asyncio.Task) -> None:
-        self.replies.add(task)
-        task.add_done_callback(self.replies.discard)
 
 
 class WorkerServer:
@@ -67,29 +60,34 @@ class WorkerServer:
     store: an ExpertStore, or anything with its `num_experts`, `hidden_size`, `held`
     ({layer: experts}) and `run(Dispatch) -> Result` (called on the compute thread only, one call
     at a time).
-    queue_limit: DISPATCHes that may wait for the compute thread, over all connections (each holds
-    its body, so at most queue_limit * max_payload bytes wait).
-    body_timeout_s: how long a frame's body may take to arrive once its header has.
+    limits: what the worker accepts and how long it waits (WorkerLimits' defaults when None).
     """
 
-    def __init__(self, store: ExpertStore, fingerprint: str, model_type: str,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES, *, queue_limit: int = DEFAULT_QUEUE_LIMIT,
-                 body_timeout_s: float = BODY_TIMEOUT_S):
+    def __init__(self, store: ExpertStore, fingerprint: str, model_type: str, limits: WorkerLimits | None = None,
+                 tls: ssl.SSLContext | None = None):
         self.store = store
+        self.tls = tls  # the swarm key's context (transport/tls.py); None: plain TCP
         self.fingerprint = fingerprint
         self.info = WorkerInfo(fingerprint, model_type, store.num_experts, store.hidden_size, store.held,
                                tuple(sorted(CODECS)))
-        self.max_payload = max_payload
-        self.body_timeout_s = body_timeout_s
-        self.runner = ComputeRunner(queue_limit)
+        self.limits = limits or WorkerLimits()
+        self.budget = ByteBudget(self.limits.max_buffered_bytes)
+        self.runner = ComputeRunner(self.limits.queue_limit, owner_limit=self.limits.queue_per_connection)
         self._server: asyncio.base_events.Server | None = None
-        self._sessions: dict[asyncio.Task, _Session] = {}
+        self._sessions: dict[asyncio.Task, Session] = {}
+        self._refused = 0  # connections refused over max_connections (logged at the first and every 1000th)
         self._closing = False
+
+    @property
+    def connections(self) -> int:
+        return len(self._sessions)
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen and start the compute thread; return the bound (host, port)."""
         self.runner.start()
-        self._server = await asyncio.start_server(self._serve, host, port)
+        handshake = {"ssl": self.tls, "ssl_handshake_timeout": self.limits.hello_timeout_s} if self.tls else {}
+        self._server = await asyncio.start_server(self._serve, host, port, backlog=min(self.limits.max_connections, 4096),
+                                                  **handshake)
         return self._server.sockets[0].getsockname()[:2]
 
     async def serve_forever(self) -> None:
@@ -121,17 +119,20 @@ class WorkerServer:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._sessions) >= self.limits.max_connections:
+            self._refuse(writer)
+            return
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        session = _Session(writer)
+        session = Session(writer, self.limits.max_unsent_bytes)
         task = asyncio.current_task()
         self._sessions[task] = session
         try:
             while not self._closing and await self._next_frame(reader, session):
                 pass
         except (ConnectionError, OSError) as error:
-            log.info("connection from %s ended: %s", session.peer, error)
+            log.info("connection from %s ended: %s", session.peer, printable(str(error)))
         except asyncio.CancelledError:
             # The server is closing. End quietly: asyncio (3.11) logs a traceback for a
             # connection callback that ends cancelled, and nobody awaits this task.
@@ -141,40 +142,60 @@ class WorkerServer:
             dropped = self.runner.drop(session)
             if dropped:
                 log.info("connection from %s closed with %d requests queued: dropped", session.peer, dropped)
-            for reply in list(session.replies):
-                reply.cancel()
-            writer.close()
+            session.end()
+            if session.held_bytes_peak > self.limits.hello_max_bytes:
+                release_freed_memory()  # glibc keeps freed arenas otherwise: give the big buffers back
 
-    async def _next_frame(self, reader: asyncio.StreamReader, session: _Session) -> bool:
+    def _refuse(self, writer: asyncio.StreamWriter) -> None:
+        """One connection over the limit: a short ERROR and close, nothing read, nothing allocated."""
+        self._refused += 1
+        if self._refused == 1 or self._refused % 1000 == 0:
+            log.warning("refused %d connections over the limit of %d", self._refused, self.limits.max_connections)
+        message = f"worker busy: {len(self._sessions)} connections open (limit {self.limits.max_connections}); retry later"
+        writer.writelines(ErrorReply("busy", message).to_frame(0).encode())
+        writer.close()
+
+    async def _next_frame(self, reader: asyncio.StreamReader, session: Session) -> bool:
         """Read and handle one frame; False when the connection is to close."""
+        limits = self.limits
         try:
-            header = await read_header(reader, None, self.max_payload)
-        except StreamClosed as closed:
-            return await self._fail(session, 0, "truncated",
-                                    f"truncated frame header: {closed.partial} of {HEADER_SIZE} bytes")
-        except ProtocolError as error:
-            return await self._fail(session, 0, "framing", str(error))
-        if header is None:  # clean end of stream
-            return False
-        try:
-            body = await read_body(reader, header, self.body_timeout_s)
-        except StreamClosed as closed:
-            return await self._fail(session, header.request_id, "truncated",
-                                    f"truncated frame: body of {header.body_len} bytes, got {closed.partial}")
+            await session.wait_for_room(limits.idle_timeout_s)
         except asyncio.TimeoutError:
-            return await self._fail(session, header.request_id, "truncated",
-                                    f"truncated frame: body of {header.body_len} bytes not received "
-                                    f"within {self.body_timeout_s:g} s")
-        reply = self._handle(session, header, body)
+            return self._fail(session, 0, "timeout", f"replies not read for {limits.idle_timeout_s:g} s: closing")
+        if session.greeted:
+            wait_s = limits.idle_timeout_s
+        else:
+            wait_s = session.opened + limits.hello_timeout_s - time.monotonic()
+        try:
+            incoming = await read_frame(reader, limits, self.budget, session.greeted, max(wait_s, 0.0))
+        except Idle:
+            if session.greeted:
+                return self._fail(session, 0, "timeout", f"no request for {limits.idle_timeout_s:g} s: closing")
+            return self._fail(session, 0, "timeout", f"no HELLO within {limits.hello_timeout_s:g} s: closing")
+        except FrameFault as fault:
+            return self._fail(session, fault.request_id, fault.code, str(fault))
+        if incoming is None:  # clean end of stream
+            return False
+        session.held_bytes_peak = max(session.held_bytes_peak, incoming.reserved)
+        reply = self._handle(session, incoming)
         if reply is not None:
-            await session.send(reply)
+            try:
+                await session.send(reply, limits.idle_timeout_s)
+            except asyncio.TimeoutError:
+                return self._fail(session, 0, "timeout", f"replies not read for {limits.idle_timeout_s:g} s: closing")
         return True
 
-    def _handle(self, session: _Session, header: Header, body: bytes) -> Frame | None:
-        """The immediate reply to one whole frame, or None when a DISPATCH went to the runner."""
-        rid = header.request_id
+    def _handle(self, session: Session, incoming: Incoming) -> Frame | None:
+        """The immediate reply to one frame, or None when a DISPATCH went to the runner.
+
+        The frame's budget reservation is given back here, or when its DISPATCH is done.
+        """
+        header, rid = incoming.header, incoming.header.request_id
+        handed_over = False
         try:
-            frame = decode_frame(header, body)
+            if incoming.body is None:
+                raise WorkerBusy(self.budget.held, self.budget.limit, "bytes of requests held")
+            frame = decode_frame(header, incoming.body)
             if frame.opcode == Opcode.PING:
                 return Frame(Opcode.PONG, rid)
             if frame.opcode == Opcode.HELLO:
@@ -182,18 +203,27 @@ class WorkerServer:
             if frame.opcode == Opcode.DISPATCH:
                 if not session.greeted:
                     raise ProtocolError("DISPATCH before HELLO: send HELLO with the model fingerprint first")
-                future = self.runner.submit(session, functools.partial(self._compute, frame))
-                session.track(asyncio.create_task(self._reply_when_done(session, future)))
+                check_dispatch_size(frame.meta, self.limits)
+                shape = declared_shape(frame.meta, "x")
+                cost = shape[0] if shape else 1  # tokens: the compute thread is shared by them
+                future = self.runner.submit(session, functools.partial(self.compute, frame), cost)
+                owed = reply_estimate(frame.meta, self.store.hidden_size)
+                session.owe(owed)
+                session.track(asyncio.create_task(self._reply_when_done(session, future, incoming.reserved, owed)))
+                handed_over = True
                 return None
             raise ProtocolError(f"unexpected opcode {frame.opcode.name} from a client")
         except WorkerBusy as busy:
-            log.warning("request %d refused: %s", rid, busy)
+            log.info("request %d refused: %s", rid, busy)
             return ErrorReply("busy", str(busy)).to_frame(rid)
         except MoeSwarmError as error:
-            log.warning("request %d refused: %s", rid, error)
+            log.info("request %d refused: %s", rid, printable(str(error)))
             return ErrorReply("bad_request", str(error)).to_frame(rid)
+        finally:
+            if not handed_over:
+                self.budget.give(incoming.reserved)
 
-    def _hello(self, session: _Session, frame: Frame) -> Frame:
+    def _hello(self, session: Session, frame: Frame) -> Frame:
         session.greeted = False
         hello = Hello.from_frame(frame)
         if hello.fingerprint != self.fingerprint:
@@ -204,30 +234,45 @@ class WorkerServer:
         session.greeted = True
         return self.info.to_frame(frame.request_id)
 
-    def _compute(self, frame: Frame) -> Frame:
-        """DISPATCH in, RESULT or ERROR out: decoding, experts and encoding, on the compute thread."""
+    def compute(self, frame: Frame) -> Frame:
+        """DISPATCH in, RESULT or ERROR out: decoding, experts and encoding, on the compute thread.
+
+        Also the fuzzer's oracle (moeswarm/bench/fuzz.py): the same checks and maths, run locally.
+        """
         rid = frame.request_id
         try:
-            return self.store.run(Dispatch.from_frame(frame)).to_frame(rid)
+            check_dispatch_size(frame.meta, self.limits)
+            request = Dispatch.from_frame(frame)
+            routed = check_routing(request.top_k_index)
+            result = self.store.run(request)
+            check_reply_size(routed, request.hidden.shape[0], self.store.hidden_size,
+                             request.mode == CombineMode.EXACT, result.outputs)
+            return result.to_frame(rid)
         except MoeSwarmError as error:
-            log.warning("request %d refused: %s", rid, error)
+            log.info("request %d refused: %s", rid, printable(str(error)))
             return ErrorReply("bad_request", str(error)).to_frame(rid)
         except Exception as error:  # a bug on our side: report it and keep serving
             log.exception("request %d failed", rid)
-            return ErrorReply("internal", f"{type(error).__name__}: {error}").to_frame(rid)
+            return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(rid)
 
-    async def _reply_when_done(self, session: _Session, future: asyncio.Future[Frame]) -> None:
-        reply = await future  # cancelled with the connection when it closes first
+    async def _reply_when_done(self, session: Session, future: asyncio.Future[Frame], reserved: int,
+                               owed: int) -> None:
         try:
-            await session.send(reply)
+            reply = await future  # cancelled with the connection when it closes first
+        finally:
+            self.budget.give(reserved)  # the request's body is no longer held
+            session.owe(-owed)  # the RESULT is made: send() counts its real size
+        try:
+            await session.send(reply, self.limits.idle_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("closing connection from %s: replies not read for %g s", session.peer,
+                        self.limits.idle_timeout_s)
+            session.writer.transport.abort()
         except (ConnectionError, OSError) as error:
-            log.info("reply to %s lost: %s", session.peer, error)
+            log.info("reply to %s lost: %s", session.peer, printable(str(error)))
 
-    async def _fail(self, session: _Session, rid: int, code: str, message: str) -> bool:
-        """Answer a framing error; the connection closes after it (returns False)."""
-        log.warning("closing connection from %s: %s", session.peer, message)
-        try:
-            await session.send(ErrorReply(code, message).to_frame(rid))
-        except (ConnectionError, OSError):
-            pass
+    def _fail(self, session: Session, rid: int, code: str, message: str) -> bool:
+        """Answer a framing error or a timeout; the connection closes after it (returns False)."""
+        log.warning("closing connection from %s: %s", session.peer, printable(message))
+        session.post(ErrorReply(code, message).to_frame(rid))
         return False

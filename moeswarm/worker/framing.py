@@ -1,0 +1,118 @@
+"""Reading one request frame on the worker, within its limits and deadlines.
+
+The first byte of a frame may take up to the idle timeout (or what is left of the HELLO timeout);
+from then on the rest of the header and the whole body must arrive within the frame timeout, so
+a peer that sends a few bytes and stalls is cut off. The header's lengths are checked before
+anything else is read: against the payload limit, against the small limit before HELLO, and
+against the worker's byte budget. A body over the budget is read in small chunks and dropped
+(the stream stays in step) and the request is answered "busy".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from moeswarm.errors import ProtocolError
+from moeswarm.wire.frames import HEADER_SIZE, Header, parse_header
+from moeswarm.worker.limits import ByteBudget, WorkerLimits
+from moeswarm.worker.session import within
+
+DISCARD_CHUNK = 64 << 10
+
+
+class FrameFault(Exception):
+    """The stream cannot be trusted past this point: answer ERROR `code` and close the connection."""
+
+    def __init__(self, code: str, message: str, request_id: int = 0):
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+class Idle(Exception):
+    """No frame began within the allowed time."""
+
+
+@dataclass
+class Incoming:
+    """A frame read whole, or one whose body was dropped unread (`body` None: over the byte budget)."""
+
+    header: Header
+    body: bytes | None
+    reserved: int  # bytes taken from the budget: give them back when the request is done
+
+
+async def read_frame(reader: asyncio.StreamReader, limits: WorkerLimits, budget: ByteBudget,
+                     greeted: bool, wait_s: float) -> Incoming | None:
+    """The next frame; None at a clean end of stream (no byte of a new frame).
+
+    Raises Idle when no frame begins within `wait_s`, FrameFault when the framing breaks.
+    """
+    try:
+        first = await within(wait_s, reader.readexactly(1))
+    except asyncio.IncompleteReadError:
+        return None
+    except asyncio.TimeoutError:
+        raise Idle from None
+    progress = _Progress()
+    try:
+        return await within(limits.frame_timeout_s, _rest(reader, first, limits, budget, greeted, progress))
+    except asyncio.TimeoutError:
+        budget.give(progress.reserved)
+        if progress.header is None:
+            raise FrameFault("truncated", f"truncated frame header: not received within {limits.frame_timeout_s:g} s "
+                                          "of its first byte") from None
+        raise FrameFault("truncated", f"truncated frame: body of {progress.header.body_len} bytes not received "
+                                      f"within {limits.frame_timeout_s:g} s", progress.header.request_id) from None
+    except BaseException:
+        budget.give(progress.reserved)
+        raise
+
+
+@dataclass
+class _Progress:
+    header: Header | None = None
+    reserved: int = 0
+
+
+async def _rest(reader: asyncio.StreamReader, first: bytes, limits: WorkerLimits, budget: ByteBudget,
+                greeted: bool, progress: _Progress) -> Incoming:
+    try:
+        head = first + await reader.readexactly(HEADER_SIZE - 1)
+    except asyncio.IncompleteReadError as eof:
+        raise FrameFault("truncated", f"truncated frame header: {1 + len(eof.partial)} of {HEADER_SIZE} bytes") from None
+    try:
+        header = parse_header(head, limits.max_payload)
+    except ProtocolError as error:
+        raise FrameFault("framing", str(error)) from None
+    if not greeted and header.body_len > limits.hello_max_bytes:
+        raise FrameFault("framing", f"frame of {header.body_len} bytes before HELLO is over the limit of "
+                                    f"{limits.hello_max_bytes}", header.request_id)
+    progress.header = header
+    if budget.take(header.body_len):
+        progress.reserved = header.body_len
+        body = await _read_body(reader, header)
+        return Incoming(header, body, header.body_len)
+    await _discard_body(reader, header)
+    return Incoming(header, None, 0)
+
+
+async def _read_body(reader: asyncio.StreamReader, header: Header) -> bytes:
+    try:
+        return await reader.readexactly(header.body_len)
+    except asyncio.IncompleteReadError as eof:
+        raise FrameFault("truncated", f"truncated frame: body of {header.body_len} bytes, got {len(eof.partial)}",
+                         header.request_id) from None
+
+
+async def _discard_body(reader: asyncio.StreamReader, header: Header) -> None:
+    """Read and drop a body without holding more than one chunk of it."""
+    left = header.body_len
+    while left:
+        try:
+            left -= len(await reader.readexactly(min(left, DISCARD_CHUNK)))
+        except asyncio.IncompleteReadError as eof:
+            got = header.body_len - left + len(eof.partial)
+            raise FrameFault("truncated", f"truncated frame: body of {header.body_len} bytes, got {got}",
+                             header.request_id) from None

@@ -1,0 +1,131 @@
+"""What a worker accepts from the network, and how long it waits: every bound in one place.
+
+Legend: T = tokens of a DISPATCH, k = its top-k, d = hidden size, S = routed (token, expert)
+pairs the worker computes (ids >= 0 in the DISPATCH; each must be a held expert, once per row).
+
+Each limit is checked before the memory or time it guards is spent: header lengths before the
+body is read, declared tensor shapes before they are decoded, the byte budget before a body is
+buffered. A RESULT holds at most S x d values in exact mode (T x d in partial), and S <= T x k
+with every id distinct in its row: the reply is never larger than the routing implies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from moeswarm.errors import MoeSwarmError, ProtocolError
+from moeswarm.wire.frames import DEFAULT_MAX_PAYLOAD_BYTES
+
+if TYPE_CHECKING:  # no torch import: the worker's flags take their defaults from here
+    import torch
+
+SMALL_FRAME_BYTES = 64 << 10  # bodies up to this size never wait for the byte budget (PING, HELLO, decode steps)
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    """A worker's limits; each field is a `moeswarm worker` flag (`max_top_k`: `--max-top-k`,
+    `frame_timeout_s`: `--frame-timeout`)."""
+
+    max_connections: int = 256  # open connections; one more is answered ERROR "busy" and closed at once
+    queue_limit: int = 64  # DISPATCHes waiting for the compute thread, over all connections
+    queue_per_connection: int = 16  # of those, from one connection
+    max_buffered_bytes: int = 2 << 30  # request bodies held at once (being read, queued or computing)
+    max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES  # one frame's payload
+    max_tokens: int = 16384  # T of one DISPATCH
+    max_top_k: int = 64  # k of one DISPATCH
+    hello_max_bytes: int = 64 << 10  # one frame's body before a successful HELLO
+    hello_timeout_s: float = 10.0  # from accept to a successful HELLO
+    frame_timeout_s: float = 30.0  # a frame's header and body, once its first byte arrived
+    idle_timeout_s: float = 600.0  # a greeted connection with no new frame (or no reply taken) for this long
+    max_unsent_bytes: int = 64 << 20  # replies of one connection not yet taken by its client: reading pauses beyond
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise MoeSwarmError(f"worker limit {name.replace('_', '-')} must be positive, got {value}")
+
+
+class ByteBudget:
+    """Bytes of request bodies the worker holds at once; used on the event loop only."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> bool:
+        """Reserve `size` bytes; False (nothing reserved) when that would go over the limit.
+
+        A small body is always admitted: PINGs and decode steps get through while large
+        prefills fill the budget, and small bodies are bounded by connections x SMALL_FRAME_BYTES.
+        """
+        if size > SMALL_FRAME_BYTES and self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
+def declared_shape(meta: dict[str, Any], name: str) -> tuple[int, ...] | None:
+    """The shape a frame's metadata declares for tensor `name`, if it is well formed (else None:
+    the full descriptor check in `wire.tensors` names the fault)."""
+    descriptors = meta.get("tensors")
+    if not isinstance(descriptors, list):
+        return None
+    for desc in descriptors:
+        if isinstance(desc, list) and len(desc) == 4 and desc[0] == name and isinstance(desc[3], list):
+            shape = desc[3]
+            if all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+                return tuple(shape)
+    return None
+
+
+def check_dispatch_size(meta: dict[str, Any], limits: WorkerLimits) -> None:
+    """Refuse a DISPATCH whose declared T or k is over the limits, before any tensor is decoded."""
+    for name in ("x", "ids", "w"):
+        shape = declared_shape(meta, name)
+        if shape is None or not shape:
+            continue
+        tokens = shape[0]
+        if tokens > limits.max_tokens:
+            raise ProtocolError(f"DISPATCH tensor {name!r} has {tokens} tokens, over the limit of {limits.max_tokens} "
+                                "(worker flag --max-tokens)")
+        if name != "x" and len(shape) > 1 and shape[1] > limits.max_top_k:
+            raise ProtocolError(f"DISPATCH tensor {name!r} has top-k {shape[1]}, over the limit of {limits.max_top_k} "
+                                "(worker flag --max-top-k)")
+
+
+def reply_estimate(meta: dict[str, Any], hidden: int) -> int:
+    """An upper bound on a DISPATCH's RESULT bytes from its declared shapes: T x k rows (exact) of
+    d f32 values. Counted against the connection's unsent bound while the request is in flight."""
+    shape = declared_shape(meta, "ids")
+    if shape is None or len(shape) != 2:
+        return 0
+    tokens, k = shape
+    rows = tokens * (k if meta.get("mode") == "exact" else 1)
+    return max(0, rows) * hidden * 4
+
+
+def check_routing(index: torch.Tensor) -> int:
+    """Refuse a row that names one expert twice; return S, the routed (token, expert) pairs.
+
+    index: [T, k] int64, -1 where the expert lives elsewhere.
+    """
+    if index.shape[1] > 1:
+        ordered = index.sort(dim=1).values  # [T, k]
+        repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)  # [T, k-1]
+        if repeated.any():
+            token, slot = (int(i) for i in repeated.nonzero()[0])
+            raise ProtocolError(f"DISPATCH row {token} names expert {int(ordered[token, slot + 1])} twice: "
+                                "each token's expert ids must be distinct")
+    return int((index >= 0).sum())
+
+
+def check_reply_size(routed: int, tokens: int, hidden: int, exact: bool, outputs: torch.Tensor) -> None:
+    """A RESULT larger than its routing implies is a bug on this side: never send it."""
+    bound = (routed if exact else tokens) * hidden
+    if outputs.numel() > bound:
+        raise RuntimeError(f"RESULT of {outputs.numel()} values is over the {bound} its routing implies")

@@ -1,0 +1,165 @@
+"""Replicas and failover with real worker processes over TCP: a worker killed (SIGKILL) or stalled
+(SIGSTOP) in the middle of a generation, with and without another holder of its experts.
+
+Every generation here is compared with the local eager model step by step (`torch.equal` of the
+logits): failover must keep exact mode bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from moeswarm.dispatch.errors import ExpertsUnavailable
+from moeswarm.generation.loop import generate
+from moeswarm.generation.stepper import Stepper
+from moeswarm.local_workers import replicated_split, spawn_worker, split_experts, stop, wait_listening
+from moeswarm.model.loading import load_local
+from moeswarm.swarm import open_swarm
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32]  # "Hello, " in the tiny byte-level vocabulary
+NEW_TOKENS = 10
+
+
+class AtCall:
+    """Stands between the model and the dispatcher; runs `action` before the n-th layer call."""
+
+    def __init__(self, inner, n: int, action):
+        self.inner, self.n, self.action, self.calls = inner, n, action, 0
+
+    def dispatch(self, layer, hidden, top_k_index, top_k_weights):
+        self.calls += 1
+        if self.calls == self.n:
+            self.action()
+        return self.inner.dispatch(layer, hidden, top_k_index, top_k_weights)
+
+    def combine(self, handle):
+        return self.inner.combine(handle)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen2_moe):
+    return load_local(qwen2_moe)
+
+
+@pytest.fixture
+def workers(qwen2_moe):
+    """Start worker processes on demand; every one is stopped at the end of the test."""
+    started = []
+
+    def start(expert_sets, ports=None):
+        processes = [spawn_worker(qwen2_moe, experts, port=port or 0)
+                     for experts, port in zip(expert_sets, ports or [0] * len(expert_sets))]
+        started.extend(processes)
+        return processes, [wait_listening(p) for p in processes]
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)
+    stop(started)
+
+
+def _generate(swarm, reference):
+    return generate(Stepper(swarm.model), PROMPT, NEW_TOKENS, 0, Stepper(reference))
+
+
+def test_worker_killed_mid_generation_fails_over_then_is_readmitted(qwen2_moe, workers, reference):
+    processes, addresses = workers(replicated_split(8, 2))  # both hold all 8 experts
+    with open_swarm(qwen2_moe, addresses) as swarm:
+        swarm.interpose(lambda d: AtCall(d, 7, lambda: processes[0].kill()))  # prefill is calls 1-3: step 2
+        result = _generate(swarm, reference)
+        assert result.bit_identical is True and len(result.tokens) == NEW_TOKENS
+        stats = swarm.resilience()
+        assert stats["takedowns"] == 1 and stats["failovers"] >= 1
+        standing = swarm.standing()
+        assert [s["up"] for s in standing] == [False, True]
+        assert "connection" in standing[0]["cause"]
+        assert swarm.health() == []  # the replica covers every expert: nothing stops a forward
+
+        port = int(addresses[0].rsplit(":", 1)[1])
+        workers([list(range(8))], ports=[port])  # back on the same address, same experts
+        deadline = time.monotonic() + 30
+        while not swarm.standing()[0]["up"] and time.monotonic() < deadline:
+            swarm.health()  # probes a down holder once its backoff has run out
+            time.sleep(0.2)
+        assert swarm.standing()[0]["up"] is True and swarm.resilience()["readmissions"] == 1
+        swarm.reset_accounting()
+        assert _generate(swarm, reference).bit_identical is True
+        assert addresses[0] in swarm.accounting()["worker_rtt_ms_mean"]  # its experts are served by it again
+
+
+def test_without_a_replica_the_error_names_worker_layer_and_experts(qwen2_moe, workers, reference):
+    processes, addresses = workers(split_experts(8, 2))
+    with open_swarm(qwen2_moe, addresses) as swarm:
+        processes[1].kill()
+        processes[1].wait()
+        with pytest.raises(ExpertsUnavailable) as caught:
+            _generate(swarm, reference)
+        message = str(caught.value)
+        assert "\n" not in message
+        assert message.startswith(f"worker {addresses[1]}: ")
+        assert caught.value.experts and set(caught.value.experts) <= {4, 5, 6, 7}
+        assert f"layer {caught.value.layer} experts " in message and "have no other usable holder" in message
+        assert any("no usable worker holds" in line for line in swarm.health())
+
+
+def test_stalled_worker_misses_its_deadline_and_its_share_moves(qwen2_moe, workers, reference):
+    processes, addresses = workers(replicated_split(8, 2))
+    with open_swarm(qwen2_moe, addresses, reply_timeout_s=1.0, hedge=False) as swarm:
+        swarm.interpose(lambda d: AtCall(d, 10, lambda: os.kill(processes[1].pid, signal.SIGSTOP)))
+        started = time.monotonic()
+        result = _generate(swarm, reference)
+        elapsed = time.monotonic() - started
+        os.kill(processes[1].pid, signal.SIGCONT)
+        assert result.bit_identical is True
+        stats = swarm.resilience()
+        assert stats["deadline_misses"] == 1 and stats["failovers"] >= 1
+        assert "deadline of 1 s" in swarm.standing()[1]["cause"]
+        assert elapsed < 20  # one 1 s deadline, not 120 s
+
+
+# -- hedging: a fake worker over TCP that stalls 1 call in 5 for 1 s ---------------------------
+
+
+def _slow_every(n: int, seconds: float):
+    from test_dispatcher import honest_reply
+
+    def reply(worker, conn, frame):
+        if worker.dispatches % n == 0:
+            time.sleep(seconds)
+        honest_reply(worker, conn, frame)
+
+    return reply
+
+
+@pytest.mark.parametrize("hedge", [True, False])
+def test_hedging_cuts_the_tail_of_a_slow_worker(hedge):
+    import torch
+    from test_dispatcher import E, FakeWorker, _routing, reference as eager_sum, tcp_dispatcher
+
+    from moeswarm.dispatch.health import DeadlinePolicy
+
+    slow, fast = FakeWorker(list(range(E)), _slow_every(5, 1.0)), FakeWorker(list(range(E)))
+    policy = DeadlinePolicy(floor_s=3.0, min_samples=4, hedge_min_samples=4, hedge=hedge)
+    dispatcher = tcp_dispatcher([slow, fast], policy=policy)
+    try:
+        for call in range(16):
+            hidden, index, weights = _routing(3, 100 + call)
+            out = dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+            assert torch.equal(out, eager_sum(hidden, index, weights))
+        seconds = [c.seconds for c in dispatcher.accounting.calls]
+        stats = dispatcher.stats
+        assert stats.takedowns == 0 and stats.failovers == 0  # slow is not failed: 1 s is within its 3 s floor
+        if hedge:
+            assert stats.hedges >= 1 and stats.hedge_wins >= 1
+            assert max(seconds[4:]) < 0.5  # every stall after the warm-up was hedged away
+        else:
+            assert stats.hedges == 0 and max(seconds) >= 1.0
+    finally:
+        dispatcher.close()
+        slow.close()
+        fast.close()

@@ -1,0 +1,120 @@
+"""Spot checks against lying workers over TCP: caught, banned, and the lie never reaches the output
+when the share it sat in was checked.
+
+Fake workers (threads on 127.0.0.1, real TCP) compute the stand-in experts of test_dispatcher;
+the lying one corrupts its RESULT. One test runs real worker processes of a tiny model through a
+whole generation with a lying link in front of one of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_dispatcher import E, FakeWorker, _routing, answer, reference, tcp_dispatcher
+
+from moeswarm.dispatch.errors import ExpertsUnavailable
+from moeswarm.dispatch.spot_check import SpotCheckPolicy
+from moeswarm.wire.config import CombineMode, WireConfig
+from moeswarm.wire.messages import Dispatch
+from moeswarm.wire.stream import send_frame
+
+ALL = list(range(E))
+
+
+def lying(how: str, rate: float = 0.01, seed: int = 0):
+    rng = torch.Generator().manual_seed(seed)
+
+    def reply(worker, conn, frame):
+        result = answer(Dispatch.from_frame(frame))
+        outputs = result.outputs.clone()  # [n, d]
+        if how == "zeros":
+            outputs.zero_()
+        else:
+            rows = torch.rand(outputs.shape[0], generator=rng) < rate
+            outputs[rows] += 1e-3 * torch.randn(outputs[rows].shape, generator=rng)
+        result.outputs.copy_(outputs)
+        send_frame(conn, result.to_frame(frame.request_id))
+
+    return reply
+
+
+@pytest.fixture
+def holders():
+    made = []
+
+    def make(*behaviours):
+        made.extend(FakeWorker(ALL, b) if b else FakeWorker(ALL) for b in behaviours)
+        return made[-len(behaviours):]
+
+    yield make
+    for worker in made:
+        worker.close()
+
+
+def test_a_worker_returning_zeros_is_banned_and_never_reaches_the_output(holders):
+    liar, a, b = holders(lying("zeros"), None, None)
+    dispatcher = tcp_dispatcher([liar, a, b], spot_checks=SpotCheckPolicy(1.0, seed=1))
+    for call in range(6):
+        hidden, index, weights = _routing(6, 50 + call)
+        out = dispatcher.combine(dispatcher.dispatch(call % 2, hidden, index, weights))
+        assert torch.equal(out, reference(hidden, index, weights))  # every share checked: the lie is replaced
+    assert [h.banned for h in dispatcher.holders] == [True, False, False]
+    assert "failed a spot check at layer 0" in dispatcher.holders[0].cause
+    assert dispatcher.stats.bans == 1 and dispatcher.stats.check_failures == 1
+    dispatcher.close()
+
+
+def test_noise_on_one_percent_of_rows_is_caught_at_five_percent_sampling(holders):
+    liar, a, b = holders(lying("noise", 0.01, seed=3), None, None)
+    dispatcher = tcp_dispatcher([liar, a, b], spot_checks=SpotCheckPolicy(0.05, seed=4))
+    steps = 0
+    while not dispatcher.holders[0].banned and steps < 200:
+        steps += 1
+        for layer in (0, 1):  # a step: every MoE layer once, 64 tokens (a batched decode step)
+            hidden, index, weights = _routing(64, 1000 * steps + layer)
+            dispatcher.combine(dispatcher.dispatch(layer, hidden, index, weights))
+    assert dispatcher.holders[0].banned and steps < 200
+    assert not dispatcher.holders[1].banned and not dispatcher.holders[2].banned
+    dispatcher.close()
+
+
+def test_honest_holders_are_never_banned_in_exact_and_lossy_modes(holders):
+    a, b = holders(None, None)
+    for wire in (WireConfig(), WireConfig(CombineMode.PARTIAL, "int8-b128", "int8-b128")):
+        dispatcher = tcp_dispatcher([a, b], wire=wire, spot_checks=SpotCheckPolicy(1.0, seed=5))
+        for call in range(10):
+            hidden, index, weights = _routing(8, 60 + call)
+            out = dispatcher.combine(dispatcher.dispatch(call % 2, hidden, index, weights))
+            torch.testing.assert_close(out, reference(hidden, index, weights), rtol=0.05, atol=0.05)
+        assert dispatcher.stats.checks >= 10 and dispatcher.stats.check_failures == 0 and dispatcher.stats.bans == 0
+        dispatcher.close()
+
+
+def test_two_holders_that_disagree_with_no_third_are_both_banned(holders):
+    """Nobody can tell which one lied: neither is trusted again, and the call says so."""
+    liar, honest = holders(lying("zeros"), None)
+    dispatcher = tcp_dispatcher([liar, honest], spot_checks=SpotCheckPolicy(1.0, seed=6))
+    hidden, index, weights = _routing(6, 70)
+    with pytest.raises(ExpertsUnavailable, match="have no other usable holder"):
+        dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+    assert [h.banned for h in dispatcher.holders] == [True, True]
+    dispatcher.close()
+
+
+def test_a_lying_link_to_a_real_worker_is_caught_in_a_generation(qwen2_moe):
+    """Real worker processes of the tiny model: one link lies (zeros); checks at 100 %: the
+    generation stays bit-identical to local, the liar is banned, the honest links are not."""
+    from moeswarm.bench.lying import LyingLink
+    from moeswarm.generation.loop import generate
+    from moeswarm.generation.stepper import Stepper
+    from moeswarm.local_workers import local_workers
+    from moeswarm.model.loading import load_local
+    from moeswarm.swarm import open_swarm
+
+    with local_workers(qwen2_moe, [list(range(8))] * 2) as addresses, open_swarm(
+            qwen2_moe, [addresses[0], *addresses], spot_check=1.0, spot_check_seed=7,
+            wrap_link=lambda i, link: LyingLink(link) if i == 0 else link) as swarm:
+        result = generate(Stepper(swarm.model), [72, 105, 33], 6, 0, Stepper(load_local(qwen2_moe)))
+        assert result.bit_identical is True
+        assert [s["banned"] for s in swarm.standing()] == [True, False, False]
+        assert swarm.resilience()["bans"] == 1
