@@ -31,6 +31,7 @@ import time
 # Must be set before torch initialises OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
+from moeswarm.progress import progress  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from pymoe import corpus  # noqa: E402
@@ -169,7 +170,7 @@ def main() -> None:
     tokens_trained = 0
     t_train = time.time()
     stopped_early = False
-    for step in range(args.steps):
+    for step in progress(range(args.steps), desc="training", unit="step"):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         starts = torch.randint(0, n_windows, (args.batch,), generator=gen)

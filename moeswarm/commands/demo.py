@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from moeswarm.commands._setup import add_quiet
 from moeswarm.commands._types import non_negative, positive, prompt_text
 
 
@@ -16,9 +17,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculate", type=non_negative, default=0, metavar="K",
                         help="draft up to K tokens per step by n-gram lookup (0: off)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_quiet(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from moeswarm.commands._setup import quiet_progress
+
+    quiet_progress(args)
     from moeswarm.bundled import DEMO_PROMPT, demo_model
     from moeswarm.commands._setup import set_threads
     from moeswarm.errors import MoeSwarmError

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from moeswarm.commands._types import non_negative, positive, prompt_file, prompt_text, seed, stop_string, temperature, top_p
+from moeswarm.commands._setup import add_quiet
+from moeswarm.commands._types import fraction, non_negative, positive, prompt_file, prompt_text, seconds, seed, stop_string, temperature, top_p
 from moeswarm.commands._tls import add_swarm_key, client_tls
-from moeswarm.dispatch.health import fraction_flag, reply_timeout_flag
 from moeswarm.transport import FANOUTS
 from moeswarm.wire.config import COMBINE_MODES, PRESETS
 
@@ -48,17 +48,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wire-combine", default=None, help="codec for the experts' outputs (default: the preset's)")
     parser.add_argument("--threads", type=positive, default=None,
                         help="torch CPU threads for the backbone (default: this machine's cores shared among the moeswarm processes on it)")
-    parser.add_argument("--reply-timeout", type=reply_timeout_flag, default=120.0, metavar="SECONDS",
+    parser.add_argument("--reply-timeout", type=seconds, default=120.0, metavar="SECONDS",
                         help="the most any worker's reply is awaited; measured deadlines are shorter (docs/failover.md)")
     parser.add_argument("--no-hedge", action="store_true",
                         help="never send a late share's duplicate to a replica of its experts")
-    parser.add_argument("--spot-check", type=fraction_flag, default=0.0, metavar="FRACTION",
+    parser.add_argument("--spot-check", type=fraction, default=0.0, metavar="FRACTION",
                         help="recompute this fraction of remote answers on another holder; ban a liar (0: off)")
     add_swarm_key(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_quiet(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from moeswarm.commands._setup import quiet_progress
+
+    quiet_progress(args)
     from moeswarm.commands._setup import set_threads
     from moeswarm.generation.run import GenerationRequest, check_request, run_generation, summary_lines
     from moeswarm.generation.sampling import SamplingParams

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from moeswarm.commands._setup import add_quiet
 from moeswarm.commands._tls import add_swarm_key, client_tls
-from moeswarm.commands._types import non_negative, positive
-from moeswarm.dispatch.health import fraction_flag, reply_timeout_flag
+from moeswarm.commands._types import fraction, non_negative, port, positive, seconds
 from moeswarm.transport import FANOUTS
 from moeswarm.wire.config import COMBINE_MODES, PRESETS
 
@@ -41,10 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prefill-chunk", type=positive, default=64, help="most prompt tokens a request feeds per step")
     add("--step-tokens", type=positive, default=256, help="token budget of a step: decode tokens first, then prompt chunks")
     add("--cache-slots", type=non_negative, default=8, help="finished requests' KV caches kept for prefix reuse (0: off)")
-    add("--reply-timeout", type=reply_timeout_flag, default=120.0, metavar="SECONDS",
+    add("--reply-timeout", type=seconds, default=120.0, metavar="SECONDS",
         help="the most any worker's reply is awaited; measured deadlines are shorter (docs/failover.md)")
     add("--no-hedge", action="store_true", help="never send a late share's duplicate to a replica of its experts")
-    add("--spot-check", type=fraction_flag, default=0.0, metavar="FRACTION",
+    add("--spot-check", type=fraction, default=0.0, metavar="FRACTION",
         help="recompute this fraction of remote answers on another holder; ban a liar (0: off)")
     add_swarm_key(parser)
     add("--check-local", action="store_true",
@@ -53,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--threads", type=positive, default=None, help="torch CPU threads (default: this machine's cores shared among the moeswarm processes on it)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")
     _defaults_from_environment(parser)
+    add_quiet(parser)
 
 
 def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +72,9 @@ def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moeswarm.commands._setup import quiet_progress
+
+    quiet_progress(args)
     import threading
 
     import uvicorn
@@ -128,7 +132,7 @@ def _model_name(path) -> str:
 
 
 def _port(text: str) -> int:
-    value = non_negative(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port from 1 to 65535, got {value}")
+    value = port(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("give the port to listen on (1 to 65535): clients need to know it")
     return value

@@ -7,8 +7,9 @@ import asyncio
 import logging
 import signal
 
+from moeswarm.commands._setup import add_quiet
 from moeswarm.commands._tls import add_swarm_key, server_tls
-from moeswarm.commands._types import positive
+from moeswarm.commands._types import port, positive, seconds
 from moeswarm.ids import parse_experts, parse_range
 
 
@@ -19,13 +20,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: what the model source holds: every expert, or a slice file's)")
     parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=_port, default=0, help="TCP port (0: pick a free one and print it)")
+    parser.add_argument("--port", type=port, default=0, help="TCP port (0: pick a free one and print it)")
     add_swarm_key(parser)
     _add_limits(parser)
     parser.add_argument("--threads", type=positive, default=None,
                         help="torch CPU threads (default: this machine's cores shared among the moeswarm processes on it)")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="least severe log records printed on stderr")
+    add_quiet(parser)
 
 
 def _add_limits(parser: argparse.ArgumentParser) -> None:
@@ -51,11 +53,11 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
     add("--hello-max-bytes", type=positive, default=d.hello_max_bytes,
         help=f"largest frame body before a successful HELLO; a larger one closes the connection "
              f"(default {d.hello_max_bytes})")
-    add("--hello-timeout", type=_seconds, default=d.hello_timeout_s,
+    add("--hello-timeout", type=seconds, default=d.hello_timeout_s,
         help=f"seconds from connecting to a successful HELLO (default {d.hello_timeout_s:g})")
-    add("--frame-timeout", type=_seconds, default=d.frame_timeout_s,
+    add("--frame-timeout", type=seconds, default=d.frame_timeout_s,
         help=f"seconds for a frame's header and body once its first byte arrived (default {d.frame_timeout_s:g})")
-    add("--idle-timeout", type=_seconds, default=d.idle_timeout_s,
+    add("--idle-timeout", type=seconds, default=d.idle_timeout_s,
         help=f"seconds a connection may send no request, or take none of its replies, before it is closed "
              f"(default {d.idle_timeout_s:g})")
     add("--max-unsent-bytes", type=positive, default=d.max_unsent_bytes,
@@ -75,15 +77,6 @@ def limits_from(args: argparse.Namespace):
         idle_timeout_s=args.idle_timeout, max_unsent_bytes=args.max_unsent_bytes,
     )
 
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
 
 
 def expert_list(text: str) -> list[int]:
@@ -105,6 +98,9 @@ def _range(what: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    from moeswarm.commands._setup import quiet_progress
+
+    quiet_progress(args)
     from moeswarm.worker.listen import check_can_listen, raise_open_files_limit
 
     check_can_listen(args.host, args.port)  # a busy port is found now, before torch and the experts load
@@ -139,12 +135,3 @@ def run(args: argparse.Namespace) -> int:
     asyncio.run(main())
     return 0
 
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
-    return value

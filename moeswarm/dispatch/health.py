@@ -107,28 +107,3 @@ class Holder:
     def ban(self, cause: str) -> None:
         self.banned, self.cause = True, cause
 
-
-def reply_timeout_flag(text: str) -> float:
-    """`--reply-timeout SECONDS`: a number of seconds above 0 (argparse type; no torch import)."""
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
-    return value
-
-
-def fraction_flag(text: str) -> float:
-    """`--spot-check FRACTION`: a number from 0 to 1 (argparse type)."""
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, got {text!r}") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
-    return value
