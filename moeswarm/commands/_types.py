@@ -96,21 +96,15 @@ def _number(text: str) -> float:
 
 def seconds(text: str) -> float:
     """A positive, finite number of seconds (timeouts, deadlines)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
+    value = _number(text)
+    if not 0 < value < float("inf"):  # nan fails too
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
 
 def fraction(text: str) -> float:
     """A number from 0 to 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, got {text!r}") from None
+    value = _number(text)
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
     return value
@@ -118,10 +112,7 @@ def fraction(text: str) -> float:
 
 def port(text: str) -> int:
     """A TCP port, 0 to 65535 (0: any free one)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
+    value = non_negative(text)
+    if value > 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
     return value

@@ -16,7 +16,7 @@ Legend: t_i = tokens of sequence i in the step, T = sum t_i, k = top-k, d = hidd
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +32,7 @@ class _Call:
     top_k_weights: torch.Tensor  # [t_i, k]
     output: torch.Tensor | None = None  # [t_i, d]
     error: MoeSwarmError | None = None
-    done: bool = field(default=False)
+    done: bool = False
 
 
 class StepBatcher:
@@ -45,7 +45,6 @@ class StepBatcher:
         self._running = 0  # forwards of this step that have not ended
         self._waiting: list[_Call] = []
         self._slot = threading.local()
-        self.layer_calls = 0  # inner dispatches made (a failed batch retried alone counts each retry)
 
     def begin(self, forwards: int) -> None:
         """A step starts with `forwards` forwards; each calls `enter(order)` in its thread and `leave()` at its end."""
@@ -121,7 +120,6 @@ class StepBatcher:
         hidden = torch.cat([c.hidden for c in calls])  # [T, d]
         index = torch.cat([c.top_k_index for c in calls])  # [T, k]
         weights = torch.cat([c.top_k_weights for c in calls])  # [T, k]
-        self.layer_calls += 1
         if self.on_routing is not None:
             self.on_routing(calls[0].layer, index)
         out = self.inner.combine(self.inner.dispatch(calls[0].layer, hidden, index, weights))  # [T, d]

@@ -143,16 +143,15 @@ class Engine:
         self.metrics.active.set(len(self._active))
 
     def _start(self, job: Job) -> Sequence:
-        speculate = self.config.speculate if job.speculate is None else job.speculate
+        speculate = self.config.speculate if job.speculate is None else min(job.speculate, self.config.speculate)
         reused, caches = self.prefix_cache.take(job.prompt)
         stepper = Stepper(self.swarm.model)
         reference = Stepper(self.reference) if self.reference is not None else None
         if caches is not None:
-            stepper.cache, stepper_ref_cache = caches
-            stepper.crop(reused)
-            if reference is not None:
-                reference.cache = stepper_ref_cache
-                reference.crop(reused)
+            for taker, cache in zip((stepper, reference), caches):
+                if taker is not None:
+                    taker.cache = cache
+                    taker.crop(reused)
         (self.metrics.prefix_hits if reused else self.metrics.prefix_misses).inc()
         self.metrics.prompt_tokens.inc(len(job.prompt))
         self.metrics.cached_prompt_tokens.inc(reused)

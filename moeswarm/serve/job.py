@@ -46,6 +46,6 @@ class Job:
     params: SamplingParams
     emit: Callable[[Event], None]
     stops: tuple[str, ...] = ()
-    speculate: int | None = None  # most drafts per step; None: the engine's default
+    speculate: int | None = None  # most drafts per step, capped by the engine's --speculate; None: that cap
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
