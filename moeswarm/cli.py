@@ -37,6 +37,13 @@ COMMANDS: dict[str, str] = {
     "info": "describe a model: family, layers, experts, sizes, tensor types, and an --experts split",
     "keygen": "make a swarm key: mutual TLS between the backbones and workers that hold it",
     "ping": "ask running workers what they serve (model, layers, experts) and time their PING round trip",
+    "relay": "splice backbones to workers that cannot be dialled (behind NAT); TLS stays end to end",
+    "profile": "count a model's routing over calibration prompts: a profile for --local-experts",
+    "plan": "place experts on workers by capacity and RTT from a routing profile: hot near, co-selected together",
+    "dht": "a standing DHT node where workers announce themselves and backbones find them (--swarm)",
+    "manifest": "hash a GGUF model's pieces: the manifest its owner publishes for fetch-slice",
+    "seed": "serve byte ranges of a model file to workers fetching their slice (fetch-slice)",
+    "fetch-slice": "fetch just some experts' bytes from a seeder, checked against the owner's manifest, into a slice file",
 }
 
 

@@ -7,7 +7,7 @@ methods for accounting and configuration, never the dispatcher's insides.
 from __future__ import annotations
 
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from transformers import PreTrainedModel
 
@@ -15,26 +15,31 @@ from moeswarm.dispatch.accounting import LayerCall
 from moeswarm.dispatch.dispatcher import REPLY_TIMEOUT_S, Dispatcher
 from moeswarm.dispatch.health import DeadlinePolicy
 from moeswarm.dispatch.spot_check import SpotCheckPolicy
-from moeswarm.errors import MoeSwarmError, WorkerError
-from moeswarm.ids import WorkerId, format_ids
-from moeswarm.model.backend import attach
+from moeswarm.errors import MoeSwarmError
+from moeswarm.ids import WorkerId
+from moeswarm.model.backend import attach, set_overlap
 from moeswarm.model.experts import experts_modules, num_experts_of
-from moeswarm.model.loading import load_backbone, load_experts
+from moeswarm.model.loading import load_backbone
 from moeswarm.model.source import ModelSource
+from moeswarm.net.discovery_follow import DiscoveryOptions
+from moeswarm.net.discovery_members import Following, check_holder, follow_swarm, open_dht
+from moeswarm.net.path import worker_link
+from moeswarm.placement.profile import RoutingStats
 from moeswarm.placement.table import build_table
 from moeswarm.transport.link import WorkerLink
-from moeswarm.transport.local import LocalLink
-from moeswarm.transport.tcp import TcpLink
+from moeswarm.transport.local import LocalLink, hold_local
 from moeswarm.wire.config import EXACT, WireConfig
 from moeswarm.worker.store import ExpertStore
 
 
 class Swarm:
-    def __init__(self, model: PreTrainedModel, source: ModelSource, dispatcher: Dispatcher, moe_layers: list[int]):
+    def __init__(self, model: PreTrainedModel, source: ModelSource, dispatcher: Dispatcher, moe_layers: list[int],
+                 following: Following | None = None):
         self.model = model
         self.source = source
         self.moe_layers = moe_layers
         self._dispatcher = dispatcher
+        self._following = following  # --swarm: the DHT node and the thread following joins and leaves
 
     def __enter__(self) -> "Swarm":
         return self
@@ -87,6 +92,28 @@ class Swarm:
         self._dispatcher.readmit(due_only=False)
         return [s["worker"] for s in self._dispatcher.standing() if not s["up"] or s["banned"]]
 
+    @property
+    def local_store(self) -> ExpertStore | None:
+        """The experts held in this process (`local_experts`), or None when there are none."""
+        for link in self._dispatcher.links:
+            if isinstance(link, LocalLink):
+                return link.store
+        return None
+
+    def local_held(self) -> dict[int, tuple[int, ...]]:
+        """{MoE layer: the experts held in this process, ascending} ({} when none)."""
+        store = self.local_store
+        return store.held if store is not None else {}
+
+    def set_overlap(self, enabled: bool) -> int:
+        """Compute each block's shared expert while its layer's trip is in flight (the default), or
+        where the block calls it; returns how many blocks have one (model/overlap.py)."""
+        return set_overlap(self.model, enabled)
+
+    def routing_stats(self) -> RoutingStats:
+        """Live routing counts since the swarm opened: per (layer, expert) and per pair chosen together."""
+        return self._dispatcher.routing
+
     def ping(self, worker: int = 0, timeout_s: float = 10.0) -> float:
         return self._dispatcher.links[worker].ping(timeout_s)
 
@@ -110,40 +137,72 @@ class Swarm:
         """
         return self._dispatcher.health(self.moe_layers, timeout_s)
 
+    def members(self) -> list[str]:
+        """The addresses of the holders in the swarm now (`workers` also lists those that left)."""
+        return [link.address for link in self._dispatcher.members()]
+
     def close(self) -> None:
+        if self._following is not None:
+            self._following.close()
         self._dispatcher.close()
 
 
 def open_swarm(model_path, workers: Sequence[str], wire: WireConfig = EXACT, fanout: str = "star",
-               local_experts: Sequence[int] | None = None, reply_timeout_s: float = REPLY_TIMEOUT_S,
+               local_experts: Sequence[int] | Mapping[int, Sequence[int]] | None = None,
+               reply_timeout_s: float = REPLY_TIMEOUT_S,
                hedge: bool = True, spot_check: float = 0.0, spot_check_seed: int | None = None,
-               wrap_link: Callable[[int, WorkerLink], WorkerLink] | None = None, tls: ssl.SSLContext | None = None) -> Swarm:
+               wrap_link: Callable[[int, WorkerLink], WorkerLink] | None = None, tls: ssl.SSLContext | None = None,
+               discovery: DiscoveryOptions | None = None) -> Swarm:
     """Load the backbone of `model_path`, connect to `workers` (HOST:PORT), and attach the hook.
 
-    local_experts: experts (of every MoE layer) to hold in this process, through the same link
-    interface as a worker; the chooser prefers them over a remote copy, and spot checks trust them.
+    local_experts: experts to hold in this process, through the same link interface as a worker:
+    the same ids for every MoE layer, or {layer: experts} (hot sets from a routing profile); the
+    chooser prefers them over a remote copy, and spot checks trust them.
     reply_timeout_s: the cap on any holder's deadline (docs/failover.md).
     hedge: send a late share's duplicate to a replica when one holds its experts.
     spot_check: the fraction of remote answers recomputed by another holder.
     wrap_link: (index in `workers`, link) -> the link to use (fault injection in benchmarks).
     tls: the swarm key's client context (transport/tls.py): mutual TLS to every worker; None: plain TCP.
+    discovery: find the workers on the swarm's DHT instead (`workers` empty), and follow their joins
+    and leaves while the swarm is open (net/discovery_follow.py).
     """
-    if not workers and not local_experts:
-        raise MoeSwarmError("no workers given: pass --workers HOST:PORT[,HOST:PORT...]")
+    if discovery is not None and workers:
+        raise MoeSwarmError("give the workers either as a list (--workers) or through the swarm (--swarm), not both")
+    if discovery is None and not workers and not local_experts:
+        raise MoeSwarmError("no workers given: pass --workers HOST:PORT[,HOST:PORT...] or --swarm PEERS")
+    following = open_dht(discovery) if discovery is not None else None  # before the backbone: a bad peer fails fast
+    try:
+        return _open(model_path, workers, wire, fanout, local_experts, reply_timeout_s, hedge, spot_check,
+                     spot_check_seed, wrap_link, tls, discovery, following)
+    except BaseException:
+        if following is not None:
+            following.close()
+        raise
+
+
+def _open(model_path, workers, wire, fanout, local_experts, reply_timeout_s, hedge, spot_check, spot_check_seed,
+          wrap_link, tls, discovery, following) -> Swarm:
     model, source = load_backbone(model_path)
     num_experts, hidden_size = num_experts_of(model), model.config.hidden_size
     links: list[WorkerLink] = []
-    if local_experts:
-        hosted, _, _ = load_experts(source, local_experts, None)
-        links.append(LocalLink(ExpertStore(hosted, num_experts, hidden_size), model.config.model_type))
-    remote: list[WorkerLink] = [TcpLink(address, tls) for address in workers]
+    local = hold_local(source, local_experts, list(experts_modules(model)), num_experts, hidden_size)
+    if local is not None:
+        links.append(LocalLink(local, model.config.model_type))
+    chosen = [worker_link(spec, tls=tls) for spec in workers]  # (path kind, link): net/path.py's policy
+    remote: list[WorkerLink] = [link for _, link in chosen]
     links += [wrap_link(i, link) for i, link in enumerate(remote)] if wrap_link else remote
     layers = list(experts_modules(model))
     policy = DeadlinePolicy(cap_s=reply_timeout_s, hedge=hedge)
-    dispatcher = connect(links, source.fingerprint, num_experts, hidden_size, layers, wire, fanout, policy,
-                         SpotCheckPolicy(spot_check, spot_check_seed))
+    spot_checks = SpotCheckPolicy(spot_check, spot_check_seed)
+    if following is None:
+        dispatcher = connect(links, source.fingerprint, num_experts, hidden_size, layers, wire, fanout, policy, spot_checks)
+    else:
+        dispatcher = follow_swarm(following, discovery, links, source.fingerprint, num_experts, hidden_size, layers,
+                                  tls, wire=wire, fanout=fanout, policy=policy, spot_checks=spot_checks)
+    dispatcher.routing = RoutingStats(num_experts, source.fingerprint, model.config.model_type)
+    dispatcher.accounting.paths = {link.address: kind for kind, link in chosen}
     attach(model, dispatcher)
-    return Swarm(model, source, dispatcher, layers)
+    return Swarm(model, source, dispatcher, layers, following)
 
 
 def connect(links: Sequence[WorkerLink], fingerprint: str, num_experts: int, hidden_size: int, layers: Sequence[int],
@@ -152,14 +211,8 @@ def connect(links: Sequence[WorkerLink], fingerprint: str, num_experts: int, hid
     """Connect every link, place the experts they announce, and check `layers` are covered."""
     try:
         for link in links:
-            info = link.connect(fingerprint)
-            if info.num_experts != num_experts or info.hidden_size != hidden_size:
-                raise WorkerError(link.address, f"announces {info.num_experts} experts of width {info.hidden_size}, "
-                                                f"the model has {num_experts} of width {hidden_size}")
-            strays = sorted(set(info.held) - set(layers))
-            if strays:
-                raise WorkerError(link.address, f"announces experts of layers {strays[:8]}, which are not MoE layers "
-                                                f"of this model (MoE layers: {format_ids(sorted(layers))})")
+            link.connect(fingerprint)
+            check_holder(link, num_experts, hidden_size, layers)
         table = build_table({WorkerId(i): link.info.held for i, link in enumerate(links)}, num_experts)
         dispatcher = Dispatcher(links, table, wire, fanout, policy=policy, spot_checks=spot_checks)
         dispatcher.check_covers(layers)

@@ -80,11 +80,12 @@ def test_bad_flag_values_are_one_line():
         "(see moeswarm worker --help)")
     assert _error("worker", "--model", "x", "--port", "70000") == (
         "moeswarm worker: error: argument --port: a port is 0 to 65535, got 70000 (see moeswarm worker --help)")
-    assert _error("generate", "--model", "x") == (
-        "moeswarm generate: error: the following arguments are required: --workers (see moeswarm generate --help)")
+    assert _error("generate", "--model", "x", "--prompt", "a") == (
+        "moeswarm generate: error: give --workers HOST:PORT[,...] or --swarm PEERS (the multiaddr of a worker on the swarm)")
     assert _error("nosuch") == (
         "moeswarm: error: argument COMMAND: invalid choice: 'nosuch' (choose from 'demo', 'worker', 'generate', "
-        "'serve', 'gate', 'bench', 'make-model', 'slice', 'wan', 'info', 'keygen', 'ping') (see moeswarm --help)")
+        "'serve', 'gate', 'bench', 'make-model', 'slice', 'wan', 'info', 'keygen', 'ping', 'relay', 'profile', 'plan', "
+            "'dht', 'manifest', 'seed', 'fetch-slice') (see moeswarm --help)")
 
 
 def test_debug_shows_the_traceback(tmp_path):

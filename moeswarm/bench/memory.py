@@ -25,6 +25,8 @@ if kind.startswith("worker:"):
 else:
     params = list((load_backbone(path)[0] if kind == "backbone" else load_local(path)).parameters())
 real = sum(p.numel() * p.element_size() for p in params if not p.is_meta)
+if kind.startswith("worker:"):  # GGUF experts kept in the file's blocks (weights/quant_experts.py) hold no parameters
+    real += sum(getattr(layer.module, "nbytes", 0) for layer in hosted.values())
 print(json.dumps({"rss_before": before, "rss_after": psutil.Process().memory_info().rss,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "param_bytes": real}))
 """

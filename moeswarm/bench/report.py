@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from moeswarm.bench import report_text
+from moeswarm.bench import report_text, wan_drafts_report, wan_local_report, wan_placement_report
 from moeswarm.bundled import REPO
 
 DOCS = REPO / "docs"
@@ -73,6 +73,8 @@ def tables(result: dict) -> dict[str, str]:
 
 
 def label(row: dict) -> str:
+    if "label" in row:  # a registered scenario's rows name themselves
+        return row["label"]
     if row["scenario"] == "petals":
         return f"{row['rtt_ms']:g} ms, {_bandwidth(row['bandwidth_bps'])}, {row['wire']}"
     if row["scenario"] == "fanout":
@@ -85,6 +87,12 @@ def print_tables(result: dict) -> None:
     print(f"model {meta['model']} ({meta['model_type']}, {meta['moe_layers']} MoE layers), {meta['workers']} workers, "
           f"{meta['seconds']:.0f} s")
     for name, table in tables(result).items():
+        print(f"\n## {name}\n{table}")
+    for name, table in wan_local_report.tables(result["rows"]).items():
+        print(f"\n## {name}\n{table}")
+    for name, table in wan_drafts_report.tables(result["rows"]).items():
+        print(f"\n## {name}\n{table}")
+    for name, table in wan_placement_report.tables(result["rows"]).items():
         print(f"\n## {name}\n{table}")
 
 
@@ -172,11 +180,31 @@ def _save(figure, path: Path) -> str:
 def write_report(result: dict, docs: Path = DOCS) -> Path:
     out_dir = docs / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
+    result = merged(result, out_dir / "wan.json")
     (out_dir / "wan.json").write_text(json.dumps(result, indent=1) + "\n")
     plots(result, out_dir)
+    wan_local_report.plots(result["rows"], out_dir)
+    wan_drafts_report.plots(result["rows"], out_dir)
+    wan_placement_report.plots(result["rows"], out_dir)
     page = docs / "bench.md"
-    page.write_text(report_text.render(result, tables(result)))
+    page.write_text(report_text.render(result, tables(result)) + wan_local_report.section(result)
+                    + wan_drafts_report.section(result["rows"]) + wan_placement_report.section(result["rows"]))
     return page
+
+
+def merged(result: dict, saved: Path) -> dict:
+    """A run of some scenarios (`--scenarios`) over the saved rows: its rows replace those of the
+    scenarios it ran, the others' stay (each scenario's setup is in its own section)."""
+    ran = set(result["meta"].get("scenarios") or ())
+    if not saved.is_file() or not ran:
+        return result
+    old = json.loads(saved.read_text())
+    kept = [r for r in old["rows"] if r.get("group", r["scenario"]) not in ran]
+    if not kept:
+        return result
+    runs = {**old["meta"].get("runs", {}), **{name: result["meta"]["command"] for name in ran}}
+    meta = {**old["meta"], "runs": runs, "scenarios": sorted({r.get("group", r["scenario"]) for r in kept} | ran)}
+    return {"meta": meta, "rows": kept + result["rows"]}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import torch
 
@@ -200,8 +202,56 @@ def load_prompts(codec, max_tokens: int) -> dict[str, list[int]]:
     return {kind: codec.encode(text)[:max_tokens] for kind, text in texts.items()}
 
 
-def run_wan(model: str, quick: bool = False) -> dict:
-    """Run every scenario on `model`; returns {"meta": {...}, "rows": [...]}."""
+@dataclass
+class WanContext:
+    """What a scenario module gets (registered in SCENARIOS): the workers behind their WAN links."""
+
+    model: str
+    local_model: object  # the whole model, eager: the reference
+    codec: object  # model/tokenizer.py TextCodec
+    prompts: dict[str, list[int]]  # "repetitive" / "non_repetitive" token ids
+    addresses: list[str]  # the workers, direct
+    links: object  # wan_links.WanLinks: the same workers behind one proxy each
+    steps: int
+    repeats: int
+    new_tokens: int
+    quick: bool
+
+
+def _local_scenario(context: WanContext) -> list[dict]:
+    from moeswarm.bench.wan_local import run_local
+
+    return run_local(context)
+
+
+def _drafts_scenario(context: WanContext) -> list[dict]:
+    from moeswarm.bench.wan_drafts import run_drafts
+
+    return run_drafts(context)
+
+
+def _placement_scenario(context: WanContext) -> list[dict]:
+    from moeswarm.bench.wan_placement import run_placement
+
+    return run_placement(context)
+
+
+# Scenarios beyond the built-in three: name -> rows. One line each (wan_<name>.py holds the code).
+SCENARIOS: dict[str, Callable[[WanContext], list[dict]]] = {
+    "local": _local_scenario,
+    "drafts": _drafts_scenario,
+    "placement": _placement_scenario,
+}
+BUILT_IN = ("petals", "fanout", "speculation")
+
+
+def scenario_names() -> tuple[str, ...]:
+    return BUILT_IN + tuple(SCENARIOS)
+
+
+def run_wan(model: str, quick: bool = False, scenarios: Collection[str] | None = None) -> dict:
+    """Run the scenarios named (None: every one) on `model`; returns {"meta": {...}, "rows": [...]}."""
+    chosen = list(scenario_names()) if scenarios is None else [s for s in scenario_names() if s in scenarios]
     steps, repeats, new_tokens, widths = (3, 1, 8, (1, 8)) if quick else (8, 3, 24, (1, 16))
     local_model = load_local(model)
     config = local_model.config
@@ -212,20 +262,29 @@ def run_wan(model: str, quick: bool = False) -> dict:
     with local_workers(model, split_experts(num_experts_of(local_model), WORKERS)) as addresses, \
             wan_links(addresses, LinkProfile(rtt_s=PETALS_RTT_S[0])) as links:
         swarms: dict[str, Swarm] = {}
+        rows: list[dict] = []
         try:
             swarms["direct"] = open_swarm(model, addresses)
             swarms["star"] = open_swarm(model, links.addresses, fanout="star")
             swarms["chain"] = open_swarm(model, links.addresses, fanout="chain")
-            rows = petals(local_model, swarms, links, prompts["non_repetitive"], steps, repeats)
-            rows += fanout(swarms, links, prompts["non_repetitive"], steps, widths)
-            rows += speculation(swarms["star"], links, prompts, new_tokens, steps, codec.eos_token_id)
+            if "petals" in chosen:
+                rows += petals(local_model, swarms, links, prompts["non_repetitive"], steps, repeats)
+            if "fanout" in chosen:
+                rows += fanout(swarms, links, prompts["non_repetitive"], steps, widths)
+            if "speculation" in chosen:
+                rows += speculation(swarms["star"], links, prompts, new_tokens, steps, codec.eos_token_id)
+            context = WanContext(model, local_model, codec, prompts, addresses, links, steps, repeats, new_tokens, quick)
+            for name in chosen:
+                if name in SCENARIOS:
+                    links.set_all(rtt_s=PETALS_RTT_S[0], bandwidth_bps=None)  # each starts from the same links
+                    rows += [{**row, "group": name} for row in SCENARIOS[name](context)]
         finally:
             for swarm in swarms.values():
                 swarm.close()
         moe_layers = len(swarms["star"].moe_layers)
     meta = {"model": str(model), "model_type": config.model_type, "moe_layers": moe_layers,
             "hidden_size": config.hidden_size, "workers": WORKERS, "quick": quick, "tokenizer": codec.name,
-            "seconds": time.perf_counter() - started, "speculate": SPECULATE,
+            "seconds": time.perf_counter() - started, "speculate": SPECULATE, "scenarios": chosen,
             "prompts": {kind: len(ids) for kind, ids in prompts.items()},
             "steps_per_config": steps, "repeats": repeats, "new_tokens": new_tokens, **_machine(load_before)}
     return {"meta": meta, "rows": limit_line(rows)}

@@ -20,15 +20,15 @@ START_TIMEOUT_S = 120.0
 
 
 @contextlib.contextmanager
-def spawn_worker(model: str, experts: Sequence[int], extra_args: Sequence[str] = ()
-                 ) -> Iterator[tuple[tuple[str, int], subprocess.Popen]]:
+def spawn_worker(model: str, experts: Sequence[int], extra_args: Sequence[str] = (),
+                 start_timeout_s: float = START_TIMEOUT_S) -> Iterator[tuple[tuple[str, int], subprocess.Popen]]:
     """One `moeswarm worker` process (one torch thread) serving `experts`: yields ((host, port), process)."""
     command = [sys.executable, "-m", "moeswarm.cli", "worker", "--model", str(model), "--experts", format_ids(experts),
                "--port", "0", "--threads", "1", *extra_args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + start_timeout_s
         while True:
             line = process.stdout.readline()
             if not line:
@@ -37,7 +37,7 @@ def spawn_worker(model: str, experts: Sequence[int], extra_args: Sequence[str] =
                 host, port = line.split("listening on ", 1)[1].split()[0].rsplit(":", 1)
                 break
             if time.monotonic() > deadline:
-                raise MoeSwarmError(f"worker did not start within {START_TIMEOUT_S:.0f} s")
+                raise MoeSwarmError(f"worker did not start within {start_timeout_s:.0f} s")
         yield (host, int(port)), process
     finally:
         process.terminate()

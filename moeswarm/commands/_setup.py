@@ -43,9 +43,11 @@ def moeswarm_processes() -> int:
     import psutil
 
     others = 0
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = process.info.get("cmdline") or []
-        if process.info["pid"] != os.getpid() and any(
+    found = {p.info["pid"]: p.info for p in psutil.process_iter(["pid", "ppid", "cmdline"])}
+    for info in found.values():
+        cmdline = info.get("cmdline") or []
+        forked = found.get(info.get("ppid"), {}).get("cmdline") == cmdline  # a helper process (a DHT node): no torch work
+        if info["pid"] != os.getpid() and not forked and any(
                 os.path.basename(arg) == "moeswarm" or arg == "moeswarm.cli" for arg in cmdline[:3]):
             others += 1
     return others + 1
@@ -62,3 +64,17 @@ def quiet_progress(args) -> None:
     from moeswarm.progress import set_quiet
 
     set_quiet(getattr(args, "quiet", False))
+
+
+def add_backbone_dtype(parser) -> None:
+    """`--backbone-dtype`: a GGUF backbone's matrices in the file's encoding (file) or as float32 (f32)."""
+    parser.add_argument("--backbone-dtype", choices=("file", "f32"), default=None,
+                        help="GGUF files: keep non-expert matrices in the file's 16-bit or quantized encoding (file, "
+                             "the default; env MOESWARM_BACKBONE_DTYPE) or dequantize them to float32 (f32); the "
+                             "--check-local reference follows the same choice")
+
+
+def apply_backbone_dtype(args) -> None:
+    """Apply `--backbone-dtype` to this process (the backbone and its local reference are loaded after)."""
+    if getattr(args, "backbone_dtype", None):
+        os.environ["MOESWARM_BACKBONE_DTYPE"] = args.backbone_dtype

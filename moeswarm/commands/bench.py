@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from moeswarm.commands._setup import add_quiet
+from moeswarm.commands._types import positive
 
 JSON_HELP = "print JSON instead of text"
 
@@ -34,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wan = sub.add_parser("wan", help="decode steps/s with workers behind emulated WAN links (docs/bench.md)")
     wan.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     wan.add_argument("--quick", action="store_true", help="a reduced run, for smoke tests")
+    wan.add_argument("--scenarios", type=_scenarios, default=None, metavar="NAME[,NAME...]",
+                     help="run only these scenarios (default: every one; names: see docs/bench.md)")
     wan.add_argument("--json", action="store_true", help="print {meta, rows} as JSON: every measured row")
     wan.add_argument("--out-json", metavar="FILE", default=None, help="also write {meta, rows} to FILE")
     wan.add_argument("--report", action="store_true", help="write docs/bench.md and its plots under docs/bench/")
@@ -46,6 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--serve-threads", type=int, default=1, help="torch threads of the serve process")
     serve.add_argument("--json", action="store_true", help=JSON_HELP)
     serve.add_argument("--report", action="store_true", help="write docs/serve.md and its plot under docs/serve/")
+    from moeswarm.bench.worker_real_shapes import DEFAULT_MODELS, DEFAULT_TYPES, QUANT_TYPES, SHAPES
+
+    real = sub.add_parser("worker", help="one worker at real models' expert dimensions: start-up, RSS against hosted "
+                                         "quantized bytes, expert compute per token vs llama.cpp (docs/bench-worker.md)")
+    real.add_argument("--models", type=_names(*SHAPES), default=DEFAULT_MODELS,
+                      help=f"layer shapes, comma-separated: {', '.join(SHAPES)} (default: {','.join(DEFAULT_MODELS)})")
+    real.add_argument("--types", type=_names(*QUANT_TYPES), default=DEFAULT_TYPES,
+                      help=f"quantization types, comma-separated: {', '.join(QUANT_TYPES)} (default: {','.join(DEFAULT_TYPES)})")
+    real.add_argument("--threads", type=positive, default=1, help="threads of the worker and of llama.cpp (default 1)")
+    real.add_argument("--cache-dir", default=None, metavar="DIR",
+                      help="where the layer files are kept between runs (default ~/.cache/moeswarm/bench-worker)")
+    real.add_argument("--quick", action="store_true", help="a tiny layer (d 256, 8 experts), for smoke tests")
+    real.add_argument("--json", action="store_true", help="print {meta, rows} as JSON")
+    add_quiet(real)
     for bench in (loopback, memory, ping, wire, wan, serve):
         add_quiet(bench)
     fuzz = sub.add_parser("fuzz", help="fuzz a live worker: crashes, hangs, wrong replies, RSS (docs/protocol.md, Limits)")
@@ -66,6 +83,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     faults.add_argument("--seed", type=int, default=0, help="seed of the faults drawn (default 0)")
     faults.add_argument("--json", action="store_true", help=JSON_HELP)
+    relay = sub.add_parser("relay", help="time per layer call through a relay against direct, on loopback and at "
+                                         "50 ms RTT, TLS on both (docs/network.md)")
+    relay.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    relay.add_argument("--rtt-ms", type=float, default=50.0, help="the emulated WAN's round trip, both paths (default 50)")
+    relay.add_argument("--steps", type=int, default=16, help="decode steps per path per repeat (default 16)")
+    relay.add_argument("--repeats", type=int, default=3, help="alternating repeats (default 3)")
+    relay.add_argument("--json", action="store_true", help=JSON_HELP)
+    add_quiet(relay)
+    discovery = sub.add_parser("discovery", help="workers joining and leaving a swarm on hivemind's DHT: seconds from "
+                                                 "announcement to use, from kill or clean stop to drop (docs/discovery.md)")
+    discovery.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    discovery.add_argument("--rounds", type=int, default=3, help="joins followed by a kill, and by a clean stop (default 3)")
+    discovery.add_argument("--ttl", type=float, default=30.0, help="the workers' --announce-ttl in seconds (default 30)")
+    discovery.add_argument("--poll", type=float, default=2.0, help="the backbone's DHT poll interval in seconds (default 2)")
+    discovery.add_argument("--json", action="store_true", help=JSON_HELP)
+    federation = sub.add_parser("federation", help="aggregate decode tokens/s of 1, 2 and 4 backbones sharing 4 workers "
+                                                   "at 80 ms RTT, and the workers' merged calls (docs/federation.md)")
+    federation.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    federation.add_argument("--new-tokens", type=int, default=16, help="tokens each backbone generates (default 16)")
+    federation.add_argument("--wire", choices=("exact", "wan"), default="exact", help="wire preset (default exact)")
+    federation.add_argument("--json", action="store_true", help=JSON_HELP)
+    fetch = sub.add_parser("fetch-slice", help="fetch-slice throughput from a seeder on loopback and through a "
+                                               "100 Mbit/s emulated link (docs/slices.md)")
+    fetch.add_argument("--size-mb", type=float, default=64.0, help="expert bytes of the random GGUF model (default 64)")
+    fetch.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,6 +174,27 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_faults(args.model or str(demo_model()), args.generations, tuple(args.parts.split(",")), args.seed)
         print(json.dumps(result)) if args.json else print_report(result)
+    elif args.bench == "worker":
+        _run_worker(args)
+    elif args.bench == "relay":
+        from moeswarm.bench.relay import report_lines, run_relay_bench
+
+        result = run_relay_bench(args.model or str(demo_model()), args.rtt_ms, args.steps, args.repeats)
+        print(json.dumps(result)) if args.json else print("\n".join(report_lines(result)))
+    elif args.bench == "discovery":
+        from moeswarm.bench.discovery import run_discovery
+
+        _print(run_discovery(args.model or str(demo_model()), args.rounds, args.ttl, args.poll), args.json)
+    elif args.bench == "federation":
+        from moeswarm.bench.federation import report_lines as federation_lines, run_federation
+
+        result = run_federation(args.model or str(demo_model()), args.new_tokens, wire=args.wire)
+        print(json.dumps(result)) if args.json else print("\n".join(federation_lines(result)))
+    elif args.bench == "fetch-slice":
+        from moeswarm.bench.fetch_slice import report_lines as fetch_lines, run_fetch_bench
+
+        result = run_fetch_bench(args.size_mb)
+        print(json.dumps(result)) if args.json else print("\n".join(fetch_lines(result)))
     return 0
 
 
@@ -139,8 +202,9 @@ def _run_wan(args: argparse.Namespace, model: str) -> None:
     from moeswarm.bench.report import print_tables, write_report
     from moeswarm.bench.wan_scenarios import run_wan
 
-    result = run_wan(model, quick=args.quick)
-    flags = [f"--model {args.model}" if args.model else "", "--quick" if args.quick else "", "--report" if args.report else ""]
+    result = run_wan(model, quick=args.quick, scenarios=args.scenarios)
+    flags = [f"--model {args.model}" if args.model else "", "--quick" if args.quick else "", "--report" if args.report else "",
+             f"--scenarios {','.join(args.scenarios)}" if args.scenarios else ""]
     result["meta"]["command"] = " ".join(["moeswarm bench wan", *filter(None, flags)])
     if args.out_json:
         Path(args.out_json).write_text(json.dumps(result, indent=1) + "\n")
@@ -168,6 +232,28 @@ def _run_serve(args: argparse.Namespace, model: str) -> None:
 
         write_serve_report(result)
     print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
+
+
+def _run_worker(args: argparse.Namespace) -> None:
+    from moeswarm.bench.worker_real import run_bench_worker
+    from moeswarm.bench.worker_real_gguf import DEFAULT_CACHE
+    from moeswarm.bench.worker_real_report import table_lines
+
+    cache = Path(args.cache_dir).expanduser() if args.cache_dir else DEFAULT_CACHE
+    result = run_bench_worker(args.models, args.types, cache, args.threads, args.quick)
+    print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
+
+
+def _names(*known: str):
+    """argparse type: a comma-separated list of some of `known`."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"expected some of {', '.join(known)} separated by commas, got {text!r}")
+        return names
+
+    return parse
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -201,3 +287,10 @@ def _table(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['model']:<18} {r['mode']:<8} {r['wire_dispatch']:<9} {r['wire_combine']:<9} {r['workers']:>7} "
               f"{r['hidden']:>6} {r['top_k']:>5} {r['tokens_per_frame']:>9} {r['bytes_out']:>16.1f} {r['bytes_in']:>15.1f}")
+
+
+def _scenarios(text: str) -> tuple[str, ...]:
+    """argparse type of `bench wan --scenarios`: names of its scenarios, comma-separated."""
+    from moeswarm.bench.wan_scenarios import scenario_names
+
+    return _names(*scenario_names())(text)

@@ -5,16 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 
-from moeswarm.commands._setup import add_quiet
+from moeswarm.commands._setup import add_backbone_dtype, add_quiet, apply_backbone_dtype
+from moeswarm.commands._local import add_local_experts
+from moeswarm.commands._swarm import add_backbone_swarm, check_workers_or_swarm, discovery_options
 from moeswarm.commands._types import fraction, non_negative, positive, prompt_file, prompt_text, seconds, seed, stop_string, temperature, top_p
 from moeswarm.commands._tls import add_swarm_key, client_tls
+from moeswarm.generation.draft_names import DRAFTERS, check_draft_flags
 from moeswarm.transport import FANOUTS
 from moeswarm.wire.config import COMBINE_MODES, PRESETS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
-    parser.add_argument("--workers", required=True, type=_workers, help="comma-separated HOST:PORT list")
+    parser.add_argument("--workers", default=None, type=_workers,
+                        help="comma-separated workers: HOST:PORT, relay://RELAY:PORT/NAME (a worker behind NAT), "
+                             "or HOST:PORT+relay://RELAY:PORT/NAME (direct if it answers, else the relay)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", type=prompt_text, help="prompt text (-: read it from standard input)")
     prompt.add_argument("--prompt-file", type=prompt_file, metavar="FILE", dest="prompt",
@@ -32,7 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", type=stop_string, action="append", default=[], metavar="STR",
                         help="end the generation where STR appears (STR itself is not printed); repeatable")
     parser.add_argument("--speculate", type=non_negative, default=0, metavar="K",
-                        help="draft up to K tokens per step by n-gram lookup (0: off)")
+                        help="draft up to K tokens per step, verified in one forward (0: off)")
+    parser.add_argument("--draft", choices=DRAFTERS, default="ngram",
+                        help="where --speculate's drafts come from: ngram (prompt lookup), local (the backbone with "
+                             "only its --local-experts, no round trip; adaptive length), both (n-gram on a match of "
+                             "2+ tokens, else local); the output is the same whichever")
     parser.add_argument("--check-local", action="store_true",
                         help="also run the model locally (eager) on the same tokens and compare every step: "
                              "torch.equal logits on an exact wire, the gate's argmax/cosine thresholds on a lossy one")
@@ -54,7 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="never send a late share's duplicate to a replica of its experts")
     parser.add_argument("--spot-check", type=fraction, default=0.0, metavar="FRACTION",
                         help="recompute this fraction of remote answers on another holder; ban a liar (0: off)")
+    add_local_experts(parser)
+    add_backbone_swarm(parser)
     add_swarm_key(parser)
+    add_backbone_dtype(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_quiet(parser)
 
@@ -63,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.commands._setup import quiet_progress
 
     quiet_progress(args)
+    check_workers_or_swarm(args)
     from moeswarm.commands._setup import set_threads
+    from moeswarm.commands._local import resolve as resolve_local_experts
     from moeswarm.generation.run import GenerationRequest, check_request, run_generation, summary_lines
     from moeswarm.generation.sampling import SamplingParams
     from moeswarm.model.source import open_source
@@ -73,14 +87,22 @@ def run(args: argparse.Namespace) -> int:
     wire = WireConfig.from_flags(args.wire, args.combine, args.wire_dispatch, args.wire_combine)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
-                                args.check_local, stream=not args.json, sampling=sampling, stops=tuple(args.stop))
+                                args.check_local, stream=not args.json, sampling=sampling, stops=tuple(args.stop),
+                                draft=args.draft)
     source = open_source(args.model)
     check_request(source, request)  # before the backbone loads or a worker is reached
+    local_experts = resolve_local_experts(args, source)
+    check_draft_flags(args.draft, args.speculate, local_experts is not None)
     set_threads(args.threads)
     tls = client_tls(args.swarm_key)
-    with open_swarm(source, args.workers, wire, args.fanout, reply_timeout_s=args.reply_timeout,
-                    hedge=not args.no_hedge, spot_check=args.spot_check, tls=tls) as swarm:
+    apply_backbone_dtype(args)
+    with open_swarm(source, args.workers or [], wire, args.fanout, reply_timeout_s=args.reply_timeout,
+                    hedge=not args.no_hedge, spot_check=args.spot_check, tls=tls, local_experts=local_experts,
+                    discovery=discovery_options(args)) as swarm:
         report = run_generation(swarm, request)
+        report["worker_paths"] = swarm.accounting()["worker_paths"]  # "direct" or "relay" per worker
+        report["routing"] = swarm.routing_stats().summary()
+        report["local_experts"] = {str(layer): list(experts) for layer, experts in swarm.local_held().items()}
     if args.json:
         print(json.dumps(report))
     else:
@@ -89,12 +111,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _workers(text: str) -> list[str]:
-    from moeswarm.ids import parse_address
+    from moeswarm.net.path import parse_worker
 
     workers = [w.strip() for w in text.split(",") if w.strip()]
     try:
         for worker in workers:
-            parse_address(worker)
+            parse_worker(worker)  # HOST:PORT, relay://RELAY:PORT/NAME, or both joined by + (docs/network.md)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     if not workers:

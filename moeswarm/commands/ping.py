@@ -49,9 +49,12 @@ def run(args: argparse.Namespace) -> int:
 def probe(address: str, fingerprint: str, count: int, tls=None) -> dict:
     """One worker's HELLO answer and `count` PING round trips; {"ok": False, "error"} when it fails."""
     from moeswarm.errors import MoeSwarmError, one_line
-    from moeswarm.transport.tcp import TcpLink
+    from moeswarm.net.path import worker_link
 
-    link = TcpLink(address, tls)
+    try:
+        link = worker_link(address, tls=tls)[1]  # HOST:PORT, relay://RELAY:PORT/NAME or both (docs/network.md)
+    except MoeSwarmError as error:
+        return {"address": address, "ok": False, "error": one_line(error)}
     try:
         info = link.connect(fingerprint)
         rtts = [link.ping() for _ in range(count)]  # seconds

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from moeswarm.commands._setup import add_quiet
+from moeswarm.commands._setup import add_backbone_dtype, add_quiet, apply_backbone_dtype
+from moeswarm.commands._swarm import add_backbone_swarm, check_workers_or_swarm, discovery_options
 from moeswarm.commands._tls import add_swarm_key, client_tls
+from moeswarm.generation.draft_names import DRAFTERS, check_draft_flags
 from moeswarm.commands._types import fraction, non_negative, port, positive, seconds
 from moeswarm.transport import FANOUTS
 from moeswarm.wire.config import COMBINE_MODES, PRESETS
@@ -20,10 +22,11 @@ ENV_PREFIX = "MOESWARM_"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from moeswarm.commands.generate import _workers
+    from moeswarm.commands._local import add_local_experts
 
     add = parser.add_argument
     add("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
-    add("--workers", required=True, type=_workers, help="comma-separated HOST:PORT list")
+    add("--workers", default=None, type=_workers, help="comma-separated HOST:PORT list (or find them with --swarm)")
     add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add("--port", type=_port, default=8080, help="TCP port to listen on")
     add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
@@ -34,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--wire-combine", default=None, help="codec for the experts' outputs (default: the preset's)")
     add("--fanout", choices=FANOUTS, default="star", help="star: every worker at once; chain: one after another")
     add("--speculate", type=non_negative, default=0, metavar="K",
-        help="most n-gram drafts per request per step (0: off); a request may ask for fewer with 'speculate'")
+        help="most drafts per request per step (0: off); a request may ask for fewer with 'speculate'")
+    add("--draft", choices=DRAFTERS, default="ngram",
+        help="where --speculate's drafts come from: ngram (prompt lookup), local (the backbone with only its "
+             "--local-experts, no round trip), both (n-gram on a match of 2+ tokens, else local)")
     add("--max-batch", type=positive, default=16, help="requests stepped together; more wait in a queue")
     add("--ctx-size", type=positive, default=None,
         help="positions per request, prompt and output (default: the model's max_position_embeddings)")
@@ -46,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--no-hedge", action="store_true", help="never send a late share's duplicate to a replica of its experts")
     add("--spot-check", type=fraction, default=0.0, metavar="FRACTION",
         help="recompute this fraction of remote answers on another holder; ban a liar (0: off)")
+    add_local_experts(parser)
+    add_backbone_swarm(parser)
     add_swarm_key(parser)
     add("--check-local", action="store_true",
         help="debug: run every batched step on a local eager model too and count logits that are not bit-identical "
@@ -53,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--threads", type=positive, default=None, help="torch CPU threads (default: this machine's cores shared among the moeswarm processes on it)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")
     _defaults_from_environment(parser)
+    add_backbone_dtype(parser)
     add_quiet(parser)
 
 
@@ -75,11 +84,14 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.commands._setup import quiet_progress
 
     quiet_progress(args)
+    check_workers_or_swarm(args)
+    check_draft_flags(args.draft, args.speculate, args.local_experts is not None)  # the engine checks the held experts
     import threading
 
     import uvicorn
 
     from moeswarm.commands._setup import set_threads
+    from moeswarm.commands._local import resolve as resolve_local_experts
     from moeswarm.errors import MoeSwarmError
     from moeswarm.model.source import open_source
     from moeswarm.serve.api import ServeState, create_app
@@ -96,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
         raise MoeSwarmError(f"--ctx-size {context} is more than the model's {positions} positions (max_position_embeddings)")
     check_can_listen(args.host, args.port)
     set_threads(args.threads)
-    engine = EngineConfig(context, args.max_batch, args.speculate, args.prefill_chunk, args.step_tokens, args.cache_slots)
+    apply_backbone_dtype(args)
+    engine = EngineConfig(context, args.max_batch, args.speculate, args.prefill_chunk, args.step_tokens, args.cache_slots,
+                          draft=args.draft)
     state = ServeState(args.model_name or _model_name(source.path), args.api_key)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
@@ -109,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
 
     swarm_options = {"reply_timeout_s": args.reply_timeout, "hedge": not args.no_hedge, "spot_check": args.spot_check,
                      "tls": client_tls(args.swarm_key)}
-    backend = Backend(source, args.workers, wire, args.fanout, engine, args.check_local, swarm_options)
+    swarm_options["local_experts"] = resolve_local_experts(args, source)
+    swarm_options["discovery"] = discovery_options(args, report=lambda line: setattr(state, "loading", line))
+    backend = Backend(source, args.workers or [], wire, args.fanout, engine, args.check_local, swarm_options)
     threading.Thread(target=load, args=(state, backend, on_fatal), name="moeswarm-load", daemon=True).start()
     try:
         server.run()

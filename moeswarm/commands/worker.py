@@ -6,8 +6,11 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 
+from moeswarm.commands._hosting import add_plan_arguments, experts_arg
 from moeswarm.commands._setup import add_quiet
+from moeswarm.commands._swarm import add_worker_swarm
 from moeswarm.commands._tls import add_swarm_key, server_tls
 from moeswarm.commands._types import port, positive, seconds
 from moeswarm.ids import parse_experts, parse_range
@@ -15,13 +18,16 @@ from moeswarm.ids import parse_experts, parse_range
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
-    parser.add_argument("--experts", type=expert_list, default=None,
-                        help="experts to serve, ids and inclusive ranges, e.g. 0-3,9,17-20 "
-                             "(default: what the model source holds: every expert, or a slice file's)")
+    parser.add_argument("--experts", type=experts_arg, default=None,
+                        help="experts to serve, ids and inclusive ranges, e.g. 0-3,9,17-20, or per layer, e.g. "
+                             "0:1-4,9;1:2-5 (default: what the model source holds: every expert, or a slice file's)")
     parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
+    add_plan_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=port, default=0, help="TCP port (0: pick a free one and print it)")
     add_swarm_key(parser)
+    _add_relay(parser)
+    add_worker_swarm(parser)
     _add_limits(parser)
     parser.add_argument("--threads", type=positive, default=None,
                         help="torch CPU threads (default: this machine's cores shared among the moeswarm processes on it)")
@@ -65,6 +71,35 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
              f"(default {d.max_unsent_bytes})")
 
 
+def _add_relay(parser: argparse.ArgumentParser) -> None:
+    relay = parser.add_argument_group("relay", "for a worker that cannot be dialled (behind NAT): docs/network.md")
+    relay.add_argument("--relay", type=_relay_address, default=None, metavar="HOST:PORT",
+                       help="also keep idle connections open to this `moeswarm relay`; backbones reach the worker "
+                            "through it as relay://HOST:PORT/NAME (TLS with --swarm-key runs end to end)")
+    relay.add_argument("--relay-name", type=_relay_name, default=None, metavar="NAME",
+                       help="the name to register at the relay, A-Z a-z 0-9 . _ - (default: a random one, printed)")
+    relay.add_argument("--relay-pool", type=positive, default=2, metavar="N",
+                       help="idle connections kept registered at the relay (each backbone takes one)")
+
+
+def _relay_address(text: str) -> tuple[str, int]:
+    from moeswarm.ids import parse_address
+
+    try:
+        return parse_address(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _relay_name(text: str) -> str:
+    from moeswarm.net.relay_protocol import RelayError, check_name
+
+    try:
+        return check_name(text)
+    except RelayError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def limits_from(args: argparse.Namespace):
     """The WorkerLimits the flags ask for."""
     from moeswarm.worker.limits import WorkerLimits
@@ -77,6 +112,30 @@ def limits_from(args: argparse.Namespace):
         idle_timeout_s=args.idle_timeout, max_unsent_bytes=args.max_unsent_bytes,
     )
 
+
+
+async def _attach_relay(args: argparse.Namespace, server, serving: asyncio.Task) -> tuple[asyncio.Task, str]:
+    """Register at the relay: (the task keeping the pool, the route relay://HOST:PORT/NAME). RelayError, and
+    the server closed, when the first registration fails."""
+    import secrets
+
+    from moeswarm.net.relay_worker import RelayAttachment
+
+    if not args.swarm_key:
+        print("moeswarm worker: warning: --relay without --swarm-key: the relay, and anyone on its paths, can read and "
+              "alter the hidden states, and any backbone that knows the name can use this worker", file=sys.stderr,
+              flush=True)
+    attachment = RelayAttachment(server, args.relay, args.relay_name or f"w-{secrets.token_hex(6)}", args.relay_pool)
+    relaying = asyncio.create_task(attachment.run())
+    try:
+        await attachment.wait_registered(timeout_s=15.0)
+    except BaseException:
+        relaying.cancel()
+        serving.cancel()
+        await asyncio.gather(relaying, serving, return_exceptions=True)
+        raise
+    print(f"moeswarm worker: reachable through {attachment.route}", flush=True)
+    return relaying, attachment.route
 
 
 def expert_list(text: str) -> list[int]:
@@ -107,18 +166,19 @@ def run(args: argparse.Namespace) -> int:
     tls = server_tls(args.swarm_key, args.host)
     limits = limits_from(args)
     raise_open_files_limit(limits.max_connections)
+    from moeswarm.commands import _swarm
+
+    dht = _swarm.open_worker_dht(args)  # --swarm: before the experts load (a bad peer fails fast, the DHT forks small)
 
     from moeswarm.commands._setup import set_threads
-    from moeswarm.model.loading import load_experts
+    from moeswarm.commands._hosting import load_hosted
     from moeswarm.worker.server import WorkerServer
-    from moeswarm.worker.store import ExpertStore
 
     set_threads(args.threads)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    hosted, source, num_experts = load_experts(args.model, args.experts, args.layers)
-    store = ExpertStore(hosted, num_experts, source.config.hidden_size)
-    del hosted  # the store holds the experts now (re-placed per contiguous run)
+    store, source = load_hosted(args)  # --experts (one list or per layer), --layers, or --plan
     server = WorkerServer(store, source.fingerprint, source.config.model_type, limits, tls)
+    tokens_per_s = _swarm.throughput(store, source) if dht is not None else 0.0
 
     async def main() -> None:
         host, port = await server.start(args.host, args.port)
@@ -129,9 +189,25 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         serving = asyncio.create_task(server.serve_forever())
+        relaying, route = await _attach_relay(args, server, serving) if args.relay else (None, None)
+        announcing = _swarm.announcer(args, dht, server, source, port, tokens_per_s, route) if dht is not None else None
+        if announcing is not None:
+            await loop.run_in_executor(None, announcing.start)
+            print(f"moeswarm worker: announced on the swarm as {announcing.record.address} "
+                  f"({tokens_per_s:.0f} tokens/s measured)", flush=True)
         await stop.wait()
+        if announcing is not None:
+            await loop.run_in_executor(None, announcing.stop)  # withdrawn: backbones drop it at their next look
         serving.cancel()
+        if relaying is not None:
+            relaying.cancel()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if dht is not None:
+            dht.close()
+    print(f"moeswarm worker: stopped; {server.merged_requests} DISPATCHes of several backbones ran in "
+          f"{server.merged_calls} merged expert calls", flush=True)
     return 0
 

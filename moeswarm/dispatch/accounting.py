@@ -16,11 +16,13 @@ class LayerCall:
     round_trips: int
     seconds: float
     worker_seconds: dict[str, float]
+    remote_tokens: int | None = None  # rows that went to a remote holder (None: not counted)
 
 
 @dataclass
 class Accounting:
     calls: list[LayerCall] = field(default_factory=list)
+    paths: dict[str, str] = field(default_factory=dict)  # worker address -> "direct" or "relay" (net/path.py)
 
     def record(self, call: LayerCall) -> None:
         self.calls.append(call)
@@ -38,6 +40,7 @@ class Accounting:
         return {
             "layer_calls": len(self.calls),
             "round_trips": sum(c.round_trips for c in self.calls),
+            "trip_share": _ratio(sum(c.remote_tokens or 0 for c in self.calls), token_layers),  # (token, layer) pairs sent remote
             "bytes_out": sum(c.bytes_out for c in self.calls),
             "bytes_in": sum(c.bytes_in for c in self.calls),
             "bytes_out_per_token_layer": _ratio(sum(c.bytes_out for c in self.calls), token_layers),
@@ -46,6 +49,7 @@ class Accounting:
             "decode_bytes_in_per_token_layer": _ratio(sum(c.bytes_in for c in decode), len(decode)),
             "seconds_per_layer_call_mean": _ratio(sum(c.seconds for c in self.calls), len(self.calls)),
             "worker_rtt_ms_mean": {w: 1000 * sum(v) / len(v) for w, v in sorted(rtts.items())},
+            "worker_paths": dict(sorted(self.paths.items())),
         }
 
 

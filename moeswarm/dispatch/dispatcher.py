@@ -24,11 +24,13 @@ from moeswarm.dispatch.combine import combine_exact, combine_partial
 from moeswarm.dispatch.errors import ExpertsUnavailable
 from moeswarm.dispatch.flight import Flight
 from moeswarm.dispatch.health import REPLY_TIMEOUT_S, DeadlinePolicy, Holder
+from moeswarm.dispatch.membership import JOIN, LEFT_CAUSE, MembershipQueue
 from moeswarm.dispatch.plan import WorkerShare, plan_layer
 from moeswarm.dispatch.spot_check import SpotChecker, SpotCheckPolicy
 from moeswarm.errors import MoeSwarmError, WorkerError
 from moeswarm.ids import LayerId, WorkerId
-from moeswarm.placement.chooser import choose_owners
+from moeswarm.placement.chooser import choose_for_call, choose_owners, has_choice
+from moeswarm.placement.profile import RoutingStats
 from moeswarm.placement.table import PlacementTable, build_table, describe_gaps, missing
 from moeswarm.transport import FANOUTS
 from moeswarm.transport.link import WorkerLink
@@ -68,8 +70,12 @@ class Dispatcher:
         self.checker = SpotChecker(spot_checks or SpotCheckPolicy())
         self.accounting = Accounting()
         self.stats = Resilience()
+        self.routing = RoutingStats(table.num_experts)  # live routing counts (placement/profile.py)
         self._owners: dict[LayerId, torch.Tensor] = {}  # [E] per layer, for the usable holders of `_owners_for`
         self._owners_for: tuple[bool, ...] = ()
+        self._choices: dict[LayerId, bool] = {}  # per layer: has replicas, so each call chooses (`_owner`)
+        self.gone: set[WorkerId] = set()  # holders that left the swarm: tombstones, never usable again
+        self._membership = MembershipQueue()
 
     @property
     def reply_timeout_s(self) -> float:
@@ -78,14 +84,18 @@ class Dispatcher:
     def dispatch(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Handle:
         """Plan and send layer `layer`'s rows. hidden [T, d], top_k_index [T, k] long, top_k_weights [T, k]."""
         started = time.perf_counter()
+        if self._membership:
+            self.apply_membership()
         self.readmit(due_only=True)
         layer = LayerId(layer)
         shares = self._plan(layer, top_k_index, top_k_weights)
+        self.routing.update(layer, top_k_index)
         flight = Flight(self, layer, hidden, top_k_index)
         flight.start(shares, chain=self.fanout == "chain")
         if flight.error is not None:
             flight.abort()
-        round_trips = len(shares) if self.fanout == "chain" else min(len(shares), 1)
+        remote = sum(1 for share in shares if share.worker not in self.trusted)  # a local holder makes no trip
+        round_trips = remote if self.fanout == "chain" else min(remote, 1)
         return Handle(layer, hidden, top_k_index, flight, round_trips, started)
 
     def combine(self, handle: Handle) -> torch.Tensor:
@@ -106,6 +116,7 @@ class Dispatcher:
             handle.layer, handle.hidden.shape[0], flight.bytes_out, flight.bytes_in, handle.round_trips,
             time.perf_counter() - handle.started,
             {self.links[holder].address: reply.seconds for _, reply, holder in answers},
+            _rows(share.tokens for share, _, holder in answers if holder not in self.trusted),
         ))
         return out
 
@@ -133,7 +144,7 @@ class Dispatcher:
         if layer not in self.table.candidates:
             raise MoeSwarmError(f"no worker serves MoE layer {layer}")
         try:
-            return plan_layer(self._owner(layer), top_k_index, top_k_weights)
+            return plan_layer(self._owner(layer, top_k_index), top_k_index, top_k_weights)
         except LookupError:
             pass
         lacking = sorted(set(top_k_index[self._owner(layer)[top_k_index] < 0].tolist()))
@@ -141,7 +152,7 @@ class Dispatcher:
         for worker in down:  # a last resort before failing the call: probe them now, backoff or not
             self.probe(worker)
         try:
-            return plan_layer(self._owner(layer), top_k_index, top_k_weights)
+            return plan_layer(self._owner(layer, top_k_index), top_k_index, top_k_weights)
         except LookupError:
             pass
         lacking = sorted(set(top_k_index[self._owner(layer)[top_k_index] < 0].tolist()))
@@ -151,13 +162,58 @@ class Dispatcher:
         address = self.links[worker].address if worker is not None else "none"
         raise ExpertsUnavailable(address, cause or "out of use", layer, lacking)
 
-    def _owner(self, layer: LayerId) -> torch.Tensor:
+    def _owner(self, layer: LayerId, top_k_index: torch.Tensor | None = None) -> torch.Tensor:
+        """[E] holder per expert: the layer's cached choice; for a layer with replicas and a call's
+        routing top_k_index [T, k], the choice for that call's experts by the holders' measured
+        round trips (placement/chooser.py `choose_for_call`)."""
         usable = tuple(h.usable for h in self.holders)
         if usable != self._owners_for:
-            self._owners, self._owners_for = {}, usable
+            self._owners, self._owners_for, self._choices = {}, usable, {}
         if layer not in self._owners:
             self._owners[layer] = choose_owners(self.table, layer, lambda w: self.holders[w].usable, self.trusted)
-        return self._owners[layer]
+            self._choices[layer] = has_choice(self.table, layer)
+        if top_k_index is None or not self._choices[layer]:
+            return self._owners[layer]
+        rtt_s = [h.round_trips.quantile(0.5, 1) if len(h.round_trips) >= self.policy.min_samples else None
+                 for h in self.holders]  # a few samples (a prefill's) say little: unmeasured until then
+        experts = torch.unique(top_k_index[top_k_index >= 0]).tolist()
+        return choose_for_call(self.table, layer, experts, rtt_s, lambda w: self.holders[w].usable, self.trusted)
+
+    # -- holders joining and leaving (dispatch/membership.py) -----------------------------
+
+    def add_link(self, link: WorkerLink) -> None:
+        """Queue a connected link (HELLO done) as a new holder; thread-safe, applied between layer calls."""
+        self._membership.join(link)
+
+    def remove_link(self, link: WorkerLink) -> None:
+        """Queue the holder of `link` to leave: its experts go to the other holders; thread-safe."""
+        self._membership.leave(link)
+
+    def apply_membership(self) -> None:
+        """Apply the queued joins and leaves, then rebuild the placement table over the members.
+
+        Call only where no layer call is in flight: `dispatch` does at its start."""
+        for change in self._membership.take():
+            if change.kind == JOIN:
+                self.links.append(change.link)
+                self.holders.append(Holder(self.policy))
+                if change.link.address == LOCAL_ADDRESS:
+                    self.trusted.add(WorkerId(len(self.links) - 1))
+                continue
+            worker = next((WorkerId(i) for i, link in enumerate(self.links) if link is change.link), None)
+            if worker is None or worker in self.gone:
+                continue
+            self.gone.add(worker)
+            holder = self.holders[worker]
+            holder.up, holder.cause = False, LEFT_CAUSE
+            change.link.close()
+        held = {WorkerId(i): link.info.held for i, link in enumerate(self.links) if i not in self.gone and link.info}
+        self.table = build_table(held, self.table.num_experts)
+        self._owners, self._owners_for, self._choices = {}, (), {}  # every cached choice was over the old table
+
+    def members(self) -> list[WorkerLink]:
+        """The links of the holders that have not left (joins still queued are not counted)."""
+        return [link for i, link in enumerate(self.links) if i not in self.gone]
 
     # -- holders' standing -----------------------------------------------------------------
 
@@ -178,7 +234,7 @@ class Dispatcher:
     def probe(self, worker: int) -> bool:
         """Reconnect a down holder (HELLO, same experts) and PING it; readmit it on success."""
         holder, link = self.holders[worker], self.links[worker]
-        if holder.banned:
+        if holder.banned or worker in self.gone:
             return False
         try:
             link.reconnect(self.policy.probe_timeout_s)
@@ -196,7 +252,7 @@ class Dispatcher:
         """Probe the down holders whose backoff has run out (all of them: due_only=False)."""
         now = time.monotonic()
         for worker, holder in enumerate(self.holders):
-            if not holder.up and not holder.banned and (not due_only or holder.retry_at <= now):
+            if not holder.up and not holder.banned and worker not in self.gone and (not due_only or holder.retry_at <= now):
                 self.probe(worker)
 
     def health(self, layers: Sequence[int], timeout_s: float) -> list[str]:
@@ -220,7 +276,7 @@ class Dispatcher:
         if not gaps:
             return []
         out = [str(WorkerError(link.address, ("banned: " if h.banned else "down: ") + h.cause))
-               for link, h in zip(self.links, self.holders) if not h.usable]
+               for i, (link, h) in enumerate(zip(self.links, self.holders)) if not h.usable and i not in self.gone]
         return out + [f"no usable worker holds {describe_gaps(gaps)}"]
 
     def _gaps(self, layers: Sequence[int]) -> dict:
@@ -239,5 +295,13 @@ class Dispatcher:
             raise MoeSwarmError(f"no worker holds {describe_gaps(gaps)}")
 
     def close(self) -> None:
+        if self._membership:
+            self.apply_membership()  # links joined since the last layer call are closed too
         for link in self.links:
             link.close()
+
+
+def _rows(tokens) -> int:
+    """How many distinct rows of the step these [T_w] token index tensors cover."""
+    tokens = list(tokens)
+    return int(torch.cat(tokens).unique().numel()) if tokens else 0

@@ -3,7 +3,8 @@
 A step feeds the last token plus up to K drafted tokens in one forward: one dispatch per MoE layer
 carries all of them. `verify` keeps or rejects the drafts (greedy: while they equal the argmax;
 sampled: speculative sampling's rule), so the output follows the model's own distribution
-whatever the drafts were: exactly the greedy output when greedy. With a reference model (local
+whatever the drafts were: exactly the greedy output when greedy. The drafts come from a drafter
+(`generation/drafters.py`: n-gram lookup by default, or the backbone's local experts). With a reference model (local
 eager), the same forwards run on it and every step is compared (`generation/check.py`).
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeswarm.generation.check import LocalCheck
-from moeswarm.generation.draft import propose
+from moeswarm.generation.drafters import Drafter, NgramDrafter
 from moeswarm.generation.sampling import SamplingParams, make_generator, sample, verify
 from moeswarm.generation.stepper import Stepper
 
@@ -30,7 +31,8 @@ class GenerationResult:
     steps: int = 0  # forwards after the prefill
     drafted: int = 0
     accepted: int = 0
-    seconds: float = 0.0  # in the backbone's forwards (the check against local is not counted)
+    seconds: float = 0.0  # in the backbone's forwards and the drafting (the check against local is not counted)
+    draft_seconds: float = 0.0  # drafting (local drafts: the local-experts forwards)
     prefill_seconds: float = 0.0
     finish_reason: str | None = None  # "stop": eos or a stop string; "length": max_new_tokens reached
     check: LocalCheck | None = None  # with a reference
@@ -60,23 +62,30 @@ def generate(model_stepper: Stepper, prompt: list[int], max_new_tokens: int, spe
              reference: Stepper | None = None, eos_token_id: int | None = None,
              on_tokens: Callable[[list[int]], None] | None = None, *, sampling: SamplingParams = GREEDY,
              generator: torch.Generator | None = None, stop: Callable[[list[int]], bool] | None = None,
-             exact_check: bool = True) -> GenerationResult:
+             exact_check: bool = True, drafter: Drafter | None = None) -> GenerationResult:
     """Up to `max_new_tokens` tokens after `prompt`.
 
     generator: the sampling's random source (default: one seeded with `sampling.seed`).
     stop: called with the output after each token; True ends the generation there (stop strings).
     exact_check: compare with `reference` bit for bit; False: by the gate's argmax/cosine thresholds.
+    drafter: where up to `speculate` drafts per step come from (default: n-gram lookup).
     """
     if not prompt:
         raise ValueError("empty prompt: give at least one token")
     generator = generator if generator is not None else make_generator(sampling.seed)
+    drafter = drafter if drafter is not None else NgramDrafter()
     result = GenerationResult(list(prompt), check=LocalCheck(exact_check) if reference is not None else None)
     logits = _forward(model_stepper, reference, prompt, result, "prefill")  # [P, V]
     result.prefill_seconds = result.seconds
     next_token = sample(logits[-1], sampling, generator)
     context = list(prompt)
     while not _emit(result, [next_token], max_new_tokens, eos_token_id, stop, on_tokens):
-        drafts = propose(context + [next_token], min(speculate, max_new_tokens - len(result.tokens) - 1))
+        room = min(speculate, max_new_tokens - len(result.tokens) - 1)
+        start = time.perf_counter()
+        drafts = drafter.draft(context + [next_token], model_stepper, room) if room > 0 else []
+        drafting_s = time.perf_counter() - start
+        result.draft_seconds += drafting_s
+        result.seconds += drafting_s
         feed = [next_token] + drafts
         logits = _forward(model_stepper, reference, feed, result, f"step {result.steps + 1}")  # [1 + D, V]
         result.steps += 1
@@ -85,6 +94,7 @@ def generate(model_stepper: Stepper, prompt: list[int], max_new_tokens: int, spe
         accepted, next_token = verify(logits[: 1 + kept], drafts[:kept], sampling, generator)
         result.drafted += len(drafts)
         result.accepted += accepted
+        drafter.feedback(len(drafts), accepted, speculate)
         context += feed[: 1 + accepted]
         for stepper in (model_stepper, reference):
             if stepper is not None:

@@ -6,6 +6,7 @@ import sys
 from dataclasses import dataclass
 
 from moeswarm.generation.check import LocalCheck
+from moeswarm.generation.drafters import make_drafter
 from moeswarm.generation.loop import generate
 from moeswarm.generation.prompt import check_context, prompt_tokens
 from moeswarm.generation.sampling import SamplingParams, make_generator
@@ -27,6 +28,7 @@ class GenerationRequest:
     stream: bool = False
     sampling: SamplingParams = SamplingParams()
     stops: tuple[str, ...] = ()
+    draft: str = "ngram"  # where the drafts come from: generation/drafters.py's DRAFTERS
 
 
 def check_request(source: ModelSource, request: GenerationRequest) -> None:
@@ -44,10 +46,11 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
     sampling = request.sampling
     generator = make_generator(sampling.seed)
     text = TextStream(codec.decode, request.stops, _write if request.stream else None)
+    drafter = make_drafter(request.draft, swarm.model, swarm.local_store) if request.speculate else None
 
     result = generate(Stepper(swarm.model), prompt, request.max_new_tokens, request.speculate, reference,
                       codec.eos_token_id, text.add, sampling=sampling, generator=generator,
-                      stop=text.stopped if request.stops else None, exact_check=swarm.wire.exact)
+                      stop=text.stopped if request.stops else None, exact_check=swarm.wire.exact, drafter=drafter)
     text.finish()
     if request.stream:
         sys.stdout.write("\n")
@@ -77,6 +80,9 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
         **_check_report(result.check),
         "steps": result.steps,
         "speculate": request.speculate,
+        "draft": request.draft if request.speculate else None,
+        "draft_seconds": result.draft_seconds,
+        "draft_ms_per_step": 1e3 * result.draft_seconds / result.steps if result.steps else None,
         "drafted": result.drafted,
         "accepted": result.accepted,
         "tokens_per_step": len(result.tokens[1:]) / result.steps if result.steps else None,
@@ -116,7 +122,8 @@ def summary_lines(report: dict) -> list[str]:
         f"model       {report['model_type']} {report['fingerprint']} ({report['moe_layers']} MoE layers)",
         f"workers     {', '.join(report['workers'])} ({report['fanout']} fan-out, {report['mode']} combine)",
         f"tokens      {len(report['tokens'])} generated from {report['prompt_tokens']} prompt tokens in {report['steps']} decode steps"
-        + (f", {report['accepted']}/{report['drafted']} drafts accepted" if report["speculate"] else ""),
+        + (f", {report['accepted']}/{report['drafted']} {report['draft']} drafts accepted "
+           f"({report['draft_ms_per_step']:.1f} ms drafting per step)" if report["speculate"] and report["steps"] else ""),
         f"sampling    {sampling}; finished by {report['finish_reason']}",
         f"round trips {report['round_trips']} ({report['round_trips'] / max(1, report['steps'] + 1):.1f} per forward)",
         f"bytes       {_kb(report['bytes_out_per_token_layer'])} out, {_kb(report['bytes_in_per_token_layer'])} in per token per MoE layer"

@@ -78,11 +78,13 @@ def load_experts(path_or_source: PathOrSource, experts: Sequence[int] | None = N
         for part in chunks(chosen, LOAD_STEPS):
             source.load_experts(model, {layer: modules[layer][0] for layer in part}, wanted, num_experts)
             bar.update(len(part))
-    missing = sorted(f"{modules[layer][0]}.{p}" for layer in chosen for p, value in modules[layer][1].named_parameters()
+    # A source may have put another module in an experts module's place (GGUF experts kept quantized).
+    loaded = {layer: model.get_submodule(modules[layer][0]) for layer in chosen}
+    missing = sorted(f"{modules[layer][0]}.{p}" for layer in chosen for p, value in loaded[layer].named_parameters()
                      if value.is_meta)
     if missing:
         raise ModelError(f"{source.path}: the checkpoint lacks expert tensors {missing[:5]}")
-    hosted = {layer: HostedLayer(layer, wanted, modules[layer][1]) for layer in chosen}
+    hosted = {layer: HostedLayer(layer, wanted, loaded[layer]) for layer in chosen}
     return hosted, source, num_experts
 
 

@@ -45,6 +45,7 @@ def dashboard_data(state) -> dict:
         "num_experts": stats.num_experts,
         "replicas": replicas,
         "heat": stats.heat(layers),
+        "routing": swarm.routing_stats().summary(),  # live counts per (layer, expert) and most frequent pairs
         "recent": stats.recent(),
         "totals": dict(stats.totals),
         "active": engine.active,

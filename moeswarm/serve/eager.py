@@ -20,7 +20,8 @@ class EagerExperts:
 
     def dispatch(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         module = self._modules[layer]
-        eager = type(module).forward.__wrapped__  # the family's forward, under transformers' interface switch
+        forward = type(module).forward
+        eager = getattr(forward, "__wrapped__", forward)  # the family's forward, under transformers' interface switch
         return eager(module, hidden, top_k_index, top_k_weights)  # [T, d]
 
     def combine(self, output: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from moeswarm.errors import MoeSwarmError, one_line
+from moeswarm.generation.draft_names import check_draft_flags
+from moeswarm.generation.drafters import make_drafter
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.backend import attach
 from moeswarm.model.experts import num_experts_of
@@ -48,11 +50,13 @@ class EngineConfig:
     step_tokens: int = 256  # token budget of a step (decode tokens first, then prompt chunks)
     cache_slots: int = 8  # finished sequences' KV caches kept for prefix reuse (0: off)
     health_interval_s: float = 2.0
+    draft: str = "ngram"  # where drafts come from (generation/drafters.py): ngram, local or both
 
 
 class Engine:
     def __init__(self, swarm: Swarm, codec: TextCodec, config: EngineConfig, metrics: ServeMetrics | None = None,
                  reference: torch.nn.Module | None = None):
+        check_draft_flags(config.draft, config.speculate, swarm.local_store is not None)
         self.swarm, self.codec, self.config = swarm, codec, config
         self.metrics = metrics or ServeMetrics()
         self.stats = EngineStats(num_experts_of(swarm.model))
@@ -155,7 +159,9 @@ class Engine:
         (self.metrics.prefix_hits if reused else self.metrics.prefix_misses).inc()
         self.metrics.prompt_tokens.inc(len(job.prompt))
         self.metrics.cached_prompt_tokens.inc(reused)
-        return Sequence(job, stepper, self.codec, speculate, reused, reference)
+        drafter = make_drafter(self.config.draft, self.swarm.model, self.swarm.local_store) \
+            if speculate and self.config.draft != "ngram" else None
+        return Sequence(job, stepper, self.codec, speculate, reused, reference, drafter)
 
     def _step(self) -> None:
         started = time.monotonic()

@@ -3,7 +3,8 @@
 A sequence prefills its prompt (in chunks the scheduler picks), then decodes: each step feeds its
 last token plus its drafts, and `advance` applies speculative sampling's accept rule to the
 logits, rolls the cache back past rejected drafts, and emits the new text. The draft length
-follows the sequence's own recent acceptance.
+follows the sequence's own recent acceptance. Drafts come from n-gram lookup, or from the given
+drafter (serve --draft local|both: generation/drafters.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import torch
 
 from moeswarm.generation.draft import propose
+from moeswarm.generation.drafters import Drafter
 from moeswarm.generation.sampling import make_generator, sample, verify
 from moeswarm.generation.stepper import Stepper
 from moeswarm.generation.stops import find_stop, held_back
@@ -22,7 +24,7 @@ from moeswarm.serve.job import Delta, Finished, Job
 
 class Sequence:
     def __init__(self, job: Job, stepper: Stepper, codec: TextCodec, speculate: int, cached_tokens: int = 0,
-                 reference: Stepper | None = None):
+                 reference: Stepper | None = None, drafter: Drafter | None = None):
         self.job = job
         self.stepper = stepper
         self.reference = reference  # the same forwards on a local eager model (serve --check-local)
@@ -34,6 +36,7 @@ class Sequence:
         self.max_drafts = speculate
         self.draft_len = speculate
         self.drafts: list[int] = []  # proposed for the step being planned
+        self.drafter = drafter  # None: n-gram lookup
         self.shown = 0  # characters of the output text already emitted
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
@@ -51,7 +54,13 @@ class Sequence:
     def plan_drafts(self, context_limit: int) -> None:
         """Propose this step's drafts: within the draft length, max_tokens and the context."""
         room = min(self.job.max_tokens - len(self.output) - 1, context_limit - len(self.context) - 1)
-        self.drafts = propose(self.context, min(self.draft_len, room)) if not self.prefill_left else []
+        limit = min(self.draft_len, room)
+        if self.prefill_left or limit <= 0:
+            self.drafts = []
+        elif self.drafter is None:
+            self.drafts = propose(self.context, limit)
+        else:  # runs forwards on this sequence's cache (local drafts): only between the engine's steps
+            self.drafts = self.drafter.draft(self.context, self.stepper, limit)
 
     def feed(self, prefill: int) -> list[int]:
         """The tokens this step feeds: a prompt chunk, or the last token and the drafts."""

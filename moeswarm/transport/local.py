@@ -9,13 +9,51 @@ rows go to the experts as they are, which is what a lossless wire delivers too.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 
 from moeswarm.errors import MoeSwarmError, WorkerError
+from moeswarm.model.loading import load_experts
+from moeswarm.model.source import ModelSource
+from moeswarm.placement.profile import check_held
 from moeswarm.transport.link import Pending, Reply
 from moeswarm.wire.codecs import CODECS
 from moeswarm.wire.messages import Dispatch, WorkerInfo
+from moeswarm.worker.store import ExpertStore
 
 LOCAL_ADDRESS = "local"
+
+
+def hold_local(source: ModelSource, experts: Sequence[int] | Mapping[int, Sequence[int]] | None,
+               moe_layers: Sequence[int], num_experts: int, hidden_size: int) -> ExpertStore | None:
+    """Load the experts the backbone holds itself: the same ids for every MoE layer, or
+    {layer: experts} (a layer may hold none). None when nothing is to be held."""
+    if not experts:
+        return None
+    per_layer = dict(experts) if isinstance(experts, Mapping) else {layer: experts for layer in moe_layers}
+    per_layer = {int(layer): tuple(sorted(set(int(e) for e in ids))) for layer, ids in per_layer.items()}
+    check_held(per_layer, list(moe_layers), num_experts)
+    by_set: dict[tuple[int, ...], list[int]] = {}  # one load per distinct expert set, over its layers
+    for layer, ids in per_layer.items():
+        if ids:
+            by_set.setdefault(ids, []).append(layer)
+    hosted = {}
+    for ids, layers in by_set.items():
+        for low, high in _runs(sorted(layers), sorted(moe_layers)):
+            part, _, _ = load_experts(source, list(ids), (low, high))
+            hosted.update(part)
+    return ExpertStore(hosted, num_experts, hidden_size) if hosted else None
+
+
+def _runs(layers: list[int], moe_layers: list[int]) -> list[tuple[int, int]]:
+    """Inclusive ranges covering exactly `layers` among the MoE layers (load_experts takes a range)."""
+    runs: list[list[int]] = []
+    position = {layer: i for i, layer in enumerate(moe_layers)}
+    for layer in layers:
+        if runs and position[runs[-1][1]] + 1 == position[layer]:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return [(low, high) for low, high in runs]
 
 
 class LocalLink:

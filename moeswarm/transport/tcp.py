@@ -55,14 +55,7 @@ class TcpLink:
 
     def connect(self, fingerprint: str, timeout_s: float | None = None) -> WorkerInfo:
         """timeout_s: for the TCP connect and the HELLO answer (default 10 s and 30 s)."""
-        try:
-            host, port = parse_address(self.address)
-        except ValueError as error:
-            raise WorkerError(self.address, str(error)) from None
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout_s or CONNECT_TIMEOUT_S)
-        except OSError as error:
-            raise WorkerError(self.address, f"cannot connect ({error.strerror or error}): is the worker running?") from None
+        sock = self._dial(timeout_s or CONNECT_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tls is not None:
             try:
@@ -84,6 +77,17 @@ class TcpLink:
             raise WorkerError(self.address, f"serves model {info.fingerprint}, not {fingerprint}")
         self._fingerprint, self.info = fingerprint, info
         return info
+
+    def _dial(self, timeout_s: float) -> socket.socket:
+        """A connected socket on which TLS and HELLO follow (a relay's link dials the relay instead)."""
+        try:
+            host, port = parse_address(self.address)
+        except ValueError as error:
+            raise WorkerError(self.address, str(error)) from None
+        try:
+            return socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as error:
+            raise WorkerError(self.address, f"cannot connect ({error.strerror or error}): is the worker running?") from None
 
     def reconnect(self, timeout_s: float | None = None) -> WorkerInfo:
         before = self.info

@@ -39,6 +39,11 @@ def dequantize(path, tensor: ReaderTensor, rows: slice | None = None) -> torch.T
     return out
 
 
+def dequantize_array(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    """Stored bytes (or float values) of `qtype` -> float32 values, with gguf-py's decoders."""
+    return quants.dequantize(np.asarray(raw), qtype).astype(np.float32, copy=False)
+
+
 def raw_rows(tensor: ReaderTensor, rows: slice) -> np.ndarray:
     """The stored bytes of rows[rows] of the outermost axis (quantized blocks untouched)."""
     return np.asarray(tensor.data[rows])

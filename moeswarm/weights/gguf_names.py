@@ -74,6 +74,18 @@ class NameMapper:
                 return self._plain(candidate)
         return None
 
+    def plain_tensor(self, hf_name: str) -> str | None:
+        """The GGUF tensor `hf_name` is stored in as it is (no permutation, no merge), or None."""
+        layer = _LAYER.search(hf_name)
+        if hf_name.endswith("self_attn.kv_b_proj.weight") and layer:
+            return None
+        name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None or name not in self.file.tensors:
+            return None
+        if self.quirks.permute_qk and re.search(r"\.attn_[qk]\.(weight|bias)$", name):
+            return None
+        return name
+
     def _plain(self, name: str) -> Loader | None:
         return (lambda: self.read(name)) if name in self.file.tensors else None
 

@@ -2,7 +2,8 @@
 
 It implements moeswarm.model.source.ModelSource. The model skeleton is transformers' own, built
 on meta from the config mapped out of the GGUF metadata; tensors are dequantized to float32 as
-they are assigned:
+they are assigned, except routed experts, which stay in the file's blocks (memory-mapped) and are
+computed from them (weights/quant_experts.py) where the C kernels do the family's maths:
 
 - backbone: every non-expert tensor; routed-expert tensors are never read (they stay on meta).
 - experts: for each hosted layer, the byte ranges [e*nb2, (e+1)*nb2) of each stacked expert
@@ -24,10 +25,12 @@ from moeswarm.errors import ModelError
 from moeswarm.ids import LayerId, format_ids, runs
 from moeswarm.model.experts import expert_parameter_names, experts_modules
 from moeswarm.model.skeleton import meta_model
+from moeswarm.weights.gguf_backbone import encode_backbone, tie_encoded
 from moeswarm.weights.gguf_config import config_from_gguf
 from moeswarm.weights.gguf_dequant import dequantize
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_names import QUIRKS, NameMapper, expert_tensor_names, fuse_experts
+from moeswarm.weights.gguf_quant_load import quant_experts, use_quantized
 from moeswarm.weights.gguf_tokenizer import gguf_tokenizer
 
 
@@ -69,12 +72,13 @@ class GGUFCheckpoint:
         return tuple(ids) if ids is not None else None
 
     def load_backbone(self, model: PreTrainedModel, skip: set[str]) -> None:
-        """Every non-expert tensor, dequantized to float32; the parameters in `skip` are never read."""
+        """Every non-expert tensor (float32, or kept encoded: gguf_backbone.py); those in `skip` are never read."""
         f = self.file
         mapper = NameMapper(f, self.config, lambda name: dequantize(f.path, f.tensor(name)))
+        encoded = encode_backbone(model, mapper, skip)  # matrices kept in the file's encoding (--backbone-dtype)
         state, missing = {}, []
         for name, tensor in model.state_dict().items():
-            if name in skip or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            if name in skip or name in encoded or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             source = mapper.source(name)
             if source is None:
@@ -91,10 +95,15 @@ class GGUFCheckpoint:
             hint = " (a slice file made without --with-backbone holds experts only)" if f.is_slice else ""
             raise ModelError(f"{f.path}: the GGUF file lacks backbone tensors for {missing[:5]}{hint}")
         model.load_state_dict(state, strict=False, assign=True)
-        model.tie_weights()
+        if not (self.config.tie_word_embeddings and tie_encoded(model)):
+            model.tie_weights()
 
     def load_experts(self, model: PreTrainedModel, hosted: dict[LayerId, str], experts: Sequence[int], num_experts: int) -> None:
-        """Fill the experts modules named in `hosted` (shrunk to len(experts)) with those experts."""
+        """Fill the experts modules named in `hosted` (shrunk to len(experts)) with those experts.
+
+        Where the experts stay quantized, the module at each name is replaced by a QuantExperts
+        (callers re-read it with model.get_submodule).
+        """
         f = self.file
         stored = self.held_experts if self.held_experts is not None else tuple(range(num_experts))
         where = {expert: i for i, expert in enumerate(stored)}  # global id -> index along ne[2]
@@ -105,6 +114,9 @@ class GGUFCheckpoint:
         stored_runs = runs([where[e] for e in experts])  # contiguous ranges of stored experts to read
         for layer, name in hosted.items():
             module = model.get_submodule(name)
+            if use_quantized(f, layer, module, QUIRKS[f.arch]):
+                model.set_submodule(name, quant_experts(f, layer, module, QUIRKS[f.arch], stored_runs))
+                continue
             parts = {}
             for role, tensor_name in expert_tensor_names(layer).items():
                 if tensor_name in f.tensors:

@@ -10,6 +10,13 @@ more than the job in service, and equal jobs take turns (round-robin). One threa
 inside its kernels, and one thread keeps the kernels' threading exactly as the worker set it
 (bit-identical results need the same kernels, not more of them at once).
 
+Merging: a job submitted with a batch key may run in one call with the jobs at the head of other
+owners' queues that carry the same key (one per owner, so each owner's jobs still run in its
+order), when the runner was given a `batch_work` function: the worker merges DISPATCHes of one
+layer from several backbones this way (worker/merge.py decides which may merge and keeps the bits).
+The job picked by fair queuing leads (batch_work must run it); the others join early, each charged
+its own cost as before, or are DECLINED and go back to the head of their queue.
+
 The queues are bounded in total and per owner (jobs waiting, not the one running): a full runner
 refuses new work with WorkerBusy instead of growing without limit. An owner with nothing waiting
 is still admitted when the total is reached (one job over the total per owner at most), so a
@@ -32,6 +39,7 @@ from moeswarm.errors import MoeSwarmError
 log = logging.getLogger("moeswarm.worker")
 DEFAULT_QUEUE_LIMIT = 64
 T = TypeVar("T")
+DECLINED = object()  # batch_work's outcome for a job it did not run: the job goes back to its queue's head
 
 
 class WorkerBusy(MoeSwarmError):
@@ -48,9 +56,13 @@ class Job(Generic[T]):
     """One unit of work, its start tag (fair queuing), and the future, on `loop`, that receives its outcome."""
 
     work: Callable[[], T]
+    owner: Hashable
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[T]
     start: float = 0.0
+    cost: float = 1.0
+    batch_key: Hashable | None = None  # jobs with equal keys may run in one batch_work call
+    item: Any = None  # what batch_work receives for this job
 
     def settle(self, value: Any, error: BaseException | None) -> None:
         """Hand the outcome to the loop (called on the compute thread)."""
@@ -58,6 +70,21 @@ class Job(Generic[T]):
             self.loop.call_soon_threadsafe(_resolve, self.future, value, error)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
+
+    def cancel(self) -> None:
+        """Cancel the future on its loop (called on the compute thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.future.cancel)
+        except RuntimeError:  # the loop is closed
+            pass
+
+
+def _run_alone(job: Job) -> None:
+    try:
+        value, error = job.work(), None
+    except Exception as failure:  # the owner's request failed, not the runner
+        value, error = None, failure
+    job.settle(value, error)
 
 
 def _resolve(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
@@ -70,20 +97,27 @@ def _resolve(future: asyncio.Future, value: Any, error: BaseException | None) ->
 
 
 class ComputeRunner:
-    """A compute thread serving per-owner FIFO queues round-robin, at most `queue_limit` jobs waiting
-    in all and `owner_limit` (default: no tighter bound) from one owner.
+    """A compute thread serving per-owner FIFO queues by fair queuing, at most `queue_limit` jobs
+    waiting in all and `owner_limit` (default: no tighter bound) from one owner; jobs of several
+    owners may run in one batch_work call (see the module's docstring).
 
     `submit`, `drop`, `stop` and `close` are called on the event loop; the work runs on the thread.
     A runner is started once and stopped once; it cannot be restarted.
     """
 
     def __init__(self, queue_limit: int = DEFAULT_QUEUE_LIMIT, name: str = "moeswarm-compute",
-                 owner_limit: int | None = None):
+                 owner_limit: int | None = None, batch_work: Callable[[list[Any]], list[Any]] | None = None,
+                 batch_cost: float = float("inf")):
+        """batch_work: runs several jobs' items at once, returning one outcome per item, in order, or
+        DECLINED for an item it left (never the first); None: every job runs alone.
+        batch_cost: the most cost one batch may add up to."""
         if queue_limit < 1:
             raise MoeSwarmError(f"queue limit must be at least 1, got {queue_limit}")
         self.queue_limit = queue_limit
         self.owner_limit = owner_limit or queue_limit
         self._name = name
+        self._batch_work = batch_work
+        self._batch_cost = batch_cost
         self._ready = threading.Condition()
         # Owners with waiting jobs, in turn order: the head's first job runs next, then that
         # owner goes to the back if it has more.
@@ -112,10 +146,13 @@ class ComputeRunner:
         self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
         self._thread.start()
 
-    def submit(self, owner: Hashable, work: Callable[[], T], cost: float = 1.0) -> asyncio.Future[T]:
+    def submit(self, owner: Hashable, work: Callable[[], T], cost: float = 1.0, batch_key: Hashable | None = None,
+               item: Any = None) -> asyncio.Future[T]:
         """Queue `work` behind `owner`'s earlier jobs; its future resolves on the calling loop.
 
         cost: the job's share of the compute thread (a DISPATCH's tokens); fair queuing weighs by it.
+        batch_key, item: the job may run in one batch_work call, given `item`, with other owners'
+        jobs of the same key (see the module's docstring); None: it runs alone, as `work()`.
         Raises WorkerBusy when `owner_limit` of `owner`'s jobs are waiting already, or when
         `queue_limit` jobs are waiting and `owner` has one of them.
         """
@@ -132,7 +169,7 @@ class ComputeRunner:
                 raise WorkerBusy(len(queue), self.owner_limit, "requests of this connection queued")
             start = max(self._virtual_time, self._finish.get(owner, 0.0))
             self._finish[owner] = start + max(cost, 1.0)
-            job = Job(work, loop, loop.create_future(), start)
+            job = Job(work, owner, loop, loop.create_future(), start, cost, batch_key, item)
             self._queues.setdefault(owner, collections.deque()).append(job)
             self._queued += 1
             self._ready.notify()
@@ -183,20 +220,62 @@ class ComputeRunner:
                     self._ready.wait()
                 if self._stopping:
                     return
-                job = self._next_job()
-            try:
-                value, error = job.work(), None
-            except Exception as failure:  # the owner's request failed, not the runner
-                value, error = None, failure
-            job.settle(value, error)
+                jobs = self._next_jobs()
+            if len(jobs) > 1:
+                self._run_batch(jobs)
+            else:
+                _run_alone(jobs[0])
 
-    def _next_job(self) -> Job:
-        """Pop the head with the smallest start tag (the earliest owner on a tie). Lock held."""
+    def _run_batch(self, jobs: list[Job]) -> None:
+        """One batch_work call for `jobs`; if it fails as a whole, the lead runs alone instead."""
+        try:
+            values = self._batch_work([job.item for job in jobs])
+        except Exception:
+            log.exception("a batch of %d jobs failed: running its first alone", len(jobs))
+            values = None
+        if values is None or len(values) != len(jobs) or values[0] is DECLINED:
+            _run_alone(jobs[0])
+            self._requeue(jobs[1:])
+            return
+        for job, value in zip(jobs, values):
+            if value is not DECLINED:
+                job.settle(value, None)
+        self._requeue([job for job, value in zip(jobs, values) if value is DECLINED])
+
+    def _requeue(self, jobs: list[Job]) -> None:
+        """Put declined jobs back at the head of their queues (cancelled if their owner was dropped meanwhile)."""
+        with self._ready:
+            for job in jobs:
+                if self._stopping or job.owner not in self._finish:
+                    job.cancel()
+                    continue
+                self._queues.setdefault(job.owner, collections.deque()).appendleft(job)
+                self._queued += 1
+            self._ready.notify()
+
+    def _next_jobs(self) -> list[Job]:
+        """Pop the head with the smallest start tag (the earliest owner on a tie), and the heads of
+        other owners that may run in one batch with it (same batch key, within batch_cost). Lock held."""
         owner = min(self._queues, key=lambda o: self._queues[o][0].start)  # dicts keep insertion order: ties FIFO
+        lead = self._pop(owner)
+        self._virtual_time = lead.start
+        jobs = [lead]
+        if lead.batch_key is None or self._batch_work is None:
+            return jobs
+        cost = lead.cost
+        for other in list(self._queues):
+            if other == owner:
+                continue  # one job per owner: an owner's jobs run in its order
+            head = self._queues[other][0]
+            if head.batch_key == lead.batch_key and cost + head.cost <= self._batch_cost:
+                jobs.append(self._pop(other))
+                cost += head.cost
+        return jobs
+
+    def _pop(self, owner: Hashable) -> Job:
         queue = self._queues[owner]
         job = queue.popleft()
         if not queue:
             del self._queues[owner]  # its finish tag stays until drop(): it just had its share
-        self._virtual_time = job.start
         self._queued -= 1
         return job

@@ -33,19 +33,21 @@ import functools
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, printable
 from moeswarm.wire.codecs import CODECS
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import Frame, Opcode
-from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, WorkerInfo
+from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerInfo
 from moeswarm.wire.stream import decode_frame
 from moeswarm.worker.framing import FrameFault, Idle, Incoming, read_frame
 from moeswarm.worker.limits import (ByteBudget, WorkerLimits, check_dispatch_size, check_reply_size, check_routing,
                                     declared_shape, reply_estimate)
 from moeswarm.worker.memory import release_freed_memory
-from moeswarm.worker.runner import ComputeRunner, WorkerBusy
+from moeswarm.worker.merge import merge, merge_key, partners, split
+from moeswarm.worker.runner import DECLINED, ComputeRunner, WorkerBusy
 from moeswarm.worker.session import Session
 
 if TYPE_CHECKING:
@@ -72,11 +74,15 @@ class WorkerServer:
                                tuple(sorted(CODECS)))
         self.limits = limits or WorkerLimits()
         self.budget = ByteBudget(self.limits.max_buffered_bytes)
-        self.runner = ComputeRunner(self.limits.queue_limit, owner_limit=self.limits.queue_per_connection)
+        # DISPATCHes of one layer from several connections may run as one expert call (worker/merge.py)
+        self.runner = ComputeRunner(self.limits.queue_limit, owner_limit=self.limits.queue_per_connection,
+                                    batch_work=self.compute_batch, batch_cost=self.limits.max_tokens)
         self._server: asyncio.base_events.Server | None = None
         self._sessions: dict[asyncio.Task, Session] = {}
         self._refused = 0  # connections refused over max_connections (logged at the first and every 1000th)
         self._closing = False
+        self.merged_calls = 0  # expert calls that served several connections' DISPATCHes at once
+        self.merged_requests = 0  # the DISPATCHes they served
 
     @property
     def connections(self) -> int:
@@ -89,6 +95,18 @@ class WorkerServer:
         self._server = await asyncio.start_server(self._serve, host, port, backlog=min(self.limits.max_connections, 4096),
                                                   **handshake)
         return self._server.sockets[0].getsockname()[:2]
+
+    async def serve_socket(self, sock: socket.socket) -> None:
+        """Serve a connection this worker opened itself (a relay's pipe, net/relay_worker.py) as if
+        it had accepted it: TLS server side with the swarm key, then the same session as any other.
+        Returns once the session is started (after the TLS handshake); raises if the handshake fails."""
+        loop = asyncio.get_running_loop()
+
+        def protocol() -> asyncio.StreamReaderProtocol:
+            return asyncio.StreamReaderProtocol(asyncio.StreamReader(loop=loop), self._serve, loop=loop)
+
+        handshake = {"ssl": self.tls, "ssl_handshake_timeout": self.limits.hello_timeout_s} if self.tls else {}
+        await loop.connect_accepted_socket(protocol, sock, **handshake)
 
     async def serve_forever(self) -> None:
         """Serve until cancelled; then close everything (the cancellation propagates, quietly)."""
@@ -206,7 +224,8 @@ class WorkerServer:
                 check_dispatch_size(frame.meta, self.limits)
                 shape = declared_shape(frame.meta, "x")
                 cost = shape[0] if shape else 1  # tokens: the compute thread is shared by them
-                future = self.runner.submit(session, functools.partial(self.compute, frame), cost)
+                future = self.runner.submit(session, functools.partial(self.compute, frame), cost,
+                                            merge_key(frame.meta), frame)
                 owed = reply_estimate(frame.meta, self.store.hidden_size)
                 session.owe(owed)
                 session.track(asyncio.create_task(self._reply_when_done(session, future, incoming.reserved, owed)))
@@ -239,12 +258,66 @@ class WorkerServer:
 
         Also the fuzzer's oracle (moeswarm/bench/fuzz.py): the same checks and maths, run locally.
         """
-        rid = frame.request_id
+        decoded = self._decode(frame)
+        if isinstance(decoded, Frame):
+            return decoded
+        return self._answer(frame.request_id, decoded, self.store.run)
+
+    def compute_batch(self, frames: list[Frame]) -> list[Frame | object]:
+        """The runner's batch_work: frames[0]'s DISPATCH and those of other connections that may run
+        in one expert call with it (worker/merge.py: same layer and mode, disjoint experts), each
+        answered exactly as `compute` would have; DECLINED for the others (they wait their turn)."""
+        lead = self._decode(frames[0])
+        if isinstance(lead, Frame):
+            return [lead] + [DECLINED] * (len(frames) - 1)
+        requests = [(0, lead)]
+        for position, frame in enumerate(frames[1:], 1):
+            decoded = self._decode(frame, quiet=True)
+            if not isinstance(decoded, Frame):  # a bad one is declined: it gets its ERROR in its turn
+                requests.append((position, decoded))
+        chosen = [requests[i] for i in partners([request for _, request in requests])]
+        replies: list[Frame | object] = [DECLINED] * len(frames)
+        results = self._merged([request for _, request in chosen]) if len(chosen) > 1 else None
+        if results is None:
+            replies[0] = self._answer(frames[0].request_id, lead, self.store.run)
+            return replies
+        for (position, request), result in zip(chosen, results):
+            replies[position] = self._answer(frames[position].request_id, request, lambda _request, r=result: r)
+        return replies
+
+    def _merged(self, requests: list[Dispatch]) -> list[Result] | None:
+        """Each request's Result from one expert call; None when the merged call is refused (one of
+        them asks for what this worker does not serve): then the lead runs alone, the others in their turn."""
+        merged, plan = merge(requests)
+        try:
+            results = split(self.store.run(merged), plan)
+        except MoeSwarmError:
+            return None
+        self.merged_calls += 1
+        self.merged_requests += len(requests)
+        return results
+
+    def _decode(self, frame: Frame, quiet: bool = False) -> Dispatch | Frame:
+        """The DISPATCH in `frame`, or the ERROR frame that answers it (not logged when `quiet`)."""
         try:
             check_dispatch_size(frame.meta, self.limits)
             request = Dispatch.from_frame(frame)
+            check_routing(request.top_k_index)
+            return request
+        except MoeSwarmError as error:
+            if quiet:
+                return ErrorReply("bad_request", str(error)).to_frame(frame.request_id)
+            log.info("request %d refused: %s", frame.request_id, printable(str(error)))
+            return ErrorReply("bad_request", str(error)).to_frame(frame.request_id)
+        except Exception as error:  # a bug on our side: report it and keep serving
+            log.exception("request %d failed", frame.request_id)
+            return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(frame.request_id)
+
+    def _answer(self, rid: int, request: Dispatch, run: Callable[[Dispatch], Result]) -> Frame:
+        """RESULT (or ERROR) frame for `request`, whose Result `run` gives."""
+        try:
             routed = check_routing(request.top_k_index)
-            result = self.store.run(request)
+            result = run(request)
             check_reply_size(routed, request.hidden.shape[0], self.store.hidden_size,
                              request.mode == CombineMode.EXACT, result.outputs)
             return result.to_frame(rid)

@@ -7,7 +7,9 @@ A worker may hold any set of experts per layer. Each contiguous run of them is o
 the family's own experts class with the eager implementation; each expert runs on exactly the
 rows routed to it in eager's order (slot-major, then token), as a one-expert problem: the same
 inputs through the same kernels, at the same address alignment, give the same bits as a local
-eager run.
+eager run. GGUF experts kept quantized (weights/quant_experts.py) are a QuantExperts module in the
+family's place: its products' bits depend only on the weight row and the input row, so they hold
+the same guarantee at any alignment, and the local reference computes with the same module.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class ExpertStore:
         tokens, width = request.hidden.shape
         if width != self._hidden_size:
             raise ProtocolError(f"hidden size {width} does not match the model's {self._hidden_size}")
-        dtype = next(layer_runs[0].module.parameters()).dtype
+        dtype = compute_dtype(layer_runs[0].module)
         if request.hidden.dtype != dtype:
             raise ProtocolError(f"dtype mismatch: hidden states are {request.hidden.dtype}, the experts compute in {dtype}")
         if not request.top_k_weights.is_floating_point():
@@ -129,10 +131,17 @@ def _split(hosted: HostedLayer) -> list[_Run]:
     return found
 
 
+def compute_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype an experts module takes hidden states in (a QuantExperts says; otherwise its parameters')."""
+    return getattr(module, "compute_dtype", None) or next(module.parameters()).dtype
+
+
 def _narrowed(module: torch.nn.Module, start: int, stop: int) -> torch.nn.Module:
     """The experts module restricted to its experts [start, stop) (views, no copy); itself when that is all of it."""
     if start == 0 and stop == module.num_experts:
         return module
+    if hasattr(module, "narrow"):  # QuantExperts: its own views of the GGUF blocks
+        return module.narrow(start, stop)
     narrowed = copy.copy(module)  # shares config and submodules; gets its own parameter table
     narrowed._parameters = {
         name: torch.nn.Parameter(param[start:stop], requires_grad=False) for name, param in module._parameters.items()

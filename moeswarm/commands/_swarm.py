@@ -1,0 +1,117 @@
+"""`--swarm PEERS`: finding workers on the DHT (net/discovery.py) instead of a `--workers` list.
+
+A worker announces itself (`moeswarm worker --swarm new` starts a swarm and prints the multiaddr
+others join by); a backbone (`generate`, `serve`) joins as a client, waits until the announced
+workers cover the model, and follows joins and leaves. Parsing here imports neither torch nor
+hivemind: `--workers` works without hivemind installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moeswarm.commands._types import port, seconds
+
+DEFAULT_TTL_S = 30.0  # net/discovery_announce.py's default, restated so `--help` imports no torch
+
+
+def swarm_peers(text: str) -> list[str]:
+    """argparse type of `--swarm`: [] for "new", else the peers' multiaddrs."""
+    from moeswarm.net.discovery import parse_peers
+
+    try:
+        return parse_peers(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_worker_swarm(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("swarm", "announce this worker on the swarm's DHT (docs/discovery.md)")
+    group.add_argument("--swarm", type=swarm_peers, default=None, metavar="PEERS",
+                       help="join the swarm at these DHT peers (comma-separated multiaddrs /ip4/HOST/tcp/PORT/p2p/ID) "
+                            "and announce this worker there; 'new': start a new swarm (its multiaddr is printed)")
+    group.add_argument("--announce-host", default=None, metavar="HOST",
+                       help="the address backbones dial this worker at (default: --host, which must then not be "
+                            "0.0.0.0)")
+    group.add_argument("--announce-ttl", type=seconds, default=DEFAULT_TTL_S, metavar="SECONDS",
+                       help=f"the announcement expires this long after each refresh (every third of it); a worker "
+                            f"that vanishes is dropped by backbones within about this long (default {DEFAULT_TTL_S:g})")
+    group.add_argument("--dht-port", type=port, default=0, metavar="PORT",
+                       help="TCP port of this worker's DHT node, on --host (0: a free one)")
+
+
+def add_backbone_swarm(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--swarm", type=swarm_peers, default=None, metavar="PEERS",
+                        help="find the workers on the swarm instead of --workers: comma-separated multiaddrs of DHT "
+                             "peers (a worker's or `moeswarm dht`'s); joins and leaves are followed while running")
+    parser.add_argument("--swarm-wait", type=seconds, default=60.0, metavar="SECONDS",
+                        help="with --swarm: the most to wait at start for workers covering every MoE layer")
+
+
+def check_workers_or_swarm(args: argparse.Namespace) -> None:
+    """Exactly one of --workers and --swarm (MoeSwarmError otherwise: one line, exit status 2)."""
+    from moeswarm.errors import MoeSwarmError
+
+    if args.workers and args.swarm is not None:
+        raise MoeSwarmError("give --workers or --swarm, not both: a fixed list of workers, or the swarm to find them on")
+    if not args.workers and args.swarm is None:
+        raise MoeSwarmError("give --workers HOST:PORT[,...] or --swarm PEERS (the multiaddr of a worker on the swarm)")
+    if args.swarm == []:
+        raise MoeSwarmError("--swarm new starts a swarm, which only a worker does: give the multiaddr a worker "
+                            "or `moeswarm dht` printed")
+
+
+def discovery_options(args: argparse.Namespace, report=None):
+    """The backbone's DiscoveryOptions for `--swarm`, or None with `--workers`."""
+    if args.swarm is None:
+        return None
+    from moeswarm.net.discovery_follow import DiscoveryOptions
+
+    return DiscoveryOptions(tuple(args.swarm), args.swarm_wait, report=report or _stderr(args))
+
+
+def _stderr(args: argparse.Namespace):
+    def report(line: str) -> None:
+        if not getattr(args, "quiet", False):
+            print(f"moeswarm: {line}", file=sys.stderr, flush=True)
+
+    return report
+
+
+def open_worker_dht(args: argparse.Namespace):
+    """The worker's DHT node for `--swarm` (None without it); its address line printed for `--swarm new`."""
+    if args.swarm is None:
+        return None
+    from moeswarm.net.discovery import SwarmDht
+    from moeswarm.net.discovery_announce import announce_address
+
+    announce_address(args.host, 1, args.announce_host)  # refuse 0.0.0.0 without --announce-host, before loading
+    dht = SwarmDht.open(args.swarm, host=args.host, port=args.dht_port)
+    if not args.swarm:
+        print(f"moeswarm worker: started a new swarm; join it with --swarm {','.join(dht.addresses())}", flush=True)
+    return dht
+
+
+def throughput(store, source) -> float:
+    """Tokens per second through every held layer, measured now (before the server takes requests:
+    the store runs one call at a time)."""
+    from moeswarm.net.discovery_announce import measure_throughput
+
+    return measure_throughput(store, getattr(source.config, "num_experts_per_tok", None) or 1)
+
+
+def announcer(args: argparse.Namespace, dht, server, source, port: int, tokens_per_s: float,
+              relay_route: str | None = None):
+    """The worker's Announcer (not started) for the server listening on `port`; with a relay route the
+    record offers both paths (HOST:PORT+relay://RELAY:PORT/NAME: backbones probe the direct one first)."""
+    from moeswarm.net.discovery_announce import Announcer, announce_address
+    from moeswarm.net.discovery_record import Announcement, Capacity
+
+    store, limits = server.store, server.limits
+    address = announce_address(args.host, port, args.announce_host)
+    record = Announcement(f"{address}+{relay_route}" if relay_route else address, source.fingerprint,
+                          source.config.model_type, store.num_experts, store.hidden_size, store.held,
+                          tls=server.tls is not None, capacity=Capacity(limits.max_connections, limits.max_tokens),
+                          throughput=tokens_per_s)
+    return Announcer(dht, record, args.announce_ttl)

@@ -1,0 +1,77 @@
+"""`moeswarm relay`: splice backbones to workers that cannot be dialled (behind NAT); docs/network.md."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from moeswarm.commands._types import port, positive, seconds
+
+STATUS_EVERY_S = 60.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from moeswarm.net.relay_server import RelayLimits
+
+    d = RelayLimits()
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=port, default=0, help="TCP port (0: pick a free one and print it)")
+    limits = parser.add_argument_group("limits", "what the relay holds for its peers")
+    add = limits.add_argument
+    add("--max-connections", type=positive, default=d.max_connections,
+        help=f"open connections, idle, spliced or in their handshake (default {d.max_connections})")
+    add("--max-names", type=positive, default=d.max_names, help=f"worker names registered at once (default {d.max_names})")
+    add("--max-idle-per-name", type=positive, default=d.max_idle_per_name,
+        help=f"idle connections one worker name may keep registered (default {d.max_idle_per_name})")
+    add("--handshake-timeout", type=seconds, default=d.handshake_timeout_s,
+        help=f"seconds from connecting to a whole relay request (default {d.handshake_timeout_s:g})")
+    add("--wait-for-worker", type=seconds, default=d.wait_for_worker_s,
+        help=f"seconds a backbone waits for the named worker's idle connection (default {d.wait_for_worker_s:g})")
+    add("--idle-timeout", type=seconds, default=d.idle_timeout_s,
+        help=f"seconds a spliced pipe may carry nothing before it is closed (default {d.idle_timeout_s:g})")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="least severe log records printed on stderr (INFO: one line per pipe, and a status line "
+                             f"every {STATUS_EVERY_S:g} s when something changed)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeswarm.net.relay_server import RelayLimits, RelayServer
+    from moeswarm.worker.listen import check_can_listen, raise_open_files_limit
+
+    check_can_listen(args.host, args.port)
+    raise_open_files_limit(args.max_connections)  # a flood must meet --max-connections, not the descriptor limit
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    limits = RelayLimits(max_connections=args.max_connections, max_names=args.max_names,
+                         max_idle_per_name=args.max_idle_per_name, handshake_timeout_s=args.handshake_timeout,
+                         wait_for_worker_s=args.wait_for_worker, idle_timeout_s=args.idle_timeout)
+
+    async def main() -> None:
+        relay = RelayServer(limits)
+        host, bound = await relay.start(args.host, args.port)
+        print(f"moeswarm relay: listening on {host}:{bound}", flush=True)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        serving = asyncio.create_task(relay.serve_forever())
+        last = None
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), STATUS_EVERY_S)
+            except asyncio.TimeoutError:
+                idle = relay.idle_counts()
+                status = (*vars(relay.stats).values(), len(idle), sum(idle.values()))
+                if status != last:  # a line when something changed, not every minute of a quiet relay
+                    last = status
+                    stats = relay.stats
+                    logging.getLogger("moeswarm.relay").info(
+                        "%d connections, %d pipes, %d workers with %d idle connections; %d spliced, %d refused, "
+                        "%d bytes relayed since start", stats.connections, stats.pipes, len(idle), sum(idle.values()),
+                        stats.spliced, stats.refused, stats.bytes_relayed)
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,80 @@
+"""Where a speculative step's drafts come from: `--draft ngram|local|both`.
+
+ngram  prompt lookup (draft.py): free, good on text that repeats itself, silent elsewhere.
+local  the backbone with only its local experts (draft_local.py): a few local forwards per step,
+       a draft on any text; needs experts held by the backbone (--local-experts).
+both   the n-gram draft when the context's last two or more tokens occurred before (a lookup that
+       strong is usually right, and free), else the local draft. A lone repeated token is too
+       weak a match: on prose nearly every token has occurred before.
+
+Every drafter answers `draft(context, stepper, limit)` (the drafts, with `stepper`'s cache left
+as it was) and takes `feedback(drafted, accepted, cap)` after the verify step. The verify rule
+makes the output independent of the drafts, so a drafter changes the speed, never the tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from moeswarm.generation.draft import propose
+from moeswarm.generation.draft_local import LocalDrafter
+from moeswarm.generation.draft_names import DRAFTERS
+from moeswarm.generation.stepper import Stepper
+
+STRONG_NGRAM = 2  # the shortest n-gram match `both` takes over the local draft
+
+
+class Drafter(Protocol):
+    name: str
+
+    def draft(self, context: list[int], stepper: Stepper, limit: int) -> list[int]:
+        """Up to `limit` tokens to follow `context`; `stepper` holds context[:-1], and is left so."""
+
+    def feedback(self, drafted: int, accepted: int, cap: int) -> None:
+        """How the last draft fared: `accepted` of `drafted` kept; `cap` is the most a draft may hold."""
+
+
+class NgramDrafter:
+    name = "ngram"
+
+    def __init__(self, min_ngram: int = 1):
+        self.min_ngram = min_ngram
+
+    def draft(self, context: list[int], stepper: Stepper, limit: int) -> list[int]:
+        return propose(context, limit, min_ngram=self.min_ngram)
+
+    def feedback(self, drafted: int, accepted: int, cap: int) -> None:
+        pass  # a lookup costs nothing: always propose up to the cap
+
+
+class BothDrafter:
+    """The n-gram draft on a match of STRONG_NGRAM tokens or more, else the local one."""
+
+    name = "both"
+
+    def __init__(self, local: LocalDrafter):
+        self.ngram = NgramDrafter(STRONG_NGRAM)
+        self.local = local
+        self.last: Drafter | None = None  # which one drafted the last step
+
+    def draft(self, context: list[int], stepper: Stepper, limit: int) -> list[int]:
+        tokens = self.ngram.draft(context, stepper, limit)
+        self.last = self.ngram if tokens else self.local
+        return tokens or self.local.draft(context, stepper, limit)
+
+    def feedback(self, drafted: int, accepted: int, cap: int) -> None:
+        if self.last is not None:
+            self.last.feedback(drafted, accepted, cap)
+
+
+def make_drafter(kind: str, model: torch.nn.Module, store) -> Drafter:
+    """The drafter `kind` names (DRAFTERS); store: the backbone's local ExpertStore, or None."""
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "local":
+        return LocalDrafter(model, store)
+    if kind == "both":
+        return BothDrafter(LocalDrafter(model, store))
+    raise ValueError(f"unknown drafter {kind!r} (known: {', '.join(DRAFTERS)})")

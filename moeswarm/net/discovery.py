@@ -1,0 +1,128 @@
+"""Discovery on hivemind's DHT (the one Petals uses): where workers announce themselves and backbones look.
+
+The DHT carries announcements only (net/discovery_record.py): who holds which experts of which
+model, where to dial them, with an expiry. Requests never travel over it: the hot path stays on
+moeswarm's own TCP protocol (libp2p's daemon adds milliseconds per message).
+
+hivemind is an optional extra (`pip install 'moeswarm[swarm]'`): it is imported only when a DHT
+node is opened, so `--workers` works without it.
+
+    peers "new"                      start a new swarm: this node is its first peer
+    peers /ip4/H/tcp/P/p2p/ID,...    join the swarm those peers are in
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from collections.abc import Sequence
+
+from moeswarm.errors import MoeSwarmError, one_line, printable
+from moeswarm.net.discovery_record import Announcement, RecordError, announcement_key, parse_record
+
+log = logging.getLogger("moeswarm.discovery")
+
+INSTALL_HINT = "pip install 'moeswarm[swarm]'"
+NEW_SWARM = "new"
+START_TIMEOUT_S = 60.0
+MAX_RECORDS = 4096  # announcements read per model; more are ignored (and said so)
+
+
+def parse_peers(text: str) -> list[str]:
+    """`--swarm`'s value: [] for "new", else the comma-separated multiaddrs; ValueError naming the bad one."""
+    if text.strip() == NEW_SWARM:
+        return []
+    peers = [p.strip() for p in text.split(",") if p.strip()]
+    if not peers:
+        raise ValueError("empty peer list: give /ip4/HOST/tcp/PORT/p2p/PEER_ID[,...] (or 'new' on the first worker)")
+    for peer in peers:
+        if not peer.startswith("/") or "/p2p/" not in peer or not peer.isprintable():
+            raise ValueError(f"bad swarm peer {peer[:200]!r}: expected a multiaddr such as "
+                             "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... (printed by the first worker or `moeswarm dht`)")
+    return peers
+
+
+class SwarmDht:
+    """One node of the DHT: a worker's (a full node) or a backbone's (client mode: it stores nothing)."""
+
+    def __init__(self, node):
+        self._node = node  # hivemind.dht.DHT, running in its own process
+        self._problems: set[str] = set()  # malformed records already logged
+
+    @classmethod
+    def open(cls, peers: Sequence[str], host: str = "127.0.0.1", port: int = 0, client: bool = False,
+             timeout_s: float = START_TIMEOUT_S) -> "SwarmDht":
+        """Start a node; join `peers` (none: start a new swarm). MoeSwarmError when that fails."""
+        try:
+            from moeswarm.net.discovery_dht import WatchedDHT
+        except ImportError as error:
+            missing = "is not installed" if (error.name or "").split(".")[0] == "hivemind" else f"cannot load ({error})"
+            raise MoeSwarmError(f"--swarm needs hivemind, which {printable(missing)}: {INSTALL_HINT}") from None
+        if client and not peers:
+            raise MoeSwarmError("a backbone joins an existing swarm: give --swarm the multiaddr of a worker or of "
+                                "`moeswarm dht`, not 'new'")
+        options = {} if client else {"host_maddrs": [listen_maddr(host, port)]}
+        try:
+            node = WatchedDHT(initial_peers=list(peers), start=True, client_mode=client, await_ready=False, **options)
+            node.wait_until_ready(timeout_s)
+        except Exception as error:  # hivemind raises its own types (P2PDaemonError, TimeoutError, ...)
+            raise MoeSwarmError(f"cannot {'join the swarm at ' + ', '.join(peers) if peers else 'start a swarm'}: "
+                                f"{printable(one_line(error))}") from None
+        return cls(node)
+
+    def addresses(self) -> list[str]:
+        """The multiaddrs other peers can join this node by (its peer id included)."""
+        return [str(m) for m in self._node.get_visible_maddrs()]
+
+    def store(self, record: Announcement, ttl_s: float) -> bool:
+        """Announce `record` until `ttl_s` from now (a later store replaces it); False if no peer took it."""
+        from hivemind.utils import get_dht_time
+
+        return bool(self._node.store(announcement_key(record.fingerprint), subkey=record.address,
+                                     value=record.to_value(), expiration_time=get_dht_time() + ttl_s))
+
+    def fetch(self, fingerprint: str) -> dict[str, Announcement]:
+        """The online workers announced for model `fingerprint`, by address. Malformed entries are
+        skipped (each logged once, escaped); withdrawn ones (online false) are left out."""
+        found = self._node.get(announcement_key(fingerprint), latest=True)
+        entries = found.value if found is not None else {}
+        if not isinstance(entries, dict):  # someone stored a plain value under the key
+            self._problem(f"the key of model {fingerprint} holds a {type(entries).__name__}, not announcements")
+            return {}
+        if len(entries) > MAX_RECORDS:
+            self._problem(f"{len(entries)} announcements for model {fingerprint}: only the first {MAX_RECORDS} are read")
+        records: dict[str, Announcement] = {}
+        for subkey, entry in list(entries.items())[:MAX_RECORDS]:
+            try:
+                record = parse_record(subkey, getattr(entry, "value", None), fingerprint)
+            except RecordError as error:
+                self._problem(f"ignoring a malformed announcement under {str(subkey)[:100]!r}: {error}")
+                continue
+            if record.online:
+                records[record.address] = record
+        return records
+
+    def _problem(self, message: str) -> None:
+        message = printable(message, 400)
+        if message not in self._problems:
+            if len(self._problems) >= MAX_RECORDS:  # a peer varying its garbage cannot grow this without bound
+                self._problems.clear()
+            self._problems.add(message)
+            log.warning(message)
+
+    def close(self) -> None:
+        """Stop the node (and its p2pd)."""
+        self._node.shutdown()
+
+
+def listen_maddr(host: str, port: int) -> str:
+    """The multiaddr a DHT node listens on for `--host` (a name is resolved: p2pd listens on addresses)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            address = ipaddress.ip_address(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
+        except (OSError, ValueError) as error:
+            raise MoeSwarmError(f"cannot resolve --host {printable(host)!r} for the DHT node: {error}") from None
+    return f"/ip{address.version}/{address}/tcp/{port}"

@@ -1,0 +1,162 @@
+"""What a worker announces on the DHT, and the checks a record passes before a backbone uses it.
+
+A record is plain msgpack data (hivemind stores values with msgpack; nothing is unpickled) under
+the key `announcement_key(fingerprint)`, one subkey per worker: its address. Records come from
+the network, so `parse_record` bounds every size and checks every type before anything is used;
+a record that fails is ignored by the reader (and logged once, escaped).
+
+The record only says where to dial: the experts a backbone places on a worker are the ones the
+worker's own HELLO announces over the link, and the HELLO checks the model fingerprint again. A
+lying record costs a connection attempt, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from moeswarm.ids import MAX_EXPERT_ID, format_ids, parse_experts
+
+RECORD_VERSION = 1
+KEY_PREFIX = "moeswarm/v1/"
+
+# Bounds on a record read from the network (far above any real model, far below harm).
+MAX_ADDRESS = 600  # HOST:PORT, relay://RELAY:PORT/NAME, or both joined by '+'
+MAX_NAME = 128  # fingerprint, model type
+MAX_LAYERS = 4096
+MAX_RUNS_TEXT = 8192  # one layer's experts as "0-3,9,17-20"
+MAX_HIDDEN = 1 << 20
+MAX_COUNT = 1 << 31  # connections, tokens per DISPATCH
+
+
+class RecordError(ValueError):
+    """A DHT record that is not a valid announcement (its text says what is wrong)."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the worker accepts: open connections and tokens per DISPATCH (worker/limits.py)."""
+
+    connections: int
+    tokens_per_dispatch: int
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """One worker's record.
+
+    address: how backbones reach it (a `--workers` entry: HOST:PORT, or a relay form, net/path.py).
+    held: {MoE layer: experts held in it, ascending}.
+    throughput: tokens per second through every held layer, measured by the worker at start (0: unmeasured).
+    online: False in the record a worker leaves when it shuts down cleanly (dropped at once).
+    """
+
+    address: str
+    fingerprint: str
+    model_type: str
+    num_experts: int
+    hidden_size: int
+    held: dict[int, tuple[int, ...]] = field(hash=False)
+    tls: bool
+    capacity: Capacity
+    throughput: float
+    online: bool = True
+
+    def to_value(self) -> dict:
+        """The msgpack-able value stored on the DHT (experts as runs: "0-63", not 64 integers)."""
+        return {
+            "v": RECORD_VERSION, "address": self.address, "fingerprint": self.fingerprint,
+            "model_type": self.model_type, "num_experts": self.num_experts, "hidden_size": self.hidden_size,
+            "held": [[layer, format_ids(experts)] for layer, experts in sorted(self.held.items())],
+            "tls": self.tls, "capacity": [self.capacity.connections, self.capacity.tokens_per_dispatch],
+            "throughput": float(self.throughput), "online": self.online,
+        }
+
+    def offline(self) -> "Announcement":
+        return Announcement(self.address, self.fingerprint, self.model_type, self.num_experts, self.hidden_size,
+                            self.held, self.tls, self.capacity, self.throughput, online=False)
+
+
+def announcement_key(fingerprint: str) -> str:
+    """The DHT key under which the workers of one model announce themselves."""
+    return KEY_PREFIX + fingerprint
+
+
+def parse_record(subkey: object, value: object, fingerprint: str) -> Announcement:
+    """The announcement in one DHT entry (subkey: the address it was stored under); RecordError if malformed."""
+    if not isinstance(value, Mapping):
+        raise RecordError(f"a {type(value).__name__}, not a map")
+    if value.get("v") != RECORD_VERSION:
+        raise RecordError(f"record version {_short(value.get('v'))}, this moeswarm reads {RECORD_VERSION}")
+    address = _text(value, "address", MAX_ADDRESS)
+    if subkey != address:
+        raise RecordError(f"stored under {_short(subkey)} but names address {_short(address)}")
+    _check_address(address)
+    found = _text(value, "fingerprint", MAX_NAME)
+    if found != fingerprint:
+        raise RecordError(f"fingerprint {_short(found)} under the key of {fingerprint}")
+    num_experts = _integer(value, "num_experts", 1, MAX_EXPERT_ID + 1)
+    hidden_size = _integer(value, "hidden_size", 1, MAX_HIDDEN)
+    capacity = value.get("capacity")
+    if not (isinstance(capacity, (list, tuple)) and len(capacity) == 2
+            and all(type(c) is int and 0 < c <= MAX_COUNT for c in capacity)):
+        raise RecordError("capacity is not [connections, tokens per dispatch] as two positive integers")
+    throughput = value.get("throughput")
+    if type(throughput) not in (int, float) or not math.isfinite(throughput) or throughput < 0:
+        raise RecordError(f"throughput {_short(throughput)} is not a finite number >= 0")
+    tls, online = value.get("tls"), value.get("online")
+    if type(tls) is not bool or type(online) is not bool:
+        raise RecordError("tls and online must be true or false")
+    return Announcement(address, found, _text(value, "model_type", MAX_NAME), num_experts, hidden_size,
+                        _held(value.get("held"), num_experts), tls, Capacity(*capacity), float(throughput), online)
+
+
+def _held(raw: object, num_experts: int) -> dict[int, tuple[int, ...]]:
+    if not isinstance(raw, (list, tuple)) or not 0 < len(raw) <= MAX_LAYERS:
+        raise RecordError(f"held is not a list of 1 to {MAX_LAYERS} [layer, experts] pairs")
+    held: dict[int, tuple[int, ...]] = {}
+    for pair in raw:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and type(pair[0]) is int
+                and 0 <= pair[0] < 1 << 20 and isinstance(pair[1], str) and len(pair[1]) <= MAX_RUNS_TEXT):
+            raise RecordError("held has an entry that is not [layer, \"experts\"]")
+        layer, text = pair
+        if layer in held:
+            raise RecordError(f"held names layer {layer} twice")
+        try:
+            experts = parse_experts(text)
+        except ValueError as error:
+            raise RecordError(f"layer {layer}: {error}") from None
+        if not experts or experts[-1] >= num_experts:
+            raise RecordError(f"layer {layer} holds experts outside 0-{num_experts - 1}, or none")
+        held[layer] = tuple(experts)
+    return held
+
+
+def _check_address(address: str) -> None:
+    from moeswarm.net.path import parse_worker  # the path policy owns the address forms
+
+    try:
+        parse_worker(address)
+    except ValueError as error:
+        raise RecordError(str(error)) from None
+
+
+def _text(value: Mapping, name: str, limit: int) -> str:
+    text = value.get(name)
+    if not isinstance(text, str) or not 0 < len(text) <= limit or not text.isprintable():
+        raise RecordError(f"{name} is not printable text of 1 to {limit} characters")
+    return text
+
+
+def _integer(value: Mapping, name: str, low: int, high: int) -> int:
+    number = value.get(name)
+    if type(number) is not int or not low <= number <= high:
+        raise RecordError(f"{name} {_short(number)} is not an integer in {low}-{high}")
+    return number
+
+
+def _short(value: object) -> str:
+    """A peer's value quoted in a message: bounded (the message is escaped where it is printed)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,235 @@
+"""The relay: splices a backbone's connection to a worker's outbound one, for workers behind NAT.
+
+A worker that cannot be dialled keeps idle connections open to the relay, registered under its
+name (net/relay_worker.py). A backbone connects to the relay and names the worker; the relay takes
+one of that worker's idle connections, tells the worker ("P") and from then on copies bytes both
+ways without reading them. TLS with the swarm key runs end to end through the pipe
+(transport/relay.py), so the relay sees only ciphertext, its sizes and its timing; a byte it
+alters breaks the TLS record and the connection, never a result.
+
+Everything a peer can make the relay hold is bounded (RelayLimits): open connections, names,
+idle connections per name, the time a handshake may take, the time a backbone waits for an idle
+connection, and the time a pipe may carry nothing. The relay never learns the swarm key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+
+from moeswarm.errors import printable
+from moeswarm.net.relay_protocol import (KEEPALIVE, OK, PAIRED, REQUEST_HEAD, ROLE_WORKER, RelayError, encode_error,
+                                         parse_name, parse_request_head)
+
+log = logging.getLogger("moeswarm.relay")
+
+CHUNK = 1 << 16
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    max_connections: int = 1024  # open TCP connections, idle, spliced or in their handshake
+    max_names: int = 256  # distinct worker names with idle connections
+    max_idle_per_name: int = 8  # idle connections one name may keep registered
+    handshake_timeout_s: float = 10.0  # from accept to a whole request
+    wait_for_worker_s: float = 5.0  # a backbone waits this long for the named worker's idle connection
+    keepalive_s: float = 15.0  # a byte to each idle worker connection this often (NAT mappings stay open)
+    idle_timeout_s: float = 600.0  # a spliced pipe carrying nothing either way for this long is closed
+
+
+@dataclass
+class _Idle:
+    """A worker's registered connection, waiting for a backbone."""
+
+    name: str
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    taken: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # its idle watch no longer reads the stream
+
+
+@dataclass
+class RelayStats:
+    connections: int = 0  # open now
+    pipes: int = 0  # spliced now
+    spliced: int = 0  # since start
+    refused: int = 0  # handshakes answered with an error, or connections over the limit
+    bytes_relayed: int = 0
+
+
+class RelayServer:
+    def __init__(self, limits: RelayLimits | None = None):
+        self.limits = limits or RelayLimits()
+        self.stats = RelayStats()
+        self._idle: dict[str, collections.deque[_Idle]] = {}
+        self._registered = asyncio.Condition()
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        self._server = await asyncio.start_server(self._accept, host, port, backlog=min(self.limits.max_connections, 4096))
+        return self._server.sockets[0].getsockname()[:2]
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None, "start() first"
+        try:
+            await self._server.serve_forever()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        tasks = [task for task in self._tasks if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for queue in self._idle.values():
+            for idle in queue:
+                idle.writer.transport.abort()
+        self._idle.clear()
+
+    def idle_counts(self) -> dict[str, int]:
+        """Idle connections registered per worker name."""
+        return {name: len(queue) for name, queue in self._idle.items()}
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        self.stats.connections += 1
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = printable(str(writer.get_extra_info("peername")))
+        keep_open = False
+        try:
+            if self.stats.connections > self.limits.max_connections:
+                raise RelayError(f"relay busy: {self.limits.max_connections} connections open; retry later")
+            role, name = await asyncio.wait_for(self._read_request(reader), self.limits.handshake_timeout_s)
+            if role == ROLE_WORKER:
+                keep_open = await self._register(name, reader, writer)
+            else:
+                await self._connect(name, reader, writer)
+        except asyncio.TimeoutError:
+            self.stats.refused += 1
+            log.info("%s: no whole relay request within %g s: closed", peer, self.limits.handshake_timeout_s)
+            writer.write(encode_error(f"no relay request within {self.limits.handshake_timeout_s:g} s"))
+        except RelayError as error:
+            self.stats.refused += 1
+            log.info("%s: refused: %s", peer, printable(str(error)))
+            writer.write(encode_error(str(error)))
+        except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:
+            log.info("%s: connection ended: %s", peer, printable(str(error) or type(error).__name__))
+        except asyncio.CancelledError:
+            pass  # the relay is closing
+        finally:
+            self._tasks.discard(task)
+            if not keep_open:  # a spliced worker connection is counted until its pipe ends
+                self.stats.connections -= 1
+                writer.close()  # after the error reply, if any, is flushed
+
+    async def _read_request(self, reader: asyncio.StreamReader) -> tuple[bytes, str]:
+        role, length = parse_request_head(await reader.readexactly(REQUEST_HEAD))
+        return role, parse_name(await reader.readexactly(length))
+
+    async def _register(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Hold a worker's idle connection until a backbone takes it (True: the pipe owns it now)."""
+        queue = self._idle.get(name)
+        if queue is None and len(self._idle) >= self.limits.max_names:
+            raise RelayError(f"relay full: {self.limits.max_names} worker names registered")
+        if queue is not None and len(queue) >= self.limits.max_idle_per_name:
+            raise RelayError(f"worker {name} already has {self.limits.max_idle_per_name} idle connections here")
+        idle = _Idle(name, reader, writer)
+        self._idle.setdefault(name, collections.deque()).append(idle)
+        writer.write(OK)
+        async with self._registered:
+            self._registered.notify_all()
+        watch = asyncio.ensure_future(reader.read(1))  # a worker sends nothing while idle: EOF or a byte ends it
+        try:
+            while True:
+                await asyncio.wait({idle.taken, watch}, timeout=self.limits.keepalive_s, return_when=asyncio.FIRST_COMPLETED)
+                if idle.taken.done():
+                    return True  # a backbone's task splices it now
+                if watch.done():
+                    log.info("worker %s: idle connection closed", name)
+                    return False
+                writer.write(KEEPALIVE)
+                await asyncio.wait_for(writer.drain(), self.limits.keepalive_s)
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)  # a StreamReader serves one reader at a time
+            idle.released.set()
+            if not idle.taken.done():
+                self._forget(idle)
+
+    def _forget(self, idle: _Idle) -> None:
+        queue = self._idle.get(idle.name)
+        if queue is not None and idle in queue:
+            queue.remove(idle)
+            if not queue:
+                del self._idle[idle.name]
+
+    async def _take(self, name: str) -> _Idle:
+        """The oldest idle connection of `name`, waiting for one a short while."""
+        def available() -> bool:
+            return bool(self._idle.get(name))
+
+        async with self._registered:
+            try:
+                await asyncio.wait_for(self._registered.wait_for(available), self.limits.wait_for_worker_s)
+            except asyncio.TimeoutError:
+                raise RelayError(f"no worker named {name} is registered at this relay") from None
+        idle = self._idle[name].popleft()
+        if not self._idle[name]:
+            del self._idle[name]
+        idle.taken.set_result(None)
+        return idle
+
+    async def _connect(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        worker = await self._take(name)
+        worker.writer.write(PAIRED)  # before any byte of the backbone's: the worker starts TLS after it
+        writer.write(OK)
+        self.stats.pipes += 1
+        self.stats.spliced += 1
+        log.info("worker %s: spliced to backbone %s", name, printable(str(writer.get_extra_info("peername"))))
+        try:
+            await worker.released.wait()
+            await self._splice(reader, writer, worker.reader, worker.writer)
+        finally:
+            self.stats.pipes -= 1
+            self.stats.connections -= 1  # the worker's connection, kept open by its own task's end
+            worker.writer.transport.abort()
+
+    async def _splice(self, a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter,
+                      b_reader: asyncio.StreamReader, b_writer: asyncio.StreamWriter) -> None:
+        """Copy both ways (a: the backbone's connection, b: the worker's) until either side ends, or
+        nothing moves for idle_timeout_s."""
+        moved = [time.monotonic()]
+        pumps = {asyncio.ensure_future(self._pump(a_reader, b_writer, moved)),
+                 asyncio.ensure_future(self._pump(b_reader, a_writer, moved))}
+        idle_s = self.limits.idle_timeout_s
+        try:
+            while True:
+                left = moved[0] + idle_s - time.monotonic()
+                if left <= 0:
+                    log.info("pipe idle for %g s: closed", idle_s)
+                    return
+                done, _ = await asyncio.wait(pumps, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if done:
+                    return
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, moved: list[float]) -> None:
+        """One direction of a pipe (no timeout per read: the splice's watch closes an idle pipe)."""
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            self.stats.bytes_relayed += len(data)
+            moved[0] = time.monotonic()
+            await writer.drain()

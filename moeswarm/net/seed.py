@@ -1,0 +1,103 @@
+"""The seeder: serves byte ranges of one model file to joining workers (`moeswarm seed`).
+
+A worker that is to host some experts fetches just their byte ranges (net/seed_fetch.py) from a
+peer that has the file. The seeder trusts nobody and is trusted by nobody: with a swarm key it
+talks only to peers holding the same key (mutual TLS, transport/tls.py); what it sends is checked
+against the owner's manifest by the fetcher. Every request is bounded (net/seed_protocol.py): at
+most MAX_REQUEST bytes, inside the file; a bad one gets a one-line ERR! and the connection closes,
+the seeder goes on serving. A connection reads one request at a time, so it holds at most one
+range in memory; one that sends nothing, or takes nothing, for IDLE_TIMEOUT_S is closed. File
+reads run off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+from pathlib import Path
+
+from moeswarm.errors import MoeSwarmError, ProtocolError, printable
+from moeswarm.net.seed_protocol import DATA, MAX_REQUEST, REQUEST, RESPONSE, decode_request, encode_error
+
+log = logging.getLogger("moeswarm.seed")
+MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = 60.0
+
+
+class Seeder:
+    """Serve the file at `path`. tls: the swarm key's server context, or None for plain TCP."""
+
+    def __init__(self, path: str | Path, tls: ssl.SSLContext | None = None, max_connections: int = MAX_CONNECTIONS,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise MoeSwarmError(f"{self.path}: no such file to seed")
+        self.size = self.path.stat().st_size
+        self.tls = tls
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.sent_bytes = 0
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._open = 0
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        handshake = {"ssl": self.tls, "ssl_handshake_timeout": 10.0} if self.tls else {}
+        self._server = await asyncio.start_server(self._serve, host, port, **handshake)
+        return self._server.sockets[0].getsockname()[:2]
+
+    async def close(self) -> None:
+        """Stop listening and drop every connection (a fetcher resumes elsewhere); again: nothing."""
+        if self._fd < 0:
+            return
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+        os.close(self._fd)
+        self._fd = -1
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = printable(str(writer.get_extra_info("peername")))
+        if self._open >= self.max_connections:
+            writer.write(encode_error(f"seeder busy: {self._open} connections open; retry later"))
+            writer.close()
+            return
+        self._open += 1
+        self._writers.add(writer)
+        try:
+            while True:
+                try:
+                    raw = await asyncio.wait_for(reader.readexactly(REQUEST.size), self.idle_timeout_s)
+                except asyncio.IncompleteReadError:
+                    return  # the fetcher is done
+                try:
+                    offset, length = self._check(*decode_request(raw))
+                except ProtocolError as error:
+                    log.info("refused a request from %s: %s", peer, error)
+                    writer.write(encode_error(str(error)))
+                    await writer.drain()
+                    return
+                data = await asyncio.to_thread(os.pread, self._fd, length, offset)
+                writer.write(RESPONSE.pack(DATA, len(data)))
+                writer.write(data)
+                await asyncio.wait_for(writer.drain(), self.idle_timeout_s)  # a peer that stops reading is dropped
+                self.sent_bytes += len(data)
+        except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError) as error:
+            log.info("connection from %s ended: %s", peer, printable(str(error) or type(error).__name__))
+        finally:
+            self._open -= 1
+            self._writers.discard(writer)
+            writer.close()
+
+    def _check(self, offset: int, length: int) -> tuple[int, int]:
+        if not 0 < length <= MAX_REQUEST:
+            raise ProtocolError(f"a request may ask for 1 to {MAX_REQUEST} bytes, not {length}")
+        if offset + length > self.size:
+            raise ProtocolError(f"bytes [{offset}, {offset + length}) lie beyond the file's {self.size} bytes")
+        return offset, length

@@ -1,0 +1,386 @@
+/* Matrix products read straight from GGUF blocks: y[t, r] = dot(row r of W, x[t]), float32.
+ *
+ * W is a [rows, K] matrix kept in its GGUF encoding (row r is row_bytes bytes of blocks). A tile
+ * of ROW_TILE rows is decoded into a small float32 scratch (a few KiB: it stays in L1), then
+ * dotted with every token's x: each decoded row is used by all tokens of the call.
+ *
+ * Exactness: the bits of y[t, r] depend only on row r and x[t]. The dot product's association
+ * is fixed (16 lanes over k = 16i + lane, then a fixed tree), every operation is a plain IEEE
+ * float32 operation (built with -ffp-contract=off: no fused multiply-add, so the AVX-512, AVX2
+ * and baseline clones give the same bits), and threads split the rows, never a dot product.
+ * So the result does not depend on the thread count, the other rows or tokens of a call, the
+ * buffers' addresses, or which clone the CPU runs.
+ *
+ * Plain C with no Python API: moeswarm/weights/qkernels.py loads it with ctypes.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CLONES
+#endif
+
+#define LANES 16
+#define ROW_TILE 4
+#define TOKEN_TILE 2
+
+typedef float v16 __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+typedef uint32_t u16 __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4)));
+typedef uint16_t h16 __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
+
+/* GGUF type ids (ggml_type). */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39 };
+
+/* IEEE half -> float, exactly, without branches (the loops over F16 rows vectorise): the half's
+ * exponent and mantissa bits placed in a float's, times 2^112, rebase the exponent (a power-of-two
+ * product is exact, subnormal halves included); infinities and NaNs keep an all-ones exponent. */
+static inline __attribute__((always_inline)) float bits_float(uint32_t bits) {
+    union { uint32_t u; float f; } v = {bits};
+    return v.f;
+}
+
+static inline __attribute__((always_inline)) uint32_t float_bits(float f) {
+    union { float f; uint32_t u; } v = {f};
+    return v.u;
+}
+
+static inline __attribute__((always_inline)) float half_to_float(uint16_t h) {
+    uint32_t magnitude = (uint32_t)(h & 0x7fff) << 13;
+    uint32_t bits = float_bits(bits_float(magnitude) * 0x1p112f);
+    bits = (h & 0x7c00) == 0x7c00 ? (magnitude | 0x7f800000u) : bits;
+    return bits_float(bits | ((uint32_t)(h & 0x8000) << 16));
+}
+
+static inline __attribute__((always_inline)) float read_half(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return half_to_float(h); }
+
+/* K-quant 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes. */
+static inline __attribute__((always_inline)) void k_scale_min(int j, const uint8_t *s, int *scale, int *min) {
+    if (j < 4) {
+        *scale = s[j] & 63;
+        *min = s[j + 4] & 63;
+    } else {
+        *scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static int block_size(int type) {
+    switch (type) {
+    case T_F32: case T_F16: case T_BF16: return 1;
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_MXFP4: return 32;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+static int block_bytes(int type) {
+    switch (type) {
+    case T_F32: return 4;
+    case T_F16: case T_BF16: return 2;
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_MXFP4: return 17;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* Half of the E8M0 scale 2^(e-127): the table values above are doubled. */
+static float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Decode one row of K values (inlined into each CPU clone of decode_tile). */
+static inline __attribute__((always_inline)) void decode_row(int type, const uint8_t *src, int64_t K, float *out) {
+    int64_t nb = K / (block_size(type) ? block_size(type) : 1);
+    switch (type) {
+    case T_F32:
+        memcpy(out, src, (size_t)K * 4);
+        return;
+    case T_F16: {
+        const uint16_t *h = (const uint16_t *)src;  /* GGUF rows of 2-byte values start 2-byte aligned */
+        int64_t i = 0;
+        for (; i + LANES <= K; i += LANES) {  /* half_to_float, 16 at a time: the same bit operations */
+            h16 halves;
+            memcpy(&halves, h + i, sizeof halves);
+            u16 wide = __builtin_convertvector(halves, u16);
+            u16 magnitude = (wide & 0x7fff) << 13;
+            u16 scaled = (u16)((v16)magnitude * 0x1p112f);
+            u16 special = (u16)((wide & 0x7c00) == 0x7c00);  /* all ones where the exponent is all ones */
+            u16 bits = (special & (magnitude | 0x7f800000u)) | (~special & scaled);
+            v16 values = (v16)(bits | ((wide & 0x8000) << 16));
+            memcpy(out + i, &values, sizeof values);
+        }
+        for (; i < K; i++) out[i] = half_to_float(h[i]);
+        return;
+    }
+    case T_BF16: {
+        const uint16_t *h = (const uint16_t *)src;
+        for (int64_t i = 0; i < K; i++) out[i] = bits_float((uint32_t)h[i] << 16);
+        return;
+    }
+    case T_Q8_0:
+        for (int64_t b = 0; b < nb; b++, src += 34, out += 32) {
+            float d = read_half(src);
+            const int8_t *q = (const int8_t *)(src + 2);
+            for (int j = 0; j < 32; j++) out[j] = (float)q[j] * d;
+        }
+        return;
+    case T_Q4_0:
+    case T_Q4_1:
+        for (int64_t b = 0; b < nb; b++, out += 32) {
+            float d = read_half(src), m = type == T_Q4_1 ? read_half(src + 2) : 0.0f;
+            const uint8_t *q = src + (type == T_Q4_1 ? 4 : 2);
+            int offset = type == T_Q4_1 ? 0 : 8;
+            for (int j = 0; j < 16; j++) {
+                out[j] = (float)((q[j] & 0x0f) - offset) * d + m;
+                out[j + 16] = (float)((q[j] >> 4) - offset) * d + m;
+            }
+            src += block_bytes(type);
+        }
+        return;
+    case T_Q5_0:
+    case T_Q5_1:
+        for (int64_t b = 0; b < nb; b++, out += 32) {
+            float d = read_half(src), m = type == T_Q5_1 ? read_half(src + 2) : 0.0f;
+            const uint8_t *p = src + (type == T_Q5_1 ? 4 : 2);
+            uint32_t high;
+            memcpy(&high, p, 4);
+            const uint8_t *q = p + 4;
+            int offset = type == T_Q5_1 ? 0 : 16;
+            for (int j = 0; j < 16; j++) {
+                int lo = (q[j] & 0x0f) | (int)(((high >> j) & 1) << 4);
+                int hi = (q[j] >> 4) | (int)(((high >> (j + 16)) & 1) << 4);
+                out[j] = (float)(lo - offset) * d + m;
+                out[j + 16] = (float)(hi - offset) * d + m;
+            }
+            src += block_bytes(type);
+        }
+        return;
+    case T_MXFP4:
+        for (int64_t b = 0; b < nb; b++, src += 17, out += 32) {
+            float d = e8m0_half(src[0]);
+            const uint8_t *q = src + 1;
+            for (int j = 0; j < 16; j++) {
+                out[j] = (float)MXFP4_VALUES[q[j] & 0x0f] * d;
+                out[j + 16] = (float)MXFP4_VALUES[q[j] >> 4] * d;
+            }
+        }
+        return;
+    case T_Q4_K:
+    case T_Q5_K:
+        for (int64_t b = 0; b < nb; b++) {
+            float d = read_half(src), dmin = read_half(src + 2);
+            const uint8_t *scales = src + 4;
+            const uint8_t *high = type == T_Q5_K ? src + 16 : NULL;  /* [32]: bit 2c / 2c+1 of value l */
+            const uint8_t *q = src + (type == T_Q5_K ? 48 : 16);
+            for (int chunk = 0; chunk < 4; chunk++, q += 32, out += 64) {
+                int s0, m0, s1, m1;
+                k_scale_min(2 * chunk, scales, &s0, &m0);
+                k_scale_min(2 * chunk + 1, scales, &s1, &m1);
+                float d0 = d * (float)s0, dm0 = dmin * (float)m0, d1 = d * (float)s1, dm1 = dmin * (float)m1;
+                if (high) {
+                    for (int l = 0; l < 32; l++) {
+                        int lo = (q[l] & 0x0f) | (((high[l] >> (2 * chunk)) & 1) << 4);
+                        int hi = (q[l] >> 4) | (((high[l] >> (2 * chunk + 1)) & 1) << 4);
+                        out[l] = d0 * (float)lo - dm0;
+                        out[l + 32] = d1 * (float)hi - dm1;
+                    }
+                } else {
+                    for (int l = 0; l < 32; l++) {
+                        out[l] = d0 * (float)(q[l] & 0x0f) - dm0;
+                        out[l + 32] = d1 * (float)(q[l] >> 4) - dm1;
+                    }
+                }
+            }
+            src += block_bytes(type);
+        }
+        return;
+    case T_Q6_K:
+        for (int64_t b = 0; b < nb; b++, src += 210) {
+            const uint8_t *low = src, *high = src + 128;
+            const int8_t *scales = (const int8_t *)(src + 192);
+            float d = read_half(src + 208);
+            for (int half = 0; half < 2; half++, low += 64, high += 32, scales += 8, out += 128) {
+                for (int part = 0; part < 2; part++) {  /* values l in [16 part, 16 part + 16): scales[part + 2 j] */
+                    float f0 = d * (float)scales[part], f1 = d * (float)scales[part + 2];
+                    float f2 = d * (float)scales[part + 4], f3 = d * (float)scales[part + 6];
+                    for (int l = 16 * part; l < 16 * part + 16; l++) {
+                        out[l] = f0 * (float)(((low[l] & 0x0f) | (((high[l] >> 0) & 3) << 4)) - 32);
+                        out[l + 32] = f1 * (float)(((low[l + 32] & 0x0f) | (((high[l] >> 2) & 3) << 4)) - 32);
+                        out[l + 64] = f2 * (float)(((low[l] >> 4) | (((high[l] >> 4) & 3) << 4)) - 32);
+                        out[l + 96] = f3 * (float)(((low[l + 32] >> 4) | (((high[l] >> 6) & 3) << 4)) - 32);
+                    }
+                }
+            }
+        }
+        return;
+    }
+}
+
+static inline __attribute__((always_inline)) float reduce16(v16 acc) {
+    float a[LANES];
+    memcpy(a, &acc, sizeof a);
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) a[i] = a[i] + a[i + w];
+    return a[0];
+}
+
+static inline __attribute__((always_inline)) v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+
+/* Finish one accumulator: the tail k >= main in lane k mod 16, then the fixed tree. */
+static inline __attribute__((always_inline)) float finish(v16 acc, const float *w, const float *x, int64_t main, int64_t K) {
+    float lanes[LANES];
+    memcpy(lanes, &acc, sizeof lanes);
+    for (int64_t k = main; k < K; k++) lanes[k % LANES] = lanes[k % LANES] + w[k] * x[k];
+    memcpy(&acc, lanes, sizeof lanes);
+    return reduce16(acc);
+}
+
+/* y[t][r] = dot(w[r], x[t]) for ROW_TILE decoded rows w [ROW_TILE][K] and TOKEN_TILE tokens:
+ * every (r, t) has its own accumulator, so the bits are those of a single dot product. */
+CLONES static void dot_tile(const float *w, int64_t K, int nrows, const float *const *x, int ntokens, float *y, int64_t ldy) {
+    v16 acc[TOKEN_TILE][ROW_TILE];
+    for (int t = 0; t < TOKEN_TILE; t++)
+        for (int r = 0; r < ROW_TILE; r++) acc[t][r] = (v16){0};
+    int64_t main = K - K % LANES;
+    for (int64_t k = 0; k < main; k += LANES) {
+        v16 wv[ROW_TILE];
+        for (int r = 0; r < ROW_TILE; r++) wv[r] = load16(w + r * K + k);
+        for (int t = 0; t < TOKEN_TILE; t++) {
+            v16 xv = load16(x[t] + k);
+            for (int r = 0; r < ROW_TILE; r++) acc[t][r] = acc[t][r] + wv[r] * xv;
+        }
+    }
+    for (int t = 0; t < ntokens; t++)
+        for (int r = 0; r < nrows; r++) y[t * ldy + r] = finish(acc[t][r], w + r * K, x[t], main, K);
+}
+
+/* One token: each row decoded (scratch of K floats, in L1) and dotted at once. The same lanes and
+ * tree as dot_tile, so a token's bits do not depend on whether it came alone. */
+CLONES static void rows_one_token(int type, const uint8_t *w, int64_t row_bytes, int64_t K, int64_t rows,
+                                  const float *x, float *y, float *scratch) {
+    int64_t main = K - K % LANES;
+    for (int64_t r = 0; r < rows; r++) {
+        decode_row(type, w + r * row_bytes, K, scratch);
+        v16 acc = (v16){0};
+        for (int64_t k = 0; k < main; k += LANES) acc = acc + load16(scratch + k) * load16(x + k);
+        y[r] = finish(acc, scratch, x, main, K);
+    }
+}
+
+CLONES static void decode_tile(int type, const uint8_t *src, int64_t row_bytes, int64_t K, int nrows, float *out) {
+    for (int r = 0; r < nrows; r++) decode_row(type, src + r * row_bytes, K, out + r * K);
+    if (nrows < ROW_TILE) memset(out + nrows * K, 0, (size_t)(ROW_TILE - nrows) * K * sizeof(float));
+}
+
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t row_bytes, K, row_start, row_stop;
+    const float *x;
+    int64_t n, ldx;
+    float *y;
+    int64_t ldy;
+    int status;
+} Job;
+
+static void *run_job(void *arg) {
+    Job *job = arg;
+    float *scratch = malloc((size_t)ROW_TILE * job->K * sizeof(float));
+    if (!scratch) { job->status = -1; return NULL; }
+    if (job->n == 1) {
+        rows_one_token(job->type, job->w + job->row_start * job->row_bytes, job->row_bytes, job->K,
+                       job->row_stop - job->row_start, job->x, job->y + job->row_start, scratch);
+        free(scratch);
+        job->status = 0;
+        return NULL;
+    }
+    for (int64_t r = job->row_start; r < job->row_stop; r += ROW_TILE) {
+        int nrows = (int)(job->row_stop - r < ROW_TILE ? job->row_stop - r : ROW_TILE);
+        decode_tile(job->type, job->w + r * job->row_bytes, job->row_bytes, job->K, nrows, scratch);
+        for (int64_t t = 0; t < job->n; t += TOKEN_TILE) {
+            int ntokens = (int)(job->n - t < TOKEN_TILE ? job->n - t : TOKEN_TILE);
+            const float *x[TOKEN_TILE];
+            for (int i = 0; i < TOKEN_TILE; i++) x[i] = job->x + (t + (i < ntokens ? i : 0)) * job->ldx;
+            dot_tile(scratch, job->K, nrows, x, ntokens, job->y + t * job->ldy + r, job->ldy);
+        }
+    }
+    free(scratch);
+    job->status = 0;
+    return NULL;
+}
+
+/* Whether `type` is decoded here and K fits its blocks (1) or not (0). */
+int qk_supported(int type, int64_t K) {
+    int bs = block_size(type);
+    return bs > 0 && K > 0 && K % bs == 0;
+}
+
+/* y[t, r] = dot(W[r], x[t]) for t < n, r < rows. W: rows x row_bytes of `type`'s blocks (K values
+ * per row); x: [n, K] float32 with row stride ldx; y: [n, rows] with row stride ldy.
+ * Returns 0, or -1 (unsupported type or K, or out of memory). */
+int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_bytes,
+              const float *x, int64_t n, int64_t ldx, float *y, int64_t ldy, int threads) {
+    if (!qk_supported(type, K) || row_bytes != K / block_size(type) * block_bytes(type)) return -1;
+    if (threads < 1) threads = 1;
+    int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+    if (threads > tiles) threads = (int)tiles;
+    if (threads > 256) threads = 256;
+    Job jobs[256];
+    pthread_t ids[256];
+    int started[256] = {0};
+    for (int i = 0; i < threads; i++) {
+        int64_t a = tiles * i / threads * ROW_TILE, b = tiles * (i + 1) / threads * ROW_TILE;
+        jobs[i] = (Job){type, w, row_bytes, K, a, b < rows ? b : rows, x, n, ldx, y, ldy, -1};
+    }
+    for (int i = 1; i < threads; i++) started[i] = pthread_create(&ids[i], NULL, run_job, &jobs[i]) == 0;
+    run_job(&jobs[0]);
+    for (int i = 1; i < threads; i++) {
+        if (started[i]) pthread_join(ids[i], NULL);
+        else run_job(&jobs[i]);  /* no thread to be had: run its rows here */
+    }
+    for (int i = 0; i < threads; i++) if (jobs[i].status != 0) return -1;
+    return 0;
+}
+
+/* Decode rows [0, rows) into out [rows, K] float32 (tests compare it with gguf-py's decoder). */
+int qk_dequantize(int type, const void *w, int64_t rows, int64_t K, int64_t row_bytes, float *out) {
+    if (!qk_supported(type, K) || row_bytes != K / block_size(type) * block_bytes(type)) return -1;
+    for (int64_t r = 0; r < rows; r++) decode_row(type, (const uint8_t *)w + r * row_bytes, K, out + r * K);
+    return 0;
+}
+
+/* h = silu(gate) * up, elementwise over count values (gate, up, h may not overlap). */
+void qk_silu_glu(const float *gate, const float *up, float *h, int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        float g = gate[i];
+        h[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+/* gpt-oss: gate = min(gate, limit), up = clamp(up, -limit, limit), h = (up + 1) * gate * sigmoid(alpha * gate). */
+void qk_oss_glu(const float *gate, const float *up, float *h, int64_t count, float alpha, float limit) {
+    for (int64_t i = 0; i < count; i++) {
+        float g = gate[i] > limit ? limit : gate[i];
+        float u = up[i] > limit ? limit : (up[i] < -limit ? -limit : up[i]);
+        float glu = g * (1.0f / (1.0f + expf(-(g * alpha))));
+        h[i] = (u + 1.0f) * glu;
+    }
+}

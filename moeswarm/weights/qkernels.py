@@ -1,0 +1,95 @@
+"""The C kernels that compute from GGUF blocks (moeswarm/weights/qkernels.c), through ctypes.
+
+`pip install -e .` builds the C file into `moeswarm/_qkernels*.so` (pyproject.toml's
+[[tool.setuptools.ext-modules]]). When the library is missing (no compiler at install time),
+`available()` is False, one log line says so, and GGUF experts are dequantized to float32 as before.
+
+Every function takes float32 torch tensors and returns new ones; the bits of each output value
+depend only on its weight row and its input row (see the C file): never on the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import logging
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    package = Path(__file__).resolve().parent.parent  # moeswarm/
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = package / f"_qkernels{suffix}"
+        if path.is_file():
+            lib = ctypes.CDLL(str(path))
+            lib.qk_supported.argtypes = [ctypes.c_int, _I64]
+            lib.qk_matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
+            lib.qk_dequantize.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR]
+            lib.qk_silu_glu.argtypes = [_PTR, _PTR, _PTR, _I64]
+            lib.qk_oss_glu.argtypes = [_PTR, _PTR, _PTR, _I64, ctypes.c_float, ctypes.c_float]
+            lib.qk_silu_glu.restype = lib.qk_oss_glu.restype = None
+            return lib
+    log.warning("moeswarm's C kernels (moeswarm/_qkernels) are not built: GGUF experts are dequantized to float32 "
+                "(reinstall with `pip install -e .` and a C compiler to keep them quantized)")
+    return None
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def supported(qtype: int, row_length: int) -> bool:
+    """Whether rows of `row_length` values of GGUF type `qtype` are computed from their blocks."""
+    lib = _library()
+    return lib is not None and bool(lib.qk_supported(int(qtype), row_length))
+
+
+def _address(array: np.ndarray | torch.Tensor) -> int:
+    return array.ctypes.data if isinstance(array, np.ndarray) else array.data_ptr()
+
+
+def matmul(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tensor, threads: int) -> torch.Tensor:
+    """x [n, K] float32 times W^T: W is weight [rows, row_bytes] of `qtype` blocks (K values a row) -> [n, rows]."""
+    rows, row_bytes = weight.shape
+    n = x.shape[0]
+    assert x.dtype == torch.float32 and x.shape[1] == row_length and x.stride(1) == 1 and weight.strides[1] == 1
+    assert weight.strides[0] == row_bytes  # rows back to back
+    y = torch.empty(n, rows, dtype=torch.float32)
+    code = _library().qk_matmul(int(qtype), _address(weight), rows, row_length, row_bytes,
+                                x.data_ptr(), n, x.stride(0), y.data_ptr(), rows, threads)
+    if code != 0:
+        raise RuntimeError(f"qk_matmul failed for GGUF type {qtype} with rows of {row_length} values")
+    return y
+
+
+def dequantize(qtype: int, weight: np.ndarray, row_length: int) -> torch.Tensor:
+    """weight [rows, row_bytes] of `qtype` blocks -> [rows, K] float32, decoded by the C kernels."""
+    rows = weight.shape[0]
+    out = torch.empty(rows, row_length, dtype=torch.float32)
+    if _library().qk_dequantize(int(qtype), _address(np.ascontiguousarray(weight)), rows, row_length,
+                                weight.shape[1], out.data_ptr()) != 0:
+        raise RuntimeError(f"qk_dequantize failed for GGUF type {qtype} with rows of {row_length} values")
+    return out
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, elementwise ([n, I] float32, contiguous)."""
+    out = torch.empty_like(gate)
+    _library().qk_silu_glu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    return out
+
+
+def oss_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped swiglu: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    out = torch.empty_like(gate)
+    _library().qk_oss_glu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), alpha, limit)
+    return out

@@ -1,0 +1,193 @@
+"""Discovery on hivemind's DHT, on loopback: workers announce themselves, a backbone finds them and
+follows joins and leaves while it generates, bit-identical to local eager throughout.
+
+Real processes: each worker is a `moeswarm worker --swarm PEER` process with its own DHT node;
+the first DHT node (the swarm's meeting point) and the backbone run in the test process.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from moeswarm.cli import main
+from moeswarm.dispatch.membership import LEFT_CAUSE
+from moeswarm.generation.stepper import Stepper
+from moeswarm.local_workers import spawn_worker, stop
+from moeswarm.model.loading import load_local
+from moeswarm.model.source import open_source
+from moeswarm.net.discovery import SwarmDht
+from moeswarm.net.discovery_follow import DiscoveryOptions, membership_diff
+from moeswarm.net.discovery_record import Announcement, Capacity, RecordError, announcement_key, parse_record
+from moeswarm.swarm import open_swarm
+
+WAIT_S = 120.0  # bounds on waits that take seconds on an idle machine (a worker's start: as conftest's workers)
+
+
+@pytest.fixture(scope="module")
+def bootstrap():
+    """The swarm's first DHT node, on loopback."""
+    dht = SwarmDht.open([], host="127.0.0.1")
+    yield dht
+    dht.close()
+
+
+def _spawn(model: str, experts: list[int], peer: str, ttl_s: float) -> subprocess.Popen:
+    return spawn_worker(model, experts, extra_args=["--swarm", peer, "--announce-ttl", str(ttl_s)])
+
+
+def _announced(process: subprocess.Popen) -> tuple[str, float]:
+    """(address, time.monotonic()) once the worker says it announced itself."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            pytest.fail(f"worker exited: {process.stderr.read()[-2000:]}")
+        if "announced on the swarm as " in line:
+            return line.split("announced on the swarm as ", 1)[1].split()[0], time.monotonic()
+    pytest.fail("worker did not announce itself")
+
+
+def _lockstep(remote: Stepper, local: Stepper):
+    """feed(tokens) -> the next greedy token; every step's logits must be torch.equal to local eager's."""
+    def feed(tokens: list[int]) -> int:
+        got, want = remote.forward(tokens), local.forward(tokens)  # [n, V] each
+        assert torch.equal(got, want), f"logits differ from local eager at position {local.length}"
+        return int(want[-1].argmax())
+
+    return feed
+
+
+def _store_malformed(dht: SwarmDht, fingerprint: str, num_experts: int, hidden_size: int) -> None:
+    """Three bad entries under the model's key: raw bytes, terminal escapes in the address, and a
+    well-formed record of a worker nobody can reach."""
+    from hivemind.utils import get_dht_time
+
+    dht._node.store(announcement_key(fingerprint), subkey="junk", value=b"\x00\x01junk", expiration_time=get_dht_time() + 60)
+    good = dict(fingerprint=fingerprint, model_type="qwen2_moe", num_experts=num_experts, hidden_size=hidden_size,
+                held={0: (0,)}, tls=False, capacity=Capacity(4, 4), throughput=1.0)
+    assert dht.store(Announcement(address="\x1b[31mevil:1", **good), 60)
+    assert dht.store(Announcement(address="127.0.0.1:1", **good), 60)
+
+
+def test_backbone_follows_workers_joining_and_leaving_during_a_generation(qwen2_moe, bootstrap, caplog):
+    peer = bootstrap.addresses()[0]
+    config = open_source(qwen2_moe).config
+    _store_malformed(bootstrap, open_source(qwen2_moe).fingerprint, config.num_experts, config.hidden_size)
+    # A: experts 0-3, killed outright later (dropped when its 3 s record expires); B: experts 4-7 with a
+    # 60 s record, stopped cleanly later (its record withdrawn: dropped long before 60 s).
+    a = _spawn(qwen2_moe, [0, 1, 2, 3], peer, 3)
+    b = _spawn(qwen2_moe, [4, 5, 6, 7], peer, 60)
+    workers = [a, b]
+    try:
+        local = Stepper(load_local(qwen2_moe))
+        (address_a, _), (address_b, _) = _announced(a), _announced(b)
+        options = DiscoveryOptions((peer,), wait_s=WAIT_S, poll_s=0.5)
+        with caplog.at_level(logging.INFO, logger="moeswarm.discovery"), \
+                open_swarm(qwen2_moe, [], discovery=options) as swarm:
+            assert sorted(swarm.members()) == sorted([address_a, address_b])
+            step = _lockstep(Stepper(swarm.model), local)
+            token = step([5, 17, 42, 9])  # the prefill
+
+            # C (every expert) joins mid-generation and gets requests at once.
+            c = _spawn(qwen2_moe, list(range(8)), peer, 3)
+            workers.append(c)
+            address_c, announced_at = _announced(c)
+            while address_c not in swarm.members():
+                assert time.monotonic() - announced_at < WAIT_S, "the new worker was never joined"
+                token = step([token])
+                time.sleep(0.05)
+            calls = len(swarm.layer_calls())
+            token = step([token])
+            assert any(address_c in call.worker_seconds for call in swarm.layer_calls()[calls:])
+
+            # A is killed: its experts fail over to C within the layer calls, and A leaves once its record expires.
+            helpers = psutil.Process(a.pid).children(recursive=True)  # its DHT node and that node's p2pd
+            assert helpers
+            a.kill()
+            a.wait()
+            killed_at = time.monotonic()
+            while address_a in swarm.members():
+                assert time.monotonic() - killed_at < WAIT_S, "the killed worker was never dropped"
+                token = step([token])
+                time.sleep(0.1)
+            _, alive = psutil.wait_procs(helpers, timeout=20)
+            assert not alive, "a killed worker's DHT processes outlived it"
+
+            # B stops cleanly: its record is withdrawn, so it leaves well before its 60 s expiry.
+            b.terminate()
+            stopped_at = time.monotonic()
+            while address_b in swarm.members():
+                assert time.monotonic() - stopped_at < 30, "a cleanly stopped worker was kept until its record expired"
+                token = step([token])
+                time.sleep(0.1)
+            for _ in range(3):
+                token = step([token])  # C alone now
+            assert swarm.members() == [address_c]
+            standing = {s["worker"]: s for s in swarm.standing()}
+            assert standing[address_a]["cause"] == LEFT_CAUSE and not standing[address_a]["up"]
+    finally:
+        stop(workers)
+    assert "ignoring a malformed announcement under 'junk': a bytes, not a map" in caplog.text
+    assert "\\x1b[31mevil:1" in caplog.text and "\x1b" not in caplog.text  # peer text escaped before logging
+    assert "cannot use worker 127.0.0.1:1 announced on the swarm" in caplog.text
+
+
+def test_membership_diff_joins_new_records_and_drops_gone_ones():
+    def record(address: str, experts: tuple[int, ...]) -> Announcement:
+        return Announcement(address, "fp", "qwen2_moe", 8, 16, {0: experts}, False, Capacity(1, 1), 0.0)
+
+    members = {"a:1": {0: (0, 1)}, "b:1": {0: (2, 3)}, "c:1": {0: (4,)}}
+    records = {"a:1": record("a:1", (0, 1)), "c:1": record("c:1", (4, 5)), "d:1": record("d:1", (6,))}
+    join, leave = membership_diff(members, records)
+    assert leave == ["b:1", "c:1"]  # b's record is gone; c now announces other experts: it leaves and joins again
+    assert [r.address for r in join] == ["c:1", "d:1"]
+
+
+def test_records_from_the_network_are_checked_before_use():
+    record = Announcement("10.0.0.7:7000", "fp", "qwen2_moe", 8, 16, {0: (0, 1, 2, 3), 2: (5,)}, True, Capacity(64, 512), 12.5)
+    assert parse_record("10.0.0.7:7000", record.to_value(), "fp") == record  # a round trip through the DHT's value
+    bad = {
+        "v": (2, "record version 2, this moeswarm reads 1"),
+        "address": ("x" * 700, "address is not printable text of 1 to 600 characters"),
+        "fingerprint": ("other", "fingerprint 'other' under the key of fp"),
+        "num_experts": (True, "num_experts True is not an integer in 1-65536"),
+        "held": ([[0, "0-3"], [0, "4"]], "held names layer 0 twice"),
+        "capacity": ([64, -1], "capacity is not [connections, tokens per dispatch] as two positive integers"),
+        "throughput": (float("nan"), "throughput nan is not a finite number >= 0"),
+        "tls": ("yes", "tls and online must be true or false"),
+    }
+    for field, (value, message) in bad.items():
+        with pytest.raises(RecordError) as caught:
+            parse_record("10.0.0.7:7000", {**record.to_value(), field: value}, "fp")
+        assert str(caught.value) == message
+    with pytest.raises(RecordError, match="layer 2 holds experts outside 0-7"):
+        parse_record("10.0.0.7:7000", {**record.to_value(), "held": [[2, "6-8"]]}, "fp")
+    with pytest.raises(RecordError, match="stored under 'a:1' but names address '10.0.0.7:7000'"):
+        parse_record("a:1", record.to_value(), "fp")
+
+
+def test_workers_and_swarm_together_is_one_line_error(qwen2_moe, capsys):
+    status = main(["generate", "--model", qwen2_moe, "--workers", "127.0.0.1:1", "--swarm",
+                   "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGfYbptK5dv9tZnhD75bw19RrcZoTz6swmHv4xWK8Apx9", "--prompt-ids", "1"])
+    assert status == 2
+    assert capsys.readouterr().err == ("moeswarm generate: error: give --workers or --swarm, not both: a fixed list of "
+                                       "workers, or the swarm to find them on\n")
+
+
+def test_swarm_without_hivemind_says_how_to_install_it(qwen2_moe):
+    """hivemind is optional: the CLI parses and the swarm module imports without it; --swarm says what to install."""
+    code = ("import sys; sys.modules['hivemind'] = None\n"  # an import of hivemind now fails as if it were absent
+            "import moeswarm.swarm\n"
+            "from moeswarm.cli import main\n"
+            f"sys.exit(main(['worker', '--model', {qwen2_moe!r}, '--swarm', 'new']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == ("moeswarm worker: error: --swarm needs hivemind, which is not installed: "
+                           "pip install 'moeswarm[swarm]'\n")

@@ -1,0 +1,96 @@
+"""GGUF experts kept in their blocks: workers and the local reference compute from the same bytes.
+
+The file is made by llama.cpp's converter and quantizer (Q4_K_M: Q4_K and Q6_K expert rows at
+hidden 256). `generate --check-local` through real worker processes must stay bit-identical,
+whatever experts a worker holds (non-contiguous sets) and however many threads it computes with
+(the kernels' own determinism across threads, tokens and alignment: tests/test_quant_kernels.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from llamacpp_fixtures import make_fixture_ggufs
+from moeswarm.errors import ModelError
+from moeswarm.generation.stepper import Stepper
+from moeswarm.local_workers import local_workers
+from moeswarm.model.experts import experts_modules
+from moeswarm.model.loading import load_experts, load_local
+from moeswarm.weights import qkernels
+from moeswarm.weights.gguf_quant_load import ENV
+from moeswarm.swarm import open_swarm
+from moeswarm.weights.quant_experts import QuantExperts
+from moeswarm.weights.quant_linear import ENV as BACKBONE_ENV
+from moeswarm.weights.quant_linear import QuantEmbedding, QuantLinear
+
+TOKENS = [5, 18, 31, 44, 57, 70, 83, 96]
+
+pytestmark = pytest.mark.skipif(not qkernels.available(), reason="moeswarm's C kernels are not built")
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory):
+    return str(make_fixture_ggufs("qwen2_moe", tmp_path_factory.mktemp("quant"), types=("Q4_K_M",))["Q4_K_M"])
+
+
+def test_experts_stay_in_the_files_blocks(q4_k_m):
+    hosted, source, num_experts = load_experts(q4_k_m, [1, 3, 4])
+    module = hosted[0].module
+    assert isinstance(module, QuantExperts) and module.num_experts == 3 and num_experts == 8
+    assert {Q(module.gate.qtype), Q(module.down.qtype)} <= {Q.Q4_K, Q.Q6_K}
+    stored = source.file.tensors["blk.0.ffn_gate_exps.weight"]
+    assert all(np.shares_memory(m, source.file.reader.data) for m in module.gate.experts), "views of the mapped file"
+    assert module.gate.experts[1].tobytes() == np.asarray(stored.data[3]).tobytes()  # hosted expert 1 is expert 3
+    assert module.nbytes == sum(int(np.asarray(source.file.tensors[f"blk.0.ffn_{r}_exps.weight"].data[:3]).nbytes)
+                                for r in ("gate", "up", "down"))
+
+
+def test_float32_path_on_request(q4_k_m, monkeypatch):
+    monkeypatch.setenv(ENV, "f32")
+    modules = experts_modules(load_local(q4_k_m))
+    assert not any(isinstance(m, QuantExperts) for _, m in modules.values())
+    monkeypatch.setenv(ENV, "int3")
+    with pytest.raises(ModelError, match=r"^MOESWARM_GGUF_EXPERTS='int3': expected one of quantized, f32$"):
+        load_local(q4_k_m)
+
+
+def test_workers_equal_the_local_reference_bit_for_bit(q4_k_m):
+    """What `generate --check-local` checks, through real worker processes (2 threads each, 1 here)."""
+    local = Stepper(load_local(q4_k_m))
+    assert all(isinstance(m, QuantExperts) for _, m in experts_modules(local.model).values())
+    with local_workers(q4_k_m, [[0, 2, 5], [1, 3, 4, 6, 7]], extra_args=["--threads", "2"]) as addresses:
+        with open_swarm(q4_k_m, addresses) as swarm:
+            remote = Stepper(swarm.model)
+            feed = TOKENS
+            for step in range(4):
+                remote_logits, local_logits = remote.forward(feed), local.forward(feed)
+                assert torch.equal(remote_logits, local_logits), f"logits differ at step {step}"
+                feed = [int(remote_logits[-1].argmax())]
+
+
+def test_backbone_keeps_the_files_encoding_unless_asked_for_float32(q4_k_m, monkeypatch):
+    encoded = load_local(q4_k_m)
+    monkeypatch.setenv(BACKBONE_ENV, "f32")
+    plain = load_local(q4_k_m)
+    attention = encoded.model.layers[0].self_attn
+    assert isinstance(attention.q_proj, QuantLinear) and isinstance(encoded.model.embed_tokens, QuantEmbedding)
+    assert type(plain.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    ids = torch.tensor([[5, 18, 31, 319]])
+    assert torch.equal(encoded.model.embed_tokens(ids), plain.model.embed_tokens(ids))  # decoded rows: the same values
+    x = torch.randn(3, attention.q_proj.in_features)
+    assert torch.allclose(attention.q_proj(x), plain.model.layers[0].self_attn.q_proj(x), rtol=1e-4, atol=1e-4)
+    logits = [Stepper(model).forward(TOKENS) for model in (encoded, plain)]
+    assert float(torch.nn.functional.cosine_similarity(*logits, dim=-1).min()) > 0.9999
+    monkeypatch.setenv(BACKBONE_ENV, "bf16")
+    with pytest.raises(ModelError, match=r"^MOESWARM_BACKBONE_DTYPE='bf16': expected one of file, f32$"):
+        load_local(q4_k_m)
+
+
+def test_without_the_c_kernels_everything_is_float32(q4_k_m, monkeypatch):
+    monkeypatch.setattr(qkernels, "_library", lambda: None)  # as when the extension was not built
+    model = load_local(q4_k_m)
+    assert not any(isinstance(m, QuantExperts) for _, m in experts_modules(model).values())
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
