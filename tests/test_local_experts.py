@@ -136,12 +136,13 @@ def test_local_experts_from_a_profile_are_the_hottest(qwen2_moe, tmp_path, spec,
 
 def test_generate_json_reports_routing_and_local_experts(qwen2_moe, qwen2_workers, tmp_path, capsys):
     held = tmp_path / "held.json"
-    held.write_text(json.dumps({"1": [3, 0]}))
+    held.write_text(json.dumps({"1": [7, 6, 5, 4, 3, 2, 1, 0]}))  # all of layer 1: it never travels
     assert main(["generate", "--model", qwen2_moe, "--workers", ",".join(qwen2_workers), "--prompt-ids", "5,6,7,8",
                  "--max-new-tokens", "4", "--local-experts", str(held), "--check-local", "--json", "--threads", "1",
                  "--quiet"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["check_passed"] is True and report["local_experts"] == {"1": [0, 3]}
+    assert report["check_passed"] is True and report["local_experts"] == {"1": list(range(8))}
+    assert report["trip_share"] == 2 / 3  # layers 0 and 2 always travel, layer 1 never
     routing = report["routing"]["layers"]
     forwarded = 4 + len(report["tokens"]) - 1  # the prompt, then every new token but the last
     assert sorted(routing) == ["0", "1", "2"]

@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         report = run_generation(swarm, request)
         report["worker_paths"] = swarm.accounting()["worker_paths"]  # "direct" or "relay" per worker
         report["routing"] = swarm.routing_stats().summary()
+        report["trip_share"] = swarm.accounting()["trip_share"]  # (token, layer) pairs that went to a remote holder
         report["local_experts"] = {str(layer): list(experts) for layer, experts in swarm.local_held().items()}
     if args.json:
         print(json.dumps(report))
