@@ -2,7 +2,10 @@
  *
  * W is a [rows, K] matrix kept in its GGUF encoding (row r is row_bytes bytes of blocks). A tile
  * of ROW_TILE rows is decoded into a small float32 scratch (a few KiB: it stays in L1), then
- * dotted with every token's x: each decoded row is used by all tokens of the call.
+ * dotted with every token's x: each decoded row is used by all tokens of the call. With a few
+ * tokens (the usual case for one expert) rows_few_tokens decodes a few rows a chunk at a time and
+ * keeps their sums in registers. Blocks are decoded with vector code (bytes widened by a 64-byte
+ * load and a permute, see top_bytes16), which never reads past the matrix (decode_row).
  *
  * Exactness: the bits of y[t, r] depend only on row r and x[t]. The dot product's association
  * is fixed (16 lanes over k = 16i + lane, then a fixed tree), every operation is a plain IEEE
@@ -28,18 +31,41 @@
 #define LANES 16
 #define ROW_TILE 4
 #define TOKEN_TILE 2
+#define FEW_TOKENS 4
+#define FEW_ROWS 8
+#define CHUNK 256
 
 typedef float v16 __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
 typedef uint32_t u16 __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4)));
 typedef uint16_t h16 __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
 
+/* Bytes to int32 lanes, int32 to float, floats stored: the vector forms of the scalar decoders'
+ * steps (each lane's operations are those of the scalar code, so the same bits). */
+typedef int32_t i16v __attribute__((vector_size(LANES * sizeof(int32_t)), aligned(4)));
+
+/* The bytes p[0..16) one per lane, at the top of it: a 64-byte load, its first 4 words each spread
+ * to 4 lanes (one permute) and shifted (one variable shift). The load reads up to 48 bytes past
+ * p + 16: decode_row makes sure they are readable (OVERREAD). */
+#define OVERREAD 64
+static const u16 BYTE_SHIFT = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
+static inline __attribute__((always_inline)) u16 top_bytes16(const uint8_t *p) {
+    u16 words;
+    memcpy(&words, p, sizeof words);
+    return __builtin_shufflevector(words, words, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3) << BYTE_SHIFT;
+}
+static inline __attribute__((always_inline)) i16v unsigned16(const uint8_t *p) { return (i16v)(top_bytes16(p) >> 24); }
+static inline __attribute__((always_inline)) i16v signed16(const uint8_t *p) { return (i16v)top_bytes16(p) >> 24; }
+static inline __attribute__((always_inline)) v16 to_float(i16v v) { return __builtin_convertvector(v, v16); }
+static inline __attribute__((always_inline)) void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
 /* GGUF type ids (ggml_type). */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
        T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39 };
 
-/* IEEE half -> float, exactly, without branches (the loops over F16 rows vectorise): the half's
- * exponent and mantissa bits placed in a float's, times 2^112, rebase the exponent (a power-of-two
- * product is exact, subnormal halves included); infinities and NaNs keep an all-ones exponent. */
+/* IEEE half -> float, exactly, without branches (the loops over F16 rows vectorise) and without
+ * subnormal float arithmetic (a microcode assist on x86, a hundred cycles): a normal half's exponent
+ * is rebased (+112); a subnormal half or zero is its 10-bit mantissa times 2^-24 (an exact product,
+ * a normal float); infinities and NaNs keep an all-ones exponent. */
 static inline __attribute__((always_inline)) float bits_float(uint32_t bits) {
     union { uint32_t u; float f; } v = {bits};
     return v.f;
@@ -51,9 +77,9 @@ static inline __attribute__((always_inline)) uint32_t float_bits(float f) {
 }
 
 static inline __attribute__((always_inline)) float half_to_float(uint16_t h) {
-    uint32_t magnitude = (uint32_t)(h & 0x7fff) << 13;
-    uint32_t bits = float_bits(bits_float(magnitude) * 0x1p112f);
-    bits = (h & 0x7c00) == 0x7c00 ? (magnitude | 0x7f800000u) : bits;
+    uint32_t magnitude = (uint32_t)(h & 0x7fff) << 13, exponent = h & 0x7c00;
+    uint32_t bits = exponent == 0 ? float_bits((float)(h & 0x03ff) * 0x1p-24f) : magnitude + (112u << 23);
+    bits = exponent == 0x7c00 ? (magnitude | 0x7f800000u) : bits;
     return bits_float(bits | ((uint32_t)(h & 0x8000) << 16));
 }
 
@@ -107,7 +133,8 @@ static float e8m0_half(uint8_t e) {
 }
 
 /* Decode one row of K values (inlined into each CPU clone of decode_tile). */
-static inline __attribute__((always_inline)) void decode_row(int type, const uint8_t *src, int64_t K, float *out) {
+/* Decode K values of whole blocks; the vector loads may read OVERREAD bytes past the last block. */
+static inline __attribute__((always_inline)) void decode_blocks(int type, const uint8_t *src, int64_t K, float *out) {
     int64_t nb = K / (block_size(type) ? block_size(type) : 1);
     switch (type) {
     case T_F32:
@@ -120,10 +147,10 @@ static inline __attribute__((always_inline)) void decode_row(int type, const uin
             h16 halves;
             memcpy(&halves, h + i, sizeof halves);
             u16 wide = __builtin_convertvector(halves, u16);
-            u16 magnitude = (wide & 0x7fff) << 13;
-            u16 scaled = (u16)((v16)magnitude * 0x1p112f);
-            u16 special = (u16)((wide & 0x7c00) == 0x7c00);  /* all ones where the exponent is all ones */
-            u16 bits = (special & (magnitude | 0x7f800000u)) | (~special & scaled);
+            u16 magnitude = (wide & 0x7fff) << 13, exponent = wide & 0x7c00;
+            u16 small = (u16)(__builtin_convertvector((i16v)(wide & 0x03ff), v16) * 0x1p-24f);
+            u16 zero = (u16)(exponent == 0), special = (u16)(exponent == 0x7c00);  /* all ones where so */
+            u16 bits = (special & (magnitude | 0x7f800000u)) | (zero & small) | (~(special | zero) & (magnitude + (112u << 23)));
             v16 values = (v16)(bits | ((wide & 0x8000) << 16));
             memcpy(out + i, &values, sizeof values);
         }
@@ -138,20 +165,17 @@ static inline __attribute__((always_inline)) void decode_row(int type, const uin
     case T_Q8_0:
         for (int64_t b = 0; b < nb; b++, src += 34, out += 32) {
             float d = read_half(src);
-            const int8_t *q = (const int8_t *)(src + 2);
-            for (int j = 0; j < 32; j++) out[j] = (float)q[j] * d;
+            for (int g = 0; g < 2; g++) store16(out + 16 * g, to_float(signed16(src + 2 + 16 * g)) * d);
         }
         return;
     case T_Q4_0:
     case T_Q4_1:
         for (int64_t b = 0; b < nb; b++, out += 32) {
             float d = read_half(src), m = type == T_Q4_1 ? read_half(src + 2) : 0.0f;
-            const uint8_t *q = src + (type == T_Q4_1 ? 4 : 2);
+            i16v q = unsigned16(src + (type == T_Q4_1 ? 4 : 2));
             int offset = type == T_Q4_1 ? 0 : 8;
-            for (int j = 0; j < 16; j++) {
-                out[j] = (float)((q[j] & 0x0f) - offset) * d + m;
-                out[j + 16] = (float)((q[j] >> 4) - offset) * d + m;
-            }
+            store16(out, to_float((q & 0x0f) - offset) * d + m);
+            store16(out + 16, to_float((q >> 4) - offset) * d + m);
             src += block_bytes(type);
         }
         return;
@@ -162,14 +186,12 @@ static inline __attribute__((always_inline)) void decode_row(int type, const uin
             const uint8_t *p = src + (type == T_Q5_1 ? 4 : 2);
             uint32_t high;
             memcpy(&high, p, 4);
-            const uint8_t *q = p + 4;
+            i16v q = unsigned16(p + 4);
+            u16 bit = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};  /* value j's bit: j, and j + 16 */
+            i16v high_lo = (i16v)(((high >> bit) & 1) << 4), high_hi = (i16v)(((high >> (bit + 16)) & 1) << 4);
             int offset = type == T_Q5_1 ? 0 : 16;
-            for (int j = 0; j < 16; j++) {
-                int lo = (q[j] & 0x0f) | (int)(((high >> j) & 1) << 4);
-                int hi = (q[j] >> 4) | (int)(((high >> (j + 16)) & 1) << 4);
-                out[j] = (float)(lo - offset) * d + m;
-                out[j + 16] = (float)(hi - offset) * d + m;
-            }
+            store16(out, to_float(((q & 0x0f) | high_lo) - offset) * d + m);
+            store16(out + 16, to_float(((q >> 4) | high_hi) - offset) * d + m);
             src += block_bytes(type);
         }
         return;
@@ -195,18 +217,15 @@ static inline __attribute__((always_inline)) void decode_row(int type, const uin
                 k_scale_min(2 * chunk, scales, &s0, &m0);
                 k_scale_min(2 * chunk + 1, scales, &s1, &m1);
                 float d0 = d * (float)s0, dm0 = dmin * (float)m0, d1 = d * (float)s1, dm1 = dmin * (float)m1;
-                if (high) {
-                    for (int l = 0; l < 32; l++) {
-                        int lo = (q[l] & 0x0f) | (((high[l] >> (2 * chunk)) & 1) << 4);
-                        int hi = (q[l] >> 4) | (((high[l] >> (2 * chunk + 1)) & 1) << 4);
-                        out[l] = d0 * (float)lo - dm0;
-                        out[l + 32] = d1 * (float)hi - dm1;
+                for (int g = 0; g < 2; g++) {  /* values l in [16 g, 16 g + 16) */
+                    i16v raw = unsigned16(q + 16 * g), lo = raw & 0x0f, hi = raw >> 4;
+                    if (high) {
+                        i16v bits = unsigned16(high + 16 * g);
+                        lo |= ((bits >> (2 * chunk)) & 1) << 4;
+                        hi |= ((bits >> (2 * chunk + 1)) & 1) << 4;
                     }
-                } else {
-                    for (int l = 0; l < 32; l++) {
-                        out[l] = d0 * (float)(q[l] & 0x0f) - dm0;
-                        out[l + 32] = d1 * (float)(q[l] >> 4) - dm1;
-                    }
+                    store16(out + 16 * g, d0 * to_float(lo) - dm0);
+                    store16(out + 32 + 16 * g, d1 * to_float(hi) - dm1);
                 }
             }
             src += block_bytes(type);
@@ -221,16 +240,33 @@ static inline __attribute__((always_inline)) void decode_row(int type, const uin
                 for (int part = 0; part < 2; part++) {  /* values l in [16 part, 16 part + 16): scales[part + 2 j] */
                     float f0 = d * (float)scales[part], f1 = d * (float)scales[part + 2];
                     float f2 = d * (float)scales[part + 4], f3 = d * (float)scales[part + 6];
-                    for (int l = 16 * part; l < 16 * part + 16; l++) {
-                        out[l] = f0 * (float)(((low[l] & 0x0f) | (((high[l] >> 0) & 3) << 4)) - 32);
-                        out[l + 32] = f1 * (float)(((low[l + 32] & 0x0f) | (((high[l] >> 2) & 3) << 4)) - 32);
-                        out[l + 64] = f2 * (float)(((low[l] >> 4) | (((high[l] >> 4) & 3) << 4)) - 32);
-                        out[l + 96] = f3 * (float)(((low[l + 32] >> 4) | (((high[l] >> 6) & 3) << 4)) - 32);
-                    }
+                    i16v a = unsigned16(low + 16 * part), c = unsigned16(low + 32 + 16 * part);
+                    i16v h = unsigned16(high + 16 * part);
+                    float *o = out + 16 * part;
+                    store16(o, f0 * to_float(((a & 0x0f) | ((h & 3) << 4)) - 32));
+                    store16(o + 32, f1 * to_float(((c & 0x0f) | (((h >> 2) & 3) << 4)) - 32));
+                    store16(o + 64, f2 * to_float(((a >> 4) | (((h >> 4) & 3) << 4)) - 32));
+                    store16(o + 96, f3 * to_float(((c >> 4) | (((h >> 6) & 3) << 4)) - 32));
                 }
             }
         }
         return;
+    }
+}
+
+/* Decode K values (whole blocks) from src, reading nothing at or past `end`: the blocks too close
+ * to `end` for the vector loads' overread are copied into a padded buffer first. */
+static inline __attribute__((always_inline)) void decode_row(int type, const uint8_t *src, int64_t K, float *out,
+                                                             const uint8_t *end) {
+    int64_t values = block_size(type), bytes = block_bytes(type), nb = K / values;
+    int64_t safe = (end - src - OVERREAD) / bytes;  /* blocks [0, safe) may be read as they are */
+    if (values == 1 || safe >= nb) { decode_blocks(type, src, K, out); return; }
+    if (safe < 0) safe = 0;
+    decode_blocks(type, src, safe * values, out);
+    for (int64_t b = safe; b < nb; b++) {
+        uint8_t padded[256 + OVERREAD] = {0};
+        memcpy(padded, src + b * bytes, (size_t)bytes);
+        decode_blocks(type, padded, values, out + b * values);
     }
 }
 
@@ -272,21 +308,52 @@ CLONES static void dot_tile(const float *w, int64_t K, int nrows, const float *c
         for (int r = 0; r < nrows; r++) y[t * ldy + r] = finish(acc[t][r], w + r * K, x[t], main, K);
 }
 
-/* One token: each row decoded (scratch of K floats, in L1) and dotted at once. The same lanes and
- * tree as dot_tile, so a token's bits do not depend on whether it came alone. */
-CLONES static void rows_one_token(int type, const uint8_t *w, int64_t row_bytes, int64_t K, int64_t rows,
-                                  const float *x, float *y, float *scratch) {
-    int64_t main = K - K % LANES;
-    for (int64_t r = 0; r < rows; r++) {
-        decode_row(type, w + r * row_bytes, K, scratch);
-        v16 acc = (v16){0};
-        for (int64_t k = 0; k < main; k += LANES) acc = acc + load16(scratch + k) * load16(x + k);
-        y[r] = finish(acc, scratch, x, main, K);
+/* A few tokens (n <= FEW_TOKENS): rows go by in tiles of `R` and K in chunks of CHUNK values; a
+ * chunk of the tile's rows is decoded (scratch [R][CHUNK]: 8 KiB at most, it stays in L1) and at
+ * once dotted with each token, R x NT accumulators live in registers from the first chunk to the
+ * last, so the row's blocks are read once and the independent sums keep the vector units busy.
+ * Only for types of 32- or 256-value blocks: K is a multiple of LANES, no tail. Lane k mod 16 of
+ * acc[t][r] gets w[r][k] * x[t][k] in the order of k, then the fixed tree: the bits of dot_tile. */
+static inline __attribute__((always_inline)) void few_tokens_body(
+        int type, const uint8_t *w, int64_t row_bytes, int64_t K, int64_t rows,
+        const float *const *x, float *y, int64_t ldy, float *scratch, const int R, const int NT) {
+    int64_t values = block_size(type), bytes = block_bytes(type);
+    const uint8_t *end = w + rows * row_bytes;
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+        int nrows = (int)(rows - r0 < R ? rows - r0 : R);
+        v16 acc[FEW_TOKENS][FEW_ROWS];
+        for (int t = 0; t < NT; t++)
+            for (int r = 0; r < R; r++) acc[t][r] = (v16){0};
+        for (int64_t c = 0; c < K; c += CHUNK) {
+            int64_t len = K - c < CHUNK ? K - c : CHUNK;
+            for (int r = 0; r < nrows; r++)
+                decode_row(type, w + (r0 + r) * row_bytes + c / values * bytes, len, scratch + r * CHUNK, end);
+            for (int64_t k = 0; k < len; k += LANES) {
+                v16 wv[FEW_ROWS];
+                for (int r = 0; r < R; r++) wv[r] = load16(scratch + r * CHUNK + k);
+                for (int t = 0; t < NT; t++) {
+                    v16 xv = load16(x[t] + c + k);
+                    for (int r = 0; r < R; r++) acc[t][r] = acc[t][r] + wv[r] * xv;
+                }
+            }
+        }
+        for (int t = 0; t < NT; t++)
+            for (int r = 0; r < nrows; r++) y[t * ldy + r0 + r] = reduce16(acc[t][r]);
+    }
+}
+
+CLONES static void rows_few_tokens(int type, const uint8_t *w, int64_t row_bytes, int64_t K, int64_t rows,
+                                   const float *const *x, int n, float *y, int64_t ldy, float *scratch) {
+    switch (n) {  /* constant tile sizes: the accumulators stay in registers */
+    case 1: few_tokens_body(type, w, row_bytes, K, rows, x, y, ldy, scratch, 8, 1); return;
+    case 2: few_tokens_body(type, w, row_bytes, K, rows, x, y, ldy, scratch, 8, 2); return;
+    case 3: few_tokens_body(type, w, row_bytes, K, rows, x, y, ldy, scratch, 4, 3); return;
+    default: few_tokens_body(type, w, row_bytes, K, rows, x, y, ldy, scratch, 4, 4); return;
     }
 }
 
 CLONES static void decode_tile(int type, const uint8_t *src, int64_t row_bytes, int64_t K, int nrows, float *out) {
-    for (int r = 0; r < nrows; r++) decode_row(type, src + r * row_bytes, K, out + r * K);
+    for (int r = 0; r < nrows; r++) decode_row(type, src + r * row_bytes, K, out + r * K, src + nrows * row_bytes);
     if (nrows < ROW_TILE) memset(out + nrows * K, 0, (size_t)(ROW_TILE - nrows) * K * sizeof(float));
 }
 
@@ -303,11 +370,14 @@ typedef struct {
 
 static void *run_job(void *arg) {
     Job *job = arg;
-    float *scratch = malloc((size_t)ROW_TILE * job->K * sizeof(float));
+    int64_t length = job->K > CHUNK ? job->K : CHUNK;
+    float *scratch = calloc((size_t)(ROW_TILE > FEW_ROWS ? ROW_TILE : FEW_ROWS) * length, sizeof(float));
     if (!scratch) { job->status = -1; return NULL; }
-    if (job->n == 1) {
-        rows_one_token(job->type, job->w + job->row_start * job->row_bytes, job->row_bytes, job->K,
-                       job->row_stop - job->row_start, job->x, job->y + job->row_start, scratch);
+    if (job->n <= FEW_TOKENS && block_size(job->type) >= 32) {
+        const float *x[FEW_TOKENS];
+        for (int i = 0; i < job->n; i++) x[i] = job->x + i * job->ldx;
+        rows_few_tokens(job->type, job->w + job->row_start * job->row_bytes, job->row_bytes, job->K,
+                        job->row_stop - job->row_start, x, (int)job->n, job->y + job->row_start, job->ldy, scratch);
         free(scratch);
         job->status = 0;
         return NULL;
@@ -363,7 +433,8 @@ int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_byte
 /* Decode rows [0, rows) into out [rows, K] float32 (tests compare it with gguf-py's decoder). */
 int qk_dequantize(int type, const void *w, int64_t rows, int64_t K, int64_t row_bytes, float *out) {
     if (!qk_supported(type, K) || row_bytes != K / block_size(type) * block_bytes(type)) return -1;
-    for (int64_t r = 0; r < rows; r++) decode_row(type, (const uint8_t *)w + r * row_bytes, K, out + r * K);
+    for (int64_t r = 0; r < rows; r++)
+        decode_row(type, (const uint8_t *)w + r * row_bytes, K, out + r * K, (const uint8_t *)w + rows * row_bytes);
     return 0;
 }
 
