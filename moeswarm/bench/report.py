@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from moeswarm.bench import report_text, wan_drafts_report, wan_local_report, wan_placement_report
+from moeswarm.bench.markdown import markdown_table
 from moeswarm.bundled import REPO
 
 DOCS = REPO / "docs"
@@ -20,24 +21,8 @@ def _of(rows: list[dict], scenario: str) -> list[dict]:
     return [r for r in rows if r["scenario"] == scenario]
 
 
-def _fmt(value, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:.0f}"
-    return str(value)
-
-
 def _bandwidth(bps: float | None) -> str:
     return "-" if bps is None else (f"{bps / 1e9:g} gbit/s" if bps >= 1e9 else f"{bps / 1e6:g} mbit/s")
-
-
-def markdown_table(headers: list[str], lines: list[list]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    out += ["| " + " | ".join(_fmt(v) for v in line) + " |" for line in lines]
-    return "\n".join(out)
 
 
 def tables(result: dict) -> dict[str, str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeswarm.bench.wan_local_report import markdown_table
+from moeswarm.bench.markdown import markdown_table
 
 
 def _of(rows: list[dict], scenario: str) -> list[dict]:
@@ -35,7 +35,7 @@ def tables(rows: list[dict]) -> dict[str, str]:
               "yes" if r["tokens_match_plain"] else "NO"] for r in drafts])
     if token_time:
         out["drafts_token_time"] = markdown_table(
-            ["drafter", "ms / token", f"limit ((MoE layers / 2) x RTT)", "below it", "tokens / verify step",
+            ["drafter", "ms / token", "limit ((MoE layers / 2) x RTT)", "below it", "tokens / verify step",
              "drafting ms / step"],
             [[_name(r), r["ms_per_token"], r["token_time_limit_ms"], "yes" if r["ms_per_token"] < r["token_time_limit_ms"] else "no",
               r["tokens_per_step"], _drafting(r)] for r in token_time])

@@ -8,24 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moeswarm.bench import markdown
+
 
 def _of(rows: list[dict], scenario: str) -> list[dict]:
     return [r for r in rows if r["scenario"] == scenario]
 
 
-def _cell(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
-
-
 def markdown_table(headers: list[str], lines: list[list]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return "\n".join(out + ["| " + " | ".join(_cell(v) for v in line) + " |" for line in lines])
+    return markdown.markdown_table(headers, lines, booleans=("on", "off"))
 
 
 def tables(rows: list[dict]) -> dict[str, str]:

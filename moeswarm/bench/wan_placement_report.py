@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moeswarm.bench.markdown import markdown_table
 from moeswarm.ids import format_ids
 
 GOAL = -0.25  # the target: mean layer-call time at least 25 % lower than the contiguous split
@@ -15,21 +16,6 @@ GOAL = -0.25  # the issue's target: mean layer-call time at least 25 % lower tha
 
 def _rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["scenario"] == "placement"]
-
-
-def _cell(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
-
-
-def markdown_table(headers: list[str], lines: list[list]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return "\n".join(out + ["| " + " | ".join(_cell(v) for v in line) + " |" for line in lines])
 
 
 def tables(rows: list[dict]) -> dict[str, str]:

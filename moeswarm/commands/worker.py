@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -177,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     store, source = load_hosted(args)  # --experts (one list or per layer), --layers, or --plan
+    gc.freeze()  # the model's objects live as long as the worker: the collector no longer walks them per DISPATCH
     server = WorkerServer(store, source.fingerprint, source.config.model_type, limits, tls)
     tokens_per_s = _swarm.throughput(store, source) if dht is not None else 0.0
 
