@@ -91,22 +91,13 @@ def quantize(source: str | Path, out: str | Path, kind: str) -> Path:
 
 @contextlib.contextmanager
 def _without_extra_buffer_types():
-    """Load models without llama.cpp's CPU "extra buffer types" (AMX tiles, repacked weights).
-
-    On this machine's CPUs (AMX-capable Xeons, in a sandbox) a native build of llama-cpp-python
-    segfaults in its first Q8_0 or Q4_K_M eval with them, and runs without them. `Llama` does not
-    take the model parameter, so its default is overridden while the model loads.
-    """
+    """Load models without llama.cpp's CPU "extra buffer types" (moeswarm.bench.worker_real_llamacpp)."""
     import llama_cpp.llama_cpp as low
 
+    from moeswarm.bench.worker_real_llamacpp import plain_cpu_buffers
+
     default = low.llama_model_default_params
-
-    def params():
-        value = default()
-        value.use_extra_bufts = False
-        return value
-
-    low.llama_model_default_params = params
+    low.llama_model_default_params = plain_cpu_buffers(default)
     try:
         yield
     finally:

@@ -149,7 +149,9 @@ def _tensor_shapes(d: int, inner: int, experts: int, head_dim: int) -> dict[str,
 
 def _add_tokenizer(writer) -> None:
     """A byte-level BPE vocabulary llama.cpp accepts: the 256 byte symbols, merges of letter pairs, an EOS."""
-    symbols = _byte_symbols()
+    from moeswarm.model.tiny import BYTE_TO_UNICODE  # GPT-2's byte -> printable character table
+
+    symbols = [BYTE_TO_UNICODE[b] for b in range(256)]
     letters = [symbols[ord(c)] for c in "abcdefghijklmnopqrstuvwxyz"]
     pairs = [(a, b) for a in letters for b in letters][: VOCAB - 256 - 1]
     tokens = symbols + [a + b for a, b in pairs] + ["<|endoftext|>"]
@@ -160,19 +162,6 @@ def _add_tokenizer(writer) -> None:
     writer.add_array("tokenizer.ggml.merges", [f"{a} {b}" for a, b in pairs])
     writer.add_uint32("tokenizer.ggml.eos_token_id", len(tokens) - 1)
     writer.add_uint32("tokenizer.ggml.bos_token_id", len(tokens) - 1)
-
-
-def _byte_symbols() -> list[str]:
-    """GPT-2's byte -> printable character table (bytes_to_unicode), in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
 
 
 def expert_bytes(path: Path) -> tuple[int, dict[str, str]]:

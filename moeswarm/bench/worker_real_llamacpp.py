@@ -53,6 +53,21 @@ def memory_bandwidth(threads: int, megabytes: int = 512) -> float:
         torch.set_num_threads(before)
 
 
+def plain_cpu_buffers(default):
+    """llama.cpp's model parameters `default()` without its CPU "extra buffer types" (AMX tiles,
+    repacked weights): a native build of llama-cpp-python segfaults in its first Q8_0 or Q4_K_M eval
+    with them on AMX-capable Xeons in a sandbox (this project's machines), and runs without them.
+    `Llama` does not take the parameter, so callers put this in place of
+    `llama_cpp.llama_cpp.llama_model_default_params` while a model loads."""
+
+    def params():
+        value = default()
+        value.use_extra_bufts = False
+        return value
+
+    return params
+
+
 def _time_decodes(path: str, threads: int, tokens: list[int]) -> dict[int, tuple[float, float]]:
     import llama_cpp
     import llama_cpp.llama_cpp as low
@@ -60,16 +75,7 @@ def _time_decodes(path: str, threads: int, tokens: list[int]) -> dict[int, tuple
     from moeswarm.bench.worker_real_gguf import require_llama_cpp
 
     require_llama_cpp()  # silences llama.cpp's log
-    default = low.llama_model_default_params
-
-    def params():
-        # llama.cpp's CPU "extra buffer types" (AMX, repacked weights) crash native builds on this
-        # project's AMX sandboxes (tests/llamacpp_fixtures.py); plain CPU buffers everywhere.
-        value = default()
-        value.use_extra_bufts = False
-        return value
-
-    low.llama_model_default_params = params
+    low.llama_model_default_params = plain_cpu_buffers(low.llama_model_default_params)
     batch = max(tokens)
     # logits_all: llama.cpp drops the rows whose logits nobody asked for before the last layer's
     # FFN; in a one-layer model that would leave one token of T for the experts.

@@ -112,7 +112,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     """UTF-8 bytes as tokens 0-255, plus <s>=256, </s>=257, <pad>=258."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {_BYTE_TO_UNICODE[b]: b for b in range(256)}
+    vocab = {BYTE_TO_UNICODE[b]: b for b in range(256)}
     vocab.update({"<s>": 256, "</s>": 257, "<pad>": 258})
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -133,4 +133,4 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-_BYTE_TO_UNICODE = _bytes_to_unicode()
+BYTE_TO_UNICODE = _bytes_to_unicode()
