@@ -26,6 +26,7 @@ log = logging.getLogger("moeswarm.discovery")
 INSTALL_HINT = "pip install 'moeswarm[swarm]'"
 NEW_SWARM = "new"
 START_TIMEOUT_S = 60.0
+STORE_TIMEOUT_S = 10.0  # the longest one announcement (or its withdrawal) is waited for
 MAX_RECORDS = 4096  # announcements read per model; more are ignored (and said so)
 
 
@@ -75,12 +76,18 @@ class SwarmDht:
         """The multiaddrs other peers can join this node by (its peer id included)."""
         return [str(m) for m in self._node.get_visible_maddrs()]
 
-    def store(self, record: Announcement, ttl_s: float) -> bool:
-        """Announce `record` until `ttl_s` from now (a later store replaces it); False if no peer took it."""
+    def store(self, record: Announcement, ttl_s: float, timeout_s: float = STORE_TIMEOUT_S) -> bool:
+        """Announce `record` until `ttl_s` from now (a later store replaces it); False if no peer took it.
+        TimeoutError after `timeout_s`: the DHT process may be gone (a Ctrl-C reaches the whole process
+        group), and a worker stopping must not wait on it forever."""
         from hivemind.utils import get_dht_time
 
-        return bool(self._node.store(announcement_key(record.fingerprint), subkey=record.address,
-                                     value=record.to_value(), expiration_time=get_dht_time() + ttl_s))
+        pending = self._node.store(announcement_key(record.fingerprint), subkey=record.address,
+                                   value=record.to_value(), expiration_time=get_dht_time() + ttl_s, return_future=True)
+        try:
+            return bool(pending.result(timeout=timeout_s))
+        except TimeoutError:
+            raise MoeSwarmError(f"the DHT did not answer within {timeout_s:g} s") from None
 
     def fetch(self, fingerprint: str) -> dict[str, Announcement]:
         """The online workers announced for model `fingerprint`, by address. Malformed entries are

@@ -16,7 +16,7 @@ import time
 import torch
 
 from moeswarm.errors import MoeSwarmError
-from moeswarm.net.discovery import SwarmDht
+from moeswarm.net.discovery import STORE_TIMEOUT_S, SwarmDht
 from moeswarm.net.discovery_record import Announcement
 
 log = logging.getLogger("moeswarm.discovery")
@@ -51,7 +51,7 @@ class Announcer:
         """Stop refreshing and withdraw the record (backbones drop this worker at their next look)."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(STORE_TIMEOUT_S)  # a refresh in flight ends within its own timeout
         try:
             self.dht.store(self.record.offline(), self.ttl_s)
         except Exception as error:  # it expires on its own within a TTL
