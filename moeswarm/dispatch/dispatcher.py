@@ -89,7 +89,7 @@ class Dispatcher:
         self.readmit(due_only=True)
         layer = LayerId(layer)
         shares = self._plan(layer, top_k_index, top_k_weights)
-        self.routing.update(layer, top_k_index)
+        self.routing.update(layer, top_k_index, top_k_weights)
         flight = Flight(self, layer, hidden, top_k_index)
         flight.start(shares, chain=self.fanout == "chain")
         if flight.error is not None:

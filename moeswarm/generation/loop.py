@@ -1,7 +1,8 @@
 """The generation loop: greedy or sampled, optionally speculative, optionally checked against local.
 
 A step feeds the last token plus up to K drafted tokens in one forward: one dispatch per MoE layer
-carries all of them. `verify` keeps or rejects the drafts (greedy: while they equal the argmax;
+carries all of them; a greedy step may carry several alternative drafts, one row each
+(generation/branches.py). `verify` keeps or rejects the drafts (greedy: while they equal the argmax;
 sampled: speculative sampling's rule), so the output follows the model's own distribution
 whatever the drafts were: exactly the greedy output when greedy. The drafts come from a drafter
 (`generation/drafters.py`: n-gram lookup by default, or the backbone's local experts). With a reference model (local
@@ -16,9 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeswarm.generation.branches import choose, rows_of
 from moeswarm.generation.check import LocalCheck
 from moeswarm.generation.drafters import Drafter, NgramDrafter
-from moeswarm.generation.sampling import SamplingParams, make_generator, sample, verify
+from moeswarm.generation.sampling import SamplingParams, make_generator, sample
 from moeswarm.generation.stepper import Stepper
 
 GREEDY = SamplingParams()
@@ -29,8 +31,10 @@ class GenerationResult:
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)
     steps: int = 0  # forwards after the prefill
-    drafted: int = 0
+    drafted: int = 0  # draft tokens of the branches kept (one a step)
     accepted: int = 0
+    branches: int = 0  # drafts verified side by side, summed over the steps (generation/branches.py)
+    drafted_all: int = 0  # draft tokens verified, over every branch
     seconds: float = 0.0  # in the backbone's forwards and the drafting (the check against local is not counted)
     draft_seconds: float = 0.0  # drafting (local drafts: the local-experts forwards)
     prefill_seconds: float = 0.0
@@ -82,22 +86,27 @@ def generate(model_stepper: Stepper, prompt: list[int], max_new_tokens: int, spe
     while not _emit(result, [next_token], max_new_tokens, eos_token_id, stop, on_tokens):
         room = min(speculate, max_new_tokens - len(result.tokens) - 1)
         start = time.perf_counter()
-        drafts = drafter.draft(context + [next_token], model_stepper, room) if room > 0 else []
+        branches = _drafts(drafter, context + [next_token], model_stepper, reference, room, sampling)
+        # eos is never kept as a draft: it comes as a step's own token, which ends the generation.
+        branches = [b[: b.index(eos_token_id)] if eos_token_id in b else b for b in branches]
+        branches = [b for b in branches if b] or [[]]
         drafting_s = time.perf_counter() - start
         result.draft_seconds += drafting_s
         result.seconds += drafting_s
-        feed = [next_token] + drafts
-        logits = _forward(model_stepper, reference, feed, result, f"step {result.steps + 1}")  # [1 + D, V]
+        rows = rows_of(next_token, branches)  # [B][1 + L]
+        logits = _forward(model_stepper, reference, rows, result, f"step {result.steps + 1}")  # [B, 1 + L, V]
         result.steps += 1
-        # eos is never kept as a draft: it comes as a step's own token, which ends the generation.
-        kept = drafts.index(eos_token_id) if eos_token_id in drafts else len(drafts)
-        accepted, next_token = verify(logits[: 1 + kept], drafts[:kept], sampling, generator)
+        result.branches += len(branches)
+        chosen = choose(logits, branches, sampling, generator)
+        drafts, accepted, next_token = branches[chosen.row], chosen.accepted, chosen.next_token
         result.drafted += len(drafts)
+        result.drafted_all += sum(len(b) for b in branches)
         result.accepted += accepted
         drafter.feedback(len(drafts), accepted, speculate)
-        context += feed[: 1 + accepted]
+        context += [rows[chosen.row][0]] + drafts[:accepted]
         for stepper in (model_stepper, reference):
             if stepper is not None:
+                stepper.keep_row(chosen.row)
                 stepper.crop(len(context))
         if accepted and _emit(result, drafts[:accepted], max_new_tokens, eos_token_id, stop, on_tokens):
             break
@@ -122,10 +131,25 @@ def _emit(result: GenerationResult, tokens: list[int], max_new_tokens: int, eos_
     return result.finish_reason is not None
 
 
-def _forward(stepper: Stepper, reference: Stepper | None, feed: list[int], result: GenerationResult, what: str) -> torch.Tensor:
+def _drafts(drafter: Drafter, context: list[int], stepper: Stepper, reference: Stepper | None, room: int,
+            sampling: SamplingParams) -> list[list[int]]:
+    """The step's drafts: every branch the drafter has when greedy and both caches can branch, else one draft."""
+    if room <= 0:
+        return []
+    if sampling.greedy and stepper.branchable and (reference is None or reference.branchable):
+        return drafter.branches(context, stepper, room)
+    return [drafter.draft(context, stepper, room)]
+
+
+def _forward(stepper: Stepper, reference: Stepper | None, feed: list[int] | list[list[int]], result: GenerationResult,
+             what: str) -> torch.Tensor:
+    """feed: tokens (the prefill; logits [n, V]) or B rows of n tokens (a step; logits [B, n, V])."""
+    rows = feed and isinstance(feed[0], list)
+    run = (lambda s: s.forward_rows(feed)) if rows else (lambda s: s.forward(feed))
     start = time.perf_counter()
-    logits = stepper.forward(feed)
+    logits = run(stepper)
     result.seconds += time.perf_counter() - start  # the backbone's time only, not the reference's
     if reference is not None:
-        result.check.compare(logits, reference.forward(feed), what)
+        vocabulary = logits.shape[-1]
+        result.check.compare(logits.reshape(-1, vocabulary), run(reference).reshape(-1, vocabulary), what)
     return logits

@@ -27,7 +27,8 @@ def count_routing(model: PreTrainedModel, prompts: Sequence[list[int]], stats: R
     for layer, (_, module) in experts_modules(model).items():
         def count(_module, args, kwargs, layer=layer):
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]  # [T, k]
-            stats.update(layer, index)
+            weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]  # [T, k]
+            stats.update(layer, index, weights)
         hooks.append(module.register_forward_pre_hook(count, with_kwargs=True))
     try:
         for tokens in progress(list(prompts), desc="calibration", unit="prompt"):

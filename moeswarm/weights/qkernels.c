@@ -16,6 +16,7 @@
  *
  * Plain C with no Python API: moeswarm/weights/qkernels.py loads it with ctypes.
  */
+#ifndef QK_PASS  /* the main part; the integer dots per instruction set are at the end */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -357,6 +358,243 @@ CLONES static void decode_tile(int type, const uint8_t *src, int64_t row_bytes, 
     if (nrows < ROW_TILE) memset(out + nrows * K, 0, (size_t)(ROW_TILE - nrows) * K * sizeof(float));
 }
 
+/* ---- Integer path: activations quantized to int8 blocks, integer dots on the weight quants ----
+ *
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. Each token's x row is quantized once per call
+ * (quantize_tokens) into blocks of QB values (32 for the 32-value types, 256 for the K-quants):
+ * one float scale d = amax / 127 and QB int8 q = round(x * 127 / amax), in [-127, 127]; plus the
+ * int16 sum of every 16 consecutive q (the K-quants' min and offset terms). A dot product is then
+ * a sum of integer dots of weight quants with activation quants, scaled by float scales:
+ *   32-value types: 8 int32 lanes per block, lane j = the sum of the 4 products of values 4j..4j+3;
+ *     float lanes acc[j] = acc[j] + (dw * dx) * (float)lane[j] block after block (Q4_1/Q5_1 then
+ *     acc[j] = acc[j] + (mw * dx) * (float)(the 4 q of x summed)), then the fixed tree of 8 lanes;
+ *   K-quants: per 256-value super-block one exact int32 (sub-block scales multiplied in as
+ *     integers), then one float accumulator: acc = acc + (d * dx) * (float)sumi, for Q4_K/Q5_K
+ *     then acc = acc - (dmin * dx) * (float)summ (summ = the mins times the 16-sums).
+ * Integer sums are exact whatever the order (no int16 saturation: |q| <= 127 for x, and the
+ * widening steps' pairs stay below 2^15), so every implementation (scalar, AVX2, AVX-VNNI,
+ * AVX512-VNNI) gives the same integers, and the float operations above are the same scalar or
+ * per-lane IEEE operations in the same order in each: the same bits. */
+
+#define QX_TILE 4  /* tokens dotted with one weight block while it is in registers */
+
+/* Quantized activations: q [n][K], d [n][K / block], sums [n][K / 16]. */
+typedef struct {
+    int64_t K, block;
+    int8_t *q;
+    float *d;
+    int16_t *sums;
+} QX;
+
+static int integer_type(int type) {
+    switch (type) {
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_Q4_K: case T_Q5_K: case T_Q6_K: return 1;
+    default: return 0;
+    }
+}
+
+/* One row of K floats -> blocks of `block` int8 and their scales. amax is an integer max of the
+ * magnitudes' bits (order-free, and a NaN wins); rounding is to nearest even by the 1.5 * 2^23
+ * trick (plain float adds: |v| <= 127); a NaN quantizes to -127 (the clamp), never undefined. */
+CLONES static void quantize_row(const float *x, int64_t K, int64_t block, int8_t *q, float *d, int16_t *sums) {
+    for (int64_t b = 0; b < K / block; b++, x += block, q += block) {
+        uint32_t top = 0;
+        for (int64_t i = 0; i < block; i++) {
+            uint32_t bits = float_bits(x[i]) & 0x7fffffffu;
+            top = bits > top ? bits : top;
+        }
+        float amax = bits_float(top);
+        float inv = amax >= 0x1p-100f ? 127.0f / amax : 0.0f;  /* tiny blocks (and NaN) quantize to 0 */
+        d[b] = amax / 127.0f;
+        for (int64_t i = 0; i < block; i++) {
+            float v = x[i] * inv;
+            float r = (v + 0x1.8p23f) - 0x1.8p23f;
+            r = r >= -127.0f ? r : -127.0f;
+            r = r <= 127.0f ? r : 127.0f;
+            q[i] = (int8_t)(int)r;
+        }
+        for (int64_t g = 0; g < block / 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += q[16 * g + i];
+            sums[b * (block / 16) + g] = (int16_t)s;
+        }
+    }
+}
+
+static void quantize_tokens(const float *x, int64_t n, int64_t ldx, QX *qx) {
+    for (int64_t t = 0; t < n; t++)
+        quantize_row(x + t * ldx, qx->K, qx->block, qx->q + t * qx->K, qx->d + t * (qx->K / qx->block),
+                     qx->sums + t * (qx->K / 16));
+}
+
+/* The fixed tree of 8 float lanes: a[i] + a[i + 4], then + a[i + 2], then + a[i + 1]. */
+static inline __attribute__((always_inline)) float tree8(const float *lanes) {
+    float a[8];
+    memcpy(a, lanes, sizeof a);
+    for (int w = 4; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) a[i] = a[i] + a[i + w];
+    return a[0];
+}
+
+/* The 32 integer weight values of a 32-value block (signed for Q4_0/Q5_0/Q8_0, 0..31 for Q4_1/Q5_1),
+ * its scale and its min (0 without one). */
+static inline __attribute__((always_inline)) void unpack32(int type, const uint8_t *blk, int v[32], float *dw, float *mw) {
+    *dw = read_half(blk);
+    *mw = type == T_Q4_1 || type == T_Q5_1 ? read_half(blk + 2) : 0.0f;
+    uint32_t qh = 0;
+    switch (type) {
+    case T_Q8_0:
+        for (int k = 0; k < 32; k++) v[k] = (int8_t)blk[2 + k];
+        return;
+    case T_Q4_0: case T_Q4_1: {
+        const uint8_t *q = blk + (type == T_Q4_1 ? 4 : 2);
+        int offset = type == T_Q4_1 ? 0 : 8;
+        for (int j = 0; j < 16; j++) { v[j] = (q[j] & 15) - offset; v[j + 16] = (q[j] >> 4) - offset; }
+        return;
+    }
+    case T_Q5_0: case T_Q5_1: {
+        const uint8_t *p = blk + (type == T_Q5_1 ? 4 : 2);
+        memcpy(&qh, p, 4);
+        int offset = type == T_Q5_1 ? 0 : 16;
+        for (int j = 0; j < 16; j++) {
+            v[j] = ((p[4 + j] & 15) | (int)((qh >> j) & 1) << 4) - offset;
+            v[j + 16] = ((p[4 + j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4) - offset;
+        }
+        return;
+    }
+    }
+}
+
+/* The portable reference of every integer dot (and the baseline CPUs' implementation). */
+static float dot_int_scalar(int type, const uint8_t *w, const QX *qx, int64_t t) {
+    int64_t K = qx->K, bytes = block_bytes(type);
+    const int8_t *x = qx->q + t * K;
+    const float *xd = qx->d + t * (K / qx->block);
+    const int16_t *bs = qx->sums + t * (K / 16);
+    if (block_size(type) == 32) {
+        float acc[8] = {0};
+        for (int64_t b = 0; b < K / 32; b++, w += bytes, x += 32) {
+            int v[32];
+            float dw, mw;
+            unpack32(type, w, v, &dw, &mw);
+            float dd = dw * xd[b], md = mw * xd[b];
+            for (int j = 0; j < 8; j++) {
+                int lane = 0, s = 0;
+                for (int i = 4 * j; i < 4 * j + 4; i++) { lane += v[i] * x[i]; s += x[i]; }
+                acc[j] = acc[j] + dd * (float)lane;
+                if (type == T_Q4_1 || type == T_Q5_1) acc[j] = acc[j] + md * (float)s;
+            }
+        }
+        return tree8(acc);
+    }
+    float acc = 0.0f;
+    for (int64_t b = 0; b < K / 256; b++, w += bytes, x += 256, bs += 16) {
+        int u[256], sumi = 0;
+        if (type == T_Q6_K) {
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *sc = (const int8_t *)(w + 192);
+            for (int h = 0; h < 2; h++, ql += 64, qh += 32)
+                for (int l = 0; l < 32; l++) {
+                    u[128 * h + l] = (ql[l] & 15) | (qh[l] & 3) << 4;
+                    u[128 * h + 32 + l] = (ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4;
+                    u[128 * h + 64 + l] = (ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4;
+                    u[128 * h + 96 + l] = (ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4;
+                }
+            for (int i = 0; i < 16; i++) {
+                int s = 0;
+                for (int l = 16 * i; l < 16 * i + 16; l++) s += (u[l] - 32) * x[l];
+                sumi += sc[i] * s;
+            }
+            acc = acc + (read_half(w + 208) * xd[b]) * (float)sumi;
+            continue;
+        }
+        const uint8_t *qh = w + 16, *qs = w + (type == T_Q5_K ? 48 : 16);
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++) {
+                u[64 * c + l] = qs[32 * c + l] & 15;
+                u[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+                if (type == T_Q5_K) {
+                    u[64 * c + l] |= ((qh[l] >> (2 * c)) & 1) << 4;
+                    u[64 * c + 32 + l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                }
+            }
+        int summ = 0;
+        for (int j = 0; j < 8; j++) {
+            int sc, m, s = 0;
+            k_scale_min(j, w + 4, &sc, &m);
+            for (int l = 32 * j; l < 32 * j + 32; l++) s += u[l] * x[l];
+            sumi += sc * s;
+            summ += m * (bs[2 * j] + bs[2 * j + 1]);
+        }
+        acc = acc + (read_half(w) * xd[b]) * (float)sumi;
+        acc = acc - (read_half(w + 2) * xd[b]) * (float)summ;
+    }
+    return acc;
+}
+
+static void int_rows_scalar(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx,
+                            int64_t n, float *y, int64_t ldy) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < n; t++) y[t * ldy + r] = dot_int_scalar(type, w + r * row_bytes, qx, t);
+}
+
+typedef void (*IntRows)(int, const uint8_t *, int64_t, int64_t, const QX *, int64_t, float *, int64_t);
+
+/* Implementations, best last: ISA_* index `int_rows` (built per instruction set below). */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512VNNI = 3 };
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define QK_SIMD 1
+#include <immintrin.h>
+/* This file again, once per instruction set (its QK_PASS part at the end): the same source,
+ * compiled with AVX2 (madd/maddubs), AVX-VNNI and AVX512-VNNI (vpdpbusd/vpdpwssd, 256-bit). */
+#define QK_PASS 1
+#include "qkernels.c"
+#undef QK_PASS
+#define QK_PASS 2
+#include "qkernels.c"
+#undef QK_PASS
+#define QK_PASS 3
+#include "qkernels.c"
+#undef QK_PASS
+static const IntRows INT_ROWS[] = {int_rows_scalar, int_rows_avx2, int_rows_avxvnni, int_rows_avx512vnni};
+
+static int best_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+        return ISA_AVX512VNNI;
+    if (__builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2")) return ISA_AVXVNNI;
+    if (__builtin_cpu_supports("avx2")) return ISA_AVX2;
+    return ISA_SCALAR;
+}
+#else
+static const IntRows INT_ROWS[] = {int_rows_scalar};
+static int best_isa(void) { return ISA_SCALAR; }
+#endif
+
+static int chosen_isa = -1;  /* -1: not chosen yet */
+
+/* Use implementation `level` (ISA_*), or the best this CPU runs if level is -1 or beyond it;
+ * returns the level in use. All give the same bits: this exists so that tests can prove it. */
+int qk_use_isa(int level) {
+    int best = best_isa();
+    if (level < 0 || level > best) level = best;
+    __atomic_store_n(&chosen_isa, level, __ATOMIC_RELAXED);
+    return level;
+}
+
+/* The implementation in use: chosen once, at the first call, from MOESWARM_QK_ISA (scalar, avx2,
+ * avxvnni, avx512vnni; capped at what the CPU runs) or else the best one. */
+int qk_isa(void) {
+    int level = __atomic_load_n(&chosen_isa, __ATOMIC_RELAXED);
+    if (level >= 0) return level;
+    const char *name = getenv("MOESWARM_QK_ISA");
+    static const char *const NAMES[] = {"scalar", "avx2", "avxvnni", "avx512vnni"};
+    level = -1;
+    for (int i = 0; name && i < 4; i++) if (strcmp(name, NAMES[i]) == 0) level = i;
+    return qk_use_isa(level);
+}
+
 typedef struct {
     int type;
     const uint8_t *w;
@@ -365,11 +603,18 @@ typedef struct {
     int64_t n, ldx;
     float *y;
     int64_t ldy;
+    const QX *qx;  /* the quantized x, for the integer types */
     int status;
 } Job;
 
 static void *run_job(void *arg) {
     Job *job = arg;
+    if (job->qx) {
+        INT_ROWS[qk_isa()](job->type, job->w + job->row_start * job->row_bytes, job->row_bytes,
+                           job->row_stop - job->row_start, job->qx, job->n, job->y + job->row_start, job->ldy);
+        job->status = 0;
+        return NULL;
+    }
     int64_t length = job->K > CHUNK ? job->K : CHUNK;
     float *scratch = calloc((size_t)(ROW_TILE > FEW_ROWS ? ROW_TILE : FEW_ROWS) * length, sizeof(float));
     if (!scratch) { job->status = -1; return NULL; }
@@ -409,6 +654,7 @@ int qk_supported(int type, int64_t K) {
 int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_bytes,
               const float *x, int64_t n, int64_t ldx, float *y, int64_t ldy, int threads) {
     if (!qk_supported(type, K) || row_bytes != K / block_size(type) * block_bytes(type)) return -1;
+    if (rows <= 0 || n <= 0) return 0;
     if (threads < 1) threads = 1;
     int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
     if (threads > tiles) threads = (int)tiles;
@@ -416,9 +662,20 @@ int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_byte
     Job jobs[256];
     pthread_t ids[256];
     int started[256] = {0};
+    QX qx = {K, block_size(type) == 256 ? 256 : 32, NULL, NULL, NULL};
+    void *scratch = NULL;
+    if (integer_type(type) && n > 0) {  /* x quantized once, by this thread, for all the rows */
+        size_t qbytes = (size_t)(n * K), dbytes = (size_t)(n * (K / qx.block)) * sizeof(float);
+        scratch = malloc(qbytes + dbytes + (size_t)(n * (K / 16)) * sizeof(int16_t) + 64);
+        if (!scratch) return -1;
+        qx.d = scratch;
+        qx.sums = (int16_t *)((char *)scratch + dbytes);
+        qx.q = (int8_t *)(qx.sums + n * (K / 16));
+        quantize_tokens(x, n, ldx, &qx);
+    }
     for (int i = 0; i < threads; i++) {
         int64_t a = tiles * i / threads * ROW_TILE, b = tiles * (i + 1) / threads * ROW_TILE;
-        jobs[i] = (Job){type, w, row_bytes, K, a, b < rows ? b : rows, x, n, ldx, y, ldy, -1};
+        jobs[i] = (Job){type, w, row_bytes, K, a, b < rows ? b : rows, x, n, ldx, y, ldy, scratch ? &qx : NULL, -1};
     }
     for (int i = 1; i < threads; i++) started[i] = pthread_create(&ids[i], NULL, run_job, &jobs[i]) == 0;
     run_job(&jobs[0]);
@@ -426,6 +683,7 @@ int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_byte
         if (started[i]) pthread_join(ids[i], NULL);
         else run_job(&jobs[i]);  /* no thread to be had: run its rows here */
     }
+    free(scratch);
     for (int i = 0; i < threads; i++) if (jobs[i].status != 0) return -1;
     return 0;
 }
@@ -455,3 +713,215 @@ void qk_oss_glu(const float *gate, const float *up, float *h, int64_t count, flo
         h[i] = (u + 1.0f) * glu;
     }
 }
+
+#else  /* QK_PASS: the integer dots for one instruction set (included from the main part above) */
+
+#pragma GCC push_options
+#if QK_PASS == 1
+#pragma GCC target("avx2,fma,f16c")
+#define S(name) name##_avx2
+/* acc + the sums of 4 products u8 * s8 per int32 lane; acc + the sums of 2 products int16 * int16 */
+#define DOTUS(acc, u, s) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#define DOTWW(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#elif QK_PASS == 2
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+#define S(name) name##_avxvnni
+#define DOTUS(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#define DOTWW(acc, a, b) _mm256_dpwssd_avx_epi32((acc), (a), (b))
+#else
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#define S(name) name##_avx512vnni
+#define DOTUS(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#define DOTWW(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#endif
+#define AI __attribute__((always_inline))
+
+static inline AI int S(hsum)(__m256i v) {  /* integer: any order is exact */
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+static inline AI float S(tree)(__m256 acc) {  /* tree8's association: +4, +2, +1 */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+static inline AI __m256i S(load)(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* 32-value blocks, NT tokens t0.. at once: out[i] = dot(row, token t0 + i). */
+static inline AI void S(dot32)(const int type, const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out) {
+    int64_t K = qx->K, nb = K / 32, bytes = block_bytes(type);
+    int has_min = type == T_Q4_1 || type == T_Q5_1;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi8(1), zero = _mm256_setzero_si256();
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    __m256 acc[QX_TILE];
+    for (int i = 0; i < NT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        float dw = read_half(w), mw = has_min ? read_half(w + 2) : 0.0f;
+        __m256i v;  /* the 32 values in order: signed, or 0..31 for the types with a min */
+        if (type == T_Q8_0) {
+            v = S(load)(w + 2);
+        } else {
+            const uint8_t *p = w + (has_min ? 4 : 2);
+            uint32_t qh = 0;
+            if (type == T_Q5_0 || type == T_Q5_1) { memcpy(&qh, p, 4); p += 4; }
+            __m128i q = _mm_loadu_si128((const __m128i *)p);
+            v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+            if (type == T_Q5_0 || type == T_Q5_1) {  /* byte k gets bit k of qh, as 16 */
+                __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
+                h = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+                v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(16)));
+            }
+            if (type == T_Q4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+            if (type == T_Q5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+        }
+        __m256i u = has_min ? v : _mm256_abs_epi8(v);  /* |v| * (x with v's sign) = v * x */
+        for (int i = 0; i < NT; i++) {
+            __m256i x = S(load)(qx->q + (t0 + i) * K + 32 * b);
+            float dx = qx->d[(t0 + i) * nb + b];
+            __m256i lanes = DOTUS(zero, u, has_min ? x : _mm256_sign_epi8(x, v));
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_set1_ps(dw * dx), _mm256_cvtepi32_ps(lanes)));
+            if (has_min)
+                acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_set1_ps(mw * dx), _mm256_cvtepi32_ps(DOTUS(zero, ones, x))));
+        }
+    }
+    for (int i = 0; i < NT; i++) out[i] = S(tree)(acc[i]);
+}
+
+/* Q4_K / Q5_K super-blocks, NT tokens at once. */
+static inline AI void S(dot_q45k)(const int type, const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out) {
+    int64_t K = qx->K, nb = K / 256, bytes = block_bytes(type);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    float acc[QX_TILE] = {0};
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        uint8_t scmn[16];  /* the 8 6-bit scales, then the 8 mins (k_scale_min, 4 at a time) */
+        uint32_t u[4], a[3];
+        memcpy(a, w + 4, 12);
+        u[0] = a[0] & 0x3f3f3f3fu;
+        u[1] = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 6) & 0x03030303u) << 4;
+        u[2] = a[1] & 0x3f3f3f3fu;
+        u[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 6) & 0x03030303u) << 4;
+        memcpy(scmn, u, 16);
+        __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(scmn + 8)));
+        __m256i mins2 = _mm256_set_m128i(_mm_unpackhi_epi16(mins, mins), _mm_unpacklo_epi16(mins, mins));
+        const uint8_t *qs = w + (type == T_Q5_K ? 48 : 16);
+        __m256i hb = type == T_Q5_K ? S(load)(w + 16) : _mm256_setzero_si256();
+        __m256i isum[QX_TILE];
+        for (int i = 0; i < NT; i++) isum[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i q = S(load)(qs + 32 * c);
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (type == T_Q5_K) {  /* bit 2c of qh[l] for value l, bit 2c + 1 for value 32 + l */
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hb, one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 1), one), 4));
+                hb = _mm256_srli_epi16(hb, 2);
+            }
+            __m256i s0 = _mm256_set1_epi16(scmn[2 * c]), s1 = _mm256_set1_epi16(scmn[2 * c + 1]);
+            for (int i = 0; i < NT; i++) {
+                const int8_t *x = qx->q + (t0 + i) * K + 256 * b + 64 * c;
+                isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(lo, S(load)(x)), s0);
+                isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(hi, S(load)(x + 32)), s1);
+            }
+        }
+        float d = read_half(w), dmin = read_half(w + 2);
+        for (int i = 0; i < NT; i++) {
+            __m256i msum = _mm256_madd_epi16(S(load)(qx->sums + (t0 + i) * (K / 16) + 16 * b), mins2);
+            __m256i both = _mm256_hadd_epi32(isum[i], msum);  /* [i i m m | i i m m] */
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+            s = _mm_hadd_epi32(s, s);  /* [sumi, summ, ...] */
+            float dx = qx->d[(t0 + i) * nb + b];
+            acc[i] = acc[i] + (d * dx) * (float)_mm_cvtsi128_si32(s);
+            acc[i] = acc[i] - (dmin * dx) * (float)_mm_extract_epi32(s, 1);
+        }
+    }
+    for (int i = 0; i < NT; i++) out[i] = acc[i];
+}
+
+/* Q6_K super-blocks, NT tokens at once: quants 0..63 (the -32 comes off through the 16-sums). */
+static inline AI void S(dot_q6k)(const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out) {
+    int64_t K = qx->K, nb = K / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
+    float acc[QX_TILE] = {0};
+    for (int64_t b = 0; b < nb; b++, w += 210) {
+        const int8_t *sc = (const int8_t *)(w + 192);
+        __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i isum[QX_TILE];
+        for (int i = 0; i < NT; i++) isum[i] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i ql0 = S(load)(w + 64 * h), ql1 = S(load)(w + 64 * h + 32), qh = S(load)(w + 128 + 32 * h);
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+            __m256i s[4];  /* values 32j..32j+31 of this half: sub-blocks 8h + 2j (low 16) and 8h + 2j + 1 */
+            for (int j = 0; j < 4; j++)
+                s[j] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * j + 1]), _mm_set1_epi16(sc[8 * h + 2 * j]));
+            for (int i = 0; i < NT; i++) {
+                const int8_t *x = qx->q + (t0 + i) * K + 256 * b + 128 * h;
+                for (int j = 0; j < 4; j++) isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(q[j], S(load)(x + 32 * j)), s[j]);
+            }
+        }
+        float d = read_half(w + 208);
+        for (int i = 0; i < NT; i++) {
+            __m256i bs = S(load)(qx->sums + (t0 + i) * (K / 16) + 16 * b);
+            __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bs, scales16), 5);  /* 32 * sc * 16-sum */
+            acc[i] = acc[i] + (d * qx->d[(t0 + i) * nb + b]) * (float)S(hsum)(_mm256_sub_epi32(isum[i], offset));
+        }
+    }
+    for (int i = 0; i < NT; i++) out[i] = acc[i];
+}
+
+static inline AI void S(dot_tokens)(const int type, const uint8_t *row, const QX *qx, int64_t t0, const int NT, float *out) {
+    if (type == T_Q6_K) S(dot_q6k)(row, qx, t0, NT, out);
+    else if (type == T_Q4_K || type == T_Q5_K) S(dot_q45k)(type, row, qx, t0, NT, out);
+    else S(dot32)(type, row, qx, t0, NT, out);
+}
+
+static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx,
+                                 int64_t n, float *y, int64_t ldy) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t t = 0; t < n; t += QX_TILE) {
+            float out[QX_TILE];
+            int nt = (int)(n - t < QX_TILE ? n - t : QX_TILE);
+            switch (nt) {  /* constant tile sizes: the accumulators stay in registers */
+            case 1: S(dot_tokens)(type, row, qx, t, 1, out); break;
+            case 2: S(dot_tokens)(type, row, qx, t, 2, out); break;
+            case 3: S(dot_tokens)(type, row, qx, t, 3, out); break;
+            default: S(dot_tokens)(type, row, qx, t, 4, out); break;
+            }
+            for (int i = 0; i < nt; i++) y[(t + i) * ldy + r] = out[i];
+        }
+    }
+}
+
+static void S(int_rows)(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx,
+                        int64_t n, float *y, int64_t ldy) {
+    switch (type) {  /* one copy of the loops per type: its branches fold away */
+    case T_Q4_0: S(rows_of)(T_Q4_0, w, row_bytes, rows, qx, n, y, ldy); return;
+    case T_Q4_1: S(rows_of)(T_Q4_1, w, row_bytes, rows, qx, n, y, ldy); return;
+    case T_Q5_0: S(rows_of)(T_Q5_0, w, row_bytes, rows, qx, n, y, ldy); return;
+    case T_Q5_1: S(rows_of)(T_Q5_1, w, row_bytes, rows, qx, n, y, ldy); return;
+    case T_Q8_0: S(rows_of)(T_Q8_0, w, row_bytes, rows, qx, n, y, ldy); return;
+    case T_Q4_K: S(rows_of)(T_Q4_K, w, row_bytes, rows, qx, n, y, ldy); return;
+    case T_Q5_K: S(rows_of)(T_Q5_K, w, row_bytes, rows, qx, n, y, ldy); return;
+    case T_Q6_K: S(rows_of)(T_Q6_K, w, row_bytes, rows, qx, n, y, ldy); return;
+    }
+}
+
+#undef AI
+#undef S
+#undef DOTUS
+#undef DOTWW
+#pragma GCC pop_options
+#endif  /* QK_PASS */

@@ -37,6 +37,8 @@ def _library() -> ctypes.CDLL | None:
             lib.qk_silu_glu.argtypes = [_PTR, _PTR, _PTR, _I64]
             lib.qk_oss_glu.argtypes = [_PTR, _PTR, _PTR, _I64, ctypes.c_float, ctypes.c_float]
             lib.qk_silu_glu.restype = lib.qk_oss_glu.restype = None
+            lib.qk_use_isa.argtypes = [ctypes.c_int]
+            lib.qk_isa.argtypes = []
             return lib
     log.warning("moeswarm's C kernels (moeswarm/_qkernels) are not built: GGUF experts are dequantized to float32 "
                 "(reinstall with `pip install -e .` and a C compiler to keep them quantized)")
@@ -45,6 +47,21 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _library() is not None
+
+
+# The integer dot products' implementations (qk_use_isa's levels), all bit-identical.
+ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")
+
+
+def isa() -> str:
+    """The implementation of the integer dot products in use (chosen once: MOESWARM_QK_ISA, else the best)."""
+    return ISAS[_library().qk_isa()]
+
+
+def use_isa(name: str | None) -> str:
+    """Use implementation `name` (one of ISAS; None or one this CPU lacks: the best it has) -> the one in use.
+    Every implementation gives the same bits; this is for tests that prove it."""
+    return ISAS[_library().qk_use_isa(ISAS.index(name) if name is not None else -1)]
 
 
 def supported(qtype: int, row_length: int) -> bool:
