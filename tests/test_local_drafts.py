@@ -131,6 +131,7 @@ def test_greedy_output_and_verified_logits_are_exact_whatever_drafts(qwen2_moe, 
     assert result.tokens == plain.tokens
     assert (result.bit_identical, result.tokens_match) == (True, True)
     assert result.drafted >= result.steps - 1 > 0  # every step but perhaps the last drafts (the local drafter always can)
+    assert result.branches > result.steps  # greedy: steps verified several drafts side by side
 
 
 def test_sampled_local_drafts_are_verified_exactly_and_repeat_with_the_seed(qwen2_moe, qwen2_workers):
@@ -146,6 +147,7 @@ def test_sampled_local_drafts_are_verified_exactly_and_repeat_with_the_seed(qwen
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == NEW_TOKENS
     assert all((r.bit_identical, r.tokens_match) == (True, True) for r in runs)
     assert runs[0].drafted > 0
+    assert runs[0].branches == runs[0].steps  # sampled: one draft a step (choosing among drafts would bias it)
 
 
 def test_generate_cli_drafts_locally_and_stays_bit_identical(qwen2_moe, qwen2_workers, tmp_path, capsys):
@@ -163,6 +165,7 @@ def test_generate_cli_drafts_locally_and_stays_bit_identical(qwen2_moe, qwen2_wo
     assert report["tokens"] == plain["tokens"]
     assert (report["bit_identical"], report["draft"], report["speculate"]) == (True, "local", 3)
     assert report["drafted"] >= report["steps"] - 1 > 0  # every step but perhaps the last drafts at least one
+    assert report["branches_per_step"] > 1 and report["drafted_all_branches"] > report["drafted"]
     assert report["draft_ms_per_step"] == 1e3 * report["draft_seconds"] / report["steps"] > 0
     assert report["local_experts"] == {"0": [0, 3], "1": [4, 7]}
 

@@ -32,12 +32,29 @@ def test_counts_and_pairs_of_a_known_routing():
     assert stats.summary()["layers"]["3"]["top_pairs"] == [[0, 2, 2], [1, 2, 1]]
 
 
+def test_the_hottest_experts_carry_the_most_routing_weight():
+    """Expert 0 is chosen most, always with little weight; 1 and 3 carry the mass. A profile without
+    mass (an older file) still ranks by counts."""
+    stats = RoutingStats(4)
+    stats.update(0, torch.tensor([[0, 1], [0, 3], [0, 2], [1, 3]]),
+                 torch.tensor([[0.1, 0.9], [0.2, 0.8], [0.1, 0.3], [0.6, 0.4]]))
+    assert stats.counts[0].tolist() == [3, 2, 1, 2]
+    assert torch.allclose(stats.mass[0], torch.tensor([0.4, 1.5, 0.3, 1.2], dtype=torch.float64))
+    assert hot_sets(stats, [0], 2) == {0: (1, 3)}
+    data = json.loads(json.dumps(stats.to_json()))
+    assert hot_sets(RoutingStats.from_json(data), [0], 2) == {0: (1, 3)}
+    del data["mass"]
+    assert hot_sets(RoutingStats.from_json(data), [0], 2) == {0: (0, 1)}  # counts 3, then 2 (the lower id of 1 and 3)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"format": "x"}, 'not a routing profile (no "format": "moeswarm-routing-profile")'),
     ({"num_experts": -1}, "bad num_experts -1"),
     ({"counts": {"0": [1, 2]}}, "counts of layer 0 must be 4 non-negative integers"),
     ({"pairs": {"0": [[2, 1, 5]]}}, "pairs of layer 0 must be [i, j, n] with 0 <= i < j < 4"),
     ({"tokens": {}}, '"tokens" must have one entry per layer of "layers"'),
+    ({"mass": {"0": [0.5, -1.0, 0.0, 0.0]}}, "mass of layer 0 must be 4 non-negative numbers"),
+    ({"mass": {"1": [0.5, 1.0, 0.0, 0.0]}}, '"mass" must have one entry per layer of "layers"'),
 ])
 def test_malformed_profiles_are_refused(tmp_path, change, message):
     good = {"format": "moeswarm-routing-profile", "version": 1, "num_experts": 4, "layers": [0],

@@ -76,6 +76,8 @@ def _totals(results: list[GenerationResult]) -> dict:
     decode_s = sum(r.seconds - r.prefill_seconds for r in results)
     return {"prompts": len(results), "decode_tokens": decode_tokens, "steps": steps,
             "drafted": sum(r.drafted for r in results), "accepted": sum(r.accepted for r in results),
+            "drafted_all_branches": sum(r.drafted_all for r in results),
+            "branches_per_step": sum(r.branches for r in results) / steps,
             "tokens_per_step": decode_tokens / steps, "step_s": decode_s / steps,
             "draft_ms_per_step": 1e3 * sum(r.draft_seconds for r in results) / steps,
             "decode_tokens_per_s": decode_tokens / decode_s, "ms_per_token": 1e3 * decode_s / decode_tokens}

@@ -28,17 +28,17 @@ def tables(rows: list[dict]) -> dict[str, str]:
     out = {}
     if drafts:
         out["drafts"] = markdown_table(
-            ["drafter", "tokens / verify step", "accepted / drafted", "drafting ms / step", "step ms (with drafting)", "decode tokens/s",
-             "vs plain (25 % local)", "vs baseline", "same tokens as plain"],
-            [[_name(r), r["tokens_per_step"], f"{r['accepted']} / {r['drafted']}", _drafting(r),
+            ["drafter", "tokens / verify step", "branches / step", "accepted / drafted (kept branch)", "drafting ms / step",
+             "step ms (with drafting)", "decode tokens/s", "vs plain (25 % local)", "vs baseline", "same tokens as plain"],
+            [[_name(r), r["tokens_per_step"], r.get("branches_per_step", 1.0), f"{r['accepted']} / {r['drafted']}", _drafting(r),
               1e3 * r["step_s"], r["decode_tokens_per_s"], r["speedup_vs_plain"], r["speedup_vs_baseline"],
               "yes" if r["tokens_match_plain"] else "NO"] for r in drafts])
     if token_time:
         out["drafts_token_time"] = markdown_table(
             ["drafter", "ms / token", "limit ((MoE layers / 2) x RTT)", "below it", "tokens / verify step",
-             "drafting ms / step"],
+             "branches / step", "drafting ms / step"],
             [[_name(r), r["ms_per_token"], r["token_time_limit_ms"], "yes" if r["ms_per_token"] < r["token_time_limit_ms"] else "no",
-              r["tokens_per_step"], _drafting(r)] for r in token_time])
+              r["tokens_per_step"], r.get("branches_per_step", 1.0), _drafting(r)] for r in token_time])
     return out
 
 
@@ -101,12 +101,13 @@ def section(rows: list[dict]) -> str:
         first = drafts[0]
         lines += [
             f"`generate --speculate K --draft ngram|local|both`. With `local`, the backbone drafts by running the model "
-            f"with only the experts it holds ({first['local_experts_per_layer']} of each layer's experts, the hottest by a "
-            f"profile of {first['calibration_prompts']} bundled prompts that are not measured here), the other experts "
-            f"dropped and the kept routing weights scaled back to the top-k total: no round trip while drafting. One "
-            f"remote forward then verifies the last token and the drafts. The draft length adapts (up to "
-            f"{first['draft_cap']}): one more after a fully accepted step, the accepted count after a rejection. `both` "
-            f"takes the n-gram draft on a match of two or more tokens, else the local one. Every drafter decodes "
+            f"with only the experts it holds ({first['local_experts_per_layer']} of each layer's experts, those with the "
+            f"most routing weight in a profile of {first['calibration_prompts']} bundled prompts that are not measured "
+            f"here), the other experts dropped and the kept routing weights scaled back to the top-k total: no round trip "
+            f"while drafting. A greedy step verifies several drafts side by side, one row each, in one remote forward "
+            f"(generation/branches.py), and keeps the branch accepted longest: `ngram` the continuations of up to 3 "
+            f"earlier occurrences of the context's last n-gram, `local` the local model's 2 best first tokens each "
+            f"continued greedily to the cap ({first['draft_cap']}), `both` all of these. Every drafter decodes "
             f"{first['prompts']} held-out prompts greedily, all 4 workers at {first['rtt_ms']:g} ms, exact f32; the "
             f"tokens equal plain decode's in every row (the verify rule; tests/test_local_drafts.py also checks every "
             f"verified forward against local eager, torch.equal). Run {first.get('date', '')}: timings on the shared "

@@ -93,7 +93,7 @@ def section(result: dict) -> str:
     if local:
         first = local[0]
         lines += [
-            f"`--local-experts P%` holds each MoE layer's hottest experts (by a routing profile counted on "
+            f"`--local-experts P%` holds each MoE layer's hottest experts (the most routing weight in a profile of "
             f"{first['calibration_prompts']} bundled prompts, the measured prompt left out) in the backbone. A layer's "
             f"trip is skipped only when every routed expert of the step's rows is local; otherwise only the rows with a "
             f"remote expert travel. All 4 workers at {first['rtt_ms']:g} ms, exact f32, greedy decode after a "

@@ -83,8 +83,10 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
         "draft": request.draft if request.speculate else None,
         "draft_seconds": result.draft_seconds,
         "draft_ms_per_step": 1e3 * result.draft_seconds / result.steps if result.steps else None,
-        "drafted": result.drafted,
+        "drafted": result.drafted,  # of the branches kept
         "accepted": result.accepted,
+        "branches_per_step": result.branches / result.steps if result.steps else None,  # drafts verified side by side
+        "drafted_all_branches": result.drafted_all,
         "tokens_per_step": len(result.tokens[1:]) / result.steps if result.steps else None,
         "moe_layers": len(swarm.moe_layers),
         "round_trips": accounting["round_trips"],
