@@ -25,7 +25,9 @@ WRONG = 9
 
 
 class FakeStepper:
-    """The Stepper interface: forward(tokens) -> logits [n, V] float32, crop(length), length."""
+    """The Stepper interface: forward(tokens) -> logits [n, V] float32, crop(length), length (no branches)."""
+
+    branchable = False
 
     def __init__(self, sequence: list[int] = SEQ, perturb: dict[int, tuple[int, float]] | None = None):
         self.sequence = sequence

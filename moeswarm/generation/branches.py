@@ -39,14 +39,17 @@ def rows_of(next_token: int, branches: list[list[int]]) -> list[list[int]]:
 
 
 def choose(logits: torch.Tensor, branches: list[list[int]], sampling: SamplingParams,
-           generator: torch.Generator) -> Chosen:
-    """The branch with the most accepted drafts (the first on a tie). logits [B, 1 + L, V]."""
-    if len(branches) == 1:  # one draft: greedy or sampled
-        return Chosen(0, *verify(logits[0], branches[0], sampling, generator))
-    assert sampling.greedy, "branches are verified greedily only"
+           generator: torch.Generator, eos_token_id: int | None = None) -> Chosen:
+    """The branch with the most accepted drafts (the first on a tie). logits [B, 1 + L, V].
+
+    eos is never accepted as a draft: it comes as a step's own token, which ends the generation.
+    """
+    if len(branches) > 1:
+        assert sampling.greedy, "branches are verified greedily only"
     best: Chosen | None = None
     for row, branch in enumerate(branches):
-        accepted, next_token = verify(logits[row, : 1 + len(branch)], branch, sampling, generator)
+        kept = branch.index(eos_token_id) if eos_token_id in branch else len(branch)
+        accepted, next_token = verify(logits[row, : 1 + kept], branch[:kept], sampling, generator)
         if best is None or accepted > best.accepted:
             best = Chosen(row, accepted, next_token)
     return best

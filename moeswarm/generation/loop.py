@@ -86,10 +86,8 @@ def generate(model_stepper: Stepper, prompt: list[int], max_new_tokens: int, spe
     while not _emit(result, [next_token], max_new_tokens, eos_token_id, stop, on_tokens):
         room = min(speculate, max_new_tokens - len(result.tokens) - 1)
         start = time.perf_counter()
-        branches = _drafts(drafter, context + [next_token], model_stepper, reference, room, sampling)
-        # eos is never kept as a draft: it comes as a step's own token, which ends the generation.
-        branches = [b[: b.index(eos_token_id)] if eos_token_id in b else b for b in branches]
-        branches = [b for b in branches if b] or [[]]
+        branches = [b for b in _drafts(drafter, context + [next_token], model_stepper, reference, room, sampling) if b]
+        branches = branches or [[]]
         drafting_s = time.perf_counter() - start
         result.draft_seconds += drafting_s
         result.seconds += drafting_s
@@ -97,7 +95,7 @@ def generate(model_stepper: Stepper, prompt: list[int], max_new_tokens: int, spe
         logits = _forward(model_stepper, reference, rows, result, f"step {result.steps + 1}")  # [B, 1 + L, V]
         result.steps += 1
         result.branches += len(branches)
-        chosen = choose(logits, branches, sampling, generator)
+        chosen = choose(logits, branches, sampling, generator, eos_token_id)
         drafts, accepted, next_token = branches[chosen.row], chosen.accepted, chosen.next_token
         result.drafted += len(drafts)
         result.drafted_all += sum(len(b) for b in branches)
@@ -106,7 +104,8 @@ def generate(model_stepper: Stepper, prompt: list[int], max_new_tokens: int, spe
         context += [rows[chosen.row][0]] + drafts[:accepted]
         for stepper in (model_stepper, reference):
             if stepper is not None:
-                stepper.keep_row(chosen.row)
+                if len(rows) > 1:
+                    stepper.keep_row(chosen.row)
                 stepper.crop(len(context))
         if accepted and _emit(result, drafts[:accepted], max_new_tokens, eos_token_id, stop, on_tokens):
             break
@@ -144,8 +143,10 @@ def _drafts(drafter: Drafter, context: list[int], stepper: Stepper, reference: S
 def _forward(stepper: Stepper, reference: Stepper | None, feed: list[int] | list[list[int]], result: GenerationResult,
              what: str) -> torch.Tensor:
     """feed: tokens (the prefill; logits [n, V]) or B rows of n tokens (a step; logits [B, n, V])."""
-    rows = feed and isinstance(feed[0], list)
-    run = (lambda s: s.forward_rows(feed)) if rows else (lambda s: s.forward(feed))
+    if feed and isinstance(feed[0], list):  # one row is an ordinary forward: no branch machinery needed
+        run = (lambda s: s.forward_rows(feed)) if len(feed) > 1 else (lambda s: s.forward(feed[0])[None])
+    else:
+        run = lambda s: s.forward(feed)  # noqa: E731
     start = time.perf_counter()
     logits = run(stepper)
     result.seconds += time.perf_counter() - start  # the backbone's time only, not the reference's
