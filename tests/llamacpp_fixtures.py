@@ -24,6 +24,21 @@ import tarfile
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"
+
+
+def require_llama_cpp(test_file: str):
+    """llama_cpp, for a test module that needs it: without it the module fails with the command that
+    installs it, or is skipped when MOESWARM_SKIP_LLAMACPP=1. Call at module level."""
+    try:
+        import llama_cpp
+    except ImportError:
+        if os.environ.get("MOESWARM_SKIP_LLAMACPP") == "1":
+            import pytest
+
+            pytest.skip("llama-cpp-python not installed and MOESWARM_SKIP_LLAMACPP=1", allow_module_level=True)
+        raise ImportError(f"{test_file} needs llama-cpp-python (pip install llama-cpp-python=={LLAMA_CPP_PYTHON}); "
+                          "set MOESWARM_SKIP_LLAMACPP=1 to skip") from None
+    return llama_cpp
 _CACHE = Path.home() / ".cache" / "moeswarm"
 
 _WRAPPER = r"""

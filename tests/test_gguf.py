@@ -15,7 +15,6 @@ MOESWARM_SKIP_LLAMACPP=1 is set.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -30,15 +29,10 @@ from moeswarm.swarm import open_swarm
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_slice import write_slice
 
-try:
-    import llama_cpp  # noqa: F401
-except ImportError:
-    if os.environ.get("MOESWARM_SKIP_LLAMACPP") == "1":
-        pytest.skip("llama-cpp-python not installed and MOESWARM_SKIP_LLAMACPP=1", allow_module_level=True)
-    raise ImportError("tests/test_gguf.py needs llama-cpp-python (pip install llama-cpp-python==0.3.36); "
-                      "set MOESWARM_SKIP_LLAMACPP=1 to skip") from None
+from llamacpp_fixtures import FIXTURE_TYPES, llama_cpp_logits, make_fixture_ggufs, require_llama_cpp
 
-from llamacpp_fixtures import FIXTURE_TYPES, llama_cpp_logits, make_fixture_ggufs  # noqa: E402
+llama_cpp = require_llama_cpp("tests/test_gguf.py")
+
 
 torch.set_num_threads(1)
 FAMILIES = {"qwen2_moe": {}, "qwen3_moe": {"norm_topk_prob": True}}
