@@ -6,6 +6,8 @@ numpy decoders (what llama.cpp's own Python package ships) are the oracle of the
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -58,28 +60,86 @@ def test_decoding_matches_gguf_py(qtype):
     assert torch.equal(qkernels.dequantize(int(qtype), raw, 512), oracle(qtype, raw, 512))
 
 
+# Types whose products are integer dots of the weight quants with int8-quantized activations.
+INTEGER = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def quantized_activations(qtype: Q, x: torch.Tensor) -> torch.Tensor:
+    """x [n, K] as the kernels see it for an integer type: blocks of 32 (256 for K-quants) rounded to
+    d * q, q = rint(x * 127 / amax) in [-127, 127] and d = amax / 127, in float32 as the C code does."""
+    block = 256 if GGML_QUANT_SIZES[qtype][0] == 256 else 32
+    values = x.numpy().astype(np.float32).reshape(x.shape[0], -1, block)
+    amax = np.abs(values).max(-1, keepdims=True)
+    tiny = np.float32(2.0**-100)
+    inv = np.where(amax >= tiny, np.float32(127) / np.maximum(amax, tiny), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(values * inv), -127, 127)
+    return torch.from_numpy((q * (amax / np.float32(127)).astype(np.float32)).astype(np.float64).reshape(x.shape))
+
+
 @pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
 def test_product_is_close_to_the_decoded_matmul(qtype):
     raw = random_rows(qtype, 37, 256, seed=1)  # 37 rows: a partial row tile
     x = torch.randn(5, 256)
     expected = x.double() @ oracle(qtype, raw, 256).double().T  # [5, 37]
-    got = qkernels.matmul(int(qtype), raw, 256, x, threads=1)
-    assert torch.allclose(got.double(), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+    got = qkernels.matmul(int(qtype), raw, 256, x, threads=1).double()  # decoded, dotted in float32
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+    if qtype not in INTEGER:
+        return
+    got = qkernels.matmul(int(qtype), raw, 256, x, threads=1, int8_activations=True).double()
+    # int8 activations: each x value is off by up to d / 2 = amax / 254 of its block (a relative
+    # rounding error of ~0.5% rms for Gaussian x), so the product is off by ~0.5-1% of its scale, not 1e-4.
+    error = got - expected
+    assert float(error.norm() / expected.norm()) < 2e-2
+    assert float(error.abs().max()) < 5e-2 * float(expected.abs().max())
+    # ... and it is the product with exactly those quantized activations, up to float32 rounding.
+    exact = quantized_activations(qtype, x) @ oracle(qtype, raw, 256).double().T
+    assert torch.allclose(got, exact, rtol=1e-5, atol=2e-5 * float(exact.abs().max()))
 
 
-def test_bits_depend_only_on_the_row_and_the_token():
-    """Same bits whatever the thread count, the other tokens of the call, or the buffers' alignment."""
-    raw = random_rows(Q.Q4_K, 64, 1024, seed=2)
-    x = torch.randn(9, 1024)
-    alone = torch.cat([qkernels.matmul(int(Q.Q4_K), raw, 1024, x[t:t + 1], threads=1) for t in range(9)])
+def row_length_of(qtype: Q) -> int:
+    return 768 if GGML_QUANT_SIZES[qtype][0] == 256 else 800  # 800: 25 blocks, an odd count
+
+
+@pytest.mark.parametrize("qtype, int8", [(Q.F16, False), (Q.MXFP4, False), (Q.Q4_K, False), *((q, True) for q in INTEGER)],
+                         ids=lambda v: v.name if isinstance(v, Q) else ("int8" if v else "f32"))
+def test_bits_depend_only_on_the_row_and_the_token(qtype, int8):
+    """Same bits whatever the thread count, the other tokens and rows of the call, or the buffers' alignment."""
+    K = row_length_of(qtype)
+    mm = partial(qkernels.matmul, int8_activations=int8)
+    raw = random_rows(qtype, 64, K, seed=2)
+    x = torch.randn(9, K) * torch.logspace(-3, 3, 9)[:, None]  # tokens of very different scales
+    alone = torch.cat([mm(int(qtype), raw, K, x[t:t + 1], threads=1) for t in range(9)])
     for threads in (1, 2, 3, 7):
-        assert torch.equal(qkernels.matmul(int(Q.Q4_K), raw, 1024, x, threads=threads), alone)
-    shifted_x = torch.empty(9 * 1024 + 3)[3:].view(9, 1024)  # 12 bytes off torch's 64-byte alignment
+        assert torch.equal(mm(int(qtype), raw, K, x, threads=threads), alone)
+    for pick in ([4, 0, 8], [5, 6]):  # other token tiles: the same bits per token
+        assert torch.equal(mm(int(qtype), raw, K, x[pick], threads=1), alone[pick])
+    assert torch.equal(mm(int(qtype), raw[17:40], K, x, threads=1), alone[:, 17:40])
+    shifted_x = torch.empty(9 * K + 3)[3:].view(9, K)  # 12 bytes off torch's 64-byte alignment
     shifted_x.copy_(x)
     buffer = np.empty(raw.size + 5, dtype=np.uint8)
     shifted_w = buffer[5:].reshape(raw.shape)
     shifted_w[...] = raw
-    assert torch.equal(qkernels.matmul(int(Q.Q4_K), shifted_w, 1024, shifted_x, threads=2), alone)
+    assert torch.equal(mm(int(qtype), shifted_w, K, shifted_x, threads=2), alone)
+
+
+@pytest.mark.parametrize("qtype", INTEGER, ids=lambda q: q.name)
+def test_every_implementation_gives_the_same_bits(qtype):
+    """The scalar code and each SIMD one this CPU runs (AVX2, AVX-VNNI, AVX512-VNNI), forced in turn."""
+    K = row_length_of(qtype)
+    raw = random_rows(qtype, 37, K, seed=4)
+    x = torch.randn(9, K) * torch.logspace(-2, 2, 9)[:, None]
+    x[3] = 0  # an all-zero token: amax 0, every q 0
+    x[4, :40] *= 1e30  # one huge block beside ordinary ones
+    results = {}
+    try:
+        for name in qkernels.ISAS:
+            if qkernels.use_isa(name) == name:
+                results[name] = qkernels.matmul(int(qtype), raw, K, x, threads=2, int8_activations=True)
+    finally:
+        qkernels.use_isa(None)
+    for name, y in results.items():
+        assert torch.equal(y, results["scalar"]), f"{name} differs from the scalar code"
+    assert torch.all(results["scalar"][3] == 0) and torch.isfinite(results["scalar"]).all()
 
 
 def test_odd_row_lengths_of_float_types():
@@ -97,3 +157,7 @@ def test_every_half_precision_value_decodes_exactly():
     expected = halves.view(np.float16).astype(np.float32).view(np.int32)
     got = qkernels.dequantize(int(Q.F16), halves.view(np.uint8), 1 << 16).numpy().view(np.int32)
     assert np.array_equal(got, expected)
+
+
+def test_the_integer_types_are_the_ones_listed():
+    assert qkernels.INT8_TYPES == {int(q) for q in INTEGER}

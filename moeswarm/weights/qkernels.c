@@ -1,20 +1,32 @@
 /* Matrix products read straight from GGUF blocks: y[t, r] = dot(row r of W, x[t]), float32.
  *
- * W is a [rows, K] matrix kept in its GGUF encoding (row r is row_bytes bytes of blocks). A tile
- * of ROW_TILE rows is decoded into a small float32 scratch (a few KiB: it stays in L1), then
- * dotted with every token's x: each decoded row is used by all tokens of the call. With a few
- * tokens (the usual case for one expert) rows_few_tokens decodes a few rows a chunk at a time and
- * keeps their sums in registers. Blocks are decoded with vector code (bytes widened by a 64-byte
- * load and a permute, see top_bytes16), which never reads past the matrix (decode_row).
+ * W is a [rows, K] matrix kept in its GGUF encoding (row r is row_bytes bytes of blocks).
  *
- * Exactness: the bits of y[t, r] depend only on row r and x[t]. The dot product's association
- * is fixed (16 lanes over k = 16i + lane, then a fixed tree), every operation is a plain IEEE
- * float32 operation (built with -ffp-contract=off: no fused multiply-add, so the AVX-512, AVX2
- * and baseline clones give the same bits), and threads split the rows, never a dot product.
+ * Integer path (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; the section "Integer path" below):
+ * each token's x is quantized once per call to int8 blocks with a float scale, as llama.cpp does,
+ * and each (row, token) is a sum of integer dots of weight quants with x quants (AVX2 maddubs/madd,
+ * AVX-VNNI and AVX512-VNNI vpdpbusd/vpdpwssd), the float scales applied once per block. Rows go by
+ * in groups of 8, tokens in tiles of 4 that share each unpacked weight block.
+ *
+ * Float path (F32, F16, BF16, MXFP4): a tile of ROW_TILE rows is decoded into a small float32
+ * scratch (a few KiB: it stays in L1), then dotted with every token's x: each decoded row is used by
+ * all tokens of the call. With a few tokens (the usual case for one expert) rows_few_tokens decodes
+ * a few rows a chunk at a time and keeps their sums in registers. Blocks are decoded with vector
+ * code (bytes widened by a 64-byte load and a permute, see top_bytes16), which never reads past the
+ * matrix (decode_row). (qk_dequantize decodes every type this way, for tests and fallbacks.)
+ *
+ * Exactness: the bits of y[t, r] depend only on row r and x[t]. Float path: the dot product's
+ * association is fixed (16 lanes over k = 16i + lane, then a fixed tree). Integer path: x[t]'s
+ * quantization is elementwise IEEE arithmetic on x[t] alone; integer sums are exact in any order;
+ * the float scalings and sums are the same operations in the same order in the scalar code and
+ * every SIMD one (see "Integer path"). Every operation is a plain IEEE float32 operation (built
+ * with -ffp-contract=off: no fused multiply-add), and threads split the rows, never a dot product.
  * So the result does not depend on the thread count, the other rows or tokens of a call, the
- * buffers' addresses, or which clone the CPU runs.
+ * buffers' addresses, or which implementation the CPU runs (tests/test_quant_kernels.py forces
+ * each one through qk_use_isa and compares the bits).
  *
- * Plain C with no Python API: moeswarm/weights/qkernels.py loads it with ctypes.
+ * Plain C with no Python API: moeswarm/weights/qkernels.py loads it with ctypes. The file includes
+ * itself once per instruction set (QK_PASS) to build the SIMD integer dots from one source.
  */
 #ifndef QK_PASS  /* the main part; the integer dots per instruction set are at the end */
 #include <math.h>
@@ -366,8 +378,9 @@ CLONES static void decode_tile(int type, const uint8_t *src, int64_t row_bytes, 
  * int16 sum of every 16 consecutive q (the K-quants' min and offset terms). A dot product is then
  * a sum of integer dots of weight quants with activation quants, scaled by float scales:
  *   32-value types: 8 int32 lanes per block, lane j = the sum of the 4 products of values 4j..4j+3;
- *     float lanes acc[j] = acc[j] + (dw * dx) * (float)lane[j] block after block (Q4_1/Q5_1 then
- *     acc[j] = acc[j] + (mw * dx) * (float)(the 4 q of x summed)), then the fixed tree of 8 lanes;
+ *     16 float lanes, block b's lane j into a = acc[8 * (b % 2) + j]: a = a + (dw * dx) * (float)lane
+ *     block after block (Q4_1/Q5_1 then a = a + (mw * dx) * (float)(the 4 q of x summed)); then
+ *     acc[j] + acc[j + 8] and the fixed tree of 8 lanes (a 512-bit register holds a block pair);
  *   K-quants: per 256-value super-block one exact int32 (sub-block scales multiplied in as
  *     integers), then one float accumulator: acc = acc + (d * dx) * (float)sumi, for Q4_K/Q5_K
  *     then acc = acc - (dmin * dx) * (float)summ (summ = the mins times the 16-sums).
@@ -384,6 +397,7 @@ typedef struct {
     int8_t *q;
     float *d;
     int16_t *sums;
+    float *dx8;  /* 32-value blocks: [n][K / 4], each d repeated 8 times (a vector's load) */
 } QX;
 
 static int integer_type(int type) {
@@ -395,7 +409,8 @@ static int integer_type(int type) {
 
 /* One row of K floats -> blocks of `block` int8 and their scales. amax is an integer max of the
  * magnitudes' bits (order-free, and a NaN wins); rounding is to nearest even by the 1.5 * 2^23
- * trick (plain float adds: |v| <= 127); a NaN quantizes to -127 (the clamp), never undefined. */
+ * trick (plain float adds: |v| <= 127); a NaN quantizes to -127 (the clamp), never undefined.
+ * Cloned per CPU for speed: each clone does these same elementwise IEEE operations, so the same q. */
 CLONES static void quantize_row(const float *x, int64_t K, int64_t block, int8_t *q, float *d, int16_t *sums) {
     for (int64_t b = 0; b < K / block; b++, x += block, q += block) {
         uint32_t top = 0;
@@ -425,6 +440,8 @@ static void quantize_tokens(const float *x, int64_t n, int64_t ldx, QX *qx) {
     for (int64_t t = 0; t < n; t++)
         quantize_row(x + t * ldx, qx->K, qx->block, qx->q + t * qx->K, qx->d + t * (qx->K / qx->block),
                      qx->sums + t * (qx->K / 16));
+    if (qx->block == 32)
+        for (int64_t i = 0; i < n * (qx->K / 4); i++) qx->dx8[i] = qx->d[i / 8];
 }
 
 /* The fixed tree of 8 float lanes: a[i] + a[i + 4], then + a[i + 2], then + a[i + 1]. */
@@ -472,19 +489,21 @@ static float dot_int_scalar(int type, const uint8_t *w, const QX *qx, int64_t t)
     const float *xd = qx->d + t * (K / qx->block);
     const int16_t *bs = qx->sums + t * (K / 16);
     if (block_size(type) == 32) {
-        float acc[8] = {0};
+        float acc16[16] = {0}, acc[8];  /* block b's lane j in acc16[8 * (b % 2) + j] */
         for (int64_t b = 0; b < K / 32; b++, w += bytes, x += 32) {
             int v[32];
             float dw, mw;
             unpack32(type, w, v, &dw, &mw);
             float dd = dw * xd[b], md = mw * xd[b];
+            float *a = acc16 + 8 * (b % 2);
             for (int j = 0; j < 8; j++) {
                 int lane = 0, s = 0;
                 for (int i = 4 * j; i < 4 * j + 4; i++) { lane += v[i] * x[i]; s += x[i]; }
-                acc[j] = acc[j] + dd * (float)lane;
-                if (type == T_Q4_1 || type == T_Q5_1) acc[j] = acc[j] + md * (float)s;
+                a[j] = a[j] + dd * (float)lane;
+                if (type == T_Q4_1 || type == T_Q5_1) a[j] = a[j] + md * (float)s;
             }
         }
+        for (int j = 0; j < 8; j++) acc[j] = acc16[j] + acc16[j + 8];
         return tree8(acc);
     }
     float acc = 0.0f;
@@ -649,10 +668,12 @@ int qk_supported(int type, int64_t K) {
 }
 
 /* y[t, r] = dot(W[r], x[t]) for t < n, r < rows. W: rows x row_bytes of `type`'s blocks (K values
- * per row); x: [n, K] float32 with row stride ldx; y: [n, rows] with row stride ldy.
+ * per row); x: [n, K] float32 with row stride ldx; y: [n, rows] with row stride ldy. int8: 1 for the
+ * integer path (x quantized to int8 blocks) where the type has one, 0 for the float path (decoded
+ * weights times float32 x: the decoded matrix's product up to float32 rounding).
  * Returns 0, or -1 (unsupported type or K, or out of memory). */
 int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_bytes,
-              const float *x, int64_t n, int64_t ldx, float *y, int64_t ldy, int threads) {
+              const float *x, int64_t n, int64_t ldx, float *y, int64_t ldy, int threads, int int8) {
     if (!qk_supported(type, K) || row_bytes != K / block_size(type) * block_bytes(type)) return -1;
     if (rows <= 0 || n <= 0) return 0;
     if (threads < 1) threads = 1;
@@ -662,14 +683,16 @@ int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_byte
     Job jobs[256];
     pthread_t ids[256];
     int started[256] = {0};
-    QX qx = {K, block_size(type) == 256 ? 256 : 32, NULL, NULL, NULL};
+    QX qx = {K, block_size(type) == 256 ? 256 : 32, NULL, NULL, NULL, NULL};
     void *scratch = NULL;
-    if (integer_type(type) && n > 0) {  /* x quantized once, by this thread, for all the rows */
+    if (int8 && integer_type(type)) {  /* x quantized once, by this thread, for all the rows */
         size_t qbytes = (size_t)(n * K), dbytes = (size_t)(n * (K / qx.block)) * sizeof(float);
-        scratch = malloc(qbytes + dbytes + (size_t)(n * (K / 16)) * sizeof(int16_t) + 64);
+        size_t d8bytes = qx.block == 32 ? (size_t)(n * K) : 0;  /* n * (K / 4) floats */
+        scratch = malloc(d8bytes + dbytes + qbytes + (size_t)(n * (K / 16)) * sizeof(int16_t));
         if (!scratch) return -1;
-        qx.d = scratch;
-        qx.sums = (int16_t *)((char *)scratch + dbytes);
+        qx.dx8 = scratch;
+        qx.d = (float *)((char *)scratch + d8bytes);
+        qx.sums = (int16_t *)((char *)qx.d + dbytes);
         qx.q = (int8_t *)(qx.sums + n * (K / 16));
         quantize_tokens(x, n, ldx, &qx);
     }
@@ -750,48 +773,104 @@ static inline AI float S(tree)(__m256 acc) {  /* tree8's association: +4, +2, +1
     return _mm_cvtss_f32(s);
 }
 
+static inline AI float S(half)(const uint8_t *p) {  /* F16C: exact, as read_half */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+#if QK_PASS == 3
+static inline AI __m512 S(pair_ps)(__m256 lo, __m256 hi) {  /* AVX512F only (no DQ) */
+    return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_castps_si256(lo)), _mm256_castps_si256(hi), 1));
+}
+static inline AI __m256 S(high_ps)(__m512 v) { return _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(v), 1)); }
+#endif
+
 static inline AI __m256i S(load)(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* 32-value blocks, NT tokens t0.. at once: out[i] = dot(row, token t0 + i). */
-static inline AI void S(dot32)(const int type, const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out) {
-    int64_t K = qx->K, nb = K / 32, bytes = block_bytes(type);
+/* The 32 values of a 32-value block, in order: signed, or 0..31 for the types with a min. */
+static inline AI __m256i S(values32)(const int type, const uint8_t *w) {
+    if (type == T_Q8_0) return S(load)(w + 2);
+    const uint8_t *p = w + (type == T_Q4_1 || type == T_Q5_1 ? 4 : 2);
+    uint32_t qh = 0;
+    if (type == T_Q5_0 || type == T_Q5_1) { memcpy(&qh, p, 4); p += 4; }
+    __m128i q = _mm_loadu_si128((const __m128i *)p);
+    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f));
+    if (type == T_Q5_0 || type == T_Q5_1) {  /* byte k gets bit k of qh, as 16 */
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+        __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
+        h = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+        v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(16)));
+    }
+    if (type == T_Q4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+    if (type == T_Q5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    return v;
+}
+
+/* One 32-value block b into the 8-lane accumulators acc[0..NT) (the half of the 16 lanes for b's parity). */
+static inline AI void S(block32)(const int type, const uint8_t *w, int64_t b, const QX *qx, int64_t t0, const int NT,
+                                 __m256 *acc) {
+    int64_t K = qx->K;
     int has_min = type == T_Q4_1 || type == T_Q5_1;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi8(1), zero = _mm256_setzero_si256();
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    __m256 acc[QX_TILE];
-    for (int i = 0; i < NT; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += bytes) {
-        float dw = read_half(w), mw = has_min ? read_half(w + 2) : 0.0f;
-        __m256i v;  /* the 32 values in order: signed, or 0..31 for the types with a min */
-        if (type == T_Q8_0) {
-            v = S(load)(w + 2);
-        } else {
-            const uint8_t *p = w + (has_min ? 4 : 2);
-            uint32_t qh = 0;
-            if (type == T_Q5_0 || type == T_Q5_1) { memcpy(&qh, p, 4); p += 4; }
-            __m128i q = _mm_loadu_si128((const __m128i *)p);
-            v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-            if (type == T_Q5_0 || type == T_Q5_1) {  /* byte k gets bit k of qh, as 16 */
-                __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
-                h = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
-                v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(16)));
-            }
-            if (type == T_Q4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
-            if (type == T_Q5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
-        }
-        __m256i u = has_min ? v : _mm256_abs_epi8(v);  /* |v| * (x with v's sign) = v * x */
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i v = S(values32)(type, w);
+    __m256i u = has_min ? v : _mm256_abs_epi8(v);  /* |v| * (x with v's sign) = v * x */
+    __m256 dw = _mm256_set1_ps(S(half)(w)), mw = _mm256_set1_ps(has_min ? S(half)(w + 2) : 0.0f);
+    for (int i = 0; i < NT; i++) {
+        __m256i x = S(load)(qx->q + (t0 + i) * K + 32 * b);
+        __m256 dx = _mm256_loadu_ps(qx->dx8 + (t0 + i) * (K / 4) + 8 * b);
+        __m256i lanes = DOTUS(zero, u, has_min ? x : _mm256_sign_epi8(x, v));
+        acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lanes)));
+        if (has_min)
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(mw, dx),
+                                                         _mm256_cvtepi32_ps(DOTUS(zero, _mm256_set1_epi8(1), x))));
+    }
+}
+
+/* 32-value blocks, NT tokens t0.. at once: out[i] = dot(row, token t0 + i). Even blocks go to lanes
+ * 0..7, odd ones to lanes 8..15 (one 512-bit register holds a pair), then lanes i + 8 onto i and
+ * tree8. */
+static inline AI void S(dot32)(const int type, const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out) {
+    int64_t nb = qx->K / 32, bytes = block_bytes(type), b = 0;
+#if QK_PASS == 3
+    int64_t K = qx->K;
+    int has_min = type == T_Q4_1 || type == T_Q5_1;
+    __m512 acc[QX_TILE];
+    for (int i = 0; i < NT; i++) acc[i] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2, w += 2 * bytes) {
+        __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(S(values32)(type, w)), S(values32)(type, w + bytes), 1);
+        __m512i u = has_min ? v : _mm512_abs_epi8(v);
+        __mmask64 negative = _mm512_movepi8_mask(v);
+        __m512 dw = S(pair_ps)(_mm256_set1_ps(S(half)(w)), _mm256_set1_ps(S(half)(w + bytes)));
+        __m512 mw = has_min ? S(pair_ps)(_mm256_set1_ps(S(half)(w + 2)), _mm256_set1_ps(S(half)(w + bytes + 2))) : dw;
         for (int i = 0; i < NT; i++) {
-            __m256i x = S(load)(qx->q + (t0 + i) * K + 32 * b);
-            float dx = qx->d[(t0 + i) * nb + b];
-            __m256i lanes = DOTUS(zero, u, has_min ? x : _mm256_sign_epi8(x, v));
-            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_set1_ps(dw * dx), _mm256_cvtepi32_ps(lanes)));
+            __m512i x = _mm512_loadu_si512(qx->q + (t0 + i) * K + 32 * b);
+            __m512 dx = _mm512_loadu_ps(qx->dx8 + (t0 + i) * (K / 4) + 8 * b);
+            __m512i sx = has_min ? x : _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+            __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, sx);
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(lanes)));
             if (has_min)
-                acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_set1_ps(mw * dx), _mm256_cvtepi32_ps(DOTUS(zero, ones, x))));
+                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(mw, dx), _mm512_cvtepi32_ps(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x))));
         }
     }
-    for (int i = 0; i < NT; i++) out[i] = S(tree)(acc[i]);
+    __m256 even[QX_TILE], odd[QX_TILE];
+    for (int i = 0; i < NT; i++) {
+        even[i] = _mm512_castps512_ps256(acc[i]);
+        odd[i] = S(high_ps)(acc[i]);
+    }
+#else
+    __m256 even[QX_TILE], odd[QX_TILE];
+    for (int i = 0; i < NT; i++) even[i] = odd[i] = _mm256_setzero_ps();
+    for (; b + 2 <= nb; b += 2, w += 2 * bytes) {
+        S(block32)(type, w, b, qx, t0, NT, even);
+        S(block32)(type, w + bytes, b + 1, qx, t0, NT, odd);
+    }
+#endif
+    if (b < nb) S(block32)(type, w, b, qx, t0, NT, even);
+    for (int i = 0; i < NT; i++) out[i] = S(tree)(_mm256_add_ps(even[i], odd[i]));
 }
 
 /* Q4_K / Q5_K super-blocks, NT tokens at once. */
@@ -812,8 +891,8 @@ static inline AI void S(dot_q45k)(const int type, const uint8_t *w, const QX *qx
         __m256i mins2 = _mm256_set_m128i(_mm_unpackhi_epi16(mins, mins), _mm_unpacklo_epi16(mins, mins));
         const uint8_t *qs = w + (type == T_Q5_K ? 48 : 16);
         __m256i hb = type == T_Q5_K ? S(load)(w + 16) : _mm256_setzero_si256();
-        __m256i isum[QX_TILE];
-        for (int i = 0; i < NT; i++) isum[i] = _mm256_setzero_si256();
+        __m256i isum[QX_TILE], isum2[QX_TILE];  /* two chains of integer sums (exact: any split) */
+        for (int i = 0; i < NT; i++) isum[i] = isum2[i] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             __m256i q = S(load)(qs + 32 * c);
             __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
@@ -826,13 +905,13 @@ static inline AI void S(dot_q45k)(const int type, const uint8_t *w, const QX *qx
             for (int i = 0; i < NT; i++) {
                 const int8_t *x = qx->q + (t0 + i) * K + 256 * b + 64 * c;
                 isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(lo, S(load)(x)), s0);
-                isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(hi, S(load)(x + 32)), s1);
+                isum2[i] = DOTWW(isum2[i], _mm256_maddubs_epi16(hi, S(load)(x + 32)), s1);
             }
         }
-        float d = read_half(w), dmin = read_half(w + 2);
+        float d = S(half)(w), dmin = S(half)(w + 2);
         for (int i = 0; i < NT; i++) {
             __m256i msum = _mm256_madd_epi16(S(load)(qx->sums + (t0 + i) * (K / 16) + 16 * b), mins2);
-            __m256i both = _mm256_hadd_epi32(isum[i], msum);  /* [i i m m | i i m m] */
+            __m256i both = _mm256_hadd_epi32(_mm256_add_epi32(isum[i], isum2[i]), msum);  /* [i i m m | i i m m] */
             __m128i s = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
             s = _mm_hadd_epi32(s, s);  /* [sumi, summ, ...] */
             float dx = qx->d[(t0 + i) * nb + b];
@@ -851,8 +930,8 @@ static inline AI void S(dot_q6k)(const uint8_t *w, const QX *qx, int64_t t0, con
     for (int64_t b = 0; b < nb; b++, w += 210) {
         const int8_t *sc = (const int8_t *)(w + 192);
         __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-        __m256i isum[QX_TILE];
-        for (int i = 0; i < NT; i++) isum[i] = _mm256_setzero_si256();
+        __m256i isum[QX_TILE], isum2[QX_TILE];  /* two chains of integer sums (exact: any split) */
+        for (int i = 0; i < NT; i++) isum[i] = isum2[i] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m256i ql0 = S(load)(w + 64 * h), ql1 = S(load)(w + 64 * h + 32), qh = S(load)(w + 128 + 32 * h);
             __m256i q[4];
@@ -868,14 +947,17 @@ static inline AI void S(dot_q6k)(const uint8_t *w, const QX *qx, int64_t t0, con
                 s[j] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * j + 1]), _mm_set1_epi16(sc[8 * h + 2 * j]));
             for (int i = 0; i < NT; i++) {
                 const int8_t *x = qx->q + (t0 + i) * K + 256 * b + 128 * h;
-                for (int j = 0; j < 4; j++) isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(q[j], S(load)(x + 32 * j)), s[j]);
+                isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(q[0], S(load)(x)), s[0]);
+                isum2[i] = DOTWW(isum2[i], _mm256_maddubs_epi16(q[1], S(load)(x + 32)), s[1]);
+                isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(q[2], S(load)(x + 64)), s[2]);
+                isum2[i] = DOTWW(isum2[i], _mm256_maddubs_epi16(q[3], S(load)(x + 96)), s[3]);
             }
         }
-        float d = read_half(w + 208);
+        float d = S(half)(w + 208);
         for (int i = 0; i < NT; i++) {
             __m256i bs = S(load)(qx->sums + (t0 + i) * (K / 16) + 16 * b);
             __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bs, scales16), 5);  /* 32 * sc * 16-sum */
-            acc[i] = acc[i] + (d * qx->d[(t0 + i) * nb + b]) * (float)S(hsum)(_mm256_sub_epi32(isum[i], offset));
+            acc[i] = acc[i] + (d * qx->d[(t0 + i) * nb + b]) * (float)S(hsum)(_mm256_sub_epi32(_mm256_add_epi32(isum[i], isum2[i]), offset));
         }
     }
     for (int i = 0; i < NT; i++) out[i] = acc[i];
@@ -887,20 +969,26 @@ static inline AI void S(dot_tokens)(const int type, const uint8_t *row, const QX
     else S(dot32)(type, row, qx, t0, NT, out);
 }
 
+/* Rows in groups of INT_ROW_TILE, tokens in tiles of QX_TILE: one tile's quantized x (4 x K bytes)
+ * stays in L1 while the group's rows (a few KiB) are dotted with it. */
+#define INT_ROW_TILE 8
 static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx,
                                  int64_t n, float *y, int64_t ldy) {
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = w + r * row_bytes;
+    for (int64_t r0 = 0; r0 < rows; r0 += INT_ROW_TILE) {
+        int64_t r1 = rows - r0 < INT_ROW_TILE ? rows : r0 + INT_ROW_TILE;
         for (int64_t t = 0; t < n; t += QX_TILE) {
-            float out[QX_TILE];
             int nt = (int)(n - t < QX_TILE ? n - t : QX_TILE);
-            switch (nt) {  /* constant tile sizes: the accumulators stay in registers */
-            case 1: S(dot_tokens)(type, row, qx, t, 1, out); break;
-            case 2: S(dot_tokens)(type, row, qx, t, 2, out); break;
-            case 3: S(dot_tokens)(type, row, qx, t, 3, out); break;
-            default: S(dot_tokens)(type, row, qx, t, 4, out); break;
+            for (int64_t r = r0; r < r1; r++) {
+                const uint8_t *row = w + r * row_bytes;
+                float out[QX_TILE];
+                switch (nt) {  /* constant tile sizes: the accumulators stay in registers */
+                case 1: S(dot_tokens)(type, row, qx, t, 1, out); break;
+                case 2: S(dot_tokens)(type, row, qx, t, 2, out); break;
+                case 3: S(dot_tokens)(type, row, qx, t, 3, out); break;
+                default: S(dot_tokens)(type, row, qx, t, 4, out); break;
+                }
+                for (int i = 0; i < nt; i++) y[(t + i) * ldy + r] = out[i];
             }
-            for (int i = 0; i < nt; i++) y[(t + i) * ldy + r] = out[i];
         }
     }
 }

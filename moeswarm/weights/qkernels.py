@@ -32,7 +32,8 @@ def _library() -> ctypes.CDLL | None:
         if path.is_file():
             lib = ctypes.CDLL(str(path))
             lib.qk_supported.argtypes = [ctypes.c_int, _I64]
-            lib.qk_matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
+            lib.qk_matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int,
+                                      ctypes.c_int]
             lib.qk_dequantize.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR]
             lib.qk_silu_glu.argtypes = [_PTR, _PTR, _PTR, _I64]
             lib.qk_oss_glu.argtypes = [_PTR, _PTR, _PTR, _I64, ctypes.c_float, ctypes.c_float]
@@ -48,6 +49,9 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     return _library() is not None
 
+
+# GGUF types with an integer path (matmul's int8_activations): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
+INT8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 
 # The integer dot products' implementations (qk_use_isa's levels), all bit-identical.
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")
@@ -74,15 +78,21 @@ def _address(array: np.ndarray | torch.Tensor) -> int:
     return array.ctypes.data if isinstance(array, np.ndarray) else array.data_ptr()
 
 
-def matmul(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tensor, threads: int) -> torch.Tensor:
-    """x [n, K] float32 times W^T: W is weight [rows, row_bytes] of `qtype` blocks (K values a row) -> [n, rows]."""
+def matmul(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tensor, threads: int,
+           int8_activations: bool = False) -> torch.Tensor:
+    """x [n, K] float32 times W^T: W is weight [rows, row_bytes] of `qtype` blocks (K values a row) -> [n, rows].
+
+    int8_activations: for the types in INT8_TYPES, quantize each x row to int8 blocks and take integer
+    dot products (llama.cpp's scheme: several times faster, ~0.5-1% relative error from the int8
+    rounding of x); otherwise (and for the other types) the decoded weights times float32 x. Either
+    way each output's bits depend only on its weight row and its x row."""
     rows, row_bytes = weight.shape
     n = x.shape[0]
     assert x.dtype == torch.float32 and x.shape[1] == row_length and x.stride(1) == 1 and weight.strides[1] == 1
     assert weight.strides[0] == row_bytes  # rows back to back
     y = torch.empty(n, rows, dtype=torch.float32)
     code = _library().qk_matmul(int(qtype), _address(weight), rows, row_length, row_bytes,
-                                x.data_ptr(), n, x.stride(0), y.data_ptr(), rows, threads)
+                                x.data_ptr(), n, x.stride(0), y.data_ptr(), rows, threads, int(int8_activations))
     if code != 0:
         raise RuntimeError(f"qk_matmul failed for GGUF type {qtype} with rows of {row_length} values")
     return y

@@ -44,8 +44,9 @@ class QuantMatrix:
         return replace(self, experts=self.experts[start:stop])
 
     def product(self, expert: int, x: torch.Tensor, threads: int) -> torch.Tensor:
-        """x [n_e, K] -> [n_e, rows] with expert `expert`'s matrix."""
-        return qkernels.matmul(self.qtype, self.experts[expert], self.row_length, x, threads)
+        """x [n_e, K] -> [n_e, rows] with expert `expert`'s matrix; x rounded to int8 blocks for the
+        integer types, as llama.cpp does (docs/gguf.md, "Integer dot products")."""
+        return qkernels.matmul(self.qtype, self.experts[expert], self.row_length, x, threads, int8_activations=True)
 
 
 def quant_matrix(runs: list[np.ndarray], qtype: int, rows: int, row_length: int) -> QuantMatrix:
