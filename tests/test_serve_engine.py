@@ -22,7 +22,7 @@ from moeswarm.serve.batcher import StepBatcher
 from moeswarm.serve.engine import Engine, EngineConfig
 from moeswarm.serve.job import Delta, Failed, Finished, Job
 from moeswarm.serve.prefix_cache import PrefixCache
-from moeswarm.serve.scheduler import Slot, plan_step
+from moeswarm.serve.scheduler import Feed, Slot, plan_step
 from moeswarm.swarm import open_swarm
 
 PROMPTS = [
@@ -34,15 +34,37 @@ PROMPTS = [
 
 # -- the scheduler ------------------------------------------------------------------------------
 
+def _tokens(plans) -> list[int]:
+    return [plan.tokens for plan in plans]
+
+
 def test_decoders_always_step_and_prompts_share_what_is_left():
-    slots = [Slot(0, 3), Slot(100), Slot(0, 0), Slot(50)]
-    assert plan_step(slots, prefill_chunk=64, step_tokens=80) == [4, 64, 1, 11]
-    assert plan_step(slots, prefill_chunk=8, step_tokens=80) == [4, 8, 1, 8]
+    slots = [Slot(0, (3,)), Slot(100), Slot(0), Slot(50)]
+    assert _tokens(plan_step(slots, prefill_chunk=64, step_tokens=80)) == [4, 64, 1, 11]
+    assert _tokens(plan_step(slots, prefill_chunk=8, step_tokens=80)) == [4, 8, 1, 8]
 
 
 def test_the_oldest_prompt_moves_even_when_decoders_fill_the_budget():
-    slots = [Slot(0, 4)] * 10 + [Slot(30), Slot(30)]
-    assert plan_step(slots, prefill_chunk=16, step_tokens=20) == [5] * 10 + [16, 0]
+    slots = [Slot(0, (4,))] * 10 + [Slot(30), Slot(30)]
+    assert _tokens(plan_step(slots, prefill_chunk=16, step_tokens=20)) == [5] * 10 + [16, 0]
+
+
+def test_the_budget_counts_every_branch_row_and_drops_the_last_branches_first():
+    # three branches of 4, 2 and 3 drafts: rows padded to the longest of the branches kept
+    three = Slot(0, (4, 2, 3))
+    assert plan_step([three], prefill_chunk=8, step_tokens=15) == [Feed(15, 3)]  # 3 x (1 + 4)
+    assert plan_step([three], prefill_chunk=8, step_tokens=14) == [Feed(10, 2)]  # 2 x 5: the first two
+    assert plan_step([three], prefill_chunk=8, step_tokens=9) == [Feed(5, 1)]
+    assert plan_step([three], prefill_chunk=8, step_tokens=2) == [Feed(5, 1)]  # one row always steps
+    assert plan_step([Slot(0, (2, 4))], prefill_chunk=8, step_tokens=9) == [Feed(3, 1)]  # 2 x (1 + 4) > 9
+    # prompts come before the extra rows; the rows go round the decoders, oldest first
+    slots = [Slot(0, (3, 3, 3)), Slot(0, (1, 1)), Slot(6)]
+    assert plan_step(slots, prefill_chunk=4, step_tokens=16) == [Feed(8, 2), Feed(4, 2), Feed(4, 1)]
+    assert plan_step(slots, prefill_chunk=4, step_tokens=20) == [Feed(12, 3), Feed(4, 2), Feed(4, 1)]
+    assert plan_step(slots, prefill_chunk=4, step_tokens=11) == [Feed(4, 1), Feed(2, 1), Feed(4, 1)]
+    for budget in range(1, 40):  # never over the budget for a branch's sake
+        plans = plan_step(slots, prefill_chunk=4, step_tokens=budget)
+        assert sum(_tokens(plans)) <= max(budget, 4 + 2 + 4)
 
 
 # -- the step batcher -------------------------------------------------------------------------------
@@ -272,3 +294,52 @@ def test_a_long_prompt_is_prefilled_in_chunks_without_pausing_a_running_stream(q
             engine.stop()
     assert got.ends[1] == Finished("length", 96, 2, 0)
     assert steps_of_a == list(range(steps_of_a[0], steps_of_a[0] + 30))  # a token every step, prefill or not
+
+
+# -- branches: several drafts of a greedy sequence verified side by side ----------------------------
+
+BRANCHY = [  # the last tokens occurred several times before, each followed by something else
+    [5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6],
+    [3, 4, 11, 3, 4, 12, 3, 4, 13, 3, 4, 11, 3, 4],
+]
+
+
+def test_greedy_sequences_verify_ngram_branches_side_by_side_exactly(qwen2_moe, local_reference):
+    """Concurrent greedy requests feed every n-gram continuation as a row of its own: the tokens are
+    generate's greedy tokens, and every row of every branch is torch.equal to local eager."""
+    with open_swarm(qwen2_moe, [], local_experts=list(range(8))) as swarm:
+        codec = load_text_codec(swarm.source, swarm.model.config.vocab_size)
+        engine = Engine(swarm, codec, EngineConfig(context=128, speculate=4, prefill_chunk=8),
+                        reference=load_local(qwen2_moe))
+        engine.start()
+        try:
+            got = Collector(len(BRANCHY))
+            for i, prompt in enumerate(BRANCHY):
+                engine.submit(Job(prompt, 12, SamplingParams(), got.emit_for(i)))
+            got.wait()
+        finally:
+            engine.stop()
+    for i, prompt in enumerate(BRANCHY):
+        assert got.tokens[i] == _alone(local_reference, prompt, 12)
+        assert got.ends[i] == Finished("length", len(prompt), 12, 0)
+    assert engine.mismatched_rows == 0 and engine.checked_rows == engine.stats.totals["fed"]  # every row checked
+    assert engine.branches > engine.decode_steps  # some steps fed several branches
+    totals = engine.stats.totals
+    assert 0 < totals["accepted"] <= totals["drafted"] <= 4 * engine.decode_steps  # the kept branches' drafts only
+    assert totals["generated"] == 24
+
+
+def test_a_sampled_sequence_feeds_one_draft(qwen2_moe):
+    with open_swarm(qwen2_moe, [], local_experts=list(range(8))) as swarm:
+        codec = load_text_codec(swarm.source, swarm.model.config.vocab_size)
+        engine = Engine(swarm, codec, EngineConfig(context=128, speculate=4, prefill_chunk=8))
+        engine.start()
+        try:
+            got = Collector(1)
+            engine.submit(Job(BRANCHY[0], 12, SamplingParams(temperature=0.8, seed=3), got.emit_for(0)))
+            got.wait()
+        finally:
+            engine.stop()
+    assert len(got.tokens[0]) == 12
+    assert engine.decode_steps > 0 and engine.branches == engine.decode_steps
+    assert engine.stats.totals["drafted"] > 0  # it drafted, one draft a step

@@ -3,9 +3,9 @@
 ngram  prompt lookup (draft.py): free, good on text that repeats itself, silent elsewhere.
 local  the backbone with only its local experts (draft_local.py): a few local forwards per step,
        a draft on any text; needs experts held by the backbone (--local-experts).
-both   greedy: the n-gram and the local drafts side by side (branches, below). Sampled, and in
-       serve: the n-gram draft when the context's last two or more tokens occurred before (a
-       lookup that strong is usually right, and free), else the local draft. A lone repeated
+both   greedy (generate and serve): the n-gram and the local drafts side by side (branches,
+       below). Sampled: the n-gram draft when the context's last two or more tokens occurred
+       before (a lookup that strong is usually right, and free), else the local draft. A lone repeated
        token is too weak a match: on prose nearly every token has occurred before.
 
 Every drafter answers `draft(context, stepper, limit)` (one draft, with `stepper`'s cache left

@@ -1,9 +1,10 @@
 """The engine: one thread owns the model and the swarm, and steps every active request together.
 
 Requests join and leave between steps. A step plans each sequence's feed (a prompt chunk, or its
-last token plus its drafts: `scheduler.plan_step`), runs every sequence's forward at once (one
-thread each, meeting at every MoE layer in the `StepBatcher`: one DISPATCH per worker per layer
-for the whole step), then lets each sequence accept or reject its drafts and emit its text.
+last token plus its drafts, several alternative drafts one row each for a greedy sequence:
+`scheduler.plan_step`), runs every sequence's forward at once (one thread each, meeting at every
+MoE layer in the `StepBatcher`: one DISPATCH per worker per layer for the whole step), then lets
+each sequence accept or reject its drafts and emit its text.
 
 With a reference model (serve --check-local), every step also runs on a local eager model with the
 same sequences in the same slots, and every logit row is compared bit for bit.
@@ -45,7 +46,7 @@ SWITCH_INTERVAL_S = 0.0005
 class EngineConfig:
     context: int  # positions a sequence may use (prompt + output)
     max_batch: int = 16  # sequences stepped together; more wait in the queue
-    speculate: int = 0  # most n-gram drafts per sequence per step (0: off)
+    speculate: int = 0  # most drafts per sequence per step, in each of its branches (0: off)
     prefill_chunk: int = 64  # most prompt tokens a sequence feeds per step
     step_tokens: int = 256  # token budget of a step (decode tokens first, then prompt chunks)
     cache_slots: int = 8  # finished sequences' KV caches kept for prefix reuse (0: off)
@@ -70,6 +71,7 @@ class Engine:
         self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
         self.checked_rows = self.mismatched_rows = 0
         self.steps = 0
+        self.decode_steps = self.branches = 0  # sequences' decode steps, and the branches (rows) they verified
         self._queue: deque[Job] = deque()
         self._active: list[Sequence] = []
         self._wake = threading.Condition()
@@ -173,9 +175,13 @@ class Engine:
         sequences = list(self._active)
         for sequence in sequences:
             sequence.plan_drafts(self.config.context)
-        feeds = plan_step([Slot(s.prefill_left, len(s.drafts)) for s in sequences],
+        plans = plan_step([Slot(s.prefill_left, s.draft_counts) for s in sequences],
                           self.config.prefill_chunk, self.config.step_tokens)
-        work = [(s, s.feed(n)) for s, n in zip(sequences, feeds) if n]
+        work = [(s, s.feed(plan.tokens, plan.rows)) for s, plan in zip(sequences, plans) if plan.tokens]
+        for sequence, feed in work:
+            if not sequence.prefill_left:
+                self.decode_steps += 1
+                self.branches += len(feed) if _is_rows(feed) else 1
         self.swarm.reset_accounting()
         outputs = self._forward_all(self.batcher, [(s.stepper, feed) for s, feed in work])
         calls = self.swarm.layer_calls()
@@ -191,7 +197,7 @@ class Engine:
             counts = self._advance(sequence, logits)
             generated, drafted, accepted = generated + counts[0], drafted + counts[1], accepted + counts[2]
         self.steps += 1
-        fed = sum(len(feed) for _, feed in work)
+        fed = sum(_tokens(feed) for _, feed in work)  # every row's tokens, padding included
         self.metrics.observe_step(len(work), fed, time.monotonic() - started, calls)
         self.stats.record_step(StepRecord(time.monotonic(), len(work), fed, generated, drafted, accepted),
                                [call.worker_seconds for call in calls])
@@ -228,8 +234,9 @@ class Engine:
         else:
             sequence.job.emit(Failed(f"internal error: {one_line(error)}", 500))
 
-    def _forward_all(self, batcher: StepBatcher, pairs: list[tuple[Stepper, list[int]]]) -> list:
-        """Every forward of the step at once; each result is its logits [n, V] or the exception it raised."""
+    def _forward_all(self, batcher: StepBatcher, pairs: list[tuple[Stepper, list[int] | list[list[int]]]]) -> list:
+        """Every forward of the step at once; each result is its logits ([n, V] for a token list,
+        [B, n, V] for B rows) or the exception it raised."""
         batcher.begin(len(pairs))
         futures = [self._pool.submit(_forward_one, batcher, order, stepper, feed) for order, (stepper, feed) in enumerate(pairs)]
         return [future.result() for future in futures]
@@ -238,6 +245,8 @@ class Engine:
         for got, want in zip(outputs, expected):
             if isinstance(got, BaseException) or isinstance(want, BaseException):
                 continue
+            vocabulary = got.shape[-1]
+            got, want = got.reshape(-1, vocabulary), want.reshape(-1, vocabulary)  # every row of every branch: [B*n, V]
             rows = got.shape[0]
             differing = int((got != want).any(dim=-1).sum())
             self.checked_rows += rows
@@ -246,10 +255,18 @@ class Engine:
             self.metrics.mismatched_logits.inc(differing)
 
 
-def _forward_one(batcher: StepBatcher, order: int, stepper: Stepper, feed: list[int]):
+def _is_rows(feed: list[int] | list[list[int]]) -> bool:
+    return bool(feed) and isinstance(feed[0], list)
+
+
+def _tokens(feed: list[int] | list[list[int]]) -> int:
+    return sum(len(row) for row in feed) if _is_rows(feed) else len(feed)
+
+
+def _forward_one(batcher: StepBatcher, order: int, stepper: Stepper, feed: list[int] | list[list[int]]):
     batcher.enter(order)
     try:
-        return stepper.forward(feed)
+        return stepper.forward_rows(feed) if _is_rows(feed) else stepper.forward(feed)  # [B, n, V] or [n, V]
     except Exception as error:
         return error
     finally:

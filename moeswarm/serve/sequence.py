@@ -2,9 +2,15 @@
 
 A sequence prefills its prompt (in chunks the scheduler picks), then decodes: each step feeds its
 last token plus its drafts, and `advance` applies speculative sampling's accept rule to the
-logits, rolls the cache back past rejected drafts, and emits the new text. The draft length
-follows the sequence's own recent acceptance. Drafts come from n-gram lookup, or from the given
-drafter (serve --draft local|both: generation/drafters.py).
+logits, rolls the cache back past rejected drafts, and emits the new text. Drafts come from n-gram
+lookup, or from the given drafter (serve --draft local|both: generation/drafters.py).
+
+A greedy sequence whose caches can branch (Stepper.branchable) verifies every alternative draft
+its drafter has side by side, one row each (generation/branches.py, as generate does): its feed is
+B rows, its logits [B, n, V], and it keeps the branch accepted longest. Those drafts are as long as
+the limit allows (a draft position is cheap next to a step). A sampled sequence verifies one draft
+(choosing among drafts after seeing the logits would bias its sampling), whose length follows the
+sequence's own recent acceptance.
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ import time
 
 import torch
 
-from moeswarm.generation.draft import propose
-from moeswarm.generation.drafters import Drafter
-from moeswarm.generation.sampling import make_generator, sample, verify
+from moeswarm.generation.branches import choose, rows_of
+from moeswarm.generation.drafters import Drafter, NgramDrafter
+from moeswarm.generation.sampling import make_generator, sample
 from moeswarm.generation.stepper import Stepper
 from moeswarm.generation.stops import find_stop, held_back
 from moeswarm.model.tokenizer import TextCodec
@@ -35,12 +41,13 @@ class Sequence:
         self.cached_tokens = cached_tokens
         self.max_drafts = speculate
         self.draft_len = speculate
-        self.drafts: list[int] = []  # proposed for the step being planned
-        self.drafter = drafter  # None: n-gram lookup
+        self.branches: list[list[int]] = [[]]  # the drafts proposed for the step being planned, one list a row
+        self.branching = False  # whether this step's drafts are alternatives verified side by side
+        self.drafter = drafter if drafter is not None else NgramDrafter()
         self.shown = 0  # characters of the output text already emitted
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
-        self.drafted = self.accepted = 0
+        self.drafted = self.accepted = 0  # the kept branch's drafts, and how many of them were accepted
 
     @property
     def prefill_left(self) -> int:
@@ -54,38 +61,58 @@ class Sequence:
     def plan_drafts(self, context_limit: int) -> None:
         """Propose this step's drafts: within the draft length, max_tokens and the context."""
         room = min(self.job.max_tokens - len(self.output) - 1, context_limit - len(self.context) - 1)
-        limit = min(self.draft_len, room)
+        self.branching = not self.prefill_left and self._can_branch()
+        limit = min(self.max_drafts if self.branching else self.draft_len, room)
+        self.branches = [[]]
         if self.prefill_left or limit <= 0:
-            self.drafts = []
-        elif self.drafter is None:
-            self.drafts = propose(self.context, limit)
-        else:  # runs forwards on this sequence's cache (local drafts): only between the engine's steps
-            self.drafts = self.drafter.draft(self.context, self.stepper, limit)
+            return
+        # the drafter may run forwards on this sequence's cache (local drafts): only between the engine's steps
+        if self.branching:
+            self.branches = [b for b in self.drafter.branches(self.context, self.stepper, limit) if b] or [[]]
+        else:
+            self.branches = [self.drafter.draft(self.context, self.stepper, limit)]
 
-    def feed(self, prefill: int) -> list[int]:
-        """The tokens this step feeds: a prompt chunk, or the last token and the drafts."""
+    def _can_branch(self) -> bool:
+        return (self.job.params.greedy and self.stepper.branchable
+                and (self.reference is None or self.reference.branchable))
+
+    @property
+    def draft_counts(self) -> tuple[int, ...]:
+        """Each planned branch's draft tokens (the scheduler's view); () when there are none."""
+        return tuple(len(b) for b in self.branches) if any(self.branches) else ()
+
+    def feed(self, tokens: int, rows: int = 1) -> list[int] | list[list[int]]:
+        """What this step feeds: a prompt chunk of `tokens`, or the last token and the drafts of the
+        first `rows` branches (one list when one branch; else B padded rows: generation/branches.py)."""
         if self.prefill_left:
             start = self.stepper.length
-            return self.job.prompt[start : start + prefill]
-        return [self.context[-1]] + self.drafts
+            return self.job.prompt[start : start + tokens]
+        self.branches = self.branches[: max(1, rows)]
+        if len(self.branches) == 1:
+            return [self.context[-1]] + self.branches[0]
+        return rows_of(self.context[-1], self.branches)  # [B][1 + L]
 
     def advance(self, logits: torch.Tensor) -> None:
-        """Take this step's logits [n, V] (n = what `feed` gave) and emit what they decide."""
+        """Take this step's logits ([n, V] for one row, [B, n, V] for B rows: what `feed` gave) and emit
+        what they decide."""
         if self.prefill_left:
             return  # more prompt to go
         if not self.output:  # the prompt just finished: its last logits give the first token
             self._accept([sample(logits[-1], self.job.params, self.generator)])
             return
-        drafts = self.drafts
-        accepted, next_token = verify(logits, drafts, self.job.params, self.generator)  # logits [1 + D, V]
+        branches = self.branches
+        rows = logits if logits.dim() == 3 else logits[None]  # [B, 1 + L, V]
+        chosen = choose(rows, branches, self.job.params, self.generator, self.codec.eos_token_id)
+        drafts, accepted = branches[chosen.row], chosen.accepted
         for stepper in (self.stepper, self.reference):
             if stepper is not None:
+                stepper.keep_row(chosen.row)  # nothing to do for one row
                 stepper.crop(len(self.context) + accepted)  # the fed token and the accepted drafts stay
         self.drafted += len(drafts)
         self.accepted += accepted
-        if drafts:
+        if drafts and not self.branching:
             self.draft_len = min(self.max_drafts, self.draft_len + 1) if accepted == len(drafts) else max(1, accepted)
-        self._accept(drafts[:accepted] + [next_token])
+        self._accept(drafts[:accepted] + [chosen.next_token])
 
     def _accept(self, tokens: list[int]) -> None:
         eos = self.codec.eos_token_id
