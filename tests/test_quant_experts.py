@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from llamacpp_fixtures import make_fixture_ggufs
@@ -22,7 +23,7 @@ from moeswarm.model.loading import load_experts, load_local
 from moeswarm.weights import qkernels
 from moeswarm.weights.gguf_quant_load import ENV
 from moeswarm.swarm import open_swarm
-from moeswarm.weights.quant_experts import QuantExperts
+from moeswarm.weights.quant_experts import QuantExperts, QuantMatrix, quant_matrix
 from moeswarm.weights.quant_linear import ENV as BACKBONE_ENV
 from moeswarm.weights.quant_linear import QuantEmbedding, QuantLinear
 
@@ -94,3 +95,66 @@ def test_without_the_c_kernels_everything_is_float32(q4_k_m, monkeypatch):
     model = load_local(q4_k_m)
     assert not any(isinstance(m, QuantExperts) for _, m in experts_modules(model).values())
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+
+
+def random_experts(activation: str, n: int = 5, H: int = 512, I: int = 256) -> QuantExperts:
+    """n experts of Q4_K_M's types (gate, up Q4_K; down Q6_K), random blocks, gpt-oss biases when asked."""
+    rng = np.random.default_rng(11)
+
+    def matrix(qtype: Q, rows: int, row_length: int) -> QuantMatrix:
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (n, rows, row_length // block, size), dtype=np.uint8)
+        at = 0 if qtype == Q.Q4_K else 208  # the float16 scales (random bytes there would be NaN or huge)
+        raw[..., at:at + 2] = (rng.random(raw.shape[:3]) * 0.02 + 0.001).astype(np.float16)[..., None].view(np.uint8)
+        if qtype == Q.Q4_K:
+            raw[..., 2:4] = (rng.random(raw.shape[:3]) * 0.02).astype(np.float16)[..., None].view(np.uint8)
+        return quant_matrix([raw.reshape(n, rows, -1)], int(qtype), rows, row_length)
+
+    biases = {}
+    if activation == "gpt_oss":
+        biases = {"gate_bias": torch.randn(n, I), "up_bias": torch.randn(n, I), "down_bias": torch.randn(n, H)}
+    return QuantExperts(None, matrix(Q.Q4_K, I, H), matrix(Q.Q4_K, I, H), matrix(Q.Q6_K, H, I), activation, biases,
+                        alpha=1.702, limit=7.0)
+
+
+def eager_order(module: QuantExperts, hidden, top_k_index, top_k_weights):
+    """The family's loop, one product at a time (what QuantExperts did before qk_experts)."""
+    final = torch.zeros_like(hidden)
+    for e in torch.unique(top_k_index[top_k_index >= 0]).tolist():
+        slot, token = torch.where(top_k_index.T == e)
+        x = hidden[token]
+        gate = qkernels.matmul(module.gate.qtype, module.gate.experts[e], x.shape[1], x, 1, int8_activations=True)
+        up = qkernels.matmul(module.up.qtype, module.up.experts[e], x.shape[1], x, 1, int8_activations=True)
+        if module.activation == "silu":
+            h = qkernels.silu_glu(gate, up)
+        else:
+            h = qkernels.oss_glu(gate + module.biases["gate_bias"][e], up + module.biases["up_bias"][e],
+                                 module.alpha, module.limit)
+        out = qkernels.matmul(module.down.qtype, module.down.experts[e], h.shape[1], h, 1, int8_activations=True)
+        if "down_bias" in module.biases:
+            out = out + module.biases["down_bias"][e]
+        final.index_add_(0, token, (out * top_k_weights[token, slot, None]).to(final.dtype))
+    return final
+
+
+@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
+def test_one_call_per_layer_keeps_the_eager_order_and_bits(activation):
+    """QuantExperts.forward (qk_experts: experts ascending, rows slot-major then token, weights, adds
+    in turn) against the per-product loop: the same bits, for every routing shape a worker sends."""
+    module = random_experts(activation)
+    torch.manual_seed(0)
+    for tokens, k in ((1, 3), (7, 2), (9, 1), (40, 4)):
+        hidden = torch.randn(tokens, 512)
+        index = torch.stack([torch.randperm(5)[:k] for _ in range(tokens)])
+        index[0, -1] = -1  # a slot routed nowhere
+        weights = torch.rand(tokens, k)
+        expected = eager_order(module, hidden, index, weights)
+        assert torch.equal(module(hidden, index, weights), expected)
+        assert torch.equal(module(hidden, index.int(), weights.bfloat16()),
+                           eager_order(module, hidden, index, weights.bfloat16()))
+        part = module.narrow(2, 5)  # a worker's run of experts 2-4: ids local to it
+        local = torch.where(index >= 2, index - 2, -1)
+        assert torch.equal(part(hidden, local, weights), eager_order(part, hidden, local, weights))
+        assert torch.equal(module(hidden, index, weights.double()), eager_order(module, hidden, index, weights.double()))
+    with pytest.raises(ValueError, match=r"^expert id 5 out of range: this module holds experts 0-4$"):
+        module(torch.randn(1, 512), torch.tensor([[5]]), torch.ones(1, 1))

@@ -161,3 +161,45 @@ def test_every_half_precision_value_decodes_exactly():
 
 def test_the_integer_types_are_the_ones_listed():
     assert qkernels.INT8_TYPES == {int(q) for q in INTEGER}
+
+
+def unfused_expert(gate, up, down, x, activation, biases=None, alpha=1.702, limit=7.0, threads=1):
+    """The per-matrix sequence qk_expert fuses: (qtype, raw [rows, row_bytes]) for gate, up [I, H], down [H, I]."""
+    H, I = x.shape[1], gate[1].shape[0]
+    g = qkernels.matmul(int(gate[0]), gate[1], H, x, threads, int8_activations=True)  # [n, I]
+    u = qkernels.matmul(int(up[0]), up[1], H, x, threads, int8_activations=True)  # [n, I]
+    if activation == "silu":
+        h = qkernels.silu_glu(g, u)
+    else:
+        h = qkernels.oss_glu(g + biases[0], u + biases[1], alpha, limit)
+    out = qkernels.matmul(int(down[0]), down[1], I, h, threads, int8_activations=True)  # [n, H]
+    return out + biases[2] if biases is not None else out
+
+
+def blocks(qtype: Q, raw: np.ndarray) -> qkernels.Blocks:
+    return qkernels.Blocks(int(qtype), qkernels.address(raw), raw.shape[0])
+
+
+FUSED_TYPES = [(Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q8_0,) * 3, (Q.Q5_0,) * 3, (Q.MXFP4,) * 3, (Q.F16,) * 3,
+               (Q.Q4_K, Q.Q4_K, Q.Q6_K),  # Q4_K_M's experts
+               (Q.Q8_0, Q.Q4_K, Q.MXFP4)]  # gate and up of different block sizes: x quantized twice
+
+
+@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
+@pytest.mark.parametrize("types", FUSED_TYPES, ids=lambda t: "-".join(q.name for q in t))
+def test_a_fused_expert_gives_the_bits_of_its_products_in_turn(types, activation):
+    """qkernels.expert (one C call: x's int8 blocks shared by gate and up, scratch inside C) against
+    matmul, matmul, silu_glu / biases and oss_glu, matmul, + down bias: the same bits."""
+    H, I = 512, 256
+    gate, up = random_rows(types[0], I, H, seed=5), random_rows(types[1], I, H, seed=6)
+    down = random_rows(types[2], H, I, seed=7)
+    x = torch.randn(6, H) * torch.logspace(-2, 2, 6)[:, None]
+    x[2] = 0  # an all-zero row
+    biases = (torch.randn(I), torch.randn(I), torch.randn(H)) if activation == "gpt_oss" else None
+    kwargs = dict(gate_bias=biases[0], up_bias=biases[1], down_bias=biases[2], alpha=1.702, limit=7.0) if biases else {}
+    for rows in ([0], [1, 2, 3], list(range(6))):
+        expected = unfused_expert((types[0], gate), (types[1], up), (types[2], down), x[rows], activation, biases)
+        for threads in (1, 3):
+            got = qkernels.expert(blocks(types[0], gate), blocks(types[1], up), blocks(types[2], down), x[rows],
+                                  threads, activation, **kwargs)
+            assert torch.equal(got, expected), f"rows {rows}, {threads} threads"

@@ -25,6 +25,12 @@
  * buffers' addresses, or which implementation the CPU runs (tests/test_quant_kernels.py forces
  * each one through qk_use_isa and compares the bits).
  *
+ * A whole expert (qk_expert: gate and up products, the activation, the down product and its bias)
+ * and a whole layer's routed experts (qk_experts: grouping by expert, routing weights, the adds into
+ * the output) run in one call each, by the same functions and float operations as the per-matrix
+ * calls (qk_matmul, qk_silu_glu / qk_oss_glu) and torch's adds and products in between: the same
+ * bits, without the caller's per-matrix work (moeswarm/weights/quant_experts.py).
+ *
  * Plain C with no Python API: moeswarm/weights/qkernels.py loads it with ctypes. The file includes
  * itself once per instruction set (QK_PASS) to build the SIMD integer dots from one source.
  */
@@ -667,14 +673,30 @@ int qk_supported(int type, int64_t K) {
     return bs > 0 && K > 0 && K % bs == 0;
 }
 
-/* y[t, r] = dot(W[r], x[t]) for t < n, r < rows. W: rows x row_bytes of `type`'s blocks (K values
- * per row); x: [n, K] float32 with row stride ldx; y: [n, rows] with row stride ldy. int8: 1 for the
- * integer path (x quantized to int8 blocks) where the type has one, 0 for the float path (decoded
- * weights times float32 x: the decoded matrix's product up to float32 rounding).
- * Returns 0, or -1 (unsupported type or K, or out of memory). */
-int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_bytes,
-              const float *x, int64_t n, int64_t ldx, float *y, int64_t ldy, int threads, int int8) {
-    if (!qk_supported(type, K) || row_bytes != K / block_size(type) * block_bytes(type)) return -1;
+/* x's int8 blocks for `type` (its integer path) in one allocation: *scratch is to be freed. */
+static int quantize_for(int type, int64_t K, const float *x, int64_t n, int64_t ldx, QX *qx, void **scratch) {
+    *qx = (QX){K, block_size(type) == 256 ? 256 : 32, NULL, NULL, NULL, NULL};
+    size_t qbytes = (size_t)(n * K), dbytes = (size_t)(n * (K / qx->block)) * sizeof(float);
+    size_t d8bytes = qx->block == 32 ? (size_t)(n * K) : 0;  /* n * (K / 4) floats */
+    *scratch = malloc(d8bytes + dbytes + qbytes + (size_t)(n * (K / 16)) * sizeof(int16_t));
+    if (!*scratch) return -1;
+    qx->dx8 = *scratch;
+    qx->d = (float *)((char *)*scratch + d8bytes);
+    qx->sums = (int16_t *)((char *)qx->d + dbytes);
+    qx->q = (int8_t *)(qx->sums + n * (K / 16));
+    quantize_tokens(x, n, ldx, qx);
+    return 0;
+}
+
+/* Whether (type, K, row_bytes) is a matrix these kernels compute. */
+static int valid_matrix(int type, int64_t K, int64_t row_bytes) {
+    return qk_supported(type, K) && row_bytes == K / block_size(type) * block_bytes(type);
+}
+
+/* The rows split over `threads` threads (this one included); qx: x's int8 blocks (the integer
+ * path), or NULL (the float path). Returns 0 or -1. */
+static int run_rows(int type, const void *w, int64_t rows, int64_t K, int64_t row_bytes, const float *x,
+                    int64_t n, int64_t ldx, float *y, int64_t ldy, int threads, const QX *qx) {
     if (rows <= 0 || n <= 0) return 0;
     if (threads < 1) threads = 1;
     int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
@@ -683,22 +705,9 @@ int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_byte
     Job jobs[256];
     pthread_t ids[256];
     int started[256] = {0};
-    QX qx = {K, block_size(type) == 256 ? 256 : 32, NULL, NULL, NULL, NULL};
-    void *scratch = NULL;
-    if (int8 && integer_type(type)) {  /* x quantized once, by this thread, for all the rows */
-        size_t qbytes = (size_t)(n * K), dbytes = (size_t)(n * (K / qx.block)) * sizeof(float);
-        size_t d8bytes = qx.block == 32 ? (size_t)(n * K) : 0;  /* n * (K / 4) floats */
-        scratch = malloc(d8bytes + dbytes + qbytes + (size_t)(n * (K / 16)) * sizeof(int16_t));
-        if (!scratch) return -1;
-        qx.dx8 = scratch;
-        qx.d = (float *)((char *)scratch + d8bytes);
-        qx.sums = (int16_t *)((char *)qx.d + dbytes);
-        qx.q = (int8_t *)(qx.sums + n * (K / 16));
-        quantize_tokens(x, n, ldx, &qx);
-    }
     for (int i = 0; i < threads; i++) {
         int64_t a = tiles * i / threads * ROW_TILE, b = tiles * (i + 1) / threads * ROW_TILE;
-        jobs[i] = (Job){type, w, row_bytes, K, a, b < rows ? b : rows, x, n, ldx, y, ldy, scratch ? &qx : NULL, -1};
+        jobs[i] = (Job){type, w, row_bytes, K, a, b < rows ? b : rows, x, n, ldx, y, ldy, qx, -1};
     }
     for (int i = 1; i < threads; i++) started[i] = pthread_create(&ids[i], NULL, run_job, &jobs[i]) == 0;
     run_job(&jobs[0]);
@@ -706,9 +715,154 @@ int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_byte
         if (started[i]) pthread_join(ids[i], NULL);
         else run_job(&jobs[i]);  /* no thread to be had: run its rows here */
     }
-    free(scratch);
     for (int i = 0; i < threads; i++) if (jobs[i].status != 0) return -1;
     return 0;
+}
+
+/* y[t, r] = dot(W[r], x[t]) for t < n, r < rows. W: rows x row_bytes of `type`'s blocks (K values
+ * per row); x: [n, K] float32 with row stride ldx; y: [n, rows] with row stride ldy. int8: 1 for the
+ * integer path (x quantized to int8 blocks) where the type has one, 0 for the float path (decoded
+ * weights times float32 x: the decoded matrix's product up to float32 rounding).
+ * Returns 0, or -1 (unsupported type or K, or out of memory). */
+int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_bytes,
+              const float *x, int64_t n, int64_t ldx, float *y, int64_t ldy, int threads, int int8) {
+    if (!valid_matrix(type, K, row_bytes)) return -1;
+    if (rows <= 0 || n <= 0) return 0;
+    QX qx;
+    void *scratch = NULL;
+    if (int8 && integer_type(type) && quantize_for(type, K, x, n, ldx, &qx, &scratch) != 0) return -1;
+    int status = run_rows(type, w, rows, K, row_bytes, x, n, ldx, y, ldy, threads, scratch ? &qx : NULL);
+    free(scratch);
+    return status;
+}
+
+/* ---- A whole expert in one call: gate and up, the activation, down ----
+ *
+ * The same kernels and float operations as qk_matmul (gate), qk_matmul (up), the bias adds,
+ * qk_silu_glu / qk_oss_glu, qk_matmul (down) and the down bias add in turn, so the same bits; only
+ * the calls and allocations differ: one scratch buffer per call, and with int8 activations x's
+ * blocks are made once for gate and up when their types share a block size (they depend only on x
+ * and the block size). */
+
+enum { ACT_SILU = 0, ACT_OSS = 1 };
+void qk_silu_glu(const float *gate, const float *up, float *h, int64_t count);
+void qk_oss_glu(const float *gate, const float *up, float *h, int64_t count, float alpha, float limit);
+
+/* out [n, H] (row stride ldo) = expert(x [n, H], row stride ldx). gate, up: [I, H] matrices of
+ * types gate_type, up_type; down: [H, I] of down_type (rows of whole blocks, back to back).
+ * gate_bias, up_bias [I] (ACT_OSS only) and down_bias [H]: NULL for none. activation: ACT_SILU
+ * (silu(gate) * up) or ACT_OSS (gpt-oss's clamped swiglu with alpha, limit). Returns 0 or -1. */
+int qk_expert(int gate_type, const void *gate, int up_type, const void *up, int down_type, const void *down,
+              int64_t H, int64_t I, const float *x, int64_t n, int64_t ldx,
+              const float *gate_bias, const float *up_bias, const float *down_bias,
+              int activation, float alpha, float limit, float *out, int64_t ldo, int threads, int int8) {
+    int64_t gate_bytes = qk_supported(gate_type, H) ? H / block_size(gate_type) * block_bytes(gate_type) : 0;
+    int64_t up_bytes = qk_supported(up_type, H) ? H / block_size(up_type) * block_bytes(up_type) : 0;
+    int64_t down_bytes = qk_supported(down_type, I) ? I / block_size(down_type) * block_bytes(down_type) : 0;
+    if (!gate_bytes || !up_bytes || !down_bytes || (activation != ACT_SILU && activation != ACT_OSS)) return -1;
+    if (n <= 0 || H <= 0) return 0;
+    float *g = malloc((size_t)(3 * n * I) * sizeof(float));  /* gate, up, h: [n, I] each */
+    if (!g) return -1;
+    float *u = g + n * I, *h = u + n * I;
+    QX qx_gate, qx_up, qx_down;
+    void *s_gate = NULL, *s_up = NULL, *s_down = NULL;
+    int status = -1;
+    int gate_int = int8 && integer_type(gate_type), up_int = int8 && integer_type(up_type);
+    if (gate_int && quantize_for(gate_type, H, x, n, ldx, &qx_gate, &s_gate) != 0) goto done;
+    if (up_int) {
+        if (gate_int && (block_size(up_type) == 256) == (block_size(gate_type) == 256)) qx_up = qx_gate;  /* the same blocks */
+        else if (quantize_for(up_type, H, x, n, ldx, &qx_up, &s_up) != 0) goto done;
+    }
+    if (run_rows(gate_type, gate, I, H, gate_bytes, x, n, ldx, g, I, threads, gate_int ? &qx_gate : NULL) != 0) goto done;
+    if (run_rows(up_type, up, I, H, up_bytes, x, n, ldx, u, I, threads, up_int ? &qx_up : NULL) != 0) goto done;
+    if (activation == ACT_SILU) {
+        qk_silu_glu(g, u, h, n * I);
+    } else {
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t i = 0; i < I; i++) {
+                if (gate_bias) g[t * I + i] = g[t * I + i] + gate_bias[i];
+                if (up_bias) u[t * I + i] = u[t * I + i] + up_bias[i];
+            }
+        qk_oss_glu(g, u, h, n * I, alpha, limit);
+    }
+    int down_int = int8 && integer_type(down_type);
+    if (down_int && quantize_for(down_type, I, h, n, I, &qx_down, &s_down) != 0) goto done;
+    if (run_rows(down_type, down, H, I, down_bytes, h, n, I, out, ldo, threads, down_int ? &qx_down : NULL) != 0) goto done;
+    if (down_bias)
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t j = 0; j < H; j++) out[t * ldo + j] = out[t * ldo + j] + down_bias[j];
+    status = 0;
+done:
+    free(s_gate);
+    free(s_up);
+    free(s_down);
+    free(g);
+    return status;
+}
+
+/* A layer's routed experts on S rows, in the order and float operations of the family's eager
+ * experts (QuantExperts.forward): experts ascending, each on its rows slot-major then token, its
+ * output rows scaled by their routing weights and added into final [S, H] (zeros on entry) one
+ * after another. hidden [S, H] (row stride ldx); index [S, k] int64 (-1 and below: no expert) and
+ * weights [S, k] float32, both contiguous. Expert e's matrices are at gate[e], up[e], down[e];
+ * biases, when not NULL, are gate_bias, up_bias [n_experts, I] and down_bias [n_experts, H].
+ * Returns 0, -1 (a kernel failed: unsupported type or out of memory) or -2 (an id >= n_experts). */
+int qk_experts(int64_t n_experts, const int64_t *gate, const int64_t *up, const int64_t *down,
+               int gate_type, int up_type, int down_type, int64_t H, int64_t I,
+               const float *hidden, int64_t S, int64_t ldx, const int64_t *index, int64_t k, const float *weights,
+               const float *gate_bias, const float *up_bias, const float *down_bias,
+               int activation, float alpha, float limit, float *final, int threads, int int8) {
+    int64_t pairs = S * k;
+    int64_t *start = calloc((size_t)n_experts + 1, sizeof(int64_t));
+    int64_t *order = malloc((size_t)(pairs > 0 ? pairs : 1) * sizeof(int64_t));  /* positions token * k + slot */
+    float *buffer = NULL;
+    int status = -1;
+    if (!start || !order) goto done;
+    for (int64_t p = 0; p < pairs; p++) {
+        int64_t e = index[p];
+        if (e >= n_experts) { status = -2; goto done; }
+        if (e >= 0) start[e + 1]++;
+    }
+    int64_t most = 0;
+    for (int64_t e = 0; e < n_experts; e++) {
+        most = start[e + 1] > most ? start[e + 1] : most;
+        start[e + 1] += start[e];
+    }
+    {  /* a counting sort, stable in slot-major order */
+        int64_t *next = malloc((size_t)(n_experts > 0 ? n_experts : 1) * sizeof(int64_t));
+        if (!next) goto done;
+        memcpy(next, start, (size_t)n_experts * sizeof(int64_t));
+        for (int64_t slot = 0; slot < k; slot++)
+            for (int64_t t = 0; t < S; t++) {
+                int64_t e = index[t * k + slot];
+                if (e >= 0) order[next[e]++] = t * k + slot;
+            }
+        free(next);
+    }
+    buffer = malloc((size_t)(2 * most * H) * sizeof(float) + 1);  /* the expert's rows, its outputs: [n_e, H] */
+    if (!buffer) goto done;
+    float *xs = buffer, *ys = buffer + most * H;
+    for (int64_t e = 0; e < n_experts; e++) {
+        int64_t n = start[e + 1] - start[e];
+        const int64_t *mine = order + start[e];
+        if (n == 0) continue;
+        for (int64_t i = 0; i < n; i++) memcpy(xs + i * H, hidden + mine[i] / k * ldx, (size_t)H * sizeof(float));
+        if (qk_expert(gate_type, (const void *)(intptr_t)gate[e], up_type, (const void *)(intptr_t)up[e],
+                      down_type, (const void *)(intptr_t)down[e], H, I, xs, n, H,
+                      gate_bias ? gate_bias + e * I : NULL, up_bias ? up_bias + e * I : NULL,
+                      down_bias ? down_bias + e * H : NULL, activation, alpha, limit, ys, H, threads, int8) != 0)
+            goto done;
+        for (int64_t i = 0; i < n; i++) {
+            float w = weights[mine[i]], *row = final + mine[i] / k * H;
+            for (int64_t j = 0; j < H; j++) row[j] = row[j] + ys[i * H + j] * w;
+        }
+    }
+    status = 0;
+done:
+    free(buffer);
+    free(order);
+    free(start);
+    return status;
 }
 
 /* Decode rows [0, rows) into out [rows, K] float32 (tests compare it with gguf-py's decoder). */

@@ -15,6 +15,7 @@ import importlib.machinery
 import logging
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,6 +39,12 @@ def _library() -> ctypes.CDLL | None:
             lib.qk_silu_glu.argtypes = [_PTR, _PTR, _PTR, _I64]
             lib.qk_oss_glu.argtypes = [_PTR, _PTR, _PTR, _I64, ctypes.c_float, ctypes.c_float]
             lib.qk_silu_glu.restype = lib.qk_oss_glu.restype = None
+            lib.qk_expert.argtypes = [ctypes.c_int, _PTR, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64,
+                                      _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _I64,
+                                      ctypes.c_int, ctypes.c_int]
+            lib.qk_experts.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
+                                       _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int,
+                                       ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
             lib.qk_use_isa.argtypes = [ctypes.c_int]
             lib.qk_isa.argtypes = []
             return lib
@@ -76,6 +83,17 @@ def supported(qtype: int, row_length: int) -> bool:
 
 def _address(array: np.ndarray | torch.Tensor) -> int:
     return array.ctypes.data if isinstance(array, np.ndarray) else array.data_ptr()
+
+
+def address(weight: np.ndarray) -> int:
+    """The address of a [rows, row_bytes] matrix of blocks whose rows lie back to back (what the
+    kernels read), taken once: `expert` and `experts` take matrices by address."""
+    assert weight.ndim == 2 and weight.strides == (weight.shape[1] * weight.itemsize, weight.itemsize)
+    return weight.ctypes.data
+
+
+# qk_expert's activations.
+ACTIVATIONS = {"silu": 0, "gpt_oss": 1}
 
 
 def matmul(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tensor, threads: int,
@@ -120,3 +138,81 @@ def oss_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) ->
     out = torch.empty_like(gate)
     _library().qk_oss_glu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), alpha, limit)
     return out
+
+
+class Blocks(NamedTuple):
+    """A [rows, K] matrix of GGUF blocks by `address` (its rows back to back), for `expert` and `experts`."""
+
+    qtype: int
+    address: int
+    rows: int
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    if tensor is None:
+        return None
+    assert tensor.dtype == torch.float32 and tensor.is_contiguous()
+    return tensor.data_ptr()
+
+
+def expert(gate: Blocks, up: Blocks, down: Blocks, x: torch.Tensor, threads: int, activation: str = "silu",
+           gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+           down_bias: torch.Tensor | None = None, alpha: float = 0.0, limit: float = 0.0,
+           int8_activations: bool = True) -> torch.Tensor:
+    """One expert in one C call: x [n, H] float32 -> [n, H]. gate, up: [I, H] blocks; down: [H, I].
+
+    The bits of the sequence matmul(gate), matmul(up), then silu_glu, or for "gpt_oss" the gate and
+    up biases added and oss_glu, then matmul(down) and + down_bias, each matmul with
+    `int8_activations` (biases: float32, contiguous, [I], [I], [H]; None for none)."""
+    n, hidden = x.shape
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and up.rows == gate.rows and down.rows == hidden
+    out = torch.empty(n, hidden, dtype=torch.float32)
+    code = _library().qk_expert(gate.qtype, gate.address, up.qtype, up.address, down.qtype, down.address, hidden,
+                                gate.rows, x.data_ptr(), n, x.stride(0), _pointer(gate_bias), _pointer(up_bias),
+                                _pointer(down_bias), ACTIVATIONS[activation], alpha, limit, out.data_ptr(), hidden,
+                                threads, int(int8_activations))
+    if code != 0:
+        raise RuntimeError(f"qk_expert failed for GGUF types {gate.qtype}, {up.qtype}, {down.qtype} "
+                           f"(hidden size {hidden}, intermediate size {gate.rows})")
+    return out
+
+
+class ExpertsPlan:
+    """A layer's n experts as qk_experts takes them, every argument but the DISPATCH's computed once.
+
+    gate, up, down: each expert's Blocks (one type per role); biases float32 [n, I], [n, I], [n, H] or None."""
+
+    def __init__(self, gate: list[Blocks], up: list[Blocks], down: list[Blocks], activation: str,
+                 gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                 alpha: float, limit: float):
+        n = len(gate)
+        assert len({b.qtype for b in gate}) <= 1 and len({b.qtype for b in up}) <= 1 and len({b.qtype for b in down}) <= 1
+        self.num_experts = n
+        self.hidden = down[0].rows if n else 0
+        self._tables = [(ctypes.c_int64 * max(n, 1))(*(b.address for b in m)) for m in (gate, up, down)]
+        self._biases = (gate_bias, up_bias, down_bias)  # kept alive: the C code reads them by address
+        types = [m[0].qtype if n else 0 for m in (gate, up, down)]
+        self._head = (n, *(ctypes.addressof(t) for t in self._tables), *types, self.hidden, gate[0].rows if n else 0)
+        self._tail = (*(_pointer(b) for b in self._biases), ACTIVATIONS[activation], alpha, limit)
+
+
+def experts(plan: ExpertsPlan, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, threads: int,
+            int8_activations: bool = True) -> torch.Tensor:
+    """The layer's experts on S rows in one C call, in the eager experts' order and float operations:
+    hidden [S, H] float32 (rows of stride >= H, values contiguous), index [S, k] int64 (< 0: none),
+    weights [S, k] float32, both contiguous -> [S, H]: for e ascending, rows routed to e slot-major
+    then token, final[token] += expert_e(hidden[token]) * weight, from zeros."""
+    S, H = hidden.shape
+    k = index.shape[1]
+    assert hidden.dtype == torch.float32 and hidden.stride(1) == 1 and H == plan.hidden
+    assert index.dtype == torch.int64 and index.is_contiguous() and index.shape == weights.shape == (S, k)
+    assert weights.dtype == torch.float32 and weights.is_contiguous()
+    final = torch.zeros(S, H, dtype=torch.float32)
+    code = _library().qk_experts(*plan._head, hidden.data_ptr(), S, hidden.stride(0), index.data_ptr(), k,
+                                 weights.data_ptr(), *plan._tail, final.data_ptr(), threads, int(int8_activations))
+    if code == -2:
+        bad = index[index >= plan.num_experts][0].item()
+        raise ValueError(f"expert id {bad} out of range: this module holds experts 0-{plan.num_experts - 1}")
+    if code != 0:
+        raise RuntimeError(f"qk_experts failed (GGUF types {plan._head[4:7]}, out of memory or an unsupported type)")
+    return final

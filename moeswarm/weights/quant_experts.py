@@ -7,7 +7,14 @@ n_e = rows routed to expert e.
 module(hidden [S, H], top_k_index [S, k], top_k_weights [S, k]) -> [S, H]) and does the family's
 maths in the family's order: experts ascending, each on its rows (slot-major, then token), its
 output scaled by the routing weight and `index_add_`-ed into zeros. Only the expert maths differs:
-gate/up/down products come from `qkernels.matmul` on the file's own blocks, in float32.
+gate/up/down products come from the C kernels on the file's own blocks, in float32.
+
+A forward is one C call (qkernels.experts, qk_experts in qkernels.c): the grouping by expert, each
+expert's gate and up products, activation and down product (qk_expert), the weights and the adds
+run there, every float operation the one the per-product sequence (qkernels.matmul, silu_glu or
+oss_glu, torch's bias adds, product by the weight and index_add_) does, in its order: the same bits
+(tests/test_quant_experts.py), without a Python step per expert or per matrix. Matrices are taken by
+address, computed once per QuantMatrix.
 
 Its weights are memory-mapped views of the GGUF file (no copy): a worker's memory holds exactly
 the hosted experts' bytes, paged in at load by `prefault`. Tensors of a type the kernels do not
@@ -16,7 +23,7 @@ decode are dequantized to float32 once, at load, and computed by the same kernel
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -35,6 +42,12 @@ class QuantMatrix:
     qtype: int
     experts: tuple[np.ndarray, ...]
     row_length: int  # K: values per row
+    # Each expert's matrix by address, taken once (the C kernels read it): no numpy look-up per product.
+    blocks: tuple[qkernels.Blocks, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "blocks", tuple(qkernels.Blocks(self.qtype, qkernels.address(m), m.shape[0])
+                                                 for m in self.experts))
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +102,13 @@ class QuantExperts(torch.nn.Module):
         self.activation, self.alpha, self.limit = activation, alpha, limit
         self.biases = biases or {}
         self.num_experts = len(gate.experts)
+        # float32 [n, I], [n, I], [n, H] (the bits torch's float32 + bias gives), or None
+        self._biases = tuple(self.biases[r].to(torch.float32).contiguous() if r in self.biases else None
+                             for r in ("gate_bias", "up_bias", "down_bias"))
+        if activation != "gpt_oss":
+            self._biases = (None, None, self._biases[2])  # gate and up biases are gpt-oss's only
+        self._plan = qkernels.ExpertsPlan(list(gate.blocks), list(up.blocks), list(down.blocks), activation,
+                                          *self._biases, alpha, limit)
 
     @property
     def nbytes(self) -> int:
@@ -101,22 +121,20 @@ class QuantExperts(torch.nn.Module):
                             {name: b[start:stop] for name, b in self.biases.items()}, self.alpha, self.limit)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on its rows: x [n_e, H] float32 -> [n_e, H]."""
-        threads = torch.get_num_threads()
-        x = x.contiguous()
-        gate = self.gate.product(e, x, threads)  # [n_e, I]
-        up = self.up.product(e, x, threads)  # [n_e, I]
-        if self.activation == "silu":
-            h = qkernels.silu_glu(gate, up)  # [n_e, I]
-        else:
-            gate, up = gate + self.biases["gate_bias"][e], up + self.biases["up_bias"][e]
-            h = qkernels.oss_glu(gate, up, self.alpha, self.limit)  # [n_e, I]
-        out = self.down.product(e, h, threads)  # [n_e, H]
-        if "down_bias" in self.biases:
-            out = out + self.biases["down_bias"][e]
-        return out
+        """Expert e on its rows: x [n_e, H] float32 -> [n_e, H], in one C call (qkernels.expert: the bits
+        of gate and up products, the activation, the down product, one after another)."""
+        gate_bias, up_bias, down_bias = (self._biases[r][e] if self._biases[r] is not None else None
+                                         for r in range(3))
+        return qkernels.expert(self.gate.blocks[e], self.up.blocks[e], self.down.blocks[e], x.contiguous(),
+                               torch.get_num_threads(), self.activation, gate_bias, up_bias, down_bias,
+                               self.alpha, self.limit)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if top_k_weights.dtype in _EXACT_WEIGHTS:  # the whole layer in one C call, in the same order and operations
+            with torch.no_grad():
+                return qkernels.experts(self._plan, hidden_states if hidden_states.stride(-1) == 1 else
+                                        hidden_states.contiguous(), top_k_index.to(torch.int64).contiguous(),
+                                        top_k_weights.to(torch.float32).contiguous(), torch.get_num_threads())
         final = torch.zeros_like(hidden_states)  # [S, H]
         with torch.no_grad():
             hit = torch.unique(top_k_index[top_k_index >= 0]).tolist()  # ascending, as eager visits them
@@ -125,3 +143,8 @@ class QuantExperts(torch.nn.Module):
                 out = self.expert(e, hidden_states[token]) * top_k_weights[token, slot, None]  # [n_e, H]
                 final.index_add_(0, token, out.to(final.dtype))
         return final
+
+
+# Routing weights whose product with float32 outputs is the float32 product of their float32 values
+# (torch promotes them so): qk_experts takes them as float32. Others (float64) take the loop above.
+_EXACT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16)

@@ -15,6 +15,7 @@ the same guarantee at any alignment, and the local reference computes with the s
 from __future__ import annotations
 
 import copy
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
@@ -68,25 +69,30 @@ class ExpertStore:
     def run(self, request: Dispatch) -> Result:
         layer_runs = self._check(request)
         hidden, index, weights = request.hidden, request.top_k_index, request.top_k_weights  # [T, d], [T, k], [T, k]
-        hit = torch.unique(index[index >= 0]).tolist()  # ascending, as eager visits them
-        slots, tokens = zip(*(torch.where(index.T == expert) for expert in hit))  # per expert: [n_e] each, eager's order
-        counts = [t.numel() for t in tokens]
+        tokens_in = index.shape[0]
+        # Every routed (token, slot) pair, grouped by expert ascending and, within an expert, slot-major
+        # then token (eager's order): a stable sort of the slot-major flattening by expert id.
+        flat = index.T.reshape(-1)  # [k * T]: position slot * T + token
+        order = torch.argsort(flat, stable=True)[int((flat < 0).sum()):]  # [S]; unrouted slots (-1) sort first
+        chosen, tokens, slots = flat[order], order % tokens_in, order // tokens_in  # [S] each
+        hit, counts = (t.tolist() for t in torch.unique_consecutive(chosen, return_counts=True))
+        starts = [0]  # where each hit expert's pairs begin among the S
+        for count in counts:
+            starts.append(starts[-1] + count)
+        pair_weights = weights[tokens, slots].unsqueeze(1)  # [S, 1]
         outputs = []
         for run in layer_runs:
-            mine = [i for i, expert in enumerate(hit) if expert in run.experts]
-            if not mine:
+            first, last = bisect_left(hit, run.experts.start), bisect_left(hit, run.experts.stop)
+            if first == last:
                 continue
-            rows = torch.cat([tokens[i] for i in mine])  # [S_run]: the run's (token, expert) pairs, grouped by expert
-            local = torch.repeat_interleave(torch.tensor([hit[i] - run.experts.start for i in mine]),
-                                            torch.tensor([counts[i] for i in mine])).unsqueeze(1)  # [S_run, 1]
-            pair_weights = torch.cat([weights[tokens[i], slots[i]] for i in mine]).unsqueeze(1)  # [S_run, 1]
+            pairs = slice(starts[first], starts[last])  # the run's pairs: contiguous, grouped by expert
+            local = (chosen[pairs] - run.experts.start).long().unsqueeze(1)  # [S_run, 1]
             # One call of the family's eager experts over the run's pairs: each expert sees exactly its
             # rows in eager's order (the same matrices as a local run); each output row is one pair's w * E(x).
-            outputs.append(run.module(hidden[rows], local, pair_weights))  # [S_run, d]
+            outputs.append(run.module(hidden[tokens[pairs]], local, pair_weights[pairs]))  # [S_run, d]
         outputs = torch.cat(outputs)  # [S, d], experts ascending
         if request.mode == CombineMode.PARTIAL:
-            rows = torch.cat(tokens)  # [S]
-            outputs = torch.zeros_like(hidden).index_add_(0, rows, outputs)  # [T, d], experts added in ascending order
+            outputs = torch.zeros_like(hidden).index_add_(0, tokens, outputs)  # [T, d], experts added in ascending order
         return Result(request.layer, request.mode, outputs, hit, counts, request.wire_combine)
 
     def _check(self, request: Dispatch) -> list[_Run]:
