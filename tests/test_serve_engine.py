@@ -185,20 +185,26 @@ class Collector:
         assert self._done.wait(120), "the engine did not finish every job"
 
 
-@pytest.mark.parametrize("speculate", [0, 3])
-def test_batched_greedy_equals_alone_and_local_eager_bit_for_bit(qwen2_moe, local_reference, speculate):
-    with open_swarm(qwen2_moe, [], local_experts=list(range(8))) as swarm:
+def _serve_greedy(model_dir, prompts: list[list[int]], speculate: int):
+    """Every prompt as a greedy 12-token job on one engine with a local eager reference: (engine, collector)."""
+    with open_swarm(model_dir, [], local_experts=list(range(8))) as swarm:
         codec = load_text_codec(swarm.source, swarm.model.config.vocab_size)
         engine = Engine(swarm, codec, EngineConfig(context=128, speculate=speculate, prefill_chunk=8),
-                        reference=load_local(qwen2_moe))
+                        reference=load_local(model_dir))
         engine.start()
         try:
-            got = Collector(len(PROMPTS))
-            for i, prompt in enumerate(PROMPTS):
+            got = Collector(len(prompts))
+            for i, prompt in enumerate(prompts):
                 engine.submit(Job(prompt, 12, SamplingParams(), got.emit_for(i)))
             got.wait()
         finally:
             engine.stop()
+    return engine, got
+
+
+@pytest.mark.parametrize("speculate", [0, 3])
+def test_batched_greedy_equals_alone_and_local_eager_bit_for_bit(qwen2_moe, local_reference, speculate):
+    engine, got = _serve_greedy(qwen2_moe, PROMPTS, speculate)
     for i, prompt in enumerate(PROMPTS):
         assert got.tokens[i] == _alone(local_reference, prompt, 12)
         assert got.ends[i] == Finished("length", len(prompt), 12, 0)
@@ -307,18 +313,7 @@ BRANCHY = [  # the last tokens occurred several times before, each followed by s
 def test_greedy_sequences_verify_ngram_branches_side_by_side_exactly(qwen2_moe, local_reference):
     """Concurrent greedy requests feed every n-gram continuation as a row of its own: the tokens are
     generate's greedy tokens, and every row of every branch is torch.equal to local eager."""
-    with open_swarm(qwen2_moe, [], local_experts=list(range(8))) as swarm:
-        codec = load_text_codec(swarm.source, swarm.model.config.vocab_size)
-        engine = Engine(swarm, codec, EngineConfig(context=128, speculate=4, prefill_chunk=8),
-                        reference=load_local(qwen2_moe))
-        engine.start()
-        try:
-            got = Collector(len(BRANCHY))
-            for i, prompt in enumerate(BRANCHY):
-                engine.submit(Job(prompt, 12, SamplingParams(), got.emit_for(i)))
-            got.wait()
-        finally:
-            engine.stop()
+    engine, got = _serve_greedy(qwen2_moe, BRANCHY, 4)
     for i, prompt in enumerate(BRANCHY):
         assert got.tokens[i] == _alone(local_reference, prompt, 12)
         assert got.ends[i] == Finished("length", len(prompt), 12, 0)
