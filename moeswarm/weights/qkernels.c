@@ -942,6 +942,12 @@ static inline AI __m256 S(high_ps)(__m512 v) { return _mm256_castsi256_ps(_mm512
 
 static inline AI __m256i S(load)(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* The cache lines of p[0..n) into L2 (a hint: no fault, no result changed). */
+static inline AI void S(prefetch)(const uint8_t *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
+    _mm_prefetch((const char *)p + n - 1, _MM_HINT_T1);
+}
+
 /* The 32 values of a 32-value block, in order: signed, or 0..31 for the types with a min. */
 static inline AI __m256i S(values32)(const int type, const uint8_t *w) {
     if (type == T_Q8_0) return S(load)(w + 2);
@@ -983,10 +989,32 @@ static inline AI void S(block32)(const int type, const uint8_t *w, int64_t b, co
     }
 }
 
+#if QK_PASS == 3
+/* Blocks w and w + bytes (a pair) as one register: values32 of each, in turn. The 5th bit of Q5_0 /
+ * Q5_1 comes from the two qh words as one 64-bit mask (bit k: byte k), a single masked add or
+ * subtract of 16 in place of values32's broadcast, shuffle and compare: the same bytes. */
+static inline AI __m512i S(values64)(const int type, const uint8_t *w, int64_t bytes) {
+    if (type != T_Q5_0 && type != T_Q5_1)
+        return _mm512_inserti64x4(_mm512_castsi256_si512(S(values32)(type, w)), S(values32)(type, w + bytes), 1);
+    const int off = type == T_Q5_1 ? 4 : 2;
+    uint32_t qh0, qh1;
+    memcpy(&qh0, w + off, 4);
+    memcpy(&qh1, w + bytes + off, 4);
+    __m128i q0 = _mm_loadu_si128((const __m128i *)(w + off + 4)), q1 = _mm_loadu_si128((const __m128i *)(w + bytes + off + 4));
+    __m512i nib = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_srli_epi16(q0, 4), q0)),
+                                     _mm256_set_m128i(_mm_srli_epi16(q1, 4), q1), 1);
+    nib = _mm512_and_si512(nib, _mm512_set1_epi8(0x0f));
+    __mmask64 high = (__mmask64)qh0 | (__mmask64)qh1 << 32;
+    if (type == T_Q5_0) return _mm512_mask_sub_epi8(nib, _knot_mask64(high), nib, _mm512_set1_epi8(16));  /* nib + 16 * bit - 16 */
+    return _mm512_mask_add_epi8(nib, high, nib, _mm512_set1_epi8(16));
+}
+#endif
+
 /* 32-value blocks, NT tokens t0.. at once: out[i] = dot(row, token t0 + i). Even blocks go to lanes
  * 0..7, odd ones to lanes 8..15 (one 512-bit register holds a pair), then lanes i + 8 onto i and
  * tree8. */
-static inline AI void S(dot32)(const int type, const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out) {
+static inline AI void S(dot32)(const int type, const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out,
+                               const uint8_t *pf) {
     int64_t nb = qx->K / 32, bytes = block_bytes(type), b = 0;
 #if QK_PASS == 3
     int64_t K = qx->K;
@@ -994,7 +1022,8 @@ static inline AI void S(dot32)(const int type, const uint8_t *w, const QX *qx, i
     __m512 acc[QX_TILE];
     for (int i = 0; i < NT; i++) acc[i] = _mm512_setzero_ps();
     for (; b + 2 <= nb; b += 2, w += 2 * bytes) {
-        __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(S(values32)(type, w)), S(values32)(type, w + bytes), 1);
+        if (pf) S(prefetch)(pf + b * bytes, 2 * bytes);
+        __m512i v = S(values64)(type, w, bytes);
         __m512i u = has_min ? v : _mm512_abs_epi8(v);
         __mmask64 negative = _mm512_movepi8_mask(v);
         __m512 dw = S(pair_ps)(_mm256_set1_ps(S(half)(w)), _mm256_set1_ps(S(half)(w + bytes)));
@@ -1019,6 +1048,7 @@ static inline AI void S(dot32)(const int type, const uint8_t *w, const QX *qx, i
     __m256 even[QX_TILE], odd[QX_TILE];
     for (int i = 0; i < NT; i++) even[i] = odd[i] = _mm256_setzero_ps();
     for (; b + 2 <= nb; b += 2, w += 2 * bytes) {
+        if (pf) S(prefetch)(pf + b * bytes, 2 * bytes);
         S(block32)(type, w, b, qx, t0, NT, even);
         S(block32)(type, w + bytes, b + 1, qx, t0, NT, odd);
     }
@@ -1028,11 +1058,13 @@ static inline AI void S(dot32)(const int type, const uint8_t *w, const QX *qx, i
 }
 
 /* Q4_K / Q5_K super-blocks, NT tokens at once. */
-static inline AI void S(dot_q45k)(const int type, const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out) {
+static inline AI void S(dot_q45k)(const int type, const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out,
+                                  const uint8_t *pf) {
     int64_t K = qx->K, nb = K / 256, bytes = block_bytes(type);
     const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     float acc[QX_TILE] = {0};
     for (int64_t b = 0; b < nb; b++, w += bytes) {
+        if (pf) S(prefetch)(pf + b * bytes, bytes);
         uint8_t scmn[16];  /* the 8 6-bit scales, then the 8 mins (k_scale_min, 4 at a time) */
         uint32_t u[4], a[3];
         memcpy(a, w + 4, 12);
@@ -1077,11 +1109,12 @@ static inline AI void S(dot_q45k)(const int type, const uint8_t *w, const QX *qx
 }
 
 /* Q6_K super-blocks, NT tokens at once: quants 0..63 (the -32 comes off through the 16-sums). */
-static inline AI void S(dot_q6k)(const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out) {
+static inline AI void S(dot_q6k)(const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out, const uint8_t *pf) {
     int64_t K = qx->K, nb = K / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
     float acc[QX_TILE] = {0};
     for (int64_t b = 0; b < nb; b++, w += 210) {
+        if (pf) S(prefetch)(pf + 210 * b, 210);
         const int8_t *sc = (const int8_t *)(w + 192);
         __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         __m256i isum[QX_TILE], isum2[QX_TILE];  /* two chains of integer sums (exact: any split) */
@@ -1117,14 +1150,20 @@ static inline AI void S(dot_q6k)(const uint8_t *w, const QX *qx, int64_t t0, con
     for (int i = 0; i < NT; i++) out[i] = acc[i];
 }
 
-static inline AI void S(dot_tokens)(const int type, const uint8_t *row, const QX *qx, int64_t t0, const int NT, float *out) {
-    if (type == T_Q6_K) S(dot_q6k)(row, qx, t0, NT, out);
-    else if (type == T_Q4_K || type == T_Q5_K) S(dot_q45k)(type, row, qx, t0, NT, out);
-    else S(dot32)(type, row, qx, t0, NT, out);
+/* pf: a row to prefetch into L2 as this one is read (NULL: none); prefetches change no result. */
+static inline AI void S(dot_tokens)(const int type, const uint8_t *row, const QX *qx, int64_t t0, const int NT, float *out,
+                                    const uint8_t *pf) {
+    if (type == T_Q6_K) S(dot_q6k)(row, qx, t0, NT, out, pf);
+    else if (type == T_Q4_K || type == T_Q5_K) S(dot_q45k)(type, row, qx, t0, NT, out, pf);
+    else S(dot32)(type, row, qx, t0, NT, out, pf);
 }
 
 /* Rows in groups of INT_ROW_TILE, tokens in tiles of QX_TILE: one tile's quantized x (4 x K bytes)
- * stays in L1 while the group's rows (a few KiB) are dotted with it. */
+ * stays in L1 while the group's rows (a few KiB) are dotted with it. The first tile's pass over a
+ * group prefetches the next group's rows into L2, a row for each row read: a layer's experts are
+ * far larger than the caches, so each group's weights come from DRAM, and without the prefetch the
+ * first pass waits for them (measured: about 1.5x the time of a matrix already in L3 at 16 tokens
+ * and K = 7168, docs/gguf.md). */
 #define INT_ROW_TILE 8
 static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx,
                                  int64_t n, float *y, int64_t ldy) {
@@ -1134,12 +1173,13 @@ static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_b
             int nt = (int)(n - t < QX_TILE ? n - t : QX_TILE);
             for (int64_t r = r0; r < r1; r++) {
                 const uint8_t *row = w + r * row_bytes;
+                const uint8_t *pf = t == 0 && r + INT_ROW_TILE < rows ? row + INT_ROW_TILE * row_bytes : NULL;
                 float out[QX_TILE];
                 switch (nt) {  /* constant tile sizes: the accumulators stay in registers */
-                case 1: S(dot_tokens)(type, row, qx, t, 1, out); break;
-                case 2: S(dot_tokens)(type, row, qx, t, 2, out); break;
-                case 3: S(dot_tokens)(type, row, qx, t, 3, out); break;
-                default: S(dot_tokens)(type, row, qx, t, 4, out); break;
+                case 1: S(dot_tokens)(type, row, qx, t, 1, out, pf); break;
+                case 2: S(dot_tokens)(type, row, qx, t, 2, out, pf); break;
+                case 3: S(dot_tokens)(type, row, qx, t, 3, out, pf); break;
+                default: S(dot_tokens)(type, row, qx, t, 4, out, pf); break;
                 }
                 for (int i = 0; i < nt; i++) y[(t + i) * ldy + r] = out[i];
             }
