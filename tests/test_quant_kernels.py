@@ -111,7 +111,7 @@ def test_bits_depend_only_on_the_row_and_the_token(qtype, int8):
     alone = torch.cat([mm(int(qtype), raw, K, x[t:t + 1], threads=1) for t in range(9)])
     for threads in (1, 2, 3, 7):
         assert torch.equal(mm(int(qtype), raw, K, x, threads=threads), alone)
-    for pick in ([4, 0, 8], [5, 6]):  # other token tiles: the same bits per token
+    for pick in ([4, 0, 8], [5, 6], [1, 2, 3, 7, 8]):  # other token tiles (K-quants: 5 in a wide tile of 8)
         assert torch.equal(mm(int(qtype), raw, K, x[pick], threads=1), alone[pick])
     assert torch.equal(mm(int(qtype), raw[17:40], K, x, threads=1), alone[:, 17:40])
     shifted_x = torch.empty(9 * K + 3)[3:].view(9, K)  # 12 bytes off torch's 64-byte alignment

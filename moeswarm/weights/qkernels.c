@@ -397,6 +397,8 @@ CLONES static void decode_tile(int type, const uint8_t *src, int64_t row_bytes, 
 
 #define QX_TILE 4  /* tokens dotted with one weight block while it is in registers */
 
+#define WIDE_TILE 8  /* the K-quants' wide tile: 8 tokens' sums in one register's lanes */
+
 /* Quantized activations: q [n][K], d [n][K / block], sums [n][K / 16]. */
 typedef struct {
     int64_t K, block;
@@ -404,6 +406,12 @@ typedef struct {
     float *d;
     int16_t *sums;
     float *dx8;  /* 32-value blocks: [n][K / 4], each d repeated 8 times (a vector's load) */
+    /* K-quants, token-major (a wide tile's 8 tokens side by side): n = the tokens rounded up to
+     * WIDE_TILE; dT [K / 256][n] = d; sT [K / 256][8][n][2] = the 16-sums pair (2g, 2g + 1) of
+     * super-block b, for g < 8; the pad tokens' entries are 0 */
+    int64_t n;
+    float *dT;
+    int16_t *sT;
 } QX;
 
 static int integer_type(int type) {
@@ -448,6 +456,15 @@ static void quantize_tokens(const float *x, int64_t n, int64_t ldx, QX *qx) {
                      qx->sums + t * (qx->K / 16));
     if (qx->block == 32)
         for (int64_t i = 0; i < n * (qx->K / 4); i++) qx->dx8[i] = qx->d[i / 8];
+    int64_t nb = qx->K / 256, n8 = qx->n;
+    if (qx->block == 256)
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t b = 0; b < nb; b++) {
+                qx->dT[b * n8 + t] = qx->d[t * nb + b];
+                for (int g = 0; g < 8; g++)
+                    for (int k = 0; k < 2; k++)
+                        qx->sT[((b * 8 + g) * n8 + t) * 2 + k] = qx->sums[t * (qx->K / 16) + 16 * b + 2 * g + k];
+            }
 }
 
 /* The fixed tree of 8 float lanes: a[i] + a[i + 4], then + a[i + 2], then + a[i + 1]. */
@@ -675,14 +692,22 @@ int qk_supported(int type, int64_t K) {
 
 /* x's int8 blocks for `type` (its integer path) in one allocation: *scratch is to be freed. */
 static int quantize_for(int type, int64_t K, const float *x, int64_t n, int64_t ldx, QX *qx, void **scratch) {
-    *qx = (QX){K, block_size(type) == 256 ? 256 : 32, NULL, NULL, NULL, NULL};
+    int64_t n8 = (n + WIDE_TILE - 1) / WIDE_TILE * WIDE_TILE;
+    *qx = (QX){K, block_size(type) == 256 ? 256 : 32, NULL, NULL, NULL, NULL, n8, NULL, NULL};
     size_t qbytes = (size_t)(n * K), dbytes = (size_t)(n * (K / qx->block)) * sizeof(float);
     size_t d8bytes = qx->block == 32 ? (size_t)(n * K) : 0;  /* n * (K / 4) floats */
-    *scratch = malloc(d8bytes + dbytes + qbytes + (size_t)(n * (K / 16)) * sizeof(int16_t));
+    size_t sbytes = (size_t)(n * (K / 16)) * sizeof(int16_t);
+    size_t dTbytes = qx->block == 256 ? (size_t)(n8 * (K / 256)) * sizeof(float) : 0;
+    size_t sTbytes = qx->block == 256 ? (size_t)(n8 * (K / 16)) * sizeof(int16_t) : 0;
+    *scratch = malloc(d8bytes + dTbytes + dbytes + sTbytes + sbytes + qbytes);
     if (!*scratch) return -1;
     qx->dx8 = *scratch;
-    qx->d = (float *)((char *)*scratch + d8bytes);
-    qx->sums = (int16_t *)((char *)qx->d + dbytes);
+    qx->dT = (float *)((char *)*scratch + d8bytes);
+    qx->d = (float *)((char *)qx->dT + dTbytes);
+    qx->sT = (int16_t *)((char *)qx->d + dbytes);
+    qx->sums = (int16_t *)((char *)qx->sT + sTbytes);
+    memset(qx->dT, 0, dTbytes);  /* the pad tokens' lanes: computed, never stored */
+    memset(qx->sT, 0, sTbytes);
     qx->q = (int8_t *)(qx->sums + n * (K / 16));
     quantize_tokens(x, n, ldx, qx);
     return 0;
@@ -1150,6 +1175,143 @@ static inline AI void S(dot_q6k)(const uint8_t *w, const QX *qx, int64_t t0, con
     for (int i = 0; i < NT; i++) out[i] = acc[i];
 }
 
+/* Lane t of the result = the sum of v[t]'s 8 lanes (integer: exact in any order). */
+static inline AI __m256i S(sum8)(const __m256i *v) {
+    __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
+    __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
+    __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);  /* [v0..v3 low halves | high halves] */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* The wide tile: one K-quant row with WIDE_TILE tokens t0.. at once, lane t for token t0 + t.
+ * Each super-block's integer sums go to the lanes of one register (sum8) and the float steps run
+ * on all 8 lanes together: per lane the same IEEE operations as dot_q45k / dot_q6k's scalar ones,
+ * so the same bits, with the weights decoded once for 8 tokens and no per-token reduction. NT < 8:
+ * a last, partial tile (lanes NT.. are sums of zeros, and not stored). */
+static inline AI __m256 S(wide_q45k)(const int type, const uint8_t *w, const QX *qx, int64_t t0, const int NT,
+                                     const uint8_t *pf) {
+    int64_t K = qx->K, n = qx->n, nb = K / 256, bytes = block_bytes(type);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        if (pf) S(prefetch)(pf + b * bytes, bytes);
+        uint8_t scmn[16];  /* as dot_q45k */
+        uint32_t u[4], a[3];
+        memcpy(a, w + 4, 12);
+        u[0] = a[0] & 0x3f3f3f3fu;
+        u[1] = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 6) & 0x03030303u) << 4;
+        u[2] = a[1] & 0x3f3f3f3fu;
+        u[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 6) & 0x03030303u) << 4;
+        memcpy(scmn, u, 16);
+        const uint8_t *qs = w + (type == T_Q5_K ? 48 : 16);
+        __m256i hb = type == T_Q5_K ? S(load)(w + 16) : _mm256_setzero_si256();
+        __m256i isum[WIDE_TILE];
+        const int8_t *x = qx->q + t0 * K + 256 * b;
+#if QK_PASS == 3
+        if (type == T_Q4_K) {  /* chunk c's low and high nibbles side by side: the 64 values 64c.. in one register */
+            __m512i wsum[WIDE_TILE];
+            for (int i = 0; i < WIDE_TILE; i++) wsum[i] = _mm512_setzero_si512();  /* lanes NT.. stay 0 */
+            for (int c = 0; c < 4; c++, x += 64) {
+                __m256i q = S(load)(qs + 32 * c);
+                __m512i v = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1),
+                                             _mm512_set1_epi8(0x0f));
+                __m512i sc2 = _mm512_inserti64x4(_mm512_set1_epi16(scmn[2 * c]), _mm256_set1_epi16(scmn[2 * c + 1]), 1);
+                for (int i = 0; i < NT; i++)
+                    wsum[i] = _mm512_dpwssd_epi32(wsum[i], _mm512_maddubs_epi16(v, _mm512_loadu_si512(x + i * K)), sc2);
+            }
+            for (int i = 0; i < WIDE_TILE; i++)
+                isum[i] = _mm256_add_epi32(_mm512_castsi512_si256(wsum[i]), _mm512_extracti64x4_epi64(wsum[i], 1));
+        } else
+#endif
+        for (int i = 0; i < WIDE_TILE; i++) isum[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 4 && (QK_PASS != 3 || type != T_Q4_K); c++, x += 64) {
+            __m256i q = S(load)(qs + 32 * c);
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (type == T_Q5_K) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hb, one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 1), one), 4));
+                hb = _mm256_srli_epi16(hb, 2);
+            }
+            __m256i s0 = _mm256_set1_epi16(scmn[2 * c]), s1 = _mm256_set1_epi16(scmn[2 * c + 1]);
+            for (int i = 0; i < NT; i++) {
+                isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(lo, S(load)(x + i * K)), s0);
+                isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(hi, S(load)(x + i * K + 32)), s1);
+            }
+        }
+        __m256i summ = _mm256_setzero_si256();  /* the mins times the 16-sums, pair g: sub-block g */
+        const int16_t *st = qx->sT + (b * 8 * n + t0) * 2;
+        for (int g = 0; g < 8; g++)
+            summ = _mm256_add_epi32(summ, _mm256_madd_epi16(S(load)(st + g * n * 2), _mm256_set1_epi32(scmn[8 + g] * 0x10001)));
+        __m256 dx = _mm256_loadu_ps(qx->dT + b * n + t0);
+        __m256 d = _mm256_set1_ps(S(half)(w)), dmin = _mm256_set1_ps(S(half)(w + 2));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(S(sum8)(isum))));
+        acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(summ)));
+    }
+    return acc;
+}
+
+static inline AI __m256 S(wide_q6k)(const uint8_t *w, const QX *qx, int64_t t0, const int NT, const uint8_t *pf) {
+    int64_t K = qx->K, n = qx->n, nb = K / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 210) {
+        if (pf) S(prefetch)(pf + 210 * b, 210);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        __m256i isum[WIDE_TILE];
+#if QK_PASS == 3
+        /* values 32j..32j+31 and 32(j + 1).. of a half side by side (j = 0, 2): 64 values in a register */
+        __m512i wsum[WIDE_TILE];
+        for (int i = 0; i < WIDE_TILE; i++) wsum[i] = _mm512_setzero_si512();  /* lanes NT.. stay 0 */
+        const __m512i m4z = _mm512_set1_epi8(0x0f), threez = _mm512_set1_epi8(3);
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)sc));
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            const int8_t *x = qx->q + t0 * K + 256 * b + 128 * h;
+            __m256i qh0 = S(load)(qh);
+            __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(S(load)(ql)), S(load)(ql + 32), 1);
+            __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(qh0), _mm256_srli_epi16(qh0, 2), 1);
+            for (int j = 0; j < 4; j += 2) {
+                __m512i q = _mm512_or_si512(_mm512_and_si512(j ? _mm512_srli_epi16(l, 4) : l, m4z),
+                                            _mm512_slli_epi16(_mm512_and_si512(j ? _mm512_srli_epi16(hh, 4) : hh, threez), 4));
+                const char k = (char)(8 * h + 2 * j);  /* the scales of sub-blocks k..k+3, 8 words each */
+                __m256i pick = _mm256_setr_epi8(k, k, k, k, k, k, k, k, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1,
+                                                k + 2, k + 2, k + 2, k + 2, k + 2, k + 2, k + 2, k + 2, k + 3, k + 3, k + 3, k + 3, k + 3, k + 3, k + 3, k + 3);
+                __m512i sz = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(sc16, pick));
+                for (int i = 0; i < NT; i++)
+                    wsum[i] = _mm512_dpwssd_epi32(wsum[i], _mm512_maddubs_epi16(q, _mm512_loadu_si512(x + i * K + 32 * j)), sz);
+            }
+        }
+        for (int i = 0; i < WIDE_TILE; i++)
+            isum[i] = _mm256_add_epi32(_mm512_castsi512_si256(wsum[i]), _mm512_extracti64x4_epi64(wsum[i], 1));
+#else
+        for (int i = 0; i < WIDE_TILE; i++) isum[i] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            const int8_t *x = qx->q + t0 * K + 256 * b + 128 * h;
+            for (int j = 0; j < 4; j++) {  /* values 32j..32j+31 of this half: as dot_q6k's q[j], s[j] */
+                __m256i l = S(load)(ql + 32 * (j & 1));
+                l = j < 2 ? l : _mm256_srli_epi16(l, 4);
+                __m256i q = _mm256_or_si256(_mm256_and_si256(l, m4),
+                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(S(load)(qh), 2 * j), three), 4));
+                __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * j + 1]), _mm_set1_epi16(sc[8 * h + 2 * j]));
+                for (int i = 0; i < NT; i++)
+                    isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(q, S(load)(x + i * K + 32 * j)), s);
+            }
+        }
+#endif
+        __m256i offset = _mm256_setzero_si256();  /* the scales times the 16-sums, pair g: 16-sums 2g, 2g + 1 */
+        const int16_t *st = qx->sT + (b * 8 * n + t0) * 2;
+        for (int g = 0; g < 8; g++) {
+            int pair = (int)((uint32_t)(uint16_t)sc[2 * g] | (uint32_t)(uint16_t)sc[2 * g + 1] << 16);
+            offset = _mm256_add_epi32(offset, _mm256_madd_epi16(S(load)(st + g * n * 2), _mm256_set1_epi32(pair)));
+        }
+        __m256i sumi = _mm256_sub_epi32(S(sum8)(isum), _mm256_slli_epi32(offset, 5));
+        __m256 dx = _mm256_loadu_ps(qx->dT + b * n + t0);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(S(half)(w + 208)), dx), _mm256_cvtepi32_ps(sumi)));
+    }
+    return acc;
+}
+
 /* pf: a row to prefetch into L2 as this one is read (NULL: none); prefetches change no result. */
 static inline AI void S(dot_tokens)(const int type, const uint8_t *row, const QX *qx, int64_t t0, const int NT, float *out,
                                     const uint8_t *pf) {
@@ -1158,7 +1320,8 @@ static inline AI void S(dot_tokens)(const int type, const uint8_t *row, const QX
     else S(dot32)(type, row, qx, t0, NT, out, pf);
 }
 
-/* Rows in groups of INT_ROW_TILE, tokens in tiles of QX_TILE: one tile's quantized x (4 x K bytes)
+/* Rows in groups of INT_ROW_TILE, tokens in tiles of QX_TILE (K-quants: first in wide tiles of
+ * WIDE_TILE while 8 tokens are left): one tile's quantized x (4 x K bytes)
  * stays in L1 while the group's rows (a few KiB) are dotted with it. The first tile's pass over a
  * group prefetches the next group's rows into L2, a row for each row read: a layer's experts are
  * far larger than the caches, so each group's weights come from DRAM, and without the prefetch the
@@ -1168,12 +1331,30 @@ static inline AI void S(dot_tokens)(const int type, const uint8_t *row, const QX
 static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx,
                                  int64_t n, float *y, int64_t ldy) {
     for (int64_t r0 = 0; r0 < rows; r0 += INT_ROW_TILE) {
-        int64_t r1 = rows - r0 < INT_ROW_TILE ? rows : r0 + INT_ROW_TILE;
-        for (int64_t t = 0; t < n; t += QX_TILE) {
-            int nt = (int)(n - t < QX_TILE ? n - t : QX_TILE);
+        int64_t r1 = rows - r0 < INT_ROW_TILE ? rows : r0 + INT_ROW_TILE, t = 0;
+        const int wide = (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) && n >= 4;
+        for (; wide && t < n; t += WIDE_TILE) {
+            int nt = (int)(n - t < WIDE_TILE ? n - t : WIDE_TILE);
             for (int64_t r = r0; r < r1; r++) {
                 const uint8_t *row = w + r * row_bytes;
                 const uint8_t *pf = t == 0 && r + INT_ROW_TILE < rows ? row + INT_ROW_TILE * row_bytes : NULL;
+                __m256 lanes;
+                switch (nt) {  /* constant tile sizes, as below */
+#define WIDE(NT) case NT: lanes = type == T_Q6_K ? S(wide_q6k)(row, qx, t, NT, pf) : S(wide_q45k)(type, row, qx, t, NT, pf); break
+                WIDE(1); WIDE(2); WIDE(3); WIDE(4); WIDE(5); WIDE(6); WIDE(7);
+                default: WIDE(8);
+#undef WIDE
+                }
+                float out[WIDE_TILE];
+                _mm256_storeu_ps(out, lanes);
+                for (int i = 0; i < nt; i++) y[(t + i) * ldy + r] = out[i];
+            }
+        }
+        for (int64_t first = t; t < n; t += QX_TILE) {
+            int nt = (int)(n - t < QX_TILE ? n - t : QX_TILE);
+            for (int64_t r = r0; r < r1; r++) {
+                const uint8_t *row = w + r * row_bytes;
+                const uint8_t *pf = t == first && r + INT_ROW_TILE < rows ? row + INT_ROW_TILE * row_bytes : NULL;
                 float out[QX_TILE];
                 switch (nt) {  /* constant tile sizes: the accumulators stay in registers */
                 case 1: S(dot_tokens)(type, row, qx, t, 1, out, pf); break;
