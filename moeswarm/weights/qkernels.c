@@ -601,32 +601,43 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512VNNI = 3 };
 #undef QK_PASS
 static const IntRows INT_ROWS[] = {int_rows_scalar, int_rows_avx2, int_rows_avxvnni, int_rows_avx512vnni};
 
-static int best_isa(void) {
+/* Whether this CPU runs implementation `level`. The levels do not nest: AMD's Zen 4 has
+ * AVX512-VNNI but not AVX-VNNI (its VEX form), so each one is checked on its own. */
+static int runs_isa(int level) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
-        return ISA_AVX512VNNI;
-    if (__builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2")) return ISA_AVXVNNI;
-    if (__builtin_cpu_supports("avx2")) return ISA_AVX2;
-    return ISA_SCALAR;
+    switch (level) {
+    case ISA_SCALAR: return 1;
+    case ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case ISA_AVXVNNI: return runs_isa(ISA_AVX2) && __builtin_cpu_supports("avxvnni");
+    case ISA_AVX512VNNI:
+        return runs_isa(ISA_AVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    default: return 0;
+    }
 }
 #else
 static const IntRows INT_ROWS[] = {int_rows_scalar};
-static int best_isa(void) { return ISA_SCALAR; }
+static int runs_isa(int level) { return level == ISA_SCALAR; }
 #endif
+
+static int best_isa(void) {
+    for (int level = ISA_AVX512VNNI; level > ISA_SCALAR; level--)
+        if (runs_isa(level)) return level;
+    return ISA_SCALAR;
+}
 
 static int chosen_isa = -1;  /* -1: not chosen yet */
 
-/* Use implementation `level` (ISA_*), or the best this CPU runs if level is -1 or beyond it;
- * returns the level in use. All give the same bits: this exists so that tests can prove it. */
+/* Use implementation `level` (ISA_*), or the best this CPU runs if level is -1 or one it does not
+ * run; returns the level in use. All give the same bits: this exists so that tests can prove it. */
 int qk_use_isa(int level) {
-    int best = best_isa();
-    if (level < 0 || level > best) level = best;
+    if (level < 0 || !runs_isa(level)) level = best_isa();
     __atomic_store_n(&chosen_isa, level, __ATOMIC_RELAXED);
     return level;
 }
 
 /* The implementation in use: chosen once, at the first call, from MOESWARM_QK_ISA (scalar, avx2,
- * avxvnni, avx512vnni; capped at what the CPU runs) or else the best one. */
+ * avxvnni, avx512vnni; one the CPU does not run: the best it does) or else the best one. */
 int qk_isa(void) {
     int level = __atomic_load_n(&chosen_isa, __ATOMIC_RELAXED);
     if (level >= 0) return level;
@@ -1082,6 +1093,55 @@ static inline AI void S(dot32)(const int type, const uint8_t *w, const QX *qx, i
     for (int i = 0; i < NT; i++) out[i] = S(tree)(_mm256_add_ps(even[i], odd[i]));
 }
 
+#if QK_PASS == 3
+/* AVX512: a Q4_K super-block's integer sums for NT tokens (x: token 0's 256 values, the next
+ * token's K further on) into isum[0..NT), 64 values a register: chunk c's low and high nibbles
+ * side by side with the values 64c.. of x. scmn: the 8 scales (as dot_q45k). */
+static inline AI void S(q4k_sums)(const uint8_t *qs, const uint8_t *scmn, const int8_t *x, int64_t K, const int NT,
+                                  __m256i *isum) {
+    __m512i wsum[WIDE_TILE];
+    for (int i = 0; i < NT; i++) wsum[i] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++, x += 64) {
+        __m256i q = S(load)(qs + 32 * c);
+        __m512i v = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1),
+                                     _mm512_set1_epi8(0x0f));
+        __m512i sc2 = _mm512_inserti64x4(_mm512_set1_epi16(scmn[2 * c]), _mm256_set1_epi16(scmn[2 * c + 1]), 1);
+        for (int i = 0; i < NT; i++)
+            wsum[i] = _mm512_dpwssd_epi32(wsum[i], _mm512_maddubs_epi16(v, _mm512_loadu_si512(x + i * K)), sc2);
+    }
+    for (int i = 0; i < NT; i++)
+        isum[i] = _mm256_add_epi32(_mm512_castsi512_si256(wsum[i]), _mm512_extracti64x4_epi64(wsum[i], 1));
+}
+
+/* AVX512: a Q6_K super-block's integer sums (before the -32 offset) for NT tokens, as q4k_sums:
+ * values 32j.. and 32(j + 1).. of a half side by side (j = 0, 2), 64 values a register. */
+static inline AI void S(q6k_sums)(const uint8_t *w, const int8_t *x, int64_t K, const int NT, __m256i *isum) {
+    const int8_t *sc = (const int8_t *)(w + 192);
+    __m512i wsum[WIDE_TILE];
+    for (int i = 0; i < NT; i++) wsum[i] = _mm512_setzero_si512();
+    const __m512i m4 = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)sc));
+    for (int h = 0; h < 2; h++, x += 128) {
+        const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+        __m256i qh0 = S(load)(qh);
+        __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(S(load)(ql)), S(load)(ql + 32), 1);
+        __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(qh0), _mm256_srli_epi16(qh0, 2), 1);
+        for (int j = 0; j < 4; j += 2) {
+            __m512i q = _mm512_or_si512(_mm512_and_si512(j ? _mm512_srli_epi16(l, 4) : l, m4),
+                                        _mm512_slli_epi16(_mm512_and_si512(j ? _mm512_srli_epi16(hh, 4) : hh, three), 4));
+            const char k = (char)(8 * h + 2 * j);  /* the scales of sub-blocks k..k+3, 8 words each */
+            __m256i pick = _mm256_setr_epi8(k, k, k, k, k, k, k, k, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1,
+                                            k + 2, k + 2, k + 2, k + 2, k + 2, k + 2, k + 2, k + 2, k + 3, k + 3, k + 3, k + 3, k + 3, k + 3, k + 3, k + 3);
+            __m512i sz = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(sc16, pick));
+            for (int i = 0; i < NT; i++)
+                wsum[i] = _mm512_dpwssd_epi32(wsum[i], _mm512_maddubs_epi16(q, _mm512_loadu_si512(x + i * K + 32 * j)), sz);
+        }
+    }
+    for (int i = 0; i < NT; i++)
+        isum[i] = _mm256_add_epi32(_mm512_castsi512_si256(wsum[i]), _mm512_extracti64x4_epi64(wsum[i], 1));
+}
+#endif
+
 /* Q4_K / Q5_K super-blocks, NT tokens at once. */
 static inline AI void S(dot_q45k)(const int type, const uint8_t *w, const QX *qx, int64_t t0, const int NT, float *out,
                                   const uint8_t *pf) {
@@ -1104,7 +1164,7 @@ static inline AI void S(dot_q45k)(const int type, const uint8_t *w, const QX *qx
         __m256i hb = type == T_Q5_K ? S(load)(w + 16) : _mm256_setzero_si256();
         __m256i isum[QX_TILE], isum2[QX_TILE];  /* two chains of integer sums (exact: any split) */
         for (int i = 0; i < NT; i++) isum[i] = isum2[i] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
+        for (int c = 0; c < 4; c++) {  /* (q4k_sums measured no faster at these few tokens) */
             __m256i q = S(load)(qs + 32 * c);
             __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
             if (type == T_Q5_K) {  /* bit 2c of qh[l] for value l, bit 2c + 1 for value 32 + l */
@@ -1144,6 +1204,9 @@ static inline AI void S(dot_q6k)(const uint8_t *w, const QX *qx, int64_t t0, con
         __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         __m256i isum[QX_TILE], isum2[QX_TILE];  /* two chains of integer sums (exact: any split) */
         for (int i = 0; i < NT; i++) isum[i] = isum2[i] = _mm256_setzero_si256();
+#if QK_PASS == 3
+        S(q6k_sums)(w, qx->q + t0 * K + 256 * b, K, NT, isum);  /* AVX512's 64 values a register */
+#else
         for (int h = 0; h < 2; h++) {
             __m256i ql0 = S(load)(w + 64 * h), ql1 = S(load)(w + 64 * h + 32), qh = S(load)(w + 128 + 32 * h);
             __m256i q[4];
@@ -1165,6 +1228,7 @@ static inline AI void S(dot_q6k)(const uint8_t *w, const QX *qx, int64_t t0, con
                 isum2[i] = DOTWW(isum2[i], _mm256_maddubs_epi16(q[3], S(load)(x + 96)), s[3]);
             }
         }
+#endif
         float d = S(half)(w + 208);
         for (int i = 0; i < NT; i++) {
             __m256i bs = S(load)(qx->sums + (t0 + i) * (K / 16) + 16 * b);
@@ -1208,23 +1272,13 @@ static inline AI __m256 S(wide_q45k)(const int type, const uint8_t *w, const QX 
         __m256i isum[WIDE_TILE];
         const int8_t *x = qx->q + t0 * K + 256 * b;
 #if QK_PASS == 3
-        if (type == T_Q4_K) {  /* chunk c's low and high nibbles side by side: the 64 values 64c.. in one register */
-            __m512i wsum[WIDE_TILE];
-            for (int i = 0; i < WIDE_TILE; i++) wsum[i] = _mm512_setzero_si512();  /* lanes NT.. stay 0 */
-            for (int c = 0; c < 4; c++, x += 64) {
-                __m256i q = S(load)(qs + 32 * c);
-                __m512i v = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1),
-                                             _mm512_set1_epi8(0x0f));
-                __m512i sc2 = _mm512_inserti64x4(_mm512_set1_epi16(scmn[2 * c]), _mm256_set1_epi16(scmn[2 * c + 1]), 1);
-                for (int i = 0; i < NT; i++)
-                    wsum[i] = _mm512_dpwssd_epi32(wsum[i], _mm512_maddubs_epi16(v, _mm512_loadu_si512(x + i * K)), sc2);
-            }
-            for (int i = 0; i < WIDE_TILE; i++)
-                isum[i] = _mm256_add_epi32(_mm512_castsi512_si256(wsum[i]), _mm512_extracti64x4_epi64(wsum[i], 1));
-        } else
+        const int z = type == T_Q4_K;  /* AVX512's 64 values a register (q4k_sums) */
+        if (z) S(q4k_sums)(qs, scmn, x, K, NT, isum);
+#else
+        const int z = 0;
 #endif
-        for (int i = 0; i < WIDE_TILE; i++) isum[i] = _mm256_setzero_si256();
-        for (int c = 0; c < 4 && (QK_PASS != 3 || type != T_Q4_K); c++, x += 64) {
+        for (int i = z ? NT : 0; i < WIDE_TILE; i++) isum[i] = _mm256_setzero_si256();  /* lanes NT.. stay 0 */
+        for (int c = 0; c < 4 && !z; c++, x += 64) {
             __m256i q = S(load)(qs + 32 * c);
             __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
             if (type == T_Q5_K) {
@@ -1252,38 +1306,16 @@ static inline AI __m256 S(wide_q45k)(const int type, const uint8_t *w, const QX 
 
 static inline AI __m256 S(wide_q6k)(const uint8_t *w, const QX *qx, int64_t t0, const int NT, const uint8_t *pf) {
     int64_t K = qx->K, n = qx->n, nb = K / 256;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210) {
         if (pf) S(prefetch)(pf + 210 * b, 210);
         const int8_t *sc = (const int8_t *)(w + 192);
         __m256i isum[WIDE_TILE];
 #if QK_PASS == 3
-        /* values 32j..32j+31 and 32(j + 1).. of a half side by side (j = 0, 2): 64 values in a register */
-        __m512i wsum[WIDE_TILE];
-        for (int i = 0; i < WIDE_TILE; i++) wsum[i] = _mm512_setzero_si512();  /* lanes NT.. stay 0 */
-        const __m512i m4z = _mm512_set1_epi8(0x0f), threez = _mm512_set1_epi8(3);
-        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)sc));
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
-            const int8_t *x = qx->q + t0 * K + 256 * b + 128 * h;
-            __m256i qh0 = S(load)(qh);
-            __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(S(load)(ql)), S(load)(ql + 32), 1);
-            __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(qh0), _mm256_srli_epi16(qh0, 2), 1);
-            for (int j = 0; j < 4; j += 2) {
-                __m512i q = _mm512_or_si512(_mm512_and_si512(j ? _mm512_srli_epi16(l, 4) : l, m4z),
-                                            _mm512_slli_epi16(_mm512_and_si512(j ? _mm512_srli_epi16(hh, 4) : hh, threez), 4));
-                const char k = (char)(8 * h + 2 * j);  /* the scales of sub-blocks k..k+3, 8 words each */
-                __m256i pick = _mm256_setr_epi8(k, k, k, k, k, k, k, k, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1,
-                                                k + 2, k + 2, k + 2, k + 2, k + 2, k + 2, k + 2, k + 2, k + 3, k + 3, k + 3, k + 3, k + 3, k + 3, k + 3, k + 3);
-                __m512i sz = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(sc16, pick));
-                for (int i = 0; i < NT; i++)
-                    wsum[i] = _mm512_dpwssd_epi32(wsum[i], _mm512_maddubs_epi16(q, _mm512_loadu_si512(x + i * K + 32 * j)), sz);
-            }
-        }
-        for (int i = 0; i < WIDE_TILE; i++)
-            isum[i] = _mm256_add_epi32(_mm512_castsi512_si256(wsum[i]), _mm512_extracti64x4_epi64(wsum[i], 1));
+        for (int i = NT; i < WIDE_TILE; i++) isum[i] = _mm256_setzero_si256();  /* lanes NT.. stay 0 */
+        S(q6k_sums)(w, qx->q + t0 * K + 256 * b, K, NT, isum);
 #else
+        const __m256i m4 = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
         for (int i = 0; i < WIDE_TILE; i++) isum[i] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
