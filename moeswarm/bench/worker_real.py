@@ -32,7 +32,7 @@ import torch
 
 from moeswarm.bench.worker_process import spawn_worker
 from moeswarm.bench.worker_real_gguf import expert_bytes, layer_files
-from moeswarm.bench.worker_real_llamacpp import llama_cpp_decode_seconds, memory_bandwidth
+from moeswarm.bench.worker_real_llamacpp import BUFFERS, llama_cpp_decode_seconds, memory_bandwidth
 from moeswarm.bench.worker_real_shapes import INNER_BASELINE, QUICK_SHAPE, SHAPES, TOKENS_PER_DISPATCH, LayerShape
 from moeswarm.progress import progress
 from moeswarm.transport.tcp import TcpLink
@@ -44,8 +44,9 @@ PINGS = 30
 REPEATS = 7
 BUDGET_S = 4.0  # timed DISPATCHes of one T stop after this long (at least 3 of them); --quick: a tenth
 
-# llama.cpp's decode times: T -> ((wall s, CPU s) on the file, (wall s, CPU s) on the baseline file)
-LlamaTimes = dict[int, tuple[tuple[float, float], tuple[float, float]]]
+# llama.cpp's decode times: T -> ((wall s, CPU s) on the file, (wall s, CPU s) on the baseline file),
+# and the buffers it ran with ("default": as it ships; "plain": without its CPU extra buffer types)
+LlamaTimes = tuple[dict[int, tuple[tuple[float, float], tuple[float, float]]], str]
 
 
 def run_bench_worker(models: tuple[str, ...], qtypes: tuple[str, ...], cache: Path, threads: int,
@@ -74,7 +75,7 @@ def run_bench_worker(models: tuple[str, ...], qtypes: tuple[str, ...], cache: Pa
         "torch": torch.__version__, "memory_read_bandwidth_gb_s": bandwidth / 1e9, "cache_dir": str(cache),
         "carrier": "one-layer qwen3moe GGUF, random weights, quantized by llama.cpp (bench/worker_real_shapes.py)",
         "compute": "worker_us: DISPATCH round trip on loopback minus idle PING round trip, median, per token; "
-                   "worker_cpu_us: the worker process's CPU time (every thread) per DISPATCH, per token",
+                   "worker_cpu_us: the worker process's CPU time (every thread) per DISPATCH, median, per token",
         "llama_cpp": "decode time (wall, and CPU: llama_cpp_cpu_us) of the file minus that of the same layer with "
                      f"experts of {INNER_BASELINE}, per token (all experts hosted, llama.cpp's own routing)",
         "bound": "hosted bytes of the distinct experts a DISPATCH touches / memory read bandwidth, per token",
@@ -119,19 +120,21 @@ def _time_tokens(link: TcpLink, pid: int, info, shape: LayerShape, count: int, p
     request = _dispatch(info, shape, count)
     for _ in range(2):
         _round_trip(link, request)
-    runs = []
-    cpu_before = _cpu_seconds(pid)
+    runs, cpu = [], []
     deadline = time.perf_counter() + budget_s
     while len(runs) < REPEATS and (len(runs) < 3 or time.perf_counter() < deadline):
+        cpu_before = _cpu_seconds(pid)
         runs.append(_round_trip(link, request))
-    cpu_s = (_cpu_seconds(pid) - cpu_before) / len(runs)  # the worker's CPU for one DISPATCH, every thread
+        cpu.append(_cpu_seconds(pid) - cpu_before)  # the worker's CPU for this DISPATCH, every thread
+    cpu_s = statistics.median(cpu)  # medians, as llama.cpp's (worker_real_llamacpp.py)
     touched = int(request.top_k_index.unique().numel())
     entry = {"tokens": count, "round_trip_ms": statistics.median(runs) * 1e3, "experts_touched": touched,
              "worker_us_per_token": max(statistics.median(runs) - ping_s, 0.0) / count * 1e6,
              "worker_cpu_us_per_token": cpu_s / count * 1e6,
              "bound_us_per_token": touched * per_expert / bandwidth / count * 1e6}
-    if isinstance(llama, dict):
-        (full, full_cpu), (base, base_cpu) = llama[count]
+    if isinstance(llama, tuple):
+        times, entry["llama_cpp_buffers"] = llama
+        (full, full_cpu), (base, base_cpu) = times[count]
         entry["llama_cpp_layer_us_per_token"] = full / count * 1e6
         entry["llama_cpp_baseline_us_per_token"] = base / count * 1e6
         if full > base:
@@ -146,13 +149,19 @@ def _time_tokens(link: TcpLink, pid: int, info, shape: LayerShape, count: int, p
 
 
 def _llama_cpp_experts(path: Path, baseline: Path, threads: int) -> LlamaTimes | str:
-    """{T: llama.cpp's (wall, CPU) seconds for a decode of T tokens on (the file, the baseline
-    file)}, or why it was not measured. Their difference is the experts' time (none where noise hides it)."""
-    full = llama_cpp_decode_seconds(path, threads, TOKENS_PER_DISPATCH)
-    base = llama_cpp_decode_seconds(baseline, threads, TOKENS_PER_DISPATCH)
-    if isinstance(full, str) or isinstance(base, str):
-        return full if isinstance(full, str) else base
-    return {count: (full[count], base[count]) for count in TOKENS_PER_DISPATCH}
+    """({T: llama.cpp's (wall, CPU) seconds for a decode of T tokens on (the file, the baseline
+    file)}, its buffers), or why it was not measured. Their difference is the experts' time (none
+    where noise hides it). llama.cpp runs as it ships ("default" buffers: weights repacked for the
+    CPU's SIMD where it does that); only where that fails (it crashes on some AMX sandboxes) on
+    "plain" buffers, which the row then says."""
+    failures = []
+    for buffers in BUFFERS:
+        full = llama_cpp_decode_seconds(path, threads, TOKENS_PER_DISPATCH, buffers)
+        base = llama_cpp_decode_seconds(baseline, threads, TOKENS_PER_DISPATCH, buffers)
+        if isinstance(full, dict) and isinstance(base, dict):
+            return {count: (full[count], base[count]) for count in TOKENS_PER_DISPATCH}, buffers
+        failures.append(f"{buffers} buffers: {full if isinstance(full, str) else base}")
+    return "; ".join(failures)
 
 
 def _fit_memory(pair: list[dict]) -> None:

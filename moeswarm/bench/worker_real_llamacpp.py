@@ -1,7 +1,9 @@
 """llama.cpp's own CPU time on a bench layer file, and this machine's memory bandwidth.
 
 llama.cpp runs in a subprocess (`python -m moeswarm.bench.worker_real_llamacpp FILE THREADS
-TOKENS...`, through llama-cpp-python): its mmap of the file and any crash stay out of the bench.
+BUFFERS TOKENS...`, through llama-cpp-python): its mmap of the file and any crash stay out of the
+bench. BUFFERS is "default" (llama.cpp as it ships: its CPU "extra buffer types", repacked weights
+or AMX tiles where the CPU has them) or "plain" (without them: see `plain_cpu_buffers`).
 It times a decode of T tokens from position 0 through the one-layer model: the whole layer
 (attention, router, experts) for every token, embeddings and output. The bench runs it on the real file and on a
 baseline file whose experts are INNER_BASELINE wide; the difference is the experts' time.
@@ -10,6 +12,7 @@ baseline file whose experts are INNER_BASELINE wide; the difference is the exper
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -19,12 +22,22 @@ REPEATS = 7
 BUDGET_S = 3.0  # timed decodes of one T stop after this long (at least 3 of them)
 
 
-def llama_cpp_decode_seconds(path, threads: int, tokens: tuple[int, ...]) -> dict[int, tuple[float, float]] | str:
-    """{T: (median wall seconds, mean CPU seconds) of one decode of T tokens} by llama.cpp, or why
-    it could not be measured."""
-    command = [sys.executable, "-m", "moeswarm.bench.worker_real_llamacpp", str(path), str(threads), *map(str, tokens)]
+BUFFERS = ("default", "plain")
+
+
+def llama_cpp_decode_seconds(path, threads: int, tokens: tuple[int, ...],
+                             buffers: str = "default") -> dict[int, tuple[float, float]] | str:
+    """{T: (median wall seconds, median CPU seconds) of one decode of T tokens} by llama.cpp with
+    `buffers` (one of BUFFERS), or why it could not be measured."""
+    assert buffers in BUFFERS
+    command = [sys.executable, "-m", "moeswarm.bench.worker_real_llamacpp", str(path), str(threads), buffers,
+               *map(str, tokens)]
+    # OpenMP's team is the thread count: by default it is every core, and threads of a team that
+    # llama.cpp leaves idle spin, counted as its CPU time (measured: 6.3 ms of CPU in a decode of
+    # 2.4 ms with one thread, 2.4 ms with OMP_NUM_THREADS=1).
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
     except subprocess.TimeoutExpired:
         return "llama.cpp did not finish within 600 s"
     if done.returncode != 0:
@@ -68,14 +81,15 @@ def plain_cpu_buffers(default):
     return params
 
 
-def _time_decodes(path: str, threads: int, tokens: list[int]) -> dict[int, tuple[float, float]]:
+def _time_decodes(path: str, threads: int, buffers: str, tokens: list[int]) -> dict[int, tuple[float, float]]:
     import llama_cpp
     import llama_cpp.llama_cpp as low
 
     from moeswarm.bench.worker_real_gguf import require_llama_cpp
 
     require_llama_cpp()  # silences llama.cpp's log
-    low.llama_model_default_params = plain_cpu_buffers(low.llama_model_default_params)
+    if buffers == "plain":
+        low.llama_model_default_params = plain_cpu_buffers(low.llama_model_default_params)
     batch = max(tokens)
     # logits_all: llama.cpp drops the rows whose logits nobody asked for before the last layer's
     # FFN; in a one-layer model that would leave one token of T for the experts.
@@ -85,22 +99,22 @@ def _time_decodes(path: str, threads: int, tokens: list[int]) -> dict[int, tuple
     times = {}
     for count in tokens:
         ids = [(7 * i + 3) % (vocab - 1) for i in range(count)]
-        runs = []
+        runs, cpu = [], []
         model.reset()
         model.eval(ids)  # warm: pages of the file, buffers
         deadline = time.perf_counter() + BUDGET_S
-        cpu = 0.0
         while len(runs) < REPEATS and (len(runs) < 3 or time.perf_counter() < deadline):
             model.reset()
             start, cpu_start = time.perf_counter(), time.process_time()
             model.eval(ids)
             runs.append(time.perf_counter() - start)
-            cpu += time.process_time() - cpu_start  # every thread of this process
-        times[count] = (statistics.median(runs), cpu / len(runs))
+            cpu.append(time.process_time() - cpu_start)  # every thread of this process
+        # medians: one decode that another process's turn stretched (or a thread's spin) moves neither
+        times[count] = (statistics.median(runs), statistics.median(cpu))
     model.close()
     return times
 
 
 if __name__ == "__main__":
-    file, thread_count, *counts = sys.argv[1:]
-    print(json.dumps(_time_decodes(file, int(thread_count), [int(c) for c in counts])))
+    file, thread_count, buffer_types, *counts = sys.argv[1:]
+    print(json.dumps(_time_decodes(file, int(thread_count), buffer_types, [int(c) for c in counts])))

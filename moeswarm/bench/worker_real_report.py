@@ -31,6 +31,11 @@ def table_lines(result: dict) -> list[str]:
                          f"{t['worker_cpu_over_bound']:>9.2f} {_cell(t, 'llama_cpp_us_per_token', 10, '.0f')}")
     unmeasured = {t["llama_cpp_unmeasured"] for r in rows for t in r["per_tokens"] if "llama_cpp_unmeasured" in t}
     lines += [f"llama.cpp not measured: {why}" for why in sorted(unmeasured)]
+    buffers = {f"{r['model']} {r['type']}: llama.cpp ran with its {t['llama_cpp_buffers']} CPU buffers"
+               + (" (as it ships: weights repacked for the CPU where it does that)" if t["llama_cpp_buffers"] == "default"
+                  else " (without its extra buffer types: the default ones failed)")
+               for r in rows for t in r["per_tokens"] if "llama_cpp_buffers" in t}
+    lines += sorted(buffers)
     notes = {f"{r['model']}: {r['note']}" for r in rows if r["note"]}
     types = {f"{r['model']} {r['type']}: experts stored as {', '.join(f'{k} {v}' for k, v in r['expert_types'].items())}"
              for r in rows}
