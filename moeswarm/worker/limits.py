@@ -116,7 +116,7 @@ def check_routing(index: torch.Tensor) -> int:
     some families' routers do (DeepSeek-V4's hash-routed layers), and each occurrence is computed
     and weighted on its own, as their eager code does.
     """
-    return int((index >= 0).sum())
+    return int((index.numpy() >= 0).sum())  # numpy: ~1 us where torch takes ~10
 
 
 def check_reply_size(routed: int, tokens: int, hidden: int, exact: bool, outputs: torch.Tensor) -> None:

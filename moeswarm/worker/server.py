@@ -301,9 +301,7 @@ class WorkerServer:
         """The DISPATCH in `frame`, or the ERROR frame that answers it (not logged when `quiet`)."""
         try:
             check_dispatch_size(frame.meta, self.limits)
-            request = Dispatch.from_frame(frame)
-            check_routing(request.top_k_index)
-            return request
+            return Dispatch.from_frame(frame)
         except MoeSwarmError as error:
             if quiet:
                 return ErrorReply("bad_request", str(error)).to_frame(frame.request_id)

@@ -18,6 +18,7 @@ import copy
 from bisect import bisect_left
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moeswarm.errors import ProtocolError
@@ -41,6 +42,7 @@ class ExpertStore:
             raise ValueError("an expert store needs at least one hosted layer")
         self._held = {int(layer): tuple(int(e) for e in h.experts) for layer, h in sorted(hosted.items())}
         self._runs = {int(layer): _split(h) for layer, h in hosted.items()}
+        self._holds = {layer: np.isin(np.arange(num_experts), held) for layer, held in self._held.items()}  # [E] bool
         self._num_experts = num_experts
         self._hidden_size = hidden_size
 
@@ -68,17 +70,18 @@ class ExpertStore:
     @torch.inference_mode()
     def run(self, request: Dispatch) -> Result:
         layer_runs = self._check(request)
-        hidden, index, weights = request.hidden, request.top_k_index, request.top_k_weights  # [T, d], [T, k], [T, k]
+        hidden, weights = request.hidden, request.top_k_weights  # [T, d], [T, k]
+        # The ids' bookkeeping in numpy: a few microseconds where torch's per-call cost is ~10 each.
+        index = request.top_k_index.numpy()  # [T, k] int64
         tokens_in = index.shape[0]
         # Every routed (token, slot) pair, grouped by expert ascending and, within an expert, slot-major
         # then token (eager's order): a stable sort of the slot-major flattening by expert id.
         flat = index.T.reshape(-1)  # [k * T]: position slot * T + token
-        order = torch.argsort(flat, stable=True)[int((flat < 0).sum()):]  # [S]; unrouted slots (-1) sort first
-        chosen, tokens, slots = flat[order], order % tokens_in, order // tokens_in  # [S] each
-        hit, counts = (t.tolist() for t in torch.unique_consecutive(chosen, return_counts=True))
-        starts = [0]  # where each hit expert's pairs begin among the S
-        for count in counts:
-            starts.append(starts[-1] + count)
+        order = np.argsort(flat, kind="stable")[np.count_nonzero(flat < 0):]  # [S]; unrouted slots (-1) sort first
+        chosen = flat[order]  # [S], ascending
+        hit, starts, counts = np.unique(chosen, return_index=True, return_counts=True)  # per hit expert
+        hit, starts = hit.tolist(), starts.tolist() + [len(order)]  # where each hit expert's pairs begin
+        tokens, slots = torch.from_numpy(order % tokens_in), torch.from_numpy(order // tokens_in)  # [S] each
         pair_weights = weights[tokens, slots].unsqueeze(1)  # [S, 1]
         outputs = []
         for run in layer_runs:
@@ -86,14 +89,14 @@ class ExpertStore:
             if first == last:
                 continue
             pairs = slice(starts[first], starts[last])  # the run's pairs: contiguous, grouped by expert
-            local = (chosen[pairs] - run.experts.start).long().unsqueeze(1)  # [S_run, 1]
+            local = torch.from_numpy(chosen[pairs] - run.experts.start).unsqueeze(1)  # [S_run, 1] int64
             # One call of the family's eager experts over the run's pairs: each expert sees exactly its
             # rows in eager's order (the same matrices as a local run); each output row is one pair's w * E(x).
             outputs.append(run.module(hidden[tokens[pairs]], local, pair_weights[pairs]))  # [S_run, d]
-        outputs = torch.cat(outputs)  # [S, d], experts ascending
+        outputs = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [S, d], experts ascending
         if request.mode == CombineMode.PARTIAL:
             outputs = torch.zeros_like(hidden).index_add_(0, tokens, outputs)  # [T, d], experts added in ascending order
-        return Result(request.layer, request.mode, outputs, hit, counts, request.wire_combine)
+        return Result(request.layer, request.mode, outputs, hit, counts.tolist(), request.wire_combine)
 
     def _check(self, request: Dispatch) -> list[_Run]:
         layer_runs = self._runs.get(request.layer)
@@ -109,19 +112,19 @@ class ExpertStore:
             raise ProtocolError(f"routing weights must be floating point, got {request.top_k_weights.dtype}")
         if tokens == 0:
             raise ProtocolError("DISPATCH with no tokens")
-        index = request.top_k_index
-        chosen = index[index >= 0]
-        if (index < -1).any() or (chosen >= self._num_experts).any():
-            bad = index[(index < -1) | (index >= self._num_experts)][0].item()
+        index = request.top_k_index.numpy()  # [T, k] int64
+        wrong = (index < -1) | (index >= self._num_experts)
+        if wrong.any():
+            bad = int(index[wrong][0])
             raise ProtocolError(f"expert id {bad} out of range: the model has experts 0-{self._num_experts - 1}")
-        if chosen.numel() == 0:
+        chosen = index[index >= 0]
+        if chosen.size == 0:
             raise ProtocolError("DISPATCH routes no token to any expert (every id is -1)")
-        held = self._held[request.layer]
-        outside = chosen[~torch.isin(chosen, torch.tensor(held))]
-        if outside.numel():
+        outside = chosen[~self._holds[request.layer][chosen]]
+        if outside.size:
             raise ProtocolError(
-                f"expert {outside[0].item()} of layer {request.layer} is not held by this worker "
-                f"(it holds experts {format_ids(held)})"
+                f"expert {int(outside[0])} of layer {request.layer} is not held by this worker "
+                f"(it holds experts {format_ids(self._held[request.layer])})"
             )
         return layer_runs
 
