@@ -115,6 +115,18 @@ static inline __attribute__((always_inline)) void k_scale_min(int j, const uint8
     }
 }
 
+/* A Q4_K / Q5_K super-block's 12 packed bytes s -> scmn: the 8 6-bit scales, then the 8 mins
+ * (k_scale_min for j = 0..7, 4 at a time in 32-bit words). */
+static inline __attribute__((always_inline)) void k_scales_mins(const uint8_t *s, uint8_t scmn[16]) {
+    uint32_t u[4], a[3];
+    memcpy(a, s, 12);
+    u[0] = a[0] & 0x3f3f3f3fu;
+    u[1] = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 6) & 0x03030303u) << 4;
+    u[2] = a[1] & 0x3f3f3f3fu;
+    u[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 6) & 0x03030303u) << 4;
+    memcpy(scmn, u, 16);
+}
+
 static int block_size(int type) {
     switch (type) {
     case T_F32: case T_F16: case T_BF16: return 1;
@@ -1167,14 +1179,8 @@ static inline AI void S(q45k_block)(const int type, const uint8_t *w, const QX *
                                     __m256i *isum, __m256i *msum) {
     int64_t K = qx->K;
     const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-    uint8_t scmn[16];  /* the 8 6-bit scales, then the 8 mins (k_scale_min, 4 at a time) */
-    uint32_t u[4], a[3];
-    memcpy(a, w + 4, 12);
-    u[0] = a[0] & 0x3f3f3f3fu;
-    u[1] = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 6) & 0x03030303u) << 4;
-    u[2] = a[1] & 0x3f3f3f3fu;
-    u[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 6) & 0x03030303u) << 4;
-    memcpy(scmn, u, 16);
+    uint8_t scmn[16];
+    k_scales_mins(w + 4, scmn);
     __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(scmn + 8)));
     __m256i mins2 = _mm256_set_m128i(_mm_unpackhi_epi16(mins, mins), _mm_unpacklo_epi16(mins, mins));
     __m256i scales = S(words_u8)(scmn);
@@ -1299,14 +1305,8 @@ static inline AI __m256 S(wide_q45k)(const int type, const uint8_t *w, const QX 
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += bytes) {
         if (pf) S(prefetch)(pf + b * bytes, bytes);
-        uint8_t scmn[16];  /* as dot_q45k */
-        uint32_t u[4], a[3];
-        memcpy(a, w + 4, 12);
-        u[0] = a[0] & 0x3f3f3f3fu;
-        u[1] = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 6) & 0x03030303u) << 4;
-        u[2] = a[1] & 0x3f3f3f3fu;
-        u[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 6) & 0x03030303u) << 4;
-        memcpy(scmn, u, 16);
+        uint8_t scmn[16];
+        k_scales_mins(w + 4, scmn);
         __m256i scales = S(words_u8)(scmn);
         const uint8_t *qs = w + (type == T_Q5_K ? 48 : 16);
         __m256i hb = type == T_Q5_K ? S(load)(w + 16) : _mm256_setzero_si256();
