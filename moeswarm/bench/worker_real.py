@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from moeswarm.bench.repeats import Repeats
 from moeswarm.bench.worker_process import spawn_worker
 from moeswarm.bench.worker_real_gguf import expert_bytes, layer_files
 from moeswarm.bench.worker_real_llamacpp import BUFFERS, llama_cpp_decode_seconds, memory_bandwidth
@@ -41,8 +42,7 @@ from moeswarm.wire.messages import Dispatch
 REPLY_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 900.0  # a worker dequantizing a large layer on a busy 2-core machine
 PINGS = 30
-REPEATS = 7
-BUDGET_S = 4.0  # timed DISPATCHes of one T stop after this long (at least 3 of them); --quick: a tenth
+BUDGET_S = 4.0  # timed DISPATCHes of one T stop after this long (bench/repeats.py); --quick: a tenth
 
 # llama.cpp's decode times: T -> ((wall s, CPU s) on the file, (wall s, CPU s) on the baseline file),
 # and the buffers it ran with ("default": as it ships; "plain": without its CPU extra buffer types)
@@ -121,8 +121,8 @@ def _time_tokens(link: TcpLink, pid: int, info, shape: LayerShape, count: int, p
     for _ in range(2):
         _round_trip(link, request)
     runs, cpu = [], []
-    deadline = time.perf_counter() + budget_s
-    while len(runs) < REPEATS and (len(runs) < 3 or time.perf_counter() < deadline):
+    repeats = Repeats(budget_s, budget_s / 8)
+    while repeats.more(len(runs)):
         cpu_before = _cpu_seconds(pid)
         runs.append(_round_trip(link, request))
         cpu.append(_cpu_seconds(pid) - cpu_before)  # the worker's CPU for this DISPATCH, every thread

@@ -18,8 +18,7 @@ import subprocess
 import sys
 import time
 
-REPEATS = 7
-BUDGET_S = 3.0  # timed decodes of one T stop after this long (at least 3 of them)
+BUDGET_S = 3.0  # timed decodes of one T stop after this long (bench/repeats.py)
 
 
 BUFFERS = ("default", "plain")
@@ -85,6 +84,7 @@ def _time_decodes(path: str, threads: int, buffers: str, tokens: list[int]) -> d
     import llama_cpp
     import llama_cpp.llama_cpp as low
 
+    from moeswarm.bench.repeats import Repeats
     from moeswarm.bench.worker_real_gguf import require_llama_cpp
 
     require_llama_cpp()  # silences llama.cpp's log
@@ -102,8 +102,8 @@ def _time_decodes(path: str, threads: int, buffers: str, tokens: list[int]) -> d
         runs, cpu = [], []
         model.reset()
         model.eval(ids)  # warm: pages of the file, buffers
-        deadline = time.perf_counter() + BUDGET_S
-        while len(runs) < REPEATS and (len(runs) < 3 or time.perf_counter() < deadline):
+        repeats = Repeats(BUDGET_S)
+        while repeats.more(len(runs)):
             model.reset()
             start, cpu_start = time.perf_counter(), time.process_time()
             model.eval(ids)
