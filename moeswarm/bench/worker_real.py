@@ -71,7 +71,8 @@ def run_bench_worker(models: tuple[str, ...], qtypes: tuple[str, ...], cache: Pa
     meta = {
         "command": "moeswarm bench worker",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.processor() or platform.machine(), "cpu_count": _cpu_count(), "threads": threads,
+        "machine": platform.processor() or platform.machine(), "cpu": _cpu_model(), "kernels": _kernels(),
+        "cpu_count": _cpu_count(), "threads": threads,
         "torch": torch.__version__, "memory_read_bandwidth_gb_s": bandwidth / 1e9, "cache_dir": str(cache),
         "carrier": "one-layer qwen3moe GGUF, random weights, quantized by llama.cpp (bench/worker_real_shapes.py)",
         "compute": "worker_us: DISPATCH round trip on loopback minus idle PING round trip, median, per token; "
@@ -222,3 +223,21 @@ def _cpu_count() -> int:
     import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's word for it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _kernels() -> str:
+    """The implementation the worker's integer kernels choose on this CPU (what its workers run)."""
+    from moeswarm.weights import qkernels
+
+    return qkernels.isa() if qkernels.available() else "not built (experts dequantized to float32)"

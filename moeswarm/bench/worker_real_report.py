@@ -7,8 +7,9 @@ MB = 1e6
 
 def table_lines(result: dict) -> list[str]:
     meta, rows = result["meta"], result["rows"]
-    lines = [f"moeswarm bench worker: {meta['threads']} thread(s), {meta['cpu_count']} CPU(s), "
-             f"memory read bandwidth {meta['memory_read_bandwidth_gb_s']:.1f} GB/s, {meta['date']}",
+    lines = [f"moeswarm bench worker: {meta['threads']} thread(s), {meta['cpu_count']} CPU(s) ({meta['cpu']}, "
+             f"kernels {meta['kernels']}), memory read bandwidth {meta['memory_read_bandwidth_gb_s']:.1f} GB/s, "
+             f"{meta['date']}",
              "", "start-up and memory (RSS once listening; fixed + slope x hosted fitted over the two workers)",
              f"{'model':<12} {'type':<7} {'hosted':>9} {'hosted MB':>10} {'start s':>8} {'RSS MB':>8} {'RSS/hosted':>10} "
              f"{'peak MB':>8} {'slope':>6} {'fixed MB':>9}"]
