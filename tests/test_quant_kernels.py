@@ -7,6 +7,7 @@ numpy decoders (what llama.cpp's own Python package ships) are the oracle of the
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,6 +141,30 @@ def test_every_implementation_gives_the_same_bits(qtype):
     for name, y in results.items():
         assert torch.equal(y, results["scalar"]), f"{name} differs from the scalar code"
     assert torch.all(results["scalar"][3] == 0) and torch.isfinite(results["scalar"]).all()
+
+
+# What each implementation needs, as /proc/cpuinfo names the flags.
+ISA_FLAGS = {"scalar": set(), "avx2": {"avx2", "fma", "f16c"}, "avxvnni": {"avx2", "fma", "f16c", "avx_vnni"},
+             "avx512vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads the CPU's flags from /proc/cpuinfo")
+def test_an_implementation_is_used_only_where_the_cpu_runs_it():
+    """The levels do not nest (AMD's Zen 4 has AVX512-VNNI without AVX-VNNI): forcing one the CPU
+    lacks falls back to the best it runs instead of an illegal instruction."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    runs = [name for name in qkernels.ISAS if ISA_FLAGS[name] <= flags]
+    try:
+        for name in qkernels.ISAS:
+            assert (qkernels.use_isa(name) == name) == (name in runs), name
+            assert qkernels.use_isa(name) in runs
+    finally:
+        qkernels.use_isa(None)
+    assert qkernels.isa() == runs[-1]  # the best one it runs
 
 
 def test_odd_row_lengths_of_float_types():
