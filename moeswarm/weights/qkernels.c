@@ -1410,7 +1410,8 @@ static inline AI void S(rows8_kquant)(const int type, const uint8_t *w, int64_t 
             if (pf) S(prefetch)(pf + r * row_bytes + b * bytes, bytes);
             if (type == T_Q6_K) S(q6k_block)(wb + r * row_bytes, qx, t0, b, NT, v);
             else S(q45k_block)(type, wb + r * row_bytes, qx, t0, b, NT, v, m);
-            for (int i = 0; i < NT; i++) isum[i][r] = v[i], msum[i][r] = m[i];
+            for (int i = 0; i < NT; i++) isum[i][r] = v[i];
+            for (int i = 0; i < NT && type != T_Q6_K; i++) msum[i][r] = m[i];
         }
         __m256 d = S(halves8)(wb, row_bytes, type == T_Q6_K ? 208 : 0);
         __m256 dmin = type == T_Q6_K ? d : S(halves8)(wb, row_bytes, 2);

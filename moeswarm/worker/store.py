@@ -69,10 +69,8 @@ class ExpertStore:
 
     @torch.inference_mode()
     def run(self, request: Dispatch) -> Result:
-        layer_runs = self._check(request)
+        layer_runs, index = self._check(request)  # index: [T, k] int64, numpy
         hidden, weights = request.hidden, request.top_k_weights  # [T, d], [T, k]
-        # The ids' bookkeeping in numpy: a few microseconds where torch's per-call cost is ~10 each.
-        index = request.top_k_index.numpy()  # [T, k] int64
         tokens_in = index.shape[0]
         # Every routed (token, slot) pair, grouped by expert ascending and, within an expert, slot-major
         # then token (eager's order): a stable sort of the slot-major flattening by expert id.
@@ -98,7 +96,9 @@ class ExpertStore:
             outputs = torch.zeros_like(hidden).index_add_(0, tokens, outputs)  # [T, d], experts added in ascending order
         return Result(request.layer, request.mode, outputs, hit, counts.tolist(), request.wire_combine)
 
-    def _check(self, request: Dispatch) -> list[_Run]:
+    def _check(self, request: Dispatch) -> tuple[list[_Run], np.ndarray]:
+        """The layer's runs and the ids [T, k] as int64 numpy (the bookkeeping runs in numpy: a few
+        microseconds where torch's per-call cost is ~10 each), once the request is found sound."""
         layer_runs = self._runs.get(request.layer)
         if layer_runs is None:
             raise ProtocolError(f"layer {request.layer} is not served by this worker (it serves {self.describe()})")
@@ -112,7 +112,7 @@ class ExpertStore:
             raise ProtocolError(f"routing weights must be floating point, got {request.top_k_weights.dtype}")
         if tokens == 0:
             raise ProtocolError("DISPATCH with no tokens")
-        index = request.top_k_index.numpy()  # [T, k] int64
+        index = request.top_k_index.numpy().astype(np.int64, copy=False)  # [T, k]
         wrong = (index < -1) | (index >= self._num_experts)
         if wrong.any():
             bad = int(index[wrong][0])
@@ -126,7 +126,7 @@ class ExpertStore:
                 f"expert {int(outside[0])} of layer {request.layer} is not held by this worker "
                 f"(it holds experts {format_ids(self._held[request.layer])})"
             )
-        return layer_runs
+        return layer_runs, index
 
 
 def _split(hosted: HostedLayer) -> list[_Run]:
