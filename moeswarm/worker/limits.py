@@ -11,6 +11,7 @@ with every id distinct in its row: the reply is never larger than the routing im
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,11 +49,13 @@ class WorkerLimits:
 
 
 class ByteBudget:
-    """Bytes of request bodies the worker holds at once; used on the event loop only."""
+    """Bytes of request bodies the worker holds at once: taken on the event loop, given back there
+    or on the compute thread (when a DISPATCH is done)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.held = 0
+        self._lock = threading.Lock()
 
     def take(self, size: int) -> bool:
         """Reserve `size` bytes; False (nothing reserved) when that would go over the limit.
@@ -60,13 +63,15 @@ class ByteBudget:
         A small body is always admitted: PINGs and decode steps get through while large
         prefills fill the budget, and small bodies are bounded by connections x SMALL_FRAME_BYTES.
         """
-        if size > SMALL_FRAME_BYTES and self.held + size > self.limit:
-            return False
-        self.held += size
-        return True
+        with self._lock:
+            if size > SMALL_FRAME_BYTES and self.held + size > self.limit:
+                return False
+            self.held += size
+            return True
 
     def give(self, size: int) -> None:
-        self.held -= size
+        with self._lock:
+            self.held -= size
 
 
 def declared_shape(meta: dict[str, Any], name: str) -> tuple[int, ...] | None:

@@ -10,6 +10,11 @@ more than the job in service, and equal jobs take turns (round-robin). One threa
 inside its kernels, and one thread keeps the kernels' threading exactly as the worker set it
 (bit-identical results need the same kernels, not more of them at once).
 
+Outcomes: a job submitted with a `done` callback hands its outcome to it on the compute thread
+(the worker sends a RESULT from there, without waking the event loop: session.py); a job without
+one settles an asyncio future on its loop's thread (`call_soon_threadsafe`). A job that will never
+run (its owner dropped, the runner stopped) gets `done(None, CANCELLED)` or a cancelled future.
+
 Merging: a job submitted with a batch key may run in one call with the jobs at the head of other
 owners' queues that carry the same key (one per owner, so each owner's jobs still run in its
 order), when the runner was given a `batch_work` function: the worker merges DISPATCHes of one
@@ -20,8 +25,7 @@ its own cost as before, or are DECLINED and go back to the head of their queue.
 The queues are bounded in total and per owner (jobs waiting, not the one running): a full runner
 refuses new work with WorkerBusy instead of growing without limit. An owner with nothing waiting
 is still admitted when the total is reached (one job over the total per owner at most), so a
-flood from some connections cannot starve a well-behaved one. Results travel back as asyncio futures,
-settled on their loop's thread (`call_soon_threadsafe`), so only the loop ever touches a socket.
+flood from some connections cannot starve a well-behaved one.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ log = logging.getLogger("moeswarm.worker")
 DEFAULT_QUEUE_LIMIT = 64
 T = TypeVar("T")
 DECLINED = object()  # batch_work's outcome for a job it did not run: the job goes back to its queue's head
+CANCELLED = asyncio.CancelledError()  # the error a `done` callback gets for a job that will never run
+Done = Callable[[Any, "BaseException | None"], None]
 
 
 class WorkerBusy(MoeSwarmError):
@@ -53,30 +59,47 @@ class WorkerBusy(MoeSwarmError):
 
 @dataclass(frozen=True)
 class Job(Generic[T]):
-    """One unit of work, its start tag (fair queuing), and the future, on `loop`, that receives its outcome."""
+    """One unit of work, its start tag (fair queuing), and where its outcome goes: `done` (called on
+    the compute thread) or else the future, on `loop`."""
 
     work: Callable[[], T]
     owner: Hashable
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[T]
+    future: asyncio.Future[T] | None
     start: float = 0.0
     cost: float = 1.0
     batch_key: Hashable | None = None  # jobs with equal keys may run in one batch_work call
     item: Any = None  # what batch_work receives for this job
+    done: Done | None = None
 
     def settle(self, value: Any, error: BaseException | None) -> None:
-        """Hand the outcome to the loop (called on the compute thread)."""
+        """Hand the outcome on (called on the compute thread)."""
+        if self.done is not None:
+            _call(self.done, value, error)
+            return
         try:
             self.loop.call_soon_threadsafe(_resolve, self.future, value, error)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
-    def cancel(self) -> None:
-        """Cancel the future on its loop (called on the compute thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.future.cancel)
-        except RuntimeError:  # the loop is closed
-            pass
+    def cancel(self, on_loop: bool = False) -> None:
+        """The job will never run: tell `done`, or cancel the future (from the compute thread unless `on_loop`)."""
+        if self.done is not None:
+            _call(self.done, None, CANCELLED)
+        elif on_loop:
+            self.future.cancel()
+        else:
+            try:
+                self.loop.call_soon_threadsafe(self.future.cancel)
+            except RuntimeError:  # the loop is closed
+                pass
+
+
+def _call(done: Done, value: Any, error: BaseException | None) -> None:
+    try:
+        done(value, error)
+    except Exception:  # the callback's own failure must not end the compute thread
+        log.exception("a compute job's outcome could not be delivered")
 
 
 def _run_alone(job: Job) -> None:
@@ -147,8 +170,9 @@ class ComputeRunner:
         self._thread.start()
 
     def submit(self, owner: Hashable, work: Callable[[], T], cost: float = 1.0, batch_key: Hashable | None = None,
-               item: Any = None) -> asyncio.Future[T]:
-        """Queue `work` behind `owner`'s earlier jobs; its future resolves on the calling loop.
+               item: Any = None, done: Done | None = None) -> asyncio.Future[T] | None:
+        """Queue `work` behind `owner`'s earlier jobs; its future resolves on the calling loop, or
+        (given `done`) `done(value, error)` is called on the compute thread and None is returned.
 
         cost: the job's share of the compute thread (a DISPATCH's tokens); fair queuing weighs by it.
         batch_key, item: the job may run in one batch_work call, given `item`, with other owners'
@@ -169,7 +193,7 @@ class ComputeRunner:
                 raise WorkerBusy(len(queue), self.owner_limit, "requests of this connection queued")
             start = max(self._virtual_time, self._finish.get(owner, 0.0))
             self._finish[owner] = start + max(cost, 1.0)
-            job = Job(work, owner, loop, loop.create_future(), start, cost, batch_key, item)
+            job = Job(work, owner, loop, None if done else loop.create_future(), start, cost, batch_key, item, done)
             self._queues.setdefault(owner, collections.deque()).append(job)
             self._queued += 1
             self._ready.notify()
@@ -182,7 +206,7 @@ class ComputeRunner:
             self._finish.pop(owner, None)
             self._queued -= len(jobs)
         for job in jobs:
-            job.future.cancel()
+            job.cancel(on_loop=True)
         return len(jobs)
 
     def stop(self) -> asyncio.Future[None]:
@@ -201,7 +225,7 @@ class ComputeRunner:
             self._queued = 0
             self._ready.notify_all()
         for job in jobs:
-            job.future.cancel()
+            job.cancel(on_loop=True)
         loop = asyncio.get_running_loop()
         if self._thread is None or not self._thread.is_alive():
             ended = loop.create_future()

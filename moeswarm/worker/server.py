@@ -1,10 +1,12 @@
 """The worker's asyncio TCP server: one persistent connection per backbone.
 
-The event loop reads frames (worker/framing.py), answers PING and HELLO at once and writes every
-reply; the experts run on the compute runner's thread (runner.py), which also decodes each
-DISPATCH's tensors and encodes its RESULT. So a PING is answered while experts compute, also on
-the connection whose DISPATCH is running: a PONG may overtake a RESULT (replies carry their
-request id). RESULTs of one connection leave in the order of its DISPATCHes.
+The event loop reads frames (worker/framing.py) and answers PING and HELLO at once; the experts
+run on the compute runner's thread (runner.py), which also decodes each DISPATCH's tensors,
+encodes its RESULT and, on a plain TCP connection with nothing ahead of it, sends it itself
+(session.py): a one-token layer call wakes the loop once, for its request, not again for its
+reply. So a PING is answered while experts compute, also on the connection whose DISPATCH is
+running: a PONG may overtake a RESULT (replies carry their request id). RESULTs of one
+connection leave in the order of its DISPATCHes.
 
 Everything the network sends is bounded before use (worker/limits.py, docs/protocol.md
 "Limits"): connections, frame sizes (smaller before HELLO), tokens and top-k per DISPATCH,
@@ -47,7 +49,7 @@ from moeswarm.worker.limits import (ByteBudget, WorkerLimits, check_dispatch_siz
                                     declared_shape, reply_estimate)
 from moeswarm.worker.memory import release_freed_memory
 from moeswarm.worker.merge import merge, merge_key, partners, split
-from moeswarm.worker.runner import DECLINED, ComputeRunner, WorkerBusy
+from moeswarm.worker.runner import CANCELLED, DECLINED, ComputeRunner, WorkerBusy
 from moeswarm.worker.session import Session
 
 if TYPE_CHECKING:
@@ -224,11 +226,14 @@ class WorkerServer:
                 check_dispatch_size(frame.meta, self.limits)
                 shape = declared_shape(frame.meta, "x")
                 cost = shape[0] if shape else 1  # tokens: the compute thread is shared by them
-                future = self.runner.submit(session, functools.partial(self.compute, frame), cost,
-                                            merge_key(frame.meta), frame)
                 owed = reply_estimate(frame.meta, self.store.hidden_size)
                 session.owe(owed)
-                session.track(asyncio.create_task(self._reply_when_done(session, future, incoming.reserved, owed)))
+                try:
+                    self.runner.submit(session, functools.partial(self.compute, frame), cost, merge_key(frame.meta),
+                                       frame, done=functools.partial(self._done, session, incoming.reserved, owed))
+                except BaseException:
+                    session.owe(-owed)
+                    raise
                 handed_over = True
                 return None
             raise ProtocolError(f"unexpected opcode {frame.opcode.name} from a client")
@@ -326,15 +331,28 @@ class WorkerServer:
             log.exception("request %d failed", rid)
             return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(rid)
 
-    async def _reply_when_done(self, session: Session, future: asyncio.Future[Frame], reserved: int,
-                               owed: int) -> None:
+    def _done(self, session: Session, reserved: int, owed: int, reply: Frame | None, error: BaseException | None) -> None:
+        """A DISPATCH's outcome (on the compute thread; on the loop for one dropped unrun): its RESULT
+        leaves from here when nothing is ahead of it, else the loop sends it in turn."""
+        self.budget.give(reserved)  # the request's body is no longer held
+        if error is not None:
+            session.owe(-owed)
+            if error is not CANCELLED:  # the runner's own failure (compute answers every request itself)
+                log.error("request %d failed: %s", 0, printable(repr(error)))
+            return
+        if not session.write_now(reply, owed):
+            try:
+                session.loop.call_soon_threadsafe(self._reply_in_turn, session, reply)
+            except RuntimeError:  # the loop is closed: the worker is stopping
+                pass
+
+    def _reply_in_turn(self, session: Session, reply: Frame) -> None:
+        if not session.closed:
+            session.track(asyncio.create_task(self._send_reply(session, reply)))
+
+    async def _send_reply(self, session: Session, reply: Frame) -> None:
         try:
-            reply = await future  # cancelled with the connection when it closes first
-        finally:
-            self.budget.give(reserved)  # the request's body is no longer held
-            session.owe(-owed)  # the RESULT is made: send() counts its real size
-        try:
-            await session.send(reply, self.limits.idle_timeout_s)
+            await session.send(reply, self.limits.idle_timeout_s, queued=True)
         except asyncio.TimeoutError:
             log.warning("closing connection from %s: replies not read for %g s", session.peer,
                         self.limits.idle_timeout_s)

@@ -1,17 +1,25 @@
 """One connection's state on the worker: greeting, replies in flight, and their backpressure.
 
-Replies are written by several tasks (the reader, one per RESULT): one frame at a time and in
-FIFO order, which keeps one connection's RESULTs in the order they were computed. Bytes of
-replies not yet taken by the client count as unsent: RESULTs still computing (bounded from their
-requests' shapes), replies waiting for the write lock, and the transport's buffer. The reader
-stops reading that connection's requests while they exceed `max_unsent_bytes`, so a client that
-pipelines requests and never reads cannot make the worker hold its replies without bound: at
-most the bound plus one request's RESULT (and what the kernel's socket buffers hold).
+Replies are written one frame at a time and in FIFO order, which keeps one connection's RESULTs
+in the order they were computed. A RESULT leaves from the compute thread itself when nothing is
+ahead of it (`write_now`: a plain TCP connection, an empty transport buffer, no earlier reply on
+its way): one non-blocking `sendmsg` on the socket, no wake-up of the event loop. Otherwise, and
+for every other reply, the loop writes it (`send`, `post`). A lock orders the two writers; bytes
+a direct send could not hand to the kernel (`tail`) go out before anything else the loop writes.
+
+Bytes of replies not yet taken by the client count as unsent: RESULTs still computing (bounded
+from their requests' shapes), replies waiting to be written, and the transport's buffer. The
+reader stops reading that connection's requests while they exceed `max_unsent_bytes`, so a
+client that pipelines requests and never reads cannot make the worker hold its replies without
+bound: at most the bound plus one request's RESULT (and what the kernel's socket buffers hold).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import threading
 import time
 
 from moeswarm.errors import printable
@@ -31,62 +39,114 @@ async def within(seconds: float, awaitable):
 
 
 class Session:
-    """A connection: whether HELLO succeeded, its writer, its RESULT tasks and unsent reply bytes."""
+    """A connection: whether HELLO succeeded, its writer, its RESULT tasks and unsent reply bytes.
+
+    Created and ended on the event loop; `owe` and `write_now` may also be called from the
+    compute thread.
+    """
 
     def __init__(self, writer: asyncio.StreamWriter, max_unsent_bytes: int):
         self.writer = writer
+        self.loop = asyncio.get_running_loop()
         self.peer = printable(str(writer.get_extra_info("peername")), 200)
         self.opened = time.monotonic()
         self.greeted = False
         self.held_bytes_peak = 0  # the largest request body read: big ones leave freed memory to hand back
         self.max_unsent_bytes = max_unsent_bytes
         self.replies: set[asyncio.Task] = set()
+        self.closed = False
+        self._lock = threading.Lock()  # the socket's writes and the counts both threads change
+        self._direct = _direct_socket(writer)  # the compute thread's own handle on the socket (None: TLS)
+        self._tail: list[memoryview] = []  # a direct send's bytes the kernel did not take yet: they go first
         self._write_lock = asyncio.Lock()
-        self._pending = 0  # bytes of replies waiting for the write lock
+        self._queued = 0  # RESULTs handed to the loop and not yet written: later RESULTs wait behind them
+        self._pending = 0  # bytes of replies waiting to be written (a tail included)
         self._owed = 0  # bytes of RESULTs still being computed (an upper bound from the requests' shapes)
+        self._waiting_room = False  # the reader waits for unsent bytes to drop (wake it from the compute thread)
         self._room = asyncio.Event()
         self._room.set()
 
     @property
     def unsent(self) -> int:
         """Reply bytes owed to this client and not yet handed to the kernel: RESULTs computing (bounded
-        from their requests' shapes), replies waiting for the write lock, the transport's buffer."""
+        from their requests' shapes), replies waiting to be written, the transport's buffer."""
         transport = self.writer.transport
         return self._owed + self._pending + (0 if transport.is_closing() else transport.get_write_buffer_size())
 
     def owe(self, size: int) -> None:
         """Count `size` bytes of a RESULT in the making (negative: it is made, or will never be)."""
-        self._owed += size
-        if size < 0:
-            self._room.set()
+        with self._lock:
+            self._owed += size
+            wake = size < 0 and self._waiting_room
+        if wake:
+            self._wake_reader()
 
     def track(self, task: asyncio.Task) -> None:
         self.replies.add(task)
         task.add_done_callback(self.replies.discard)
 
-    async def send(self, frame: Frame, timeout_s: float) -> None:
+    # -- the compute thread's way out ----------------------------------------------------------------
+
+    def write_now(self, frame: Frame, owed: int) -> bool:
+        """Send a RESULT from the compute thread if nothing is ahead of it; True when it was dealt with
+        (written whole, or the rest of it left as the tail the loop writes first, or the connection
+        is gone). False: the loop must `send` it after the replies ahead of it (then it is counted as
+        waiting). `owed`: what the request counted for it while computing, released here."""
+        buffers = [memoryview(b).cast("B") for b in frame.encode()]
+        size = sum(b.nbytes for b in buffers)
+        with self._lock:
+            self._owed -= owed
+            transport = self.writer.transport
+            if self.closed or transport.is_closing():
+                return True  # nobody to answer: the connection is closing
+            if self._direct is None or self._queued or self._tail or transport.get_write_buffer_size():
+                self._queued += 1
+                self._pending += size
+                return False
+            try:
+                sent = self._direct.sendmsg(buffers)
+            except BlockingIOError:
+                sent = 0
+            except OSError:  # the peer went away: the reader finds out and closes the connection
+                return True
+            if sent < size:
+                self._tail = _after(buffers, sent)
+                self._pending += size - sent
+                self.loop.call_soon_threadsafe(self._write_tail)
+            wake = self._waiting_room
+        if wake:
+            self._wake_reader()
+        return True
+
+    # -- the event loop's writes ------------------------------------------------------------------
+
+    async def send(self, frame: Frame, timeout_s: float, queued: bool = False) -> None:
         """Write a frame after the ones before it and wait for the client to take it (drain).
 
+        queued: a RESULT `write_now` handed over (its bytes are counted as waiting already).
         TimeoutError after `timeout_s` (the client does not read): the caller closes the connection.
         """
         buffers = frame.encode()
         size = sum(memoryview(b).nbytes for b in buffers)
-        self._pending += size
+        if not queued:
+            with self._lock:
+                self._pending += size
         written = False
 
         async def write() -> None:
             nonlocal written
             async with self._write_lock:
-                self._pending -= size  # from here on the transport's buffer counts it
+                self._write(buffers, size, queued)  # from here on the transport's buffer counts it
                 written = True
-                self.writer.writelines(buffers)
                 await self.writer.drain()
 
         try:
             await within(timeout_s, write())
         finally:
             if not written:
-                self._pending -= size
+                with self._lock:
+                    self._pending -= size
+                    self._queued -= queued
             self._room.set()  # the reader re-checks the unsent bytes
 
     def post(self, frame: Frame) -> None:
@@ -96,24 +156,102 @@ class Session:
         taking the lock and writing, so frames never interleave.
         """
         if not self.writer.transport.is_closing():
-            self.writer.writelines(frame.encode())
+            self._write(frame.encode(), 0, False)
+
+    def _write(self, buffers: list, size: int, queued: bool) -> None:
+        """Hand a whole frame to the transport, after any tail of a direct send (the loop's thread)."""
+        with self._lock:
+            self._flush_tail_locked()
+            self._pending -= size
+            self._queued -= queued
+            if not self.writer.transport.is_closing():
+                self.writer.writelines(buffers)
+
+    def _write_tail(self) -> None:
+        """The loop's part of a direct send the kernel did not take whole: write the rest, and wake
+        the reader once the client took it (it may be waiting for room)."""
+        if self.closed:
+            return
+        with self._lock:
+            self._flush_tail_locked()
+
+        async def drained() -> None:
+            try:
+                await self.writer.drain()
+            except (ConnectionError, OSError):  # the reader finds the connection gone and ends it
+                pass
+            finally:
+                self._room.set()
+
+        self.track(self.loop.create_task(drained()))
+
+    def _flush_tail_locked(self) -> None:
+        if self._tail:
+            tail, self._tail = self._tail, []
+            self._pending -= sum(b.nbytes for b in tail)
+            if not self.writer.transport.is_closing():
+                self.writer.writelines(tail)
+
+    def _wake_reader(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._room.set)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
 
     async def wait_for_room(self, timeout_s: float) -> None:
         """Return once unsent replies are within bound; TimeoutError when the client takes none for `timeout_s`."""
         async def room() -> None:
-            while self.unsent > self.max_unsent_bytes and not self.writer.transport.is_closing():
-                self._room.clear()
+            while True:
+                with self._lock:  # the compute thread sees the flag, or this check sees its release
+                    self._room.clear()
+                    self._waiting_room = self.unsent > self.max_unsent_bytes and not self.writer.transport.is_closing()
+                    if not self._waiting_room:
+                        return
                 await self._room.wait()
 
         if self.unsent > self.max_unsent_bytes:
-            await within(timeout_s, room())
+            try:
+                await within(timeout_s, room())
+            finally:
+                self._waiting_room = False
 
     def end(self) -> None:
         """Cancel unsent RESULTs and close; a buffer the client does not take is dropped soon after."""
         for reply in list(self.replies):
             reply.cancel()
+        with self._lock:
+            self.closed = True
+            if self._direct is not None:
+                self._direct.close()  # after this no thread writes to the socket but the transport
+                self._direct = None
         transport = self.writer.transport
         self.writer.close()
         if transport.get_write_buffer_size() > 0:
             asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)
 
+
+def _direct_socket(writer: asyncio.StreamWriter) -> socket.socket | None:
+    """A duplicate of a plain TCP connection's socket, for the compute thread's sends; None over TLS.
+
+    A duplicate, not the transport's own descriptor: when the transport closes its descriptor, the
+    number can be reused by the next connection at once, and a late send would reach that one.
+    """
+    raw = writer.get_extra_info("socket")
+    if raw is None or writer.get_extra_info("sslcontext") is not None or raw.family not in (
+            socket.AF_INET, socket.AF_INET6, socket.AF_UNIX):
+        return None
+    try:
+        direct = socket.socket(fileno=os.dup(raw.fileno()))
+    except OSError:
+        return None
+    direct.setblocking(False)
+    return direct
+
+
+def _after(buffers: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of `buffers` once their first `sent` bytes went out."""
+    for i, buffer in enumerate(buffers):
+        if sent < buffer.nbytes:
+            return [buffer[sent:], *buffers[i + 1 :]]
+        sent -= buffer.nbytes
+    return []

@@ -1,0 +1,105 @@
+"""RESULTs sent from the compute thread (worker/session.py `write_now`) keep every guarantee of the loop's path.
+
+An in-process WorkerServer on real TCP (test_worker_limits' ScaleStore: every RESULT is checked
+against a computation here). A RESULT larger than the socket's buffers leaves partly from the
+compute thread and partly from the loop, with PINGs answered meanwhile: every frame still
+arrives whole, RESULTs in the order of their DISPATCHes. A connection that closes while its
+DISPATCH computes never sends that RESULT to the connection that comes after it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from moeswarm.wire.frames import Frame, Opcode
+from moeswarm.wire.messages import Result
+from moeswarm.wire.stream import send_frame
+from test_worker_limits import (ScaleStore, expect_result, expected_result, greeted, recv, request,
+                                serving, wait_until)
+
+
+def test_results_larger_than_the_socket_buffers_arrive_whole_and_in_order_between_pongs():
+    """Each RESULT is 4 MB (4096 tokens x 4 experts x 64 values), the client's receive buffer 32 KB:
+    no RESULT fits the kernel at once, so each one's rest is written by the loop, while PINGs on the
+    same connection are answered."""
+    sent = [request(tokens=4096, ids=[[0, 1, 2, 3]] * 4096, seed=i) for i in range(3)]
+    with serving(max_unsent_bytes=64 << 20) as (_, address):
+        sock = greeted(address, rcvbuf=32 << 10)
+        for i, dispatch in enumerate(sent):
+            send_frame(sock, dispatch.to_frame(10 + i))
+            send_frame(sock, Frame(Opcode.PING, 100 + i))
+        results, pongs = [], []
+        while len(results) < len(sent) or len(pongs) < len(sent):
+            frame = recv(sock)
+            (pongs if frame.opcode == Opcode.PONG else results).append(frame)
+        assert sorted(p.request_id for p in pongs) == [100, 101, 102]
+        assert [r.request_id for r in results] == [10, 11, 12]  # the order of the DISPATCHes
+        for frame, dispatch in zip(results, sent):
+            assert frame.opcode == Opcode.RESULT
+            assert torch.equal(Result.from_frame(frame).outputs, expected_result(dispatch).outputs)
+
+
+def test_pipelined_small_and_large_results_keep_their_order():
+    """Small RESULTs that could leave from the compute thread at once wait behind a large one the
+    loop is still writing: one connection's RESULTs leave in the order of its DISPATCHes."""
+    sizes = [1, 4096, 1, 1, 2048, 1, 1, 1]
+    sent = [request(tokens=t, ids=[[0, 1, 2, 3]] * t, seed=i) for i, t in enumerate(sizes)]
+    with serving(max_unsent_bytes=64 << 20, queue_per_connection=16) as (_, address):
+        sock = greeted(address, rcvbuf=32 << 10)
+        for i, dispatch in enumerate(sent):
+            send_frame(sock, dispatch.to_frame(20 + i))
+        for i, dispatch in enumerate(sent):
+            expect_result(sock, dispatch, 20 + i)
+        send_frame(sock, Frame(Opcode.PING, 99))  # the stream is still in step
+        pong = recv(sock)
+        assert (pong.opcode, pong.request_id) == (Opcode.PONG, 99)
+
+
+def test_a_result_whose_connection_closed_never_reaches_the_next_connection():
+    """The compute thread writes on its own duplicate of the socket: when the connection closes while
+    its DISPATCH computes, the next connection (which may get the same descriptor number) receives
+    only its own replies."""
+    store = ScaleStore(gated=True)
+    with serving(store) as (server, address):
+        first = greeted(address)
+        send_frame(first, request(tokens=8, seed=1).to_frame(7))
+        wait_until(lambda: store.calls == 1)  # computing, held by the gate
+        first.close()
+        wait_until(lambda: server.connections == 0)
+        second = greeted(address)  # accepted after the first's descriptor was closed
+        store.permits.release()  # the first's RESULT is made now: it has nowhere to go
+        wait_until(lambda: server.budget.held == 0)
+        later = request(tokens=1, seed=2)
+        send_frame(second, later.to_frame(8))
+        store.permits.release()
+        expect_result(second, later, 8)  # its first reply is its own RESULT, not request 7's
+        send_frame(second, Frame(Opcode.PING, 9))
+        pong = recv(second)
+        assert (pong.opcode, pong.request_id) == (Opcode.PONG, 9)
+
+
+def test_results_for_several_connections_at_once_each_reach_their_own():
+    """Four clients pipelining at once, each checking every RESULT it gets against its own requests."""
+    failures: list[BaseException] = []
+    with serving(max_unsent_bytes=64 << 20) as (_, address):
+        def client(number: int) -> None:
+            try:
+                sock = greeted(address, rcvbuf=64 << 10)
+                sent = [request(tokens=1 + 300 * (i % 3), ids=[[number % 4, 3 - number % 4]] * (1 + 300 * (i % 3)),
+                                seed=100 * number + i) for i in range(12)]
+                for i, dispatch in enumerate(sent):
+                    send_frame(sock, dispatch.to_frame(1000 * number + i))
+                for i, dispatch in enumerate(sent):
+                    expect_result(sock, dispatch, 1000 * number + i)
+                sock.close()
+            except BaseException as error:  # reported by the test thread
+                failures.append(error)
+
+        threads = [threading.Thread(target=client, args=(n,)) for n in range(1, 5)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert not failures, failures
