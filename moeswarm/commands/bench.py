@@ -63,6 +63,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument("--quick", action="store_true", help="a tiny layer (d 256, 8 experts), for smoke tests")
     real.add_argument("--json", action="store_true", help="print {meta, rows} as JSON")
     add_quiet(real)
+    from moeswarm.bench.real_shapes import DEFAULT_SHAPES, SHAPES as MODEL_SHAPES
+
+    whole = sub.add_parser("real", help="whole random models at real dimensions (OLMoE-1B-7B, Qwen3-30B-A3B) against "
+                                        "llama.cpp on the same Q4_K_M file: local, 2 workers on loopback and at "
+                                        "20/80 ms RTT (docs/bench-real.md)")
+    whole.add_argument("--shapes", type=_names(*MODEL_SHAPES), default=DEFAULT_SHAPES,
+                       help=f"model shapes, comma-separated: {', '.join(MODEL_SHAPES)} (default: {','.join(DEFAULT_SHAPES)})")
+    whole.add_argument("--threads", type=positive, default=2,
+                       help="threads of llama.cpp, of moeswarm local and of the backbone; each worker gets half "
+                            "(default 2)")
+    whole.add_argument("--repeats", type=positive, default=3, help="alternating timed runs of each configuration (default 3)")
+    whole.add_argument("--cache-dir", default=None, metavar="DIR",
+                       help="where the built model files are kept between runs (default ~/.cache/moeswarm/bench-real)")
+    whole.add_argument("--quick", action="store_true", help="a tiny OLMoE-like model instead of --shapes, for smoke tests")
+    whole.add_argument("--json", action="store_true", help="print {meta, rows} as JSON")
+    whole.add_argument("--report", action="store_true", help="write docs/bench-real.md, docs/bench/real.png and real.json")
+    add_quiet(whole)
     for bench in (loopback, memory, ping, wire, wan, serve):
         add_quiet(bench)
     fuzz = sub.add_parser("fuzz", help="fuzz a live worker: crashes, hangs, wrong replies, RSS (docs/protocol.md, Limits)")
@@ -176,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result)) if args.json else print_report(result)
     elif args.bench == "worker":
         _run_worker(args)
+    elif args.bench == "real":
+        _run_real(args)
     elif args.bench == "relay":
         from moeswarm.bench.relay import report_lines, run_relay_bench
 
@@ -241,6 +260,21 @@ def _run_worker(args: argparse.Namespace) -> None:
 
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else DEFAULT_CACHE
     result = run_bench_worker(args.models, args.types, cache, args.threads, args.quick)
+    print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
+
+
+def _run_real(args: argparse.Namespace) -> None:
+    from moeswarm.bench.real_build import DEFAULT_CACHE
+    from moeswarm.bench.real_measure import run_bench_real
+    from moeswarm.bench.real_report import table_lines, write_report
+
+    cache = Path(args.cache_dir).expanduser() if args.cache_dir else DEFAULT_CACHE
+    result = run_bench_real(args.shapes, cache, args.threads, args.repeats, args.quick)
+    flags = ["--quick" if args.quick else f"--shapes {','.join(args.shapes)}", f"--threads {args.threads}",
+             f"--repeats {args.repeats}"]
+    result["meta"]["command"] = " ".join(["moeswarm bench real", *flags])
+    if args.report:
+        write_report(result)
     print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
 
 
