@@ -36,10 +36,11 @@
  */
 #ifndef QK_PASS  /* the main part; the integer dots per instruction set are at the end */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "qk_pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -751,18 +752,11 @@ static int run_rows(int type, const void *w, int64_t rows, int64_t K, int64_t ro
     if (threads > tiles) threads = (int)tiles;
     if (threads > 256) threads = 256;
     Job jobs[256];
-    pthread_t ids[256];
-    int started[256] = {0};
     for (int i = 0; i < threads; i++) {
         int64_t a = tiles * i / threads * ROW_TILE, b = tiles * (i + 1) / threads * ROW_TILE;
         jobs[i] = (Job){type, w, row_bytes, K, a, b < rows ? b : rows, x, n, ldx, y, ldy, qx, -1};
     }
-    for (int i = 1; i < threads; i++) started[i] = pthread_create(&ids[i], NULL, run_job, &jobs[i]) == 0;
-    run_job(&jobs[0]);
-    for (int i = 1; i < threads; i++) {
-        if (started[i]) pthread_join(ids[i], NULL);
-        else run_job(&jobs[i]);  /* no thread to be had: run its rows here */
-    }
+    qk_pool_run(run_job, jobs, sizeof(Job), threads);  /* qk_pool.c: helpers kept between calls */
     for (int i = 0; i < threads; i++) if (jobs[i].status != 0) return -1;
     return 0;
 }

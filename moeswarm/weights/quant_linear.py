@@ -4,9 +4,12 @@ Legend: N = rows of activations, K = in features, O = out features, V = vocabula
 
 `--backbone-dtype file` (the default for GGUF files; MOESWARM_BACKBONE_DTYPE) puts these in the
 place of transformers' nn.Linear / nn.Embedding for every non-expert matrix whose GGUF type the C
-kernels decode (F16, BF16 and the quantized types; F32 tensors stay plain parameters). Activations
-stay float32: a product is qkernels.matmul on the file's blocks, an embedding lookup decodes its
-rows (the same values as gguf-py's dequantizer). `--backbone-dtype f32` keeps today's float32
+kernels decode (F16, BF16 and the quantized types; F32 tensors stay plain parameters). A product is
+qkernels.matmul on the file's blocks: for the quantized types with an integer path (Q4_0..Q8_0,
+Q4_K..Q6_K) each activation row is rounded to int8 blocks and multiplied with integer dot products,
+as llama.cpp computes these matrices and as the workers compute the experts (several times faster
+than decoding the weights to float, the output head most of all); F16/BF16 take the float path. An
+embedding lookup decodes its rows (the same values as gguf-py's dequantizer). `--backbone-dtype f32` keeps today's float32
 parameters. The swarm's backbone and `--check-local`'s reference are built by the same loader, so
 both compute the same way.
 """
@@ -39,11 +42,13 @@ class QuantLinear(torch.nn.Module):
         super().__init__()
         self.qtype, self.data, self.in_features = qtype, data, in_features
         self.out_features = data.shape[0]
+        self.int8_activations = qtype in qkernels.INT8_TYPES
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()  # [N, K]
-        y = qkernels.matmul(self.qtype, self.data, self.in_features, flat, torch.get_num_threads())  # [N, O]
+        y = qkernels.matmul(self.qtype, self.data, self.in_features, flat, torch.get_num_threads(),
+                            self.int8_activations)  # [N, O]
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,13 @@
+/* A pool of helper threads for the kernels' row splits (qk_pool.c). */
+#ifndef QK_POOL_H
+#define QK_POOL_H
+#include <stddef.h>
+
+typedef void *(*qk_job_fn)(void *);
+
+/* Run fn on n jobs, args[i] at (char *)args + i * arg_size: job 0 on this thread, the others on the
+ * pool's helpers (or on threads of this call's own when another call holds the pool). Returns when
+ * every job has run. */
+void qk_pool_run(qk_job_fn fn, void *args, size_t arg_size, int n);
+
+#endif
