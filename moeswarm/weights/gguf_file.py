@@ -1,12 +1,16 @@
 """One GGUF file: validated on open, its metadata, its tensor index and its fingerprint.
 
-`gguf.GGUFReader` memory-maps the file: opening it reads the header only, and a tensor's bytes
-are paged in when (and only when) something reads them.
+The file is memory-mapped: opening it walks the header (weights/gguf_header.py), and a tensor's
+bytes are paged in when (and only when) something reads them. A metadata value is decoded when
+asked for: a worker, which never asks for the tokenizer, holds none of its vocabulary-sized lists.
+gguf-py's own `GGUFReader` (`reader`, for what needs its field objects: slicing, the manifest)
+is built on first use only.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -16,6 +20,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderTensor
 
 from moeswarm.errors import ModelError
+from moeswarm.weights.gguf_header import GGUFHeader
 
 GGUF_MAGIC = b"GGUF"
 SLICE_PREFIX = "moeswarm."  # metadata keys a slice file adds; never part of the fingerprint
@@ -31,7 +36,7 @@ class GGUFFile:
     """A validated GGUF file. `tensors` maps each tensor name to its memory-mapped view."""
 
     path: Path
-    reader: GGUFReader = field(repr=False)
+    header: GGUFHeader = field(repr=False)
 
     @classmethod
     def open(cls, path: str | Path) -> "GGUFFile":
@@ -43,24 +48,33 @@ class GGUFFile:
         if magic != GGUF_MAGIC:
             raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
         try:
-            reader = GGUFReader(path)
-        except Exception as error:  # gguf raises bare ValueError/IndexError on a cut or corrupt header
+            header = GGUFHeader(np.memmap(path, mode="r"))
+        except Exception as error:  # a cut or corrupt header: HeaderError, or gguf's ValueError on an unknown type
             raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(error).__name__}: {error})") from None
         size = path.stat().st_size
-        for tensor in reader.tensors:
+        for tensor in header.tensors:
             if tensor.data_offset + tensor.n_bytes > size:
                 raise ModelError(
                     f"{path}: truncated: tensor {tensor.name} ends at byte {tensor.data_offset + tensor.n_bytes}, "
                     f"the file has {size} bytes"
                 )
-        return cls(path, reader)
+        return cls(path, header)
+
+    @cached_property
+    def reader(self) -> GGUFReader:
+        """gguf-py's reader of the file (its field objects; every value parsed): built on first use."""
+        return GGUFReader(self.path)
 
     # -- metadata ---------------------------------------------------------------------------
 
     @cached_property
-    def metadata(self) -> dict[str, object]:
-        """Every key/value field except the reader's own GGUF.* bookkeeping."""
-        return {key: _value(f) for key, f in self.reader.fields.items() if not key.startswith("GGUF.")}
+    def metadata(self) -> Mapping[str, object]:
+        """Every key/value field, each decoded when read (a read-only mapping, in file order)."""
+        return _Metadata(self.header)
+
+    def metadata_length(self, key: str) -> int | None:
+        """The item count of an array field without decoding it; None when absent or not an array."""
+        return self.header.length(key) if key in self.header.fields else None
 
     @property
     def arch(self) -> str:
@@ -83,7 +97,7 @@ class GGUFFile:
 
     @cached_property
     def tensors(self) -> dict[str, ReaderTensor]:
-        return {t.name: t for t in self.reader.tensors}
+        return {t.name: t for t in self.header.tensors}
 
     def tensor(self, name: str) -> ReaderTensor:
         try:
@@ -129,26 +143,39 @@ class GGUFFile:
         digest = hashlib.sha256()
         for key in sorted(self.metadata):
             if not key.startswith(SLICE_PREFIX):
-                digest.update(f"{key}={self.metadata[key]!r}\n".encode())
-        for t in self.reader.tensors:
+                # f"{key}={value!r}\n", a long list streamed: the vocabulary is never held whole
+                digest.update(f"{key}=".encode())
+                for piece in self.header.repr_pieces(key):
+                    digest.update(piece.encode())
+                digest.update(b"\n")
+        for t in self.header.tensors:
             digest.update(f"{t.name}:{int(t.tensor_type)}:{[int(n) for n in t.shape]}\n".encode())
-        data = self.reader.data[self.reader.data_offset :]
+        data = self.header.data[self.header.data_offset :]
         digest.update(str(len(data)).encode())
         digest.update(data[:_SAMPLE_BYTES].tobytes())
         digest.update(data[-_SAMPLE_BYTES:].tobytes())
         return "gguf-" + digest.hexdigest()[:32]
 
 
-def _value(field):
-    """A field's value as plain Python: str, int, float, bool or a list of those."""
-    value = field.contents()
-    if isinstance(value, np.generic):
-        value = value.item()
-    if field.types == [GGUFValueType.FLOAT32]:
-        # Stored as float32: 1e-5 reads back as 9.99999974e-06. The shortest decimal that rounds to
-        # the same float32 is what the config held (an epsilon 1 ulp off changes the logits' bits).
-        value = float(str(np.float32(value)))
-    return value
+class _Metadata(Mapping):
+    """A GGUF file's metadata, read-only: each value decoded from the map when read, never kept."""
+
+    def __init__(self, header: GGUFHeader):
+        self._header = header
+
+    def __getitem__(self, key: str) -> object:
+        if key not in self._header.fields:
+            raise KeyError(key)
+        return self._header.value(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._header.fields
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._header.fields)
+
+    def __len__(self) -> int:
+        return len(self._header.fields)
 
 
 def type_name(qtype: GGMLQuantizationType | int) -> str:

@@ -40,6 +40,9 @@ FILES_BESIDES_CONNECTIONS = 256  # the model's files, torch's, logs: what a work
 def raise_open_files_limit(max_connections: int) -> None:
     """Raise the soft open-files limit to what `max_connections` needs (up to the hard limit); warn when short.
 
+    A plain TCP connection holds two descriptors: the transport's and the one the compute thread
+    sends RESULTs on (worker/session.py).
+
     Without it a flood of connections exhausts file descriptors before --max-connections is
     reached, and accept fails for everyone, well-behaved backbones included.
     """
@@ -47,7 +50,7 @@ def raise_open_files_limit(max_connections: int) -> None:
         import resource
     except ImportError:  # not POSIX
         return
-    want = max_connections + FILES_BESIDES_CONNECTIONS
+    want = 2 * max_connections + FILES_BESIDES_CONNECTIONS  # each connection: its socket and the compute thread's duplicate
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < want:
         target = want if hard == resource.RLIM_INFINITY else min(want, hard)
