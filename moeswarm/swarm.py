@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from moeswarm.dispatch.accounting import LayerCall
 from moeswarm.dispatch.dispatcher import REPLY_TIMEOUT_S, Dispatcher
 from moeswarm.dispatch.health import DeadlinePolicy
+from moeswarm.dispatch.in_process import ByLayer, InProcess
 from moeswarm.dispatch.spot_check import SpotCheckPolicy
 from moeswarm.errors import MoeSwarmError
 from moeswarm.ids import WorkerId
@@ -34,11 +35,12 @@ from moeswarm.worker.store import ExpertStore
 
 class Swarm:
     def __init__(self, model: PreTrainedModel, source: ModelSource, dispatcher: Dispatcher, moe_layers: list[int],
-                 following: Following | None = None):
+                 following: Following | None = None, in_process: Mapping[int, InProcess] | None = None):
         self.model = model
         self.source = source
         self.moe_layers = moe_layers
         self._dispatcher = dispatcher
+        self._in_process = dict(in_process or {})  # {layer: backend} for the layers held whole in this process
         self._following = following  # --swarm: the DHT node and the thread following joins and leaves
 
     def __enter__(self) -> "Swarm":
@@ -123,7 +125,8 @@ class Swarm:
         The wrapper must offer the dispatcher's `dispatch(layer, hidden, index, weights)` and
         `combine(handle)`.
         """
-        wrapper = wrap(self._dispatcher)
+        inner = ByLayer(self._dispatcher, self._in_process) if self._in_process else self._dispatcher
+        wrapper = wrap(inner)  # the layers held whole here still run in process, behind the wrapper too
         attach(self.model, wrapper)
         return wrapper
 
@@ -155,6 +158,9 @@ def open_swarm(model_path, workers: Sequence[str], wire: WireConfig = EXACT, fan
                discovery: DiscoveryOptions | None = None) -> Swarm:
     """Load the backbone of `model_path`, connect to `workers` (HOST:PORT), and attach the hook.
 
+    With no workers, no discovery and no `local_experts`, every expert is held in this process (the
+    local mode: the whole model in one process, as fast as `load_local`, dispatch/in_process.py).
+
     local_experts: experts to hold in this process, through the same link interface as a worker:
     the same ids for every MoE layer, or {layer: experts} (hot sets from a routing profile); the
     chooser prefers them over a remote copy, and spot checks trust them.
@@ -168,8 +174,6 @@ def open_swarm(model_path, workers: Sequence[str], wire: WireConfig = EXACT, fan
     """
     if discovery is not None and workers:
         raise MoeSwarmError("give the workers either as a list (--workers) or through the swarm (--swarm), not both")
-    if discovery is None and not workers and not local_experts:
-        raise MoeSwarmError("no workers given: pass --workers HOST:PORT[,HOST:PORT...] or --swarm PEERS")
     following = open_dht(discovery) if discovery is not None else None  # before the backbone: a bad peer fails fast
     try:
         return _open(model_path, workers, wire, fanout, local_experts, reply_timeout_s, hedge, spot_check,
@@ -184,6 +188,8 @@ def _open(model_path, workers, wire, fanout, local_experts, reply_timeout_s, hed
           wrap_link, tls, discovery, following) -> Swarm:
     model, source = load_backbone(model_path)
     num_experts, hidden_size = num_experts_of(model), model.config.hidden_size
+    if discovery is None and not workers and not local_experts:
+        local_experts = range(num_experts)  # the local mode: every expert in this process
     links: list[WorkerLink] = []
     local = hold_local(source, local_experts, list(experts_modules(model)), num_experts, hidden_size)
     if local is not None:
@@ -201,8 +207,11 @@ def _open(model_path, workers, wire, fanout, local_experts, reply_timeout_s, hed
                                   tls, wire=wire, fanout=fanout, policy=policy, spot_checks=spot_checks)
     dispatcher.routing = RoutingStats(num_experts, source.fingerprint, model.config.model_type)
     dispatcher.accounting.paths = {link.address: kind for kind, link in chosen}
-    attach(model, dispatcher)
-    return Swarm(model, source, dispatcher, layers, following)
+    whole = local.whole_layers() if local is not None else {}  # layers held whole here: no dispatch at all
+    in_process = InProcess(whole, dispatcher.routing, dispatcher.accounting)
+    backends = {layer: in_process for layer in whole}
+    attach(model, dispatcher, backends)
+    return Swarm(model, source, dispatcher, layers, following, backends)
 
 
 def connect(links: Sequence[WorkerLink], fingerprint: str, num_experts: int, hidden_size: int, layers: Sequence[int],

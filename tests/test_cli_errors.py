@@ -80,8 +80,6 @@ def test_bad_flag_values_are_one_line():
         "(see moeswarm worker --help)")
     assert _error("worker", "--model", "x", "--port", "70000") == (
         "moeswarm worker: error: argument --port: a port is 0 to 65535, got 70000 (see moeswarm worker --help)")
-    assert _error("generate", "--model", "x", "--prompt", "a") == (
-        "moeswarm generate: error: give --workers HOST:PORT[,...] or --swarm PEERS (the multiaddr of a worker on the swarm)")
     assert _error("nosuch") == (
         "moeswarm: error: argument COMMAND: invalid choice: 'nosuch' (choose from 'demo', 'worker', 'generate', "
         "'serve', 'gate', 'bench', 'make-model', 'slice', 'wan', 'info', 'keygen', 'ping', 'relay', 'profile', 'plan', "

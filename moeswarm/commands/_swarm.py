@@ -50,13 +50,12 @@ def add_backbone_swarm(parser: argparse.ArgumentParser) -> None:
 
 
 def check_workers_or_swarm(args: argparse.Namespace) -> None:
-    """Exactly one of --workers and --swarm (MoeSwarmError otherwise: one line, exit status 2)."""
+    """At most one of --workers and --swarm; neither: the local mode, every expert in this process
+    (MoeSwarmError otherwise: one line, exit status 2)."""
     from moeswarm.errors import MoeSwarmError
 
     if args.workers and args.swarm is not None:
         raise MoeSwarmError("give --workers or --swarm, not both: a fixed list of workers, or the swarm to find them on")
-    if not args.workers and args.swarm is None:
-        raise MoeSwarmError("give --workers HOST:PORT[,...] or --swarm PEERS (the multiaddr of a worker on the swarm)")
     if args.swarm == []:
         raise MoeSwarmError("--swarm new starts a swarm, which only a worker does: give the multiaddr a worker "
                             "or `moeswarm dht` printed")

@@ -1,4 +1,4 @@
-"""`moeswarm generate`: a backbone here, experts on remote workers."""
+"""`moeswarm generate`: a backbone here, experts on remote workers (or, with none, here too: the local mode)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
     parser.add_argument("--workers", default=None, type=_workers,
                         help="comma-separated workers: HOST:PORT, relay://RELAY:PORT/NAME (a worker behind NAT), "
-                             "or HOST:PORT+relay://RELAY:PORT/NAME (direct if it answers, else the relay)")
+                             "or HOST:PORT+relay://RELAY:PORT/NAME (direct if it answers, else the relay); "
+                             "none (and no --swarm): the local mode, every expert in this process")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", type=prompt_text, help="prompt text (-: read it from standard input)")
     prompt.add_argument("--prompt-file", type=prompt_file, metavar="FILE", dest="prompt",

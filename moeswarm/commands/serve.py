@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add = parser.add_argument
     add("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
-    add("--workers", default=None, type=_workers, help="comma-separated HOST:PORT list (or find them with --swarm)")
+    add("--workers", default=None, type=_workers, help="comma-separated HOST:PORT list (or find them with --swarm; neither: the local mode, every expert in this process)")
     add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add("--port", type=_port, default=8080, help="TCP port to listen on")
     add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")

@@ -9,6 +9,7 @@ the experts held in this process run once the remote shares are on their way (tr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +40,14 @@ def swarm_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
 ALL_EXPERTS_FUNCTIONS.register(BACKEND_NAME, swarm_experts_forward)
 
 
-def attach(model: torch.nn.Module, dispatcher) -> list[int]:
-    """Route every MoE layer of `model` through `dispatcher`; return the MoE layer ids."""
+def attach(model: torch.nn.Module, dispatcher, backends: Mapping[int, object] | None = None) -> list[int]:
+    """Route every MoE layer of `model` through `dispatcher`, or through `backends[layer]` where given
+    (the layers held whole in this process: dispatch/in_process.py); return the MoE layer ids."""
     layers = experts_modules(model)
     shared = attach_overlap(model, layers)
+    backends = backends or {}
     for layer, (_, module) in layers.items():
-        module._moeswarm = SwarmBinding(dispatcher, layer, shared.get(layer))
+        module._moeswarm = SwarmBinding(backends.get(layer, dispatcher), layer, shared.get(layer))
     set_experts_implementation(model, BACKEND_NAME)
     return list(layers)
 

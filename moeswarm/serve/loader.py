@@ -55,7 +55,9 @@ def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -
         engine = Engine(swarm, state.codec, backend.engine, state.metrics, reference)
         engine.start()
         state.engine = engine
-        print(f"moeswarm serve: ready ({swarm.model.config.model_type}, {len(swarm.workers)} workers, "
+        holders = f"{len(swarm.workers)} workers" if backend.workers or backend.swarm_options.get("discovery") \
+            else "local mode: every expert in this process"
+        print(f"moeswarm serve: ready ({swarm.model.config.model_type}, {holders}, "
               f"{len(swarm.moe_layers)} MoE layers, context {backend.engine.context})", file=sys.stderr, flush=True)
     except MoeSwarmError as error:
         on_fatal(one_line(error))

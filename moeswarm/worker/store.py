@@ -43,6 +43,7 @@ class ExpertStore:
         self._held = {int(layer): tuple(int(e) for e in h.experts) for layer, h in sorted(hosted.items())}
         self._runs = {int(layer): _split(h) for layer, h in hosted.items()}
         self._holds = {layer: np.isin(np.arange(num_experts), held) for layer, held in self._held.items()}  # [E] bool
+        self._dtypes = {layer: compute_dtype(layer_runs[0].module) for layer, layer_runs in self._runs.items()}
         self._num_experts = num_experts
         self._hidden_size = hidden_size
 
@@ -59,6 +60,12 @@ class ExpertStore:
     @property
     def hidden_size(self) -> int:
         return self._hidden_size
+
+    def whole_layers(self) -> dict[int, torch.nn.Module]:
+        """{layer: its experts module} for the layers where this store holds every expert (one module:
+        what a whole local model calls there, dispatch/in_process.py)."""
+        return {layer: layer_runs[0].module for layer, layer_runs in self._runs.items()
+                if len(self._held[layer]) == self._num_experts and len(layer_runs) == 1}
 
     def describe(self) -> str:
         """e.g. "layers 0-3, experts 0-3,9,17-20"; per layer when the layers hold different experts."""
@@ -77,10 +84,12 @@ class ExpertStore:
         flat = index.T.reshape(-1)  # [k * T]: position slot * T + token
         order = np.argsort(flat, kind="stable")[np.count_nonzero(flat < 0):]  # [S]; unrouted slots (-1) sort first
         chosen = flat[order]  # [S], ascending
-        hit, starts, counts = np.unique(chosen, return_index=True, return_counts=True)  # per hit expert
-        hit, starts = hit.tolist(), starts.tolist() + [len(order)]  # where each hit expert's pairs begin
-        tokens, slots = torch.from_numpy(order % tokens_in), torch.from_numpy(order // tokens_in)  # [S] each
-        pair_weights = weights[tokens, slots].unsqueeze(1)  # [S, 1]
+        starts = [0, *(np.flatnonzero(chosen[1:] != chosen[:-1]) + 1).tolist(), len(order)]  # each hit expert's first pair
+        hit = chosen[starts[:-1]].tolist()  # the hit experts, ascending
+        counts = np.diff(starts)  # pairs per hit expert
+        token_ids, slot_ids = order % tokens_in, order // tokens_in  # [S] each
+        tokens = torch.from_numpy(token_ids)
+        pair_weights = _pairs(weights, token_ids, slot_ids).unsqueeze(1)  # [S, 1]
         outputs = []
         for run in layer_runs:
             first, last = bisect_left(hit, run.experts.start), bisect_left(hit, run.experts.stop)
@@ -105,7 +114,7 @@ class ExpertStore:
         tokens, width = request.hidden.shape
         if width != self._hidden_size:
             raise ProtocolError(f"hidden size {width} does not match the model's {self._hidden_size}")
-        dtype = compute_dtype(layer_runs[0].module)
+        dtype = self._dtypes[request.layer]
         if request.hidden.dtype != dtype:
             raise ProtocolError(f"dtype mismatch: hidden states are {request.hidden.dtype}, the experts compute in {dtype}")
         if not request.top_k_weights.is_floating_point():
@@ -127,6 +136,13 @@ class ExpertStore:
                 f"(it holds experts {format_ids(self._held[request.layer])})"
             )
         return layer_runs, index
+
+
+def _pairs(weights: torch.Tensor, token_ids: np.ndarray, slot_ids: np.ndarray) -> torch.Tensor:
+    """weights[token_ids, slot_ids]: [S] (numpy's gather where the dtype has one: a few us where torch's takes ~10)."""
+    if weights.dtype in (torch.float32, torch.float16, torch.float64):
+        return torch.from_numpy(weights.numpy()[token_ids, slot_ids])
+    return weights[torch.from_numpy(token_ids), torch.from_numpy(slot_ids)]
 
 
 def _split(hosted: HostedLayer) -> list[_Run]:
