@@ -152,3 +152,30 @@ def test_combine_partial_by_hand():
 
     assert combined.dtype == torch.float64
     assert torch.equal(combined, torch.tensor([[1.0, 2.0], [0.0, 0.0], [13.0, 24.0]], dtype=torch.float64))
+
+
+def _index_add_reference(hidden, top_k_index, per_expert):
+    final = torch.zeros_like(hidden)
+    for expert in sorted(per_expert):
+        _, token = torch.where(top_k_index.T == expert)
+        final.index_add_(0, token, per_expert[expert])
+    return final
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64, 65])
+def test_laid_out_combine_has_eager_index_add_bits(tokens):
+    """combine_exact's slot-by-slot sum equals eager's per-expert index_add_, bit for bit (int32 views:
+    signed zeros and all), with unrouted slots (-1), uneven experts per token, and past the layout's limit."""
+    generator = torch.Generator().manual_seed(tokens)
+    E, k, d = 16, 4, 32
+    index = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(tokens)])  # [T, k]
+    index[torch.rand(tokens, k, generator=generator) < 0.3] = -1
+    hidden = torch.randn(tokens, d, generator=generator)
+    per_expert = {}
+    for expert in torch.unique(index[index >= 0]).tolist():
+        n = int((index == expert).sum())
+        rows = torch.randn(n, d, generator=generator) * 10.0 ** torch.randint(-3, 4, (n, 1), generator=generator)
+        rows[rows.abs() < 0.05] = -0.0
+        per_expert[expert] = rows
+    got, want = combine_exact(hidden, index, per_expert), _index_add_reference(hidden, index, per_expert)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -5,6 +5,7 @@ Legend: T_w = tokens sent to the worker, d = hidden size, n_e = rows routed to e
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moeswarm.dispatch.plan import WorkerShare
@@ -21,9 +22,9 @@ def result_problem(share: WorkerShare, layer: int, mode: CombineMode, width: int
     if result.layer != layer or result.mode != mode:
         return f"RESULT for layer {result.layer} ({result.mode.value}), asked layer {layer} ({mode.value})"
     if mode == CombineMode.EXACT:
-        routed = share.top_k_index[share.top_k_index >= 0]  # [n]
-        experts = torch.unique(routed).tolist()  # ascending
-        counts = [int((routed == e).sum()) for e in experts]  # n_e per expert
+        index = share.top_k_index.numpy()
+        found, found_counts = np.unique(index[index >= 0], return_counts=True)  # ascending experts, n_e each
+        experts, counts = found.tolist(), found_counts.tolist()
         if result.experts != experts or result.counts != counts:
             return f"RESULT covers experts {result.experts} x {result.counts} rows, expected {experts} x {counts}"
         rows = sum(counts)
@@ -33,7 +34,7 @@ def result_problem(share: WorkerShare, layer: int, mode: CombineMode, width: int
         return f"RESULT has shape {list(result.outputs.shape)}, expected [{rows}, {width}]"
     if not result.outputs.dtype.is_floating_point:
         return f"RESULT outputs are {result.outputs.dtype}, expected floating point"
-    if (hidden is None or bool(torch.isfinite(hidden).all())) and not bool(torch.isfinite(result.outputs).all()):
+    if not bool(torch.isfinite(result.outputs).all()) and (hidden is None or bool(torch.isfinite(hidden).all())):
         bad = int((~torch.isfinite(result.outputs)).any(dim=1).sum())
         return f"RESULT has NaN or inf in {bad} of {rows} rows for finite inputs"
     return None

@@ -11,6 +11,7 @@ is banned for the session.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,28 +33,36 @@ class DeadlinePolicy:
 
 
 class RoundTrips:
-    """A holder's recent round trips (seconds) with the rows each request carried."""
+    """A holder's recent round trips (seconds) with the rows each request carried.
+
+    The window's values are also kept sorted, updated per call (an insort and a removal in C), so a
+    quantile is one index: every layer call asks for a deadline, and sorting the window each time
+    cost more than the rest of the call's bookkeeping.
+    """
 
     def __init__(self, window: int):
         self._calls: deque[tuple[float, int]] = deque(maxlen=window)
-        self._sorted: list[float] | None = None
-        self._rows: float = 1.0
+        self._sorted: list[float] = []
+        self._rows_sorted: list[int] = []
 
     def __len__(self) -> int:
         return len(self._calls)
 
     def record(self, seconds: float, rows: int) -> None:
-        self._calls.append((seconds, max(1, rows)))
-        self._sorted = None
+        rows = max(1, rows)
+        if len(self._calls) == self._calls.maxlen:
+            old_seconds, old_rows = self._calls[0]
+            del self._sorted[bisect.bisect_left(self._sorted, old_seconds)]
+            del self._rows_sorted[bisect.bisect_left(self._rows_sorted, old_rows)]
+        self._calls.append((seconds, rows))
+        bisect.insort(self._sorted, seconds)
+        bisect.insort(self._rows_sorted, rows)
 
     def quantile(self, q: float, rows: int) -> float:
         """The q-quantile round trip, scaled for a request of `rows` rows if it is larger than usual."""
-        if self._sorted is None:
-            self._sorted = sorted(s for s, _ in self._calls)
-            rows_sorted = sorted(r for _, r in self._calls)
-            self._rows = float(rows_sorted[len(rows_sorted) // 2])  # median rows of a request
+        typical = float(self._rows_sorted[len(self._rows_sorted) // 2])  # median rows of a request
         index = min(len(self._sorted) - 1, int(q * len(self._sorted)))
-        return self._sorted[index] * max(1.0, rows / self._rows)
+        return self._sorted[index] * max(1.0, rows / typical)
 
     def summary_ms(self) -> dict[str, float]:
         if not self._calls:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 NOT_PLANNED = -2  # slot_owner of a slot marked -1 in the routing: belongs to no share here
@@ -33,18 +34,27 @@ def plan_layer(owner: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     owner          [E] long, the worker holding each expert (-1: nobody)
     top_k_index    [T, k] long; -1 marks a slot that is not to be planned (another share's)
     top_k_weights  [T, k]
+
+    The bookkeeping runs in numpy: a decode step's layer is one row, where each torch op on it costs
+    more than its work (this was ~0.25 ms a layer call in torch, ~30 us in numpy).
     """
-    routed = top_k_index >= 0  # [T, k]
-    slot_owner = torch.where(routed, owner[top_k_index.clamp(min=0)], NOT_PLANNED)  # [T, k]
+    index = top_k_index.numpy()  # [T, k] int64
+    routed = index >= 0  # [T, k]
+    slot_owner = np.where(routed, owner.numpy()[np.maximum(index, 0)], NOT_PLANNED)  # [T, k]
     if (slot_owner == -1).any():
-        missing = sorted(set(top_k_index[slot_owner == -1].tolist()))
+        missing = sorted(set(index[slot_owner == -1].tolist()))
         raise LookupError(f"no worker holds experts {missing}")
+    workers = np.unique(slot_owner[routed])  # ascending
+    if len(workers) == 1 and routed.all():  # every slot to one holder: the whole routing, no copy
+        tokens = torch.arange(index.shape[0])
+        return [WorkerShare(int(workers[0]), tokens, top_k_index, top_k_weights)]
     shares = []
-    for worker in torch.unique(slot_owner[routed]).tolist():  # ascending
+    for worker in workers.tolist():
         mine = slot_owner == worker  # [T, k]
-        tokens = mine.any(dim=1).nonzero().squeeze(1)  # [T_w]
-        index = torch.where(mine, top_k_index, -1)[tokens]  # [T_w, k]
-        shares.append(WorkerShare(worker, tokens, index, top_k_weights[tokens]))
+        tokens = np.flatnonzero(mine.any(axis=1))  # [T_w]
+        share_index = np.where(mine, index, -1)[tokens]  # [T_w, k]
+        shares.append(WorkerShare(worker, torch.from_numpy(tokens), torch.from_numpy(share_index),
+                                  top_k_weights[torch.from_numpy(tokens)]))
     return shares
 
 
@@ -60,4 +70,5 @@ def replan_share(share: WorkerShare, owner: torch.Tensor) -> list[WorkerShare]:
 
 def share_experts(share: WorkerShare) -> list[int]:
     """The experts a share asks for, ascending."""
-    return torch.unique(share.top_k_index[share.top_k_index >= 0]).tolist()
+    index = share.top_k_index.numpy()
+    return np.unique(index[index >= 0]).tolist()

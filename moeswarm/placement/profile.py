@@ -26,6 +26,7 @@ Profile file (JSON, `to_json` / `from_json`):
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from moeswarm.ids import LayerId, format_ids
 PROFILE_FORMAT = "moeswarm-routing-profile"
 PROFILE_VERSION = 1
 MAX_PROFILE_BYTES = 256 << 20  # a profile of a 256-expert, 96-layer model is a few MB
+PENDING_CALLS = 4096  # layer calls kept before they are counted (a few hundred decode steps)
 
 
 class RoutingStats:
@@ -49,36 +51,87 @@ class RoutingStats:
         self.num_experts = num_experts
         self.model = model
         self.model_type = model_type
-        self.tokens: dict[LayerId, int] = {}
-        self.counts: dict[LayerId, torch.Tensor] = {}  # [E] int64
-        self.pairs: dict[LayerId, torch.Tensor] = {}  # [E, E] int64
-        self.mass: dict[LayerId, torch.Tensor] = {}  # [E] float64; empty when a profile without mass was read
+        self._tokens: dict[LayerId, int] = {}
+        self._counts: dict[LayerId, torch.Tensor] = {}  # [E] int64
+        self._pairs: dict[LayerId, torch.Tensor] = {}  # [E, E] int64
+        self._mass: dict[LayerId, torch.Tensor] = {}  # [E] float64; empty when a profile without mass was read
+        # Calls not counted yet: a decode step's call is one row, and counting it alone (a handful of
+        # torch ops, ~0.3 ms a layer) cost more than a layer's experts. They are counted together
+        # when a table is read, or when PENDING_CALLS have gathered.
+        self._pending: list[tuple[LayerId, torch.Tensor, torch.Tensor | None]] = []
+        self._lock = threading.Lock()  # update runs on the model's thread, readers on any
+
+    @property
+    def tokens(self) -> dict[LayerId, int]:
+        """{layer: rows routed}."""
+        self._fold()
+        return self._tokens
+
+    @property
+    def counts(self) -> dict[LayerId, torch.Tensor]:
+        """{layer: [E] int64 times each expert was chosen}."""
+        self._fold()
+        return self._counts
+
+    @property
+    def pairs(self) -> dict[LayerId, torch.Tensor]:
+        """{layer: [E, E] int64 rows that chose both i and j}."""
+        self._fold()
+        return self._pairs
+
+    @property
+    def mass(self) -> dict[LayerId, torch.Tensor]:
+        """{layer: [E] float64 sum of the routing weights each expert was chosen with}."""
+        self._fold()
+        return self._mass
 
     def update(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None = None) -> None:
         """Count one call's routing. top_k_index [T, k] long, top_k_weights [T, k] (None: counts only);
-        slots < 0 (none) are not counted."""
-        layer, e = LayerId(int(layer)), self.num_experts
-        index = top_k_index.detach().to("cpu", torch.long)  # [T, k]
+        slots < 0 (none) are not counted. The tensors are kept until counted: callers do not change them."""
+        with self._lock:
+            self._pending.append((LayerId(int(layer)), top_k_index.detach(),
+                                  None if top_k_weights is None else top_k_weights.detach()))
+            full = len(self._pending) >= PENDING_CALLS
+        if full:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Count the pending calls, one layer at a time (their rows concatenated)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            by_layer: dict[LayerId, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+            for layer, index, weights in pending:
+                by_layer.setdefault(layer, []).append((index, weights))
+            for layer, calls in by_layer.items():
+                index = torch.cat([i.to("cpu", torch.long) for i, _ in calls])  # [T, k]
+                weighted = [w for _, w in calls if w is not None]
+                weights = torch.cat([w.to("cpu", torch.float64) for w in weighted]) if len(weighted) == len(calls) else None
+                self._count(layer, index, weights)
+
+    def _count(self, layer: LayerId, index: torch.Tensor, top_k_weights: torch.Tensor | None) -> None:
+        """index [T, k] int64, top_k_weights [T, k] float64 or None."""
+        e = self.num_experts
         valid = index >= 0  # [T, k]
-        if layer not in self.counts:
-            self.tokens[layer] = 0
-            self.counts[layer] = torch.zeros(e, dtype=torch.long)
-            self.pairs[layer] = torch.zeros(e, e, dtype=torch.long)
-            self.mass[layer] = torch.zeros(e, dtype=torch.float64)
-        if top_k_weights is not None and layer in self.mass:
-            weights = top_k_weights.detach().to("cpu", torch.float64)  # [T, k]
-            self.mass[layer].index_add_(0, index[valid], weights[valid])
-        self.tokens[layer] += int(valid.any(dim=1).sum())
-        self.counts[layer] += torch.bincount(index[valid], minlength=e)
+        if layer not in self._counts:
+            self._tokens[layer] = 0
+            self._counts[layer] = torch.zeros(e, dtype=torch.long)
+            self._pairs[layer] = torch.zeros(e, e, dtype=torch.long)
+            self._mass[layer] = torch.zeros(e, dtype=torch.float64)
+        if top_k_weights is not None and layer in self._mass:
+            self._mass[layer].index_add_(0, index[valid], top_k_weights[valid])
+        self._tokens[layer] += int(valid.any(dim=1).sum())
+        self._counts[layer] += torch.bincount(index[valid], minlength=e)
         both = valid[:, :, None] & valid[:, None, :]  # [T, k, k]
         flat = (index[:, :, None] * e + index[:, None, :])[both]  # [P] i * E + j, for every ordered pair of a row
-        self.pairs[layer] += torch.bincount(flat, minlength=e * e).view(e, e)
+        self._pairs[layer] += torch.bincount(flat, minlength=e * e).view(e, e)
 
     def reset(self) -> None:
-        self.tokens.clear()
-        self.counts.clear()
-        self.pairs.clear()
-        self.mass.clear()
+        with self._lock:
+            self._pending.clear()
+            self._tokens.clear()
+            self._counts.clear()
+            self._pairs.clear()
+            self._mass.clear()
 
     @property
     def layers(self) -> list[LayerId]:
