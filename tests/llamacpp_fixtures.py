@@ -15,8 +15,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from moeswarm.bench.llamacpp_convert import (LLAMA_CPP_PYTHON, QUANT_TYPES, bpe_tokenizer, convert_hf,  # noqa: F401
-                                              llama_cpp_source, quantize)
+from moeswarm.bench.llamacpp_convert import LLAMA_CPP_PYTHON, QUANT_TYPES, bpe_tokenizer, convert_hf, quantize
 
 
 def require_llama_cpp(test_file: str):

@@ -25,24 +25,6 @@ from moeswarm.bench.real_proc import cpu_split, serve, thread_cpu
 MODES = ("local", "direct", "wan")
 
 
-def open_local(path: str):
-    """The whole model in one process; (swarm, how it was opened). The plain form is the local
-    mode of `moeswarm generate --model M` (issue 23); where it is not in yet, every expert is
-    given as a local expert, which runs the same code path."""
-    from moeswarm.errors import MoeSwarmError
-    from moeswarm.model.experts import num_experts_in_config
-    from moeswarm.model.source import open_source
-    from moeswarm.swarm import open_swarm
-
-    try:
-        return open_swarm(path, []), "open_swarm(path, [])"
-    except MoeSwarmError as error:
-        if "no workers given" not in str(error):
-            raise
-    experts = num_experts_in_config(open_source(path).config)
-    return open_swarm(path, [], local_experts=list(range(experts))), "open_swarm(path, [], local_experts=every expert)"
-
-
 def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
     import torch
 
@@ -54,8 +36,8 @@ def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
     closing = contextlib.ExitStack()
     atexit.register(closing.close)  # the swarm's links, then the proxies
     links = None
-    if mode == "local":
-        swarm, opened = open_local(path)
+    if mode == "local":  # the local mode of `moeswarm generate --model M` (no --workers): every expert here
+        swarm, opened = open_swarm(path, []), "open_swarm(path, [])"
     elif mode == "direct":
         swarm, opened = open_swarm(path, [address for address, _ in workers]), "open_swarm(path, workers)"
     else:
@@ -80,7 +62,7 @@ def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
                 profile.close()
 
     info = {"opened": opened, "threads": threads, "moe_layers": len(swarm.moe_layers), "holders": swarm.workers,
-            "wire": str(swarm.wire)}
+            "wire": swarm.wire.describe()}
     return info, run
 
 

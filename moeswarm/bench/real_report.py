@@ -14,10 +14,10 @@ MB = 1e6
 def speed_table(rows: list[dict]) -> tuple[list[str], list[list]]:
     """(headers, lines): speeds, ratios against llama.cpp, the layer call and its parts."""
     headers = ["shape", "configuration", "decode tok/s", "x llama.cpp", "prompt tok/s", "x llama.cpp", "step ms",
-               "layer call ms", "worker kernel ms", "machinery ms", "tokens = local"]
+               "layer call ms", "worker RTT ms", "worker kernel ms", "machinery ms", "tokens = local"]
     lines = [[r["shape"], r["label"], r["decode_tokens_per_s"], r["decode_over_llama_cpp"], r["prompt_tokens_per_s"],
-              r["prompt_over_llama_cpp"], r["step_ms"], r.get("layer_call_ms"), r.get("worker_compute_ms"),
-              r.get("machinery_ms"), r["tokens_match_local"]] for r in rows]
+              r["prompt_over_llama_cpp"], r["step_ms"], r.get("layer_call_ms"), r.get("worker_rtt_ms"),
+              r.get("worker_compute_ms"), r.get("machinery_ms"), r["tokens_match_local"]] for r in rows]
     return headers, lines
 
 
@@ -109,9 +109,11 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
         "configuration runs once, the order reversed every other round; each figure is the median over the "
         "rounds. Ratios are a row's median over llama.cpp's median, same shape.",
         "- **Per layer call** (decode steps): `layer call ms` is the dispatcher's own accounting of a MoE layer "
-        "call (plan, send, wait, combine); `worker kernel ms` the worker's CPU time off its event-loop thread "
-        "(its compute thread: kernels and the Python around them) per round trip, the busier worker's; "
-        "`machinery ms` the difference: what a call costs beyond the workers' kernels.",
+        "call (plan, send, wait, combine); `worker RTT ms` a worker's round trip as the dispatcher timed it, the "
+        "slower worker's; `worker kernel ms` the worker's CPU time off its event-loop thread (its compute thread: "
+        "kernels and the Python around them) per round trip, the busier worker's (/proc, per thread); "
+        "`machinery ms` = layer call - worker kernel: what a call costs beyond the workers' kernels (the JSON also "
+        "has `backbone_side_ms` = layer call - worker RTT, and each worker's event-loop CPU per trip).",
         "- **By part**: one more run of local and loopback with forward hooks on the model's modules "
         "(`moeswarm/bench/real_profile.py`): attention, the MoE layer calls, the router (the MoE block less its "
         "experts call), the output head, and the rest; CPU cores in use = CPU time / wall time during decode.",

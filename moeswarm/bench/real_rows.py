@@ -4,10 +4,13 @@ Every speed is the median over the timed repeats of that repeat's own figure (32
 64 / prompt time); ratios are this row's median over the llama.cpp row's median, same shape.
 Per layer call (decode steps only), from the dispatcher's accounting and /proc:
   layer_call_ms            the MoE layer call as the backbone sees it (plan, send, wait, combine)
+  worker_rtt_ms            a worker's round trip as the dispatcher timed it (mean), the slower worker's
   worker_compute_ms        per worker round trip, the worker's CPU time off its main thread (the
                            compute thread: kernels and the Python around them), of the busier worker
   worker_loop_ms           per round trip, the worker's main thread (its event loop: frames, socket)
   machinery_ms             layer_call_ms - worker_compute_ms: what a call costs beyond the kernels
+  backbone_side_ms         layer_call_ms - worker_rtt_ms: the backbone's part of it (plan, encode,
+                           decode, combine), roughly: the slower worker is not always the same one
 """
 
 from __future__ import annotations
@@ -83,4 +86,7 @@ def _layer_calls(runs: list[dict]) -> dict:
     fields["worker_loop_ms"] = max(w["loop_ms_per_trip"] for w in workers if w["loop_ms_per_trip"] is not None) \
         if computed else None
     fields["machinery_ms"] = fields["layer_call_ms"] - fields["worker_compute_ms"] if computed else None
+    rtts = [w["rtt_ms"] for w in workers if w["rtt_ms"] is not None]
+    fields["worker_rtt_ms"] = max(rtts) if rtts else None
+    fields["backbone_side_ms"] = fields["layer_call_ms"] - fields["worker_rtt_ms"] if rtts else None
     return fields
