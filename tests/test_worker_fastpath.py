@@ -103,3 +103,25 @@ def test_results_for_several_connections_at_once_each_reach_their_own():
         for thread in threads:
             thread.join(60)
     assert not failures, failures
+
+
+def test_unpack_decodes_every_raw_codec_exactly_as_the_codec_does():
+    """wire/tensors.py decodes raw codecs itself (the worker's decode path): the same tensors, bit for
+    bit, as each codec's own decode, for every wire dtype into every dtype."""
+    from moeswarm.wire import tensors as wire_tensors
+    from moeswarm.wire.codecs import CODECS, DTYPES
+
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(3, 5, generator=generator) * 300
+    values[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    for codec_name, codec in CODECS.items():
+        if codec_name not in DTYPES:
+            continue  # blockwise codecs decode themselves
+        for dtype_name, dtype in DTYPES.items():
+            source = values.to(dtype) if dtype.is_floating_point else values.nan_to_num(0, 0, 0).clamp(0, 200).to(dtype)
+            encoded = bytes(codec.encode(source))
+            got = wire_tensors.unpack([["t", codec_name, dtype_name, [3, 5]]], encoded)["t"]
+            want = codec.decode(memoryview(encoded), (3, 5), dtype)
+            assert got.dtype == want.dtype and got.shape == want.shape, (codec_name, dtype_name)
+            assert torch.equal(got.view(torch.uint8) if got.is_floating_point() else got,
+                               want.view(torch.uint8) if want.is_floating_point() else want), (codec_name, dtype_name)

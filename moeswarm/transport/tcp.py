@@ -22,6 +22,8 @@ import socket
 import ssl
 import time
 
+import numpy as np
+
 from moeswarm.errors import MoeSwarmError, ProtocolError, WorkerError
 from moeswarm.ids import WorkerAddress, parse_address
 from moeswarm.transport.link import Pending, Reply
@@ -64,6 +66,7 @@ class TcpLink:
                 sock.close()
                 raise WorkerError(self.address, f"TLS handshake failed ({error}): does the worker hold the same "
                                                 "--swarm-key?") from None
+        sock.settimeout(CONNECT_TIMEOUT_S)  # what a send may block for, set once; replies are awaited with select
         self._sock, self._waiting, self._early, self._dropped, self._inbox = sock, {}, {}, set(), Inbox()
         pending = self._send(Hello(fingerprint).to_frame(self._new_id()), HELLO_PAYLOAD_LIMIT)
         frame, _ = self._receive(pending.request_id, time.monotonic() + (timeout_s or HELLO_TIMEOUT_S))
@@ -113,8 +116,7 @@ class TcpLink:
         one is refused from its header, before anything is allocated or read)."""
         sock = self._require()
         try:
-            sock.settimeout(CONNECT_TIMEOUT_S)
-            sent = send_frame(sock, frame)
+            sent = send_frame(sock, frame)  # the socket's timeout is set once, in connect
         except OSError as error:
             self.close()
             raise WorkerError(self.address, f"connection lost while sending ({error})") from None
@@ -199,11 +201,12 @@ class TcpLink:
         """The next whole frame before `deadline` (the deadline covers the whole frame: a peer that
         trickles one byte a second cannot hold the caller beyond it)."""
         with self._reading():
+            sock = self._require()
             while (got := self._inbox.next_frame(self._limit())) is None:
                 left = deadline - time.monotonic()
-                if left <= 0 or not (self.buffered() or select.select([self._require()], [], [], left)[0]):
+                if left <= 0 or not (self.buffered() or select.select([sock], [], [], left)[0]):
                     raise socket.timeout
-                self._inbox.receive(self._require())
+                self._inbox.receive(sock)
             return got
 
     def _pump_once(self) -> None:
@@ -236,39 +239,47 @@ class TcpLink:
 
 class Inbox:
     """Bytes read from a socket, cut into frames. Each header is checked against the payload limit
-    before its body is read, and no more is read than the frame in progress needs."""
+    before its body is read, and no more is read than the frame in progress needs: its header
+    into a 24-byte buffer, then its body straight into a buffer of the body's size (no joins)."""
 
     CHUNK = 1 << 20
 
     def __init__(self):
-        self._data = bytearray()
+        self._head = bytearray(HEADER_SIZE)
+        self._body: bytearray | None = None  # allocated once the header is checked
+        self._got = 0  # bytes of the part in progress (header, then body)
         self._header: Header | None = None
 
     def receive(self, sock: socket.socket) -> None:
         """One recv (the socket is readable) of at most what the current frame lacks."""
-        need = (HEADER_SIZE if self._header is None else HEADER_SIZE + self._header.body_len) - len(self._data)
-        chunk = sock.recv(max(1, min(need, self.CHUNK)))
-        if not chunk:
-            raise StreamClosed("frame", len(self._data), max(need, 0) + len(self._data))
-        self._data += chunk
+        if self._header is None:
+            view, need = memoryview(self._head)[self._got :], HEADER_SIZE - self._got
+        else:
+            need = self._header.body_len - self._got
+            view = memoryview(self._body)[self._got : self._got + min(need, self.CHUNK)]
+        got = sock.recv_into(view) if need else 0
+        if need and not got:
+            expected = HEADER_SIZE + (self._header.body_len if self._header is not None else 0)
+            done = self._got + (HEADER_SIZE if self._header is not None else 0)
+            raise StreamClosed("frame", done, expected)
+        self._got += got
 
     def next_frame(self, max_payload: int) -> tuple[Frame, int] | None:
         if self._header is None:
-            if len(self._data) < HEADER_SIZE:
+            if self._got < HEADER_SIZE:
                 return None
-            self._header = parse_header(bytes(self._data[:HEADER_SIZE]), max_payload)
-        total = HEADER_SIZE + self._header.body_len
-        if len(self._data) < total:
+            self._header = parse_header(bytes(self._head), max_payload)
+            self._body, self._got = bytearray(self._header.body_len), 0
+        if self._got < self._header.body_len:
             return None
-        header, body = self._header, bytes(self._data[HEADER_SIZE:total])
-        del self._data[:total]
-        self._header = None
-        return decode_frame(header, body), total
+        header, body = self._header, self._body
+        self._header, self._body, self._got = None, None, 0
+        return decode_frame(header, body), HEADER_SIZE + header.body_len
 
 
 def result_payload_bytes(request: Dispatch) -> int:
     """The payload size of the RESULT that answers `request`: its rows times the hidden size in the
     reply codec (exact: one row per routed (token, expert) pair; partial: one per token)."""
     tokens, width = request.hidden.shape  # [T_w, d]
-    rows = int((request.top_k_index >= 0).sum()) if request.mode == CombineMode.EXACT else tokens
+    rows = int(np.count_nonzero(request.top_k_index.numpy() >= 0)) if request.mode == CombineMode.EXACT else tokens
     return get_codec(request.wire_combine).nbytes((rows, width))

@@ -2,7 +2,8 @@
 
 The first byte of a frame may take up to the idle timeout (or what is left of the HELLO timeout);
 from then on the rest of the header and the whole body must arrive within the frame timeout, so
-a peer that sends a few bytes and stalls is cut off. The header's lengths are checked before
+a peer that sends a few bytes and stalls is cut off. A frame that is whole in the reader's buffer
+by then (a small DISPATCH, a PING) is taken without arming that timer: it cannot stall. The header's lengths are checked before
 anything else is read: against the payload limit, against the small limit before HELLO, and
 against the worker's byte budget. A body over the budget is read in small chunks and dropped
 (the stream stays in step) and the request is answered "busy".
@@ -11,6 +12,7 @@ against the worker's byte budget. A body over the budget is read in small chunks
 from __future__ import annotations
 
 import asyncio
+import struct
 from dataclasses import dataclass
 
 from moeswarm.errors import ProtocolError
@@ -19,6 +21,8 @@ from moeswarm.worker.limits import ByteBudget, WorkerLimits
 from moeswarm.worker.session import within
 
 DISCARD_CHUNK = 64 << 10
+_LENGTHS = struct.Struct("<II")  # meta_len, payload_len: the header's last 8 bytes
+_LENGTHS_AT = HEADER_SIZE - _LENGTHS.size
 
 
 class FrameFault(Exception):
@@ -50,14 +54,20 @@ async def read_frame(reader: asyncio.StreamReader, limits: WorkerLimits, budget:
     Raises Idle when no frame begins within `wait_s`, FrameFault when the framing breaks.
     """
     try:
-        first = await within(wait_s, reader.readexactly(1))
+        if _buffered(reader):  # pipelined: the next frame has begun already, nothing to wait for
+            first = await reader.readexactly(1)
+        else:
+            first = await within(wait_s, reader.readexactly(1))
     except asyncio.IncompleteReadError:
         return None
     except asyncio.TimeoutError:
         raise Idle from None
     progress = _Progress()
     try:
-        return await within(limits.frame_timeout_s, _rest(reader, first, limits, budget, greeted, progress))
+        rest = _rest(reader, first, limits, budget, greeted, progress)
+        if _whole_frame_buffered(reader, first):  # the usual case: nothing of it can stall, no timer needed
+            return await rest
+        return await within(limits.frame_timeout_s, rest)
     except asyncio.TimeoutError:
         budget.give(progress.reserved)
         if progress.header is None:
@@ -68,6 +78,22 @@ async def read_frame(reader: asyncio.StreamReader, limits: WorkerLimits, budget:
     except BaseException:
         budget.give(progress.reserved)
         raise
+
+
+def _buffered(reader: asyncio.StreamReader) -> int:
+    """Bytes the reader holds already (0 when this asyncio keeps them elsewhere: the timed path then)."""
+    buffer = getattr(reader, "_buffer", None)
+    return len(buffer) if isinstance(buffer, bytearray) else 0
+
+
+def _whole_frame_buffered(reader: asyncio.StreamReader, first: bytes) -> bool:
+    """Whether the rest of the frame that starts with `first` is in the reader's buffer already (its
+    lengths are only peeked at here: `_rest` checks the header)."""
+    held = _buffered(reader)
+    if held < HEADER_SIZE - 1:
+        return False
+    meta_len, payload_len = _LENGTHS.unpack_from(reader._buffer, _LENGTHS_AT - 1)
+    return held >= HEADER_SIZE - 1 + meta_len + payload_len
 
 
 @dataclass

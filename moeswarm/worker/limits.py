@@ -74,25 +74,35 @@ class ByteBudget:
             self.held -= size
 
 
-def declared_shape(meta: dict[str, Any], name: str) -> tuple[int, ...] | None:
-    """The shape a frame's metadata declares for tensor `name`, if it is well formed (else None:
-    the full descriptor check in `wire.tensors` names the fault)."""
+def declared_shapes(meta: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """{tensor name: the shape a frame's metadata declares for it}, for the well-formed descriptors
+    (the first of a name wins; the full descriptor check in `wire.tensors` names any fault)."""
     descriptors = meta.get("tensors")
+    found: dict[str, tuple[int, ...]] = {}
     if not isinstance(descriptors, list):
-        return None
+        return found
     for desc in descriptors:
-        if isinstance(desc, list) and len(desc) == 4 and desc[0] == name and isinstance(desc[3], list):
+        if (isinstance(desc, list) and len(desc) == 4 and isinstance(desc[0], str) and isinstance(desc[3], list)
+                and desc[0] not in found):
             shape = desc[3]
             if all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
-                return tuple(shape)
-    return None
+                found[desc[0]] = tuple(shape)
+    return found
 
 
-def check_dispatch_size(meta: dict[str, Any], limits: WorkerLimits) -> None:
-    """Refuse a DISPATCH whose declared T or k is over the limits, before any tensor is decoded."""
+def declared_shape(meta: dict[str, Any], name: str) -> tuple[int, ...] | None:
+    """The shape a frame's metadata declares for tensor `name`, if it is well formed (else None)."""
+    return declared_shapes(meta).get(name)
+
+
+def check_dispatch_size(meta: dict[str, Any], limits: WorkerLimits,
+                        shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Refuse a DISPATCH whose declared T or k is over the limits, before any tensor is decoded.
+    shapes: `declared_shapes(meta)` when the caller has them already."""
+    shapes = declared_shapes(meta) if shapes is None else shapes
     for name in ("x", "ids", "w"):
-        shape = declared_shape(meta, name)
-        if shape is None or not shape:
+        shape = shapes.get(name)
+        if not shape:
             continue
         tokens = shape[0]
         if tokens > limits.max_tokens:
@@ -103,10 +113,10 @@ def check_dispatch_size(meta: dict[str, Any], limits: WorkerLimits) -> None:
                                 "(worker flag --max-top-k)")
 
 
-def reply_estimate(meta: dict[str, Any], hidden: int) -> int:
+def reply_estimate(meta: dict[str, Any], hidden: int, shapes: dict[str, tuple[int, ...]] | None = None) -> int:
     """An upper bound on a DISPATCH's RESULT bytes from its declared shapes: T x k rows (exact) of
     d f32 values. Counted against the connection's unsent bound while the request is in flight."""
-    shape = declared_shape(meta, "ids")
+    shape = (declared_shapes(meta) if shapes is None else shapes).get("ids")
     if shape is None or len(shape) != 2:
         return 0
     tokens, k = shape

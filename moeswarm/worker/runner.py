@@ -57,7 +57,7 @@ class WorkerBusy(MoeSwarmError):
         self.limit = limit
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a setattr call per field, per DISPATCH
 class Job(Generic[T]):
     """One unit of work, its start tag (fair queuing), and where its outcome goes: `done` (called on
     the compute thread) or else the future, on `loop`."""

@@ -46,7 +46,7 @@ from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerIn
 from moeswarm.wire.stream import decode_frame
 from moeswarm.worker.framing import FrameFault, Idle, Incoming, read_frame
 from moeswarm.worker.limits import (ByteBudget, WorkerLimits, check_dispatch_size, check_reply_size, check_routing,
-                                    declared_shape, reply_estimate)
+                                    declared_shapes, reply_estimate)
 from moeswarm.worker.memory import release_freed_memory
 from moeswarm.worker.merge import merge, merge_key, partners, split
 from moeswarm.worker.runner import CANCELLED, DECLINED, ComputeRunner, WorkerBusy
@@ -223,10 +223,11 @@ class WorkerServer:
             if frame.opcode == Opcode.DISPATCH:
                 if not session.greeted:
                     raise ProtocolError("DISPATCH before HELLO: send HELLO with the model fingerprint first")
-                check_dispatch_size(frame.meta, self.limits)
-                shape = declared_shape(frame.meta, "x")
+                shapes = declared_shapes(frame.meta)
+                check_dispatch_size(frame.meta, self.limits, shapes)
+                shape = shapes.get("x")
                 cost = shape[0] if shape else 1  # tokens: the compute thread is shared by them
-                owed = reply_estimate(frame.meta, self.store.hidden_size)
+                owed = reply_estimate(frame.meta, self.store.hidden_size, shapes)
                 session.owe(owed)
                 try:
                     self.runner.submit(session, functools.partial(self.compute, frame), cost, merge_key(frame.meta),
