@@ -164,3 +164,17 @@ def test_one_call_per_layer_keeps_the_eager_order_and_bits(activation):
         assert torch.equal(module(hidden, index, weights.double()), eager_order(module, hidden, index, weights.double()))
     with pytest.raises(ValueError, match=r"^expert id 5 out of range: this module holds experts 0-4$"):
         module(torch.randn(1, 512), torch.tensor([[5]]), torch.ones(1, 1))
+
+
+def test_a_layers_experts_have_the_same_bits_on_any_thread_count():
+    """qk_experts splits few-row layers by whole experts over threads (decode) and many-row ones by
+    matrix rows (prefill): either way, every thread count gives the one-thread bits."""
+    module = random_experts("silu", n=6)
+    torch.manual_seed(3)
+    for tokens, k in ((1, 4), (3, 2), (40, 3)):
+        hidden = torch.randn(tokens, 512)
+        index = torch.stack([torch.randperm(6)[:k] for _ in range(tokens)])
+        weights = torch.rand(tokens, k)
+        alone = qkernels.experts(module._plan, hidden, index, weights, 1)
+        for threads in (2, 3, 7):
+            assert torch.equal(qkernels.experts(module._plan, hidden, index, weights, threads), alone)

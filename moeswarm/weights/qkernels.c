@@ -849,6 +849,48 @@ done:
  * weights [S, k] float32, both contiguous. Expert e's matrices are at gate[e], up[e], down[e];
  * biases, when not NULL, are gate_bias, up_bias [n_experts, I] and down_bias [n_experts, H].
  * Returns 0, -1 (a kernel failed: unsupported type or out of memory) or -2 (an id >= n_experts). */
+/* qk_experts with few rows per expert (decode) on several threads: whole experts per thread, each
+ * computed on one thread (a one-token product split over threads paid a hand-off per matrix,
+ * three per expert). Thread g computes experts [e0, e1) into out (rows in `order`'s order), using
+ * xs as its scratch for an expert's rows. */
+#define SPLIT_EXPERTS_ROWS 32
+typedef struct {
+    int64_t e0, e1;
+    const int64_t *gate, *up, *down;
+    int gate_type, up_type, down_type;
+    int64_t H, I;
+    const float *hidden;
+    int64_t ldx, k;
+    const int64_t *start, *order;
+    const float *gate_bias, *up_bias, *down_bias;
+    int activation;
+    float alpha, limit;
+    int int8;
+    float *xs, *out;
+    int status;
+} ExpertsJob;
+
+static void *run_experts_job(void *arg) {
+    ExpertsJob *j = arg;
+    int64_t H = j->H, I = j->I;
+    for (int64_t e = j->e0; e < j->e1; e++) {
+        int64_t n = j->start[e + 1] - j->start[e];
+        const int64_t *mine = j->order + j->start[e];
+        if (n == 0) continue;
+        for (int64_t i = 0; i < n; i++) memcpy(j->xs + i * H, j->hidden + mine[i] / j->k * j->ldx, (size_t)H * sizeof(float));
+        if (qk_expert(j->gate_type, (const void *)(intptr_t)j->gate[e], j->up_type, (const void *)(intptr_t)j->up[e],
+                      j->down_type, (const void *)(intptr_t)j->down[e], H, I, j->xs, n, H,
+                      j->gate_bias ? j->gate_bias + e * I : NULL, j->up_bias ? j->up_bias + e * I : NULL,
+                      j->down_bias ? j->down_bias + e * H : NULL, j->activation, j->alpha, j->limit,
+                      j->out + j->start[e] * H, H, 1, j->int8) != 0) {
+            j->status = -1;
+            return NULL;
+        }
+    }
+    j->status = 0;
+    return NULL;
+}
+
 int qk_experts(int64_t n_experts, const int64_t *gate, const int64_t *up, const int64_t *down,
                int gate_type, int up_type, int down_type, int64_t H, int64_t I,
                const float *hidden, int64_t S, int64_t ldx, const int64_t *index, int64_t k, const float *weights,
@@ -880,6 +922,36 @@ int qk_experts(int64_t n_experts, const int64_t *gate, const int64_t *up, const 
                 if (e >= 0) order[next[e]++] = t * k + slot;
             }
         free(next);
+    }
+    int64_t active = 0;
+    for (int64_t e = 0; e < n_experts; e++) active += start[e + 1] > start[e];
+    if (threads > 1 && active >= threads && most <= SPLIT_EXPERTS_ROWS) {
+        ExpertsJob jobs[256];
+        int groups = threads > 256 ? 256 : threads;
+        buffer = malloc((size_t)(start[n_experts] * H + groups * most * H) * sizeof(float) + 1);
+        if (!buffer) goto done;
+        /* Contiguous groups of experts with about the same rows each, one per thread. */
+        int64_t e0 = 0;
+        for (int g = 0; g < groups; g++) {
+            int64_t e1 = e0, goal = start[n_experts] * (g + 1) / groups;
+            while (e1 < n_experts && (start[e1 + 1] <= goal || g == groups - 1)) e1++;
+            jobs[g] = (ExpertsJob){e0, e1, gate, up, down, gate_type, up_type, down_type, H, I, hidden, ldx, k,
+                                   start, order, gate_bias, up_bias, down_bias, activation, alpha, limit, int8,
+                                   buffer + start[n_experts] * H + g * most * H, buffer, -1};
+            e0 = e1;
+        }
+        qk_pool_run(run_experts_job, jobs, sizeof(ExpertsJob), groups);
+        for (int g = 0; g < groups; g++) if (jobs[g].status != 0) goto done;
+        for (int64_t e = 0; e < n_experts; e++) {  /* the adds in the one-thread order: the same bits */
+            const int64_t *mine = order + start[e];
+            const float *ys = buffer + start[e] * H;
+            for (int64_t i = 0; i < start[e + 1] - start[e]; i++) {
+                float w = weights[mine[i]], *row = final + mine[i] / k * H;
+                for (int64_t j = 0; j < H; j++) row[j] = row[j] + ys[i * H + j] * w;
+            }
+        }
+        status = 0;
+        goto done;
     }
     buffer = malloc((size_t)(2 * most * H) * sizeof(float) + 1);  /* the expert's rows, its outputs: [n_e, H] */
     if (!buffer) goto done;
