@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wire-dispatch", default=None, help="codec for hidden states (default: the preset's)")
     parser.add_argument("--wire-combine", default=None, help="codec for the experts' outputs (default: the preset's)")
     parser.add_argument("--threads", type=positive, default=None,
-                        help="torch CPU threads for the backbone (default: this machine's cores shared among the moeswarm processes on it)")
+                        help="CPU threads of the backbone, torch's and the kernels' (default: every core: the backbone and its workers take turns)")
     parser.add_argument("--reply-timeout", type=seconds, default=120.0, metavar="SECONDS",
                         help="the most any worker's reply is awaited; measured deadlines are shorter (docs/failover.md)")
     parser.add_argument("--no-hedge", action="store_true",
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_progress(args)
     check_workers_or_swarm(args)
-    from moeswarm.commands._setup import set_threads
+    from moeswarm.commands._setup import set_backbone_threads
     from moeswarm.commands._local import resolve as resolve_local_experts
     from moeswarm.generation.run import GenerationRequest, check_request, run_generation, summary_lines
     from moeswarm.generation.sampling import SamplingParams
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     check_request(source, request)  # before the backbone loads or a worker is reached
     local_experts = resolve_local_experts(args, source)
     check_draft_flags(args.draft, args.speculate, local_experts is not None)
-    set_threads(args.threads)
+    set_backbone_threads(args.threads)
     tls = client_tls(args.swarm_key)
     apply_backbone_dtype(args)
     with open_swarm(source, args.workers or [], wire, args.fanout, reply_timeout_s=args.reply_timeout,

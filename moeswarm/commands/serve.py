@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--check-local", action="store_true",
         help="debug: run every batched step on a local eager model too and count logits that are not bit-identical "
              "(moeswarm_check_local_mismatched_logits in /metrics)")
-    add("--threads", type=positive, default=None, help="torch CPU threads (default: this machine's cores shared among the moeswarm processes on it)")
+    add("--threads", type=positive, default=None, help="CPU threads of the backbone, torch's and the kernels' (default: every core: the backbone and its workers take turns)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")
     _defaults_from_environment(parser)
     add_backbone_dtype(parser)
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from moeswarm.commands._setup import set_threads
+    from moeswarm.commands._setup import set_backbone_threads
     from moeswarm.commands._local import resolve as resolve_local_experts
     from moeswarm.errors import MoeSwarmError
     from moeswarm.model.source import open_source
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if positions is not None and context > positions:
         raise MoeSwarmError(f"--ctx-size {context} is more than the model's {positions} positions (max_position_embeddings)")
     check_can_listen(args.host, args.port)
-    set_threads(args.threads)
+    set_backbone_threads(args.threads)
     apply_backbone_dtype(args)
     engine = EngineConfig(context, args.max_batch, args.speculate, args.prefill_chunk, args.step_tokens, args.cache_slots,
                           draft=args.draft)
