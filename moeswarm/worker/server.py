@@ -123,6 +123,8 @@ class WorkerServer:
         self._closing = True
         if self._server is not None:
             self._server.close()
+        for session in self._sessions.values():
+            session.shut()  # before the runner stops: a job that ends after this sends nothing
         # The thread's join is under way before the first await: a second cancellation (asyncio.run
         # cancels every task again on its way out) cannot skip it.
         stopped = self.runner.stop()

@@ -215,15 +215,19 @@ class Session:
             finally:
                 self._waiting_room = False
 
-    def end(self) -> None:
-        """Cancel unsent RESULTs and close; a buffer the client does not take is dropped soon after."""
-        for reply in list(self.replies):
-            reply.cancel()
+    def shut(self) -> None:
+        """No reply is written from here on but what is written already (the transport still flushes)."""
         with self._lock:
             self.closed = True
             if self._direct is not None:
                 self._direct.close()  # after this no thread writes to the socket but the transport
                 self._direct = None
+
+    def end(self) -> None:
+        """Cancel unsent RESULTs and close; a buffer the client does not take is dropped soon after."""
+        for reply in list(self.replies):
+            reply.cancel()
+        self.shut()
         transport = self.writer.transport
         self.writer.close()
         if transport.get_write_buffer_size() > 0:
