@@ -18,6 +18,7 @@ profiled run of local and loopback gives the decode step's time by part (real_pr
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -144,15 +145,17 @@ def run_bench_real(shapes: tuple[str, ...], cache: Path, threads: int, repeats: 
     from moeswarm.bench.worker_real import _cpu_count, _cpu_model, _kernels
 
     llama_cpp = require_llama_cpp("moeswarm bench real")
+    load_before = os.getloadavg()[0]  # other processes on the cores: what a shared machine adds to the noise
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     chosen = [QUICK_SHAPE] if quick else [SHAPES[name] for name in shapes]
     rows, files = [], []
     for shape in chosen:
-        shape_rows_, shape_meta = run_shape(shape, cache, threads, repeats)
-        rows += shape_rows_
+        measured, shape_meta = run_shape(shape, cache, threads, repeats)
+        rows += measured
         files.append(shape_meta)
     meta = {
         "command": "moeswarm bench real",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": started,
         "machine": platform.machine(), "cpu": _cpu_model(), "cpu_count": _cpu_count(), "kernels": _kernels(),
         "torch": torch.__version__, "llama_cpp_python": llama_cpp.__version__,
         "llama_cpp_buffers": "plain CPU buffers (use_extra_bufts=False): the default extra buffer types crash on "
@@ -160,5 +163,6 @@ def run_bench_real(shapes: tuple[str, ...], cache: Path, threads: int, repeats: 
         "threads": threads, "worker_threads": max(1, threads // WORKERS), "workers": WORKERS, "repeats": repeats,
         "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS, "quant_type": QUANT_TYPE,
         "cache_dir": str(cache), "files": files,
+        "load_average_1min": {"start": load_before, "end": os.getloadavg()[0]},
     }
     return {"meta": meta, "rows": rows}

@@ -21,12 +21,32 @@ def speed_table(rows: list[dict]) -> tuple[list[str], list[list]]:
     return headers, lines
 
 
+# issue 23's targets: (what, configuration, the row's field, the least or most it may be)
+TARGETS = (("moeswarm local decode >= 0.9x llama.cpp", "local", "decode_over_llama_cpp", ">=", 0.9),
+           ("2 workers on loopback decode >= 0.75x llama.cpp", "loopback", "decode_over_llama_cpp", ">=", 0.75),
+           ("machinery per layer call on loopback <= 0.3 ms", "loopback", "machinery_ms", "<=", 0.3),
+           ("local prompt (64 tokens) within 1.5x of llama.cpp", "local", "prompt_over_llama_cpp", ">=", 1 / 1.5))
+
+
+def targets_table(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """(headers, lines): each of issue 23's targets against this run, per shape."""
+    headers = ["target", "shape", "measured", "met"]
+    lines = []
+    for what, config, field, sense, bound in TARGETS:
+        for row in (r for r in rows if r["config"] == config and r.get(field) is not None):
+            value = row[field]
+            lines.append([what, row["shape"], value, value >= bound if sense == ">=" else value <= bound])
+    return headers, lines
+
+
 def parts_table(rows: list[dict]) -> tuple[list[str], list[list]]:
     """(headers, lines): a decode step's ms by part (profiled runs), and CPU in use per process."""
     headers = ["shape", "configuration", "attention", "MoE layer calls", "router", "output head", "other", "step",
-               "backbone CPU cores", "workers' CPU cores"]
+               "CPU cores (llama.cpp, backbone)", "workers' CPU cores"]
     lines = []
     for r in rows:
+        if r["config"] == "llama.cpp":  # not profiled by part: its step and its CPU in use, to compare
+            lines.append([r["shape"], r["label"], None, None, None, None, None, r["step_ms"], r["cpu_cores_decode"], None])
         if "parts_ms" not in r:
             continue
         parts = r["parts_ms"]
@@ -57,12 +77,18 @@ def table_lines(result: dict) -> list[str]:
     lines = [f"moeswarm bench real: {meta['threads']} thread(s) (workers {meta['worker_threads']} each), "
              f"{meta['cpu_count']} CPU(s) ({meta['cpu']}, kernels {meta['kernels']}), llama-cpp-python "
              f"{meta['llama_cpp_python']} on plain CPU buffers, {meta['prompt_tokens']}-token prompt, "
-             f"{meta['decode_tokens']} decode steps, median of {meta['repeats']}, {meta['date']}"]
+             f"{meta['decode_tokens']} decode steps, median of {meta['repeats']}, {meta['date']}, {_load(meta)}"]
     for title, (headers, body) in (("speed", speed_table(result["rows"])),
+                                   ("issue 23's targets", targets_table(result["rows"])),
                                    ("decode step by part, ms (one profiled run)", parts_table(result["rows"])),
                                    ("processes", process_table(result["rows"]))):
         lines += ["", title, *_text_table(headers, body)]
     return lines
+
+
+def _load(meta: dict) -> str:
+    load = meta.get("load_average_1min")
+    return f"load average (1 min) {load['start']:.1f} at the start, {load['end']:.1f} at the end" if load else "load not recorded"
 
 
 def _text_table(headers: list[str], body: list[list]) -> list[str]:
@@ -117,9 +143,12 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
         "- **By part**: one more run of local and loopback with forward hooks on the model's modules "
         "(`moeswarm/bench/real_profile.py`): attention, the MoE layer calls, the router (the MoE block less its "
         "experts call), the output head, and the rest; CPU cores in use = CPU time / wall time during decode.",
-        "- `tokens = local`: the greedy tokens equal the local run's (exact wire mode is bit-identical).", "",
+        "- `tokens = local`: the greedy tokens equal the local run's (exact wire mode is bit-identical).",
+        f"- **Noise**: {_load(meta)} (this machine's cores are shared with other work: the plot's whiskers show "
+        "the repeats' range, every repeat is in the JSON).", "",
         "## Speed", "", markdown_table(*speed_table(result["rows"])), "",
-        f"![decode and prompt tokens/s]({plot.relative_to(docs).as_posix()})", "",
+        "Issue 23's targets against this run:", "", markdown_table(*targets_table(result["rows"])), "",
+        f"![decode and prompt tokens/s, whiskers: the repeats' range]({plot.relative_to(docs).as_posix()})", "",
         "## A decode step by part (ms)", "", markdown_table(*parts_table(result["rows"])), "",
         "## Processes: start-up and memory", "",
         "RSS once every run is done; file-backed pages are the GGUF file's, mapped (shared through the page cache "
@@ -143,11 +172,14 @@ def _plot(result: dict, path: Path) -> Path:
     width = 0.8 / len(shapes)
     for axis, key, title in ((axes[0], "decode_tokens_per_s", "decode"), (axes[1], "prompt_tokens_per_s", "prompt")):
         for i, shape in enumerate(shapes):
-            values = [next(r[key] for r in rows if r["shape"] == shape and r["config"] == c) for c in configs]
-            axis.bar([x + i * width for x in range(len(configs))], values, width, label=shape)
+            chosen = [next(r for r in rows if r["shape"] == shape and r["config"] == c) for c in configs]
+            values = [r[key] for r in chosen]
+            spread = [[v - min(r[f"{key}_runs"]) for v, r in zip(values, chosen)],  # whiskers: the repeats' range
+                      [max(r[f"{key}_runs"]) - v for v, r in zip(values, chosen)]]
+            axis.bar([x + i * width for x in range(len(configs))], values, width, yerr=spread, capsize=3, label=shape)
         axis.set_xticks([x + width * (len(shapes) - 1) / 2 for x in range(len(configs))], configs)
         axis.set_ylabel("tokens/s")
-        axis.set_title(f"{title} ({result['meta']['threads']} threads, Q4_K_M)")
+        axis.set_title(f"{title}: median of {result['meta']['repeats']} ({result['meta']['threads']} threads, Q4_K_M)")
         axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)

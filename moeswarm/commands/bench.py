@@ -68,12 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     whole = sub.add_parser("real", help="whole random models at real dimensions (OLMoE-1B-7B, Qwen3-30B-A3B) against "
                                         "llama.cpp on the same Q4_K_M file: local, 2 workers on loopback and at "
                                         "20/80 ms RTT (docs/bench-real.md)")
-    whole.add_argument("--shapes", type=_names(*MODEL_SHAPES), default=DEFAULT_SHAPES,
+    whole.add_argument("--shapes", type=_names(*MODEL_SHAPES), default=None,
                        help=f"model shapes, comma-separated: {', '.join(MODEL_SHAPES)} (default: {','.join(DEFAULT_SHAPES)})")
     whole.add_argument("--threads", type=positive, default=2,
                        help="threads of llama.cpp, of moeswarm local and of the backbone; each worker gets half "
                             "(default 2)")
-    whole.add_argument("--repeats", type=positive, default=3, help="alternating timed runs of each configuration (default 3)")
+    whole.add_argument("--repeats", type=positive, default=5, help="alternating timed runs of each configuration (default 5)")
     whole.add_argument("--cache-dir", default=None, metavar="DIR",
                        help="where the built model files are kept between runs (default ~/.cache/moeswarm/bench-real)")
     whole.add_argument("--quick", action="store_true", help="a tiny OLMoE-like model instead of --shapes, for smoke tests")
@@ -268,9 +268,15 @@ def _run_real(args: argparse.Namespace) -> None:
     from moeswarm.bench.real_measure import run_bench_real
     from moeswarm.bench.real_report import table_lines, write_report
 
+    from moeswarm.bench.real_shapes import DEFAULT_SHAPES
+    from moeswarm.errors import MoeSwarmError
+
+    if args.quick and args.shapes:
+        raise MoeSwarmError("--quick measures its own tiny model: give --shapes or --quick, not both")
+    shapes = args.shapes or DEFAULT_SHAPES
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else DEFAULT_CACHE
-    result = run_bench_real(args.shapes, cache, args.threads, args.repeats, args.quick)
-    flags = ["--quick" if args.quick else f"--shapes {','.join(args.shapes)}", f"--threads {args.threads}",
+    result = run_bench_real(shapes, cache, args.threads, args.repeats, args.quick)
+    flags = ["--quick" if args.quick else f"--shapes {','.join(shapes)}", f"--threads {args.threads}",
              f"--repeats {args.repeats}"]
     result["meta"]["command"] = " ".join(["moeswarm bench real", *flags])
     if args.report:
