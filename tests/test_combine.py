@@ -170,6 +170,7 @@ def test_laid_out_combine_has_eager_index_add_bits(tokens):
     E, k, d = 16, 4, 32
     index = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(tokens)])  # [T, k]
     index[torch.rand(tokens, k, generator=generator) < 0.3] = -1
+    index[0, 1] = index[0, 0]  # a router that picks an expert twice for a row (deepseek_v4's hash routing does)
     hidden = torch.randn(tokens, d, generator=generator)
     per_expert = {}
     for expert in torch.unique(index[index >= 0]).tolist():

@@ -34,8 +34,14 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
             _, token = torch.where(top_k_index.T == expert)  # [n_e]
             final.index_add_(0, token, per_expert[expert].to(final.dtype))
         return final
-    index = top_k_index.numpy()  # [T, k]
     experts = sorted(per_expert)
+    if T == 1:  # a decode step's row: each expert's rows (one, or more where a router repeats an expert) in turn
+        final = torch.zeros_like(hidden)  # [1, d]
+        for expert in experts:
+            for row in per_expert[expert].to(hidden.dtype):
+                final += row
+        return final
+    index = top_k_index.numpy()  # [T, k]
     rows = torch.cat([per_expert[e] for e in experts]).to(hidden.dtype)  # [S, d]: experts ascending, eager's order within
     # Each row's token: for each expert ascending, its (slot, token) pairs slot-major then token.
     token_of = np.concatenate([np.nonzero(index.T == e)[1] for e in experts])  # [S]

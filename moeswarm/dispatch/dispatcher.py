@@ -17,6 +17,7 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moeswarm.dispatch.accounting import Accounting, LayerCall, Resilience
@@ -303,5 +304,7 @@ class Dispatcher:
 
 def _rows(tokens) -> int:
     """How many distinct rows of the step these [T_w] token index tensors cover."""
-    tokens = list(tokens)
-    return int(torch.cat(tokens).unique().numel()) if tokens else 0
+    tokens = [t.numpy() for t in tokens]
+    if len(tokens) <= 1:
+        return len(tokens[0]) if tokens else 0  # a share's tokens are distinct
+    return len(np.unique(np.concatenate(tokens)))
