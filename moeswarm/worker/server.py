@@ -232,7 +232,7 @@ class WorkerServer:
                 owed = reply_estimate(frame.meta, self.store.hidden_size, shapes)
                 session.owe(owed)
                 try:
-                    self.runner.submit(session, functools.partial(self.compute, frame), cost, merge_key(frame.meta),
+                    self.runner.submit(session, functools.partial(self.compute, frame, True), cost, merge_key(frame.meta),
                                        frame, done=functools.partial(self._done, session, incoming.reserved, owed))
                 except BaseException:
                     session.owe(-owed)
@@ -261,12 +261,13 @@ class WorkerServer:
         session.greeted = True
         return self.info.to_frame(frame.request_id)
 
-    def compute(self, frame: Frame) -> Frame:
+    def compute(self, frame: Frame, sized: bool = False) -> Frame:
         """DISPATCH in, RESULT or ERROR out: decoding, experts and encoding, on the compute thread.
 
         Also the fuzzer's oracle (moeswarm/bench/fuzz.py): the same checks and maths, run locally.
+        sized: the frame's declared sizes were checked against the limits already (`_handle` does).
         """
-        decoded = self._decode(frame)
+        decoded = self._decode(frame, sized=sized)
         if isinstance(decoded, Frame):
             return decoded
         return self._answer(frame.request_id, decoded, self.store.run)
@@ -275,12 +276,12 @@ class WorkerServer:
         """The runner's batch_work: frames[0]'s DISPATCH and those of other connections that may run
         in one expert call with it (worker/merge.py: same layer and mode, disjoint experts), each
         answered exactly as `compute` would have; DECLINED for the others (they wait their turn)."""
-        lead = self._decode(frames[0])
+        lead = self._decode(frames[0], sized=True)  # every frame the runner holds passed check_dispatch_size
         if isinstance(lead, Frame):
             return [lead] + [DECLINED] * (len(frames) - 1)
         requests = [(0, lead)]
         for position, frame in enumerate(frames[1:], 1):
-            decoded = self._decode(frame, quiet=True)
+            decoded = self._decode(frame, quiet=True, sized=True)
             if not isinstance(decoded, Frame):  # a bad one is declined: it gets its ERROR in its turn
                 requests.append((position, decoded))
         chosen = [requests[i] for i in partners([request for _, request in requests])]
@@ -305,10 +306,12 @@ class WorkerServer:
         self.merged_requests += len(requests)
         return results
 
-    def _decode(self, frame: Frame, quiet: bool = False) -> Dispatch | Frame:
-        """The DISPATCH in `frame`, or the ERROR frame that answers it (not logged when `quiet`)."""
+    def _decode(self, frame: Frame, quiet: bool = False, sized: bool = False) -> Dispatch | Frame:
+        """The DISPATCH in `frame`, or the ERROR frame that answers it (not logged when `quiet`).
+        sized: its declared sizes were checked against the limits already (on the loop, before queueing)."""
         try:
-            check_dispatch_size(frame.meta, self.limits)
+            if not sized:
+                check_dispatch_size(frame.meta, self.limits)
             return Dispatch.from_frame(frame)
         except MoeSwarmError as error:
             if quiet:
