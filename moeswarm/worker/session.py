@@ -112,7 +112,10 @@ class Session:
             if sent < size:
                 self._tail = _after(buffers, sent)
                 self._pending += size - sent
-                self.loop.call_soon_threadsafe(self._write_tail)
+                try:
+                    self.loop.call_soon_threadsafe(self._write_tail)
+                except RuntimeError:  # the loop is closed: the worker is stopping, nobody reads any more
+                    return True
             wake = self._waiting_room
         if wake:
             self._wake_reader()
