@@ -65,3 +65,15 @@ def test_generate_without_workers_from_the_command_line():
     assert report["workers"] == ["local"] and report["round_trips"] == 0
     assert report["check"] == "exact" and report["check_passed"] is True and report["bit_identical"] is True
     assert len(report["tokens"]) == 6
+
+
+def test_a_prompt_computes_only_its_last_logits_where_the_bits_are_the_same(qwen2_moe):
+    """A GGUF head kept in its blocks computes each row on its own: the prompt's last logits alone
+    (what generate samples from) have the full forward's bits. A float head keeps every row."""
+    quantized = [Stepper(load_local(TRAINED_Q4_K_M)) for _ in range(2)]
+    assert quantized[0].head_rows_independent
+    last = quantized[0].forward(PROMPT, last_only=True)
+    assert last.shape[0] == 1 and torch.equal(last, quantized[1].forward(PROMPT)[-1:])
+    assert torch.equal(quantized[0].forward([7]), quantized[1].forward([7]))  # the caches agree too
+    plain = Stepper(load_local(qwen2_moe))
+    assert not plain.head_rows_independent and plain.forward(PROMPT, last_only=True).shape[0] == len(PROMPT)

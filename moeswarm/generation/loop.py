@@ -79,7 +79,9 @@ def generate(model_stepper: Stepper, prompt: list[int], max_new_tokens: int, spe
     generator = generator if generator is not None else make_generator(sampling.seed)
     drafter = drafter if drafter is not None else NgramDrafter()
     result = GenerationResult(list(prompt), check=LocalCheck(exact_check) if reference is not None else None)
-    logits = _forward(model_stepper, reference, prompt, result, "prefill")  # [P, V]
+    # Without a reference to compare every position with, the prompt's last logits are all it needs.
+    last_only = reference is None and getattr(model_stepper, "head_rows_independent", False)
+    logits = _forward(model_stepper, reference, prompt, result, "prefill", last_only)  # [P or 1, V]
     result.prefill_seconds = result.seconds
     next_token = sample(logits[-1], sampling, generator)
     context = list(prompt)
@@ -141,12 +143,13 @@ def _drafts(drafter: Drafter, context: list[int], stepper: Stepper, reference: S
 
 
 def _forward(stepper: Stepper, reference: Stepper | None, feed: list[int] | list[list[int]], result: GenerationResult,
-             what: str) -> torch.Tensor:
-    """feed: tokens (the prefill; logits [n, V]) or B rows of n tokens (a step; logits [B, n, V])."""
+             what: str, last_only: bool = False) -> torch.Tensor:
+    """feed: tokens (the prefill; logits [n, V], or [1, V] with last_only) or B rows of n tokens (a step;
+    logits [B, n, V])."""
     if feed and isinstance(feed[0], list):  # one row is an ordinary forward: no branch machinery needed
         run = (lambda s: s.forward_rows(feed)) if len(feed) > 1 else (lambda s: s.forward(feed[0])[None])
     else:
-        run = lambda s: s.forward(feed)  # noqa: E731
+        run = (lambda s: s.forward(feed, last_only=True)) if last_only else (lambda s: s.forward(feed))
     start = time.perf_counter()
     logits = run(stepper)
     result.seconds += time.perf_counter() - start  # the backbone's time only, not the reference's

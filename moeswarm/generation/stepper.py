@@ -7,6 +7,8 @@ as B alternative continuations of it (the cache is copied B times along the batc
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -19,6 +21,7 @@ class Stepper:
         # accept their own cache class.
         self.cache = None
         self.rows = 1  # the cache's batch: B after forward_rows of B rows, until keep_row
+        self._head_rows_independent: bool | None = None
 
     @property
     def length(self) -> int:
@@ -31,11 +34,30 @@ class Stepper:
         return type(self.cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in self.cache.layers)
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int]) -> torch.Tensor:
-        """Feed `tokens` after the cached context; return their logits [n, V] in float32 (one branch)."""
+    def forward(self, tokens: list[int], last_only: bool = False) -> torch.Tensor:
+        """Feed `tokens` after the cached context; return their logits [n, V] in float32 (one branch).
+
+        last_only: only the last token's logits [1, V] (a prompt's: the others are not sampled from),
+        where that gives the same bits as the full forward's last row (`head_rows_independent`);
+        elsewhere all n rows, as without it."""
         if self.rows != 1:
             raise ValueError(f"the cache holds {self.rows} branches: keep one first")
-        return self._forward(torch.tensor([tokens], dtype=torch.long))[0]  # ids [1, n]
+        keep = {"logits_to_keep": 1} if last_only and len(tokens) > 1 and self.head_rows_independent else {}
+        return self._forward(torch.tensor([tokens], dtype=torch.long), **keep)[0]  # ids [1, n]
+
+    @property
+    def head_rows_independent(self) -> bool:
+        """Whether each row of the output head's product has the bits it has in any batch of rows
+        (a GGUF head kept in its blocks: qkernels' rows depend on their own input only), and the
+        model takes `logits_to_keep`. A float head goes through torch's matmul, whose bits may
+        depend on the number of rows."""
+        if self._head_rows_independent is None:
+            from moeswarm.weights.quant_linear import QuantLinear
+
+            head = self.model.get_output_embeddings()
+            takes = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+            self._head_rows_independent = isinstance(head, QuantLinear) and takes
+        return self._head_rows_independent
 
     @torch.inference_mode()
     def forward_rows(self, rows: list[list[int]]) -> torch.Tensor:
@@ -57,8 +79,8 @@ class Stepper:
             self.cache.batch_select_indices(torch.tensor([row]))
             self.rows = 1
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+    def _forward(self, ids: torch.Tensor, **options) -> torch.Tensor:
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, **options)
         self.cache = out.past_key_values
         return out.logits.float()  # [B, n, V]
 
