@@ -5,7 +5,8 @@ layer each, a byte-level BPE tokenizer), converted to an F16 GGUF by llama.cpp's
 `convert_hf_to_gguf.py` and quantized to Q4_K_M by llama.cpp's own quantizer; the HF directory
 and the F16 file are deleted, only the Q4_K_M file is kept. Tensors are generated one at a time
 and a shard (one layer, ~0.8 GB at OLMoE's shape) is the most held in memory; the disk holds at
-most the three forms at once (~2 x 14 GB + 4 GB for OLMoE's shape).
+most two forms at once (the HF directory and the F16 file: ~2 x 14 GB at OLMoE's shape). Measured
+here (2 shared cores): ~13 minutes for OLMoE's shape, ~12 for Qwen3's.
 """
 
 from __future__ import annotations

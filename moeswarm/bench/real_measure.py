@@ -163,6 +163,21 @@ def run_bench_real(shapes: tuple[str, ...], cache: Path, threads: int, repeats: 
         "threads": threads, "worker_threads": max(1, threads // WORKERS), "workers": WORKERS, "repeats": repeats,
         "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS, "quant_type": QUANT_TYPE,
         "cache_dir": str(cache), "files": files,
-        "load_average_1min": {"start": load_before, "end": os.getloadavg()[0]},
+        "load_average_1min": {"start": load_before, "end": os.getloadavg()[0]}, "commit": _commit(),
     }
     return {"meta": meta, "rows": rows}
+
+
+def _commit() -> str | None:
+    """The checkout's commit ("+ changes" when its tracked files differ), or None outside a git checkout:
+    the figures move with every speed change, so a report says which code it measured."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + (" + changes" if dirty else "")

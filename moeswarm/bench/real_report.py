@@ -111,7 +111,8 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
     text = [
         "# moeswarm at real dimensions against llama.cpp (`moeswarm bench real`)", "",
         f"Measured with `{meta['command']}` on {meta['date']}: {meta['cpu_count']} CPU(s) ({meta['cpu']}), moeswarm's "
-        f"kernels {meta['kernels']}, torch {meta['torch']}, llama-cpp-python {meta['llama_cpp_python']}. "
+        f"kernels {meta['kernels']}, torch {meta['torch']}, llama-cpp-python {meta['llama_cpp_python']}"
+        f"{', moeswarm at commit ' + meta['commit'] if meta.get('commit') else ''}. "
         "The rows are in [bench/real.json](bench/real.json); rerun with `moeswarm bench real --report`.", "",
         "## Method", "",
         "- **Models**: full-depth random-weight models at real dimensions (`moeswarm/bench/real_shapes.py`): "
@@ -144,8 +145,10 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
         "(`moeswarm/bench/real_profile.py`): attention, the MoE layer calls, the router (the MoE block less its "
         "experts call), the output head, and the rest; CPU cores in use = CPU time / wall time during decode.",
         "- `tokens = local`: the greedy tokens equal the local run's (exact wire mode is bit-identical).",
-        f"- **Noise**: {_load(meta)} (this machine's cores are shared with other work: the plot's whiskers show "
-        "the repeats' range, every repeat is in the JSON).", "",
+        f"- **Noise**: {_load(meta)}. Where other work shares the cores, the figures move between repeats (the "
+        "plot's whiskers show their range; every repeat is in the JSON), and llama.cpp's threads, which meet at a "
+        "barrier after every operation, lose more to a core taken away than one process that does not wait: "
+        "compare its CPU cores in use (the table by part) with its threads before reading a ratio.", "",
         "## Speed", "", markdown_table(*speed_table(result["rows"])), "",
         "Issue 23's targets against this run:", "", markdown_table(*targets_table(result["rows"])), "",
         f"![decode and prompt tokens/s, whiskers: the repeats' range]({plot.relative_to(docs).as_posix()})", "",
