@@ -68,7 +68,9 @@ def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
 
 def _run(swarm, stepper, prompt: list[int], steps: int, pids: dict[str, int], profile) -> dict:
     cpu_start, start = time.process_time(), time.perf_counter()
-    token = int(stepper.forward(prompt)[-1].argmax())  # logits [n, V]
+    # The prompt's last logits only, as generate computes them (and llama.cpp, whose other rows'
+    # logits nobody asked for): the same bits as the full forward's last row (Stepper.forward).
+    token = int(stepper.forward(prompt, last_only=True)[-1].argmax())  # logits [1, V]
     prompt_s = time.perf_counter() - start
     swarm.reset_accounting()
     if profile is not None:

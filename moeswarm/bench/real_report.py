@@ -121,7 +121,8 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
         "experts of 768, top-8, vocabulary 151936). Written as Hugging Face bf16 safetensors with N(0, 0.02) "
         "matrices, converted by llama.cpp's own `convert_hf_to_gguf.py` and quantized to "
         f"{meta['quant_type']} by llama.cpp's own quantizer; built once into a cache directory. Files: {files}.",
-        f"- **Runs**: a {meta['prompt_tokens']}-token prompt as one forward (prompt tokens/s), then "
+        f"- **Runs**: a {meta['prompt_tokens']}-token prompt as one forward computing its last logits only, "
+        "on both sides (prompt tokens/s), then "
         f"{meta['decode_tokens']} greedy decode steps of one token each (decode tokens/s: {meta['decode_tokens']} "
         "over the time of those steps, each step's argmax included), on both sides the same way.",
         f"- **Threads**: llama.cpp and moeswarm local {meta['threads']}; with workers the backbone "
