@@ -43,7 +43,7 @@ def test_experts_stay_in_the_files_blocks(q4_k_m):
     assert isinstance(module, QuantExperts) and module.num_experts == 3 and num_experts == 8
     assert {Q(module.gate.qtype), Q(module.down.qtype)} <= {Q.Q4_K, Q.Q6_K}
     stored = source.file.tensors["blk.0.ffn_gate_exps.weight"]
-    assert all(np.shares_memory(m, source.file.reader.data) for m in module.gate.experts), "views of the mapped file"
+    assert all(np.shares_memory(m, source.file.header.data) for m in module.gate.experts), "views of the mapped file"
     assert module.gate.experts[1].tobytes() == np.asarray(stored.data[3]).tobytes()  # hosted expert 1 is expert 3
     assert module.nbytes == sum(int(np.asarray(source.file.tensors[f"blk.0.ffn_{r}_exps.weight"].data[:3]).nbytes)
                                 for r in ("gate", "up", "down"))

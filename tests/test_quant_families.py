@@ -111,7 +111,7 @@ def test_workers_hold_the_experts_in_the_files_blocks(family, kind, ggufs):
         assert module.activation == ACTIVATION[family]
         assert (Q(module.gate.qtype), Q(module.up.qtype), Q(module.down.qtype)) == types  # no float32 fallback
         stored = file.tensors[f"blk.{layer}.ffn_down_exps.weight"]
-        assert np.shares_memory(module.down.experts[1], source.file.reader.data), "a view of the mapped file"
+        assert np.shares_memory(module.down.experts[1], source.file.header.data), "a view of the mapped file"
         assert module.down.experts[1].tobytes() == np.asarray(stored.data[3]).tobytes()  # hosted expert 1 is expert 3
         if family == "gpt_oss":
             assert (module.alpha, module.limit) == (pytest.approx(config.swiglu_alpha), config.swiglu_limit)
