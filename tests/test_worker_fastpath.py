@@ -125,3 +125,28 @@ def test_unpack_decodes_every_raw_codec_exactly_as_the_codec_does():
             assert got.dtype == want.dtype and got.shape == want.shape, (codec_name, dtype_name)
             assert torch.equal(got.view(torch.uint8) if got.is_floating_point() else got,
                                want.view(torch.uint8) if want.is_floating_point() else want), (codec_name, dtype_name)
+
+
+def test_a_failure_outside_the_experts_is_answered_internal_and_the_worker_goes_on():
+    """compute answers every request itself; should the work fail anyway (a bug), the client gets an
+    ERROR "internal" for that request instead of waiting for its deadline, and the connection stays usable."""
+    from moeswarm.wire.messages import ErrorReply
+
+    with serving() as (server, address):
+        calls = []
+
+        def broken(frame, sized=False):
+            calls.append(frame.request_id)
+            raise RuntimeError("boom")
+
+        server.compute = broken
+        sock = greeted(address)
+        send_frame(sock, request(tokens=1).to_frame(5))
+        reply = recv(sock)
+        assert (reply.opcode, reply.request_id) == (Opcode.ERROR, 5)
+        assert ErrorReply.from_frame(reply) == ErrorReply("internal", "RuntimeError: boom")
+        assert calls == [5]
+        del server.compute  # the class's own compute again
+        sent = request(tokens=2, seed=4)
+        send_frame(sock, sent.to_frame(6))
+        expect_result(sock, sent, 6)

@@ -233,7 +233,7 @@ class WorkerServer:
                 session.owe(owed)
                 try:
                     self.runner.submit(session, functools.partial(self.compute, frame, True), cost, merge_key(frame.meta),
-                                       frame, done=functools.partial(self._done, session, incoming.reserved, owed))
+                                       frame, done=functools.partial(self._done, session, incoming.reserved, owed, rid))
                 except BaseException:
                     session.owe(-owed)
                     raise
@@ -337,15 +337,17 @@ class WorkerServer:
             log.exception("request %d failed", rid)
             return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(rid)
 
-    def _done(self, session: Session, reserved: int, owed: int, reply: Frame | None, error: BaseException | None) -> None:
+    def _done(self, session: Session, reserved: int, owed: int, rid: int, reply: Frame | None,
+              error: BaseException | None) -> None:
         """A DISPATCH's outcome (on the compute thread; on the loop for one dropped unrun): its RESULT
         leaves from here when nothing is ahead of it, else the loop sends it in turn."""
         self.budget.give(reserved)  # the request's body is no longer held
-        if error is not None:
+        if error is CANCELLED:
             session.owe(-owed)
-            if error is not CANCELLED:  # the runner's own failure (compute answers every request itself)
-                log.error("request %d failed: %s", 0, printable(repr(error)))
             return
+        if error is not None:  # a bug on our side (compute answers every request itself): say so, keep serving
+            log.error("request %d failed: %s", rid, printable(repr(error)))
+            reply = ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(rid)
         if not session.write_now(reply, owed):
             try:
                 session.loop.call_soon_threadsafe(self._reply_in_turn, session, reply)
