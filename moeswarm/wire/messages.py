@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from moeswarm.errors import ProtocolError
@@ -151,9 +152,10 @@ class Dispatch:
         if codec_of["ids"] not in INTEGER_CODECS or dtype_of["ids"] != codec_of["ids"]:
             raise ProtocolError(f"expert ids must be integers in their own codec (u8, i16, i32 or i64), "
                                 f"got dtype {dtype_of['ids']!r} in codec {codec_of['ids']!r}")
-        index = index.long()
+        ids = index.numpy().astype(np.int64)  # [T, k]: the bookkeeping in numpy, a few us where torch's takes ~10
         if codec_of["ids"] == "u8":
-            index = torch.where(index == 255, -1, index)
+            ids[ids == 255] = -1
+        index = torch.from_numpy(ids)
         wire_dispatch = codec_of["x"]
         for name in ("x", "w"):
             if codec_of[name] not in FLOAT_CODECS:
@@ -225,12 +227,13 @@ class ErrorReply:
 
 def _compact_ids(index: torch.Tensor) -> tuple[torch.Tensor, str]:
     """Expert ids in the smallest integer codec that holds them (u8 maps -1 to 255)."""
-    largest = int(index.max()) if index.numel() else 0
+    ids = index.numpy()
+    largest = int(ids.max()) if ids.size else 0
     if largest < 255:
-        return torch.where(index < 0, 255, index).to(torch.uint8), "u8"
+        return torch.from_numpy(np.where(ids < 0, 255, ids).astype(np.uint8)), "u8"
     if largest < 32767:
-        return index.to(torch.int16), "i16"
-    return index.to(torch.int32), "i32"
+        return torch.from_numpy(ids.astype(np.int16)), "i16"
+    return torch.from_numpy(ids.astype(np.int32)), "i32"
 
 
 def _is_int(value: Any) -> bool:
