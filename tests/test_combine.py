@@ -163,9 +163,10 @@ def _index_add_reference(hidden, top_k_index, per_expert):
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 64, 65])
-def test_laid_out_combine_has_eager_index_add_bits(tokens):
-    """combine_exact's slot-by-slot sum equals eager's per-expert index_add_, bit for bit (int32 views:
-    signed zeros and all), with unrouted slots (-1), uneven experts per token, and past the layout's limit."""
+def test_combine_exact_has_eager_index_add_bits(tokens):
+    """combine_exact (its one-row path and its loop) equals eager's per-expert index_add_, bit for bit
+    (int32 views: signed zeros and all), with unrouted slots (-1), uneven experts per token, and an
+    expert repeated in a row."""
     generator = torch.Generator().manual_seed(tokens)
     E, k, d = 16, 4, 32
     index = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(tokens)])  # [T, k]

@@ -14,6 +14,7 @@ vocabulary path instead of sentencepiece.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -106,10 +107,22 @@ def require_llama_cpp(what: str):
         import llama_cpp
     except ImportError:
         raise MoeSwarmError(f"{what} needs llama-cpp-python: pip install 'llama-cpp-python=={LLAMA_CPP_PYTHON}'") from None
-    from moeswarm.bench.worker_real_gguf import require_llama_cpp as silenced
-
-    silenced()  # llama.cpp's log off: a line per tensor quantized or loaded
+    silence(llama_cpp)
     return llama_cpp
+
+
+@functools.cache
+def silence(llama_cpp) -> None:
+    """Drop llama.cpp's log lines (every tensor quantized, every model loaded): stderr is for progress."""
+    @llama_cpp.llama_log_callback
+    def ignore(level, text, user_data):
+        pass
+
+    _LOG_CALLBACK.append(ignore)  # llama.cpp keeps the pointer: the callback must outlive this call
+    llama_cpp.llama_log_set(ignore, None)
+
+
+_LOG_CALLBACK: list = []
 
 
 def bpe_tokenizer(vocab_size: int):

@@ -8,12 +8,12 @@ and type, so a rerun builds nothing.
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
 import numpy as np
 
+from moeswarm.bench.llamacpp_convert import quantize, silence
 from moeswarm.bench.worker_real_shapes import LayerShape
 from moeswarm.errors import MoeSwarmError
 from moeswarm.progress import status
@@ -23,7 +23,6 @@ FORMAT_VERSION = 1  # bump when the files written change: a new cache key
 
 VOCAB = 512
 HEADS, KV_HEADS = 4, 2
-LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
 def require_llama_cpp():
@@ -33,22 +32,10 @@ def require_llama_cpp():
     except ImportError:
         raise MoeSwarmError("moeswarm bench worker needs llama-cpp-python to quantize its files: "
                             "pip install 'llama-cpp-python==0.3.36'") from None
-    _silence(llama_cpp)
+    silence(llama_cpp)
     return llama_cpp
 
 
-@functools.cache
-def _silence(llama_cpp) -> None:
-    """Drop llama.cpp's log lines (every tensor quantized, every model loaded): stderr is for progress."""
-    @llama_cpp.llama_log_callback
-    def ignore(level, text, user_data):
-        pass
-
-    _LOG_CALLBACK.append(ignore)  # llama.cpp keeps the pointer: the callback must outlive this call
-    llama_cpp.llama_log_set(ignore, None)
-
-
-_LOG_CALLBACK: list = []
 
 
 def layer_files(shape: LayerShape, qtypes: tuple[str, ...], cache: Path, inner: int | None = None) -> dict[str, Path]:
@@ -75,16 +62,6 @@ def layer_files(shape: LayerShape, qtypes: tuple[str, ...], cache: Path, inner: 
     finally:
         source.unlink(missing_ok=True)
     return files
-
-
-def quantize(source: Path, out: Path, qtype: str, threads: int) -> None:
-    llama_cpp = require_llama_cpp()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, LLAMA_FTYPES[qtype])
-    params.nthread = threads
-    code = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params)
-    if code != 0:
-        raise MoeSwarmError(f"llama.cpp's quantizer failed ({code}) on {source} -> {qtype}")
 
 
 def write_f16(shape: LayerShape, inner: int, path: Path, seed: int = 0) -> None:

@@ -13,6 +13,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from moeswarm.weights.quant_linear import QuantLinear
+
 
 class Stepper:
     def __init__(self, model: PreTrainedModel):
@@ -52,8 +54,6 @@ class Stepper:
         model takes `logits_to_keep`. A float head goes through torch's matmul, whose bits may
         depend on the number of rows."""
         if self._head_rows_independent is None:
-            from moeswarm.weights.quant_linear import QuantLinear
-
             head = self.model.get_output_embeddings()
             takes = "logits_to_keep" in inspect.signature(self.model.forward).parameters
             self._head_rows_independent = isinstance(head, QuantLinear) and takes
