@@ -67,7 +67,8 @@ def discovery_options(args: argparse.Namespace, report=None):
         return None
     from moeswarm.net.discovery_follow import DiscoveryOptions
 
-    return DiscoveryOptions(tuple(args.swarm), args.swarm_wait, report=report or _stderr(args))
+    return DiscoveryOptions(tuple(args.swarm), args.swarm_wait, report=report or _stderr(args),
+                            swarm_key=getattr(args, "swarm_key", None))
 
 
 def _stderr(args: argparse.Namespace):
@@ -86,10 +87,19 @@ def open_worker_dht(args: argparse.Namespace):
     from moeswarm.net.discovery_announce import announce_address
 
     announce_address(args.host, 1, args.announce_host)  # refuse 0.0.0.0 without --announce-host, before loading
-    dht = SwarmDht.open(args.swarm, host=args.host, port=args.dht_port)
+    dht = SwarmDht.open(args.swarm, host=args.host, port=args.dht_port, **keyed_dht(args.swarm_key))
     if not args.swarm:
         print(f"moeswarm worker: started a new swarm; join it with --swarm {','.join(dht.addresses())}", flush=True)
     return dht
+
+
+def keyed_dht(key_file: str | None) -> dict:
+    """SwarmDht.open's authority and identity for `--swarm-key` (net/member_cert.py): {} without one."""
+    if not key_file:
+        return {}
+    from moeswarm.net.member_cert import Authority, Identity
+
+    return {"authority": Authority.load(key_file), "identity": Identity.load(key_file)}
 
 
 def throughput(store, source) -> float:

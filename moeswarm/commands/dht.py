@@ -10,7 +10,8 @@ import argparse
 import signal
 import threading
 
-from moeswarm.commands._swarm import swarm_peers
+from moeswarm.commands._swarm import keyed_dht, swarm_peers
+from moeswarm.commands._tls import add_swarm_key
 from moeswarm.commands._types import port
 
 
@@ -19,12 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port, default=0, help="TCP port (0: pick a free one)")
     parser.add_argument("--swarm", type=swarm_peers, default=None, metavar="PEERS",
                         help="join the swarm at these DHT peers (comma-separated multiaddrs) instead of starting one")
+    add_swarm_key(parser)  # keyed: this node stores and serves only records signed by the swarm's members
 
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.net.discovery import SwarmDht
 
-    dht = SwarmDht.open(args.swarm or [], host=args.host, port=args.port)
+    dht = SwarmDht.open(args.swarm or [], host=args.host, port=args.port, **keyed_dht(args.swarm_key))
     try:
         print(f"moeswarm dht: running; join with --swarm {','.join(dht.addresses())}", flush=True)
         stop = threading.Event()

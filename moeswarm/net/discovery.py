@@ -9,6 +9,11 @@ node is opened, so `--workers` works without it.
 
     peers "new"                      start a new swarm: this node is its first peer
     peers /ip4/H/tcp/P/p2p/ID,...    join the swarm those peers are in
+
+With a swarm key, the node is keyed (`authority`): hivemind runs net/discovery_sign.py's validator
+on every record this node stores or reads, records are signed by this process's member key
+(`identity`), and `fetch` checks them again, revocation list included. Without one, any DHT peer
+can pose as a worker: `open` warns once, and `fetch` still bounds what one host can add.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import sys
+from collections import Counter
 from collections.abc import Sequence
 
 from moeswarm.errors import MoeSwarmError, one_line, printable
 from moeswarm.net.discovery_record import Announcement, RecordError, announcement_key, parse_record
+from moeswarm.net.member_cert import Authority, Identity
 
 log = logging.getLogger("moeswarm.discovery")
 
@@ -28,6 +36,12 @@ NEW_SWARM = "new"
 START_TIMEOUT_S = 60.0
 STORE_TIMEOUT_S = 10.0  # the longest one announcement (or its withdrawal) is waited for
 MAX_RECORDS = 4096  # announcements read per model; more are ignored (and said so)
+MAX_PER_MEMBER = 16  # a keyed swarm: workers one member may announce per model
+MAX_PER_HOST = 16  # workers announced at one host (its ports): a flood from one machine adds no more
+UNKEYED_WARNING = ("moeswarm: warning: --swarm without --swarm-key: any peer that reaches the DHT can pose as a "
+                   "worker (announce a fake one, or withdraw a real one); give every member a swarm key "
+                   "(docs/discovery.md)")
+_warned = False
 
 
 def parse_peers(text: str) -> list[str]:
@@ -47,16 +61,27 @@ def parse_peers(text: str) -> list[str]:
 class SwarmDht:
     """One node of the DHT: a worker's (a full node) or a backbone's (client mode: it stores nothing)."""
 
-    def __init__(self, node):
+    def __init__(self, node, authority: Authority | None = None, identity: Identity | None = None):
         self._node = node  # hivemind.dht.DHT, running in its own process
+        self.authority = authority  # keyed: records are checked against the swarm's certificate
+        self.identity = identity  # keyed and announcing: this process's member key signs its records
         self._problems: set[str] = set()  # malformed records already logged
 
     @classmethod
     def open(cls, peers: Sequence[str], host: str = "127.0.0.1", port: int = 0, client: bool = False,
-             timeout_s: float = START_TIMEOUT_S) -> "SwarmDht":
-        """Start a node; join `peers` (none: start a new swarm). MoeSwarmError when that fails."""
+             timeout_s: float = START_TIMEOUT_S, authority: Authority | None = None,
+             identity: Identity | None = None) -> "SwarmDht":
+        """Start a node; join `peers` (none: start a new swarm). MoeSwarmError when that fails.
+
+        authority: the swarm's certificate (net/member_cert.py), for a keyed swarm; None: unkeyed (warned once).
+        identity: this process's member key, to sign the records it stores (a worker's)."""
+        global _warned
         try:
             from moeswarm.net.discovery_dht import WatchedDHT
+            validators = []
+            if authority is not None:
+                from moeswarm.net.discovery_sign import MemberValidator
+                validators = [MemberValidator(authority)]
         except ImportError as error:
             missing = "is not installed" if (error.name or "").split(".")[0] == "hivemind" else f"cannot load ({error})"
             raise MoeSwarmError(f"--swarm needs hivemind, which {printable(missing)}: {INSTALL_HINT}") from None
@@ -65,12 +90,16 @@ class SwarmDht:
                                 "`moeswarm dht`, not 'new'")
         options = {} if client else {"host_maddrs": [listen_maddr(host, port)]}
         try:
-            node = WatchedDHT(initial_peers=list(peers), start=True, client_mode=client, await_ready=False, **options)
+            node = WatchedDHT(initial_peers=list(peers), start=True, client_mode=client, await_ready=False,
+                              record_validators=validators, **options)
             node.wait_until_ready(timeout_s)
         except Exception as error:  # hivemind raises its own types (P2PDaemonError, TimeoutError, ...)
             raise MoeSwarmError(f"cannot {'join the swarm at ' + ', '.join(peers) if peers else 'start a swarm'}: "
                                 f"{printable(one_line(error))}") from None
-        return cls(node)
+        if authority is None and not _warned:
+            _warned = True
+            print(UNKEYED_WARNING, file=sys.stderr, flush=True)
+        return cls(node, authority, identity)
 
     def addresses(self) -> list[str]:
         """The multiaddrs other peers can join this node by (its peer id included)."""
@@ -82,8 +111,16 @@ class SwarmDht:
         group), and a worker stopping must not wait on it forever."""
         from hivemind.utils import get_dht_time
 
-        pending = self._node.store(announcement_key(record.fingerprint), subkey=record.address,
-                                   value=record.to_value(), expiration_time=get_dht_time() + ttl_s, return_future=True)
+        key, subkey, value = announcement_key(record.fingerprint), record.address, record.to_value()
+        expiration_time = get_dht_time() + ttl_s
+        if self.authority is not None:
+            if self.identity is None:
+                raise MoeSwarmError("a keyed DHT node stores only signed records: open it with this member's identity")
+            from moeswarm.net.discovery_sign import member_subkey, sign_record
+
+            subkey = member_subkey(self.identity.member_id, record.address)
+            value = sign_record(self.identity, key, subkey, value, expiration_time)
+        pending = self._node.store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
         try:
             return bool(pending.result(timeout=timeout_s))
         except TimeoutError:
@@ -91,7 +128,9 @@ class SwarmDht:
 
     def fetch(self, fingerprint: str) -> dict[str, Announcement]:
         """The online workers announced for model `fingerprint`, by address. Malformed entries are
-        skipped (each logged once, escaped); withdrawn ones (online false) are left out."""
+        skipped (each logged once, escaped); withdrawn ones (online false) are left out. Keyed: an
+        entry counts only when signed by a member of the swarm under its own subkey, not revoked;
+        at most MAX_PER_MEMBER per member and MAX_PER_HOST per host (in subkey order)."""
         found = self._node.get(announcement_key(fingerprint), latest=True)
         entries = found.value if found is not None else {}
         if not isinstance(entries, dict):  # someone stored a plain value under the key
@@ -100,15 +139,39 @@ class SwarmDht:
         if len(entries) > MAX_RECORDS:
             self._problem(f"{len(entries)} announcements for model {fingerprint}: only the first {MAX_RECORDS} are read")
         records: dict[str, Announcement] = {}
-        for subkey, entry in list(entries.items())[:MAX_RECORDS]:
+        per_member: Counter[str] = Counter()
+        per_host: Counter[str] = Counter()
+        for subkey, entry in sorted(entries.items(), key=lambda item: str(item[0]))[:MAX_RECORDS]:
             try:
-                record = parse_record(subkey, getattr(entry, "value", None), fingerprint)
+                signer, record = self._open(fingerprint, subkey, entry)
             except RecordError as error:
-                self._problem(f"ignoring a malformed announcement under {str(subkey)[:100]!r}: {error}")
+                self._problem(f"ignoring an announcement under {str(subkey)[:100]!r}: {error}")
                 continue
+            host = _host(record.address)
+            if per_member[signer] >= MAX_PER_MEMBER or per_host[host] >= MAX_PER_HOST:
+                cap = (f"member {signer}: {MAX_PER_MEMBER}" if per_member[signer] >= MAX_PER_MEMBER
+                       else f"host {host}: {MAX_PER_HOST}")
+                self._problem(f"ignoring announcements beyond the cap per {cap} workers (model {fingerprint})")
+                continue
+            if record.address in records:  # two members naming one address: the first (in subkey order) holds it
+                self._problem(f"ignoring a second announcement of address {record.address} (model {fingerprint})")
+                continue
+            per_member[signer] += 1
+            per_host[host] += 1
             if record.online:
                 records[record.address] = record
         return records
+
+    def _open(self, fingerprint: str, subkey: object, entry: object) -> tuple[str, Announcement]:
+        """(the signer: a member id, or "" unkeyed; the announcement) of one entry; RecordError if it does not count."""
+        value = getattr(entry, "value", None)
+        if self.authority is None:
+            return "", parse_record(subkey, value, fingerprint)
+        from moeswarm.net.discovery_sign import key_id, open_record
+
+        signer, body = open_record(self.authority, key_id(announcement_key(fingerprint)), subkey, value,
+                                   getattr(entry, "expiration_time", 0.0))
+        return signer.member_id, parse_record(body.get("address"), body, fingerprint)
 
     def _problem(self, message: str) -> None:
         message = printable(message, 400)
@@ -121,6 +184,11 @@ class SwarmDht:
     def close(self) -> None:
         """Stop the node (and its p2pd)."""
         self._node.shutdown()
+
+
+def _host(address: str) -> str:
+    """The host a worker spec reaches first (its direct host, else its relay's)."""
+    return address.split("+", 1)[0].removeprefix("relay://").split("/", 1)[0].rpartition(":")[0]
 
 
 def listen_maddr(host: str, port: int) -> str:

@@ -8,6 +8,7 @@ their next look.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import threading
@@ -18,6 +19,7 @@ import torch
 from moeswarm.errors import MoeSwarmError
 from moeswarm.net.discovery import STORE_TIMEOUT_S, SwarmDht
 from moeswarm.net.discovery_record import Announcement
+from moeswarm.net.path import canonical_address
 
 log = logging.getLogger("moeswarm.discovery")
 
@@ -28,7 +30,7 @@ BENCH_TOKENS = 16
 class Announcer:
     def __init__(self, dht: SwarmDht, record: Announcement, ttl_s: float = DEFAULT_TTL_S):
         self.dht = dht
-        self.record = record
+        self.record = dataclasses.replace(record, address=canonical_address(record.address))  # as readers require it
         self.ttl_s = ttl_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh, name="moeswarm-announce", daemon=True)

@@ -40,12 +40,15 @@ class DiscoveryOptions:
     wait_s: the most to wait at start for the announced workers to cover every MoE layer.
     poll_s: how often the announcements are read again.
     report: called with a line while waiting (None: logged).
+    swarm_key: the `--swarm-key` file (the swarm key or a member file): only records signed by the
+        swarm's members count (net/discovery_sign.py); None: an unkeyed swarm.
     """
 
     peers: tuple[str, ...]
     wait_s: float = WAIT_S
     poll_s: float = POLL_S
     report: Callable[[str], None] | None = None
+    swarm_key: str | None = None
 
 
 class MembersLike(Protocol):

@@ -103,7 +103,10 @@ class Following:
 
 def open_dht(options: DiscoveryOptions) -> Following:
     """Join the swarm as a client (before the backbone loads: a bad peer fails fast, the DHT process forks small)."""
-    return Following(SwarmDht.open(options.peers, client=True))
+    from moeswarm.net.member_cert import Authority
+
+    authority = Authority.load(options.swarm_key) if options.swarm_key else None
+    return Following(SwarmDht.open(options.peers, client=True, authority=authority))
 
 
 def follow_swarm(following: Following, options: DiscoveryOptions, links: Sequence[WorkerLink], fingerprint: str,

@@ -134,12 +134,14 @@ def _held(raw: object, num_experts: int) -> dict[int, tuple[int, ...]]:
 
 
 def _check_address(address: str) -> None:
-    from moeswarm.net.path import parse_worker  # the path policy owns the address forms
+    from moeswarm.net.path import canonical_address  # the path policy owns the address forms
 
     try:
-        parse_worker(address)
+        canonical = canonical_address(address)
     except ValueError as error:
         raise RecordError(str(error)) from None
+    if canonical != address:  # respellings of one worker (127.1:07730) would each pass for another
+        raise RecordError(f"address {_short(address)} is not in canonical form ({_short(canonical)})")
 
 
 def _text(value: Mapping, name: str, limit: int) -> str:

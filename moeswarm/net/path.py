@@ -13,6 +13,8 @@ worker answers on it; the relay is for workers behind NAT. The chosen kind, "dir
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import socket
 import ssl
 import time
@@ -42,6 +44,38 @@ def parse_worker(text: str) -> tuple[str | None, str | None]:
             raise ValueError(f"bad worker {text!r}: after '+' comes relay://HOST:PORT/NAME")
         parse_relay_address(relay)
     return direct, relay or None
+
+
+HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?)*")
+
+
+def canonical_address(text: str) -> str:
+    """One spelling per worker spec, so that a record cannot pass for many workers by respelling
+    one: IPv4 in dotted decimal (127.1 and 0x7f000001 are 127.0.0.1), IPv6 compressed, host
+    names in lower case, ports without leading zeros; both routes of a HOST:PORT+relay:// form.
+    ValueError naming the bad text when it is not a worker spec."""
+    direct, relay = parse_worker(text)
+    parts = []
+    if direct is not None:
+        parts.append(_canonical_host_port(direct))
+    if relay is not None:
+        host, port, name = parse_relay_address(relay)
+        parts.append(f"relay://{_canonical_host_port(f'{host}:{port}')}/{name}")
+    return "+".join(parts)
+
+
+def _canonical_host_port(text: str) -> str:
+    host, port = parse_address(text)
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        try:
+            host = socket.inet_ntoa(socket.inet_aton(host))  # the old numeric forms: 127.1, 0x7f000001, 0177.0.0.1
+        except OSError:
+            host = host.lower().rstrip(".")
+            if not HOST_NAME.fullmatch(host):
+                raise ValueError(f"bad address {text!r}: {host!r} is neither an IP address nor a host name") from None
+    return f"{host}:{port}"
 
 
 def probe(address: str, timeout_s: float, tls: ssl.SSLContext | None = None) -> bool:
