@@ -38,6 +38,7 @@ STORE_TIMEOUT_S = 10.0  # the longest one announcement (or its withdrawal) is wa
 MAX_RECORDS = 4096  # announcements read per model; more are ignored (and said so)
 MAX_PER_MEMBER = 16  # a keyed swarm: workers one member may announce per model
 MAX_PER_HOST = 16  # workers announced at one host (its ports): a flood from one machine adds no more
+MAX_CAUSES_LOGGED = 8  # distinct causes of ignored announcements logged per read; then one line counts them all
 UNKEYED_WARNING = ("moeswarm: warning: --swarm without --swarm-key: any peer that reaches the DHT can pose as a "
                    "worker (announce a fake one, or withdraw a real one); give every member a swarm key "
                    "(docs/discovery.md)")
@@ -141,25 +142,31 @@ class SwarmDht:
         records: dict[str, Announcement] = {}
         per_member: Counter[str] = Counter()
         per_host: Counter[str] = Counter()
+        ignored: list[str] = []  # why, per entry left out (a flood must not become as many log lines)
         for subkey, entry in sorted(entries.items(), key=lambda item: str(item[0]))[:MAX_RECORDS]:
             try:
                 signer, record = self._open(fingerprint, subkey, entry)
             except RecordError as error:
-                self._problem(f"ignoring an announcement under {str(subkey)[:100]!r}: {error}")
+                ignored.append(f"ignoring an announcement under {str(subkey)[:100]!r}: {error}")
                 continue
             host = _host(record.address)
-            if per_member[signer] >= MAX_PER_MEMBER or per_host[host] >= MAX_PER_HOST:
-                cap = (f"member {signer}: {MAX_PER_MEMBER}" if per_member[signer] >= MAX_PER_MEMBER
-                       else f"host {host}: {MAX_PER_HOST}")
-                self._problem(f"ignoring announcements beyond the cap per {cap} workers (model {fingerprint})")
-                continue
-            if record.address in records:  # two members naming one address: the first (in subkey order) holds it
-                self._problem(f"ignoring a second announcement of address {record.address} (model {fingerprint})")
-                continue
-            per_member[signer] += 1
-            per_host[host] += 1
-            if record.online:
-                records[record.address] = record
+            if signer and per_member[signer] >= MAX_PER_MEMBER:
+                ignored.append(f"ignoring announcements beyond the cap per member {signer}: {MAX_PER_MEMBER} workers")
+            elif per_host[host] >= MAX_PER_HOST:
+                ignored.append(f"ignoring announcements beyond the cap per host {host}: {MAX_PER_HOST} workers")
+            elif record.address in records:  # two members naming one address: the first (in subkey order) holds it
+                ignored.append(f"ignoring a second announcement of address {record.address}")
+            else:
+                per_member[signer] += 1
+                per_host[host] += 1
+                if record.online:
+                    records[record.address] = record
+        causes = sorted(dict.fromkeys(ignored), key=lambda cause: "cap" not in cause)  # caps first: they say the most
+        for cause in causes[:MAX_CAUSES_LOGGED]:
+            self._problem(f"{cause} (model {fingerprint})")
+        if len(causes) > MAX_CAUSES_LOGGED:
+            self._problem(f"{len(ignored)} announcements of model {fingerprint} ignored in all (the first "
+                          f"{MAX_CAUSES_LOGGED} causes logged)")
         return records
 
     def _open(self, fingerprint: str, subkey: object, entry: object) -> tuple[str, Announcement]:

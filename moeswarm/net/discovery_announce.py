@@ -37,7 +37,9 @@ class Announcer:
 
     def start(self) -> None:
         """Store the record now (MoeSwarmError if no peer takes it), then refresh it every TTL/3."""
-        if not self.dht.store(self.record, self.ttl_s):
+        # hivemind reports the answer of whichever replica answered first: a hostile node saying no
+        # must not stop a worker whose record the others took, so a refusal is checked by reading back
+        if not self.dht.store(self.record, self.ttl_s) and self.record.address not in self.dht.fetch(self.record.fingerprint):
             raise MoeSwarmError("could not announce on the swarm: no DHT peer stored the record")
         self._thread.start()
 

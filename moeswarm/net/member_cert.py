@@ -160,8 +160,9 @@ class Identity:
         self.member_id = member_id(private_key.public_key())
 
     @classmethod
-    def load(cls, key_file: str | os.PathLike) -> "Identity":
-        """A member file's identity; for the swarm key itself, a certificate it issues itself now."""
+    def load(cls, key_file: str | os.PathLike, name: str | None = None) -> "Identity":
+        """A member file's identity; for the swarm key itself, a certificate it issues itself now
+        (named `name`: the swarm key's holder may take any name)."""
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
@@ -169,7 +170,7 @@ class Identity:
         key = _private_key(key_file)
         if isinstance(key, ec.EllipticCurvePrivateKey):  # the swarm key: certify a key of our own
             own = ed25519.Ed25519PrivateKey.generate()
-            name = f"swarm-key-{os.getpid()}"
+            name = name or f"swarm-key-{os.getpid()}"
             certificate = issue(key, _swarm_certificate(certificates, key_file), own.public_key(), name, MEMBER_DAYS)
             return cls(own, certificate.public_bytes(serialization.Encoding.DER), name)
         if not isinstance(key, ed25519.Ed25519PrivateKey) or not certificates:

@@ -1,0 +1,160 @@
+"""Signed membership on the DHT: forged records neither add nor remove a worker; floods stay bounded.
+
+In-process hivemind DHT nodes on loopback: a keyed meeting point (it validates every record it is
+asked to store), an attacker's node (no validator: it stores whatever it likes and answers with it),
+and readers. The attacks are those of issue 27: a fake worker announced without a member key or
+with another swarm's, a record under an honest worker's subkey saying `online: false` with a later
+expiry, a revoked member, and 1,800 records for one fake worker by respelling its address.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+pytest.importorskip("hivemind")
+
+from hivemind.dht.validation import DHTRecord  # noqa: E402
+from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
+
+from moeswarm.net.discovery import MAX_PER_HOST, SwarmDht  # noqa: E402
+from moeswarm.net.discovery_announce import Announcer  # noqa: E402
+from moeswarm.net.discovery_record import Announcement, Capacity, RecordError, announcement_key  # noqa: E402
+from moeswarm.net.discovery_sign import MemberValidator, key_id, member_subkey, open_record, sign_record  # noqa: E402
+from moeswarm.net.member_cert import Authority, Identity, revoke, write_member  # noqa: E402
+from moeswarm.transport.tls import write_swarm_key  # noqa: E402
+
+FINGERPRINT = "f" * 16
+HONEST = "127.0.0.1:7001"
+FAKE = "127.0.0.1:7666"
+
+
+def _record(address: str, online: bool = True) -> Announcement:
+    return Announcement(address=address, fingerprint=FINGERPRINT, model_type="qwen2_moe", num_experts=8, hidden_size=16,
+                        held={0: (0, 1, 2, 3)}, tls=True, capacity=Capacity(4, 64), throughput=1.0, online=online)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    where = tmp_path_factory.mktemp("members")
+    swarm, other = write_swarm_key(where / "swarm.key"), write_swarm_key(where / "other.key")
+    files = {name: write_member(swarm, name, where / f"{name}.pem") for name in ("gpu-1", "gpu-2", "evil")}
+    files["stranger"] = write_member(other, "gpu-1", where / "stranger.pem")  # another swarm's key, the honest name
+    return swarm, files
+
+
+@pytest.fixture(scope="module")
+def keyed(keys):
+    """(the keyed meeting point, announcing as gpu-1; an unkeyed attacker node joined to it; a keyed reader)."""
+    swarm, files = keys
+    meeting = SwarmDht.open([], authority=Authority.load(swarm), identity=Identity.load(files["gpu-1"]))
+    peer = meeting.addresses()[0]
+    attacker = SwarmDht.open([peer])
+    reader = SwarmDht.open([peer], client=True, authority=Authority.load(swarm))
+    yield meeting, attacker, reader
+    for node in (reader, attacker, meeting):
+        node.close()
+
+
+def _forge(attacker: SwarmDht, subkey: str, value: object, ttl_s: float = 120.0) -> None:
+    attacker._node.store(announcement_key(FINGERPRINT), subkey=subkey, value=value,
+                         expiration_time=get_dht_time() + ttl_s)
+
+
+def test_forged_records_neither_add_nor_remove_a_worker(keys, keyed):
+    swarm, files = keys
+    meeting, attacker, reader = keyed
+    honest = Identity.load(files["gpu-1"])
+    assert meeting.store(_record(HONEST), 60)
+    assert set(reader.fetch(FINGERPRINT)) == {HONEST}
+
+    stranger, evil = Identity.load(files["stranger"]), Identity.load(files["evil"])
+    key = announcement_key(FINGERPRINT)
+    expiry = get_dht_time() + 120
+    # a fake worker: unsigned; signed by another swarm's member; signed with the honest certificate but another key
+    _forge(attacker, FAKE, _record(FAKE).to_value())
+    fake_subkey = member_subkey(stranger.member_id, FAKE)
+    attacker._node.store(key, subkey=fake_subkey, expiration_time=expiry,
+                         value=sign_record(stranger, key, fake_subkey, _record(FAKE).to_value(), expiry))
+    # the honest worker withdrawn, with a later expiry: by a member of the swarm, and with its own certificate copied
+    withdrawn = _record(HONEST, online=False).to_value()
+    honest_subkey = member_subkey(honest.member_id, HONEST)
+    attacker._node.store(key, subkey=honest_subkey, expiration_time=expiry,
+                         value=sign_record(evil, key, honest_subkey, withdrawn, expiry))
+    copied = sign_record(evil, key, honest_subkey, withdrawn, expiry) | {"cert": honest.certificate_der}
+    attacker._node.store(key, subkey=honest_subkey, value=copied, expiration_time=expiry)
+    # and a member's own valid record replayed with a later expiry than it signed
+    replayed = sign_record(evil, key, member_subkey(evil.member_id, FAKE), _record(FAKE).to_value(), expiry - 60)
+    attacker._node.store(key, subkey=member_subkey(evil.member_id, FAKE), value=replayed, expiration_time=expiry)
+
+    for _ in range(3):  # several reads: the attacker's node answers some of them
+        records = reader.fetch(FINGERPRINT)
+        assert set(records) == {HONEST} and records[HONEST].online
+    announcer = Announcer(meeting, _record(HONEST), 60)
+    announcer.start()  # the honest worker can still announce itself (the attacker's node refuses it: read back)
+    assert set(reader.fetch(FINGERPRINT)) == {HONEST}
+    announcer.stop()  # and withdraw itself: only the signer of a subkey replaces it
+    assert reader.fetch(FINGERPRINT) == {}
+    # what every keyed node says of each forgery (in its DHT process's log, once per cause)
+    authority, key_bytes = Authority.load(swarm), key_id(key)
+    forgeries = [
+        (FAKE, _record(FAKE).to_value(), "subkey '127.0.0.1:7666' is not MEMBER_ID@ADDRESS"),
+        (fake_subkey, sign_record(stranger, key, fake_subkey, _record(FAKE).to_value(), expiry),
+         "certificate not signed by this swarm's key"),
+        (honest_subkey, sign_record(evil, key, honest_subkey, withdrawn, expiry),
+         f"stored under member {honest.member_id} by member {evil.member_id} ('evil'): only a subkey's member may write it"),
+        (honest_subkey, copied, "bad signature (member 'gpu-1')"),
+        (member_subkey(evil.member_id, FAKE), replayed, "bad signature (member 'evil')"),
+    ]
+    for subkey, value, error in forgeries:
+        with pytest.raises(RecordError) as refused:
+            open_record(authority, key_bytes, subkey, value, expiry)
+        assert str(refused.value) == error
+        assert not MemberValidator(authority).validate(
+            DHTRecord(key_bytes, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiry))
+
+
+def test_a_revoked_member_is_dropped_by_readers(keys, keyed, caplog):
+    swarm, files = keys
+    meeting, _, reader = keyed
+    second = SwarmDht.open(meeting.addresses(), authority=Authority.load(swarm), identity=Identity.load(files["gpu-2"]))
+    try:
+        assert second.store(_record("127.0.0.1:7002"), 60)
+        assert meeting.store(_record(HONEST), 60)
+        assert set(reader.fetch(FINGERPRINT)) == {HONEST, "127.0.0.1:7002"}
+        revoke(swarm, files["gpu-2"])
+        time.sleep(1.1)  # the list is re-read at most once a second
+        with caplog.at_level(logging.WARNING, logger="moeswarm.discovery"):
+            assert set(reader.fetch(FINGERPRINT)) == {HONEST}
+        assert "member 'gpu-2' (serial " in caplog.text and ") is revoked" in caplog.text
+    finally:
+        second.close()
+        (swarm.parent / "swarm.key.revoked").unlink()
+
+
+def test_respelled_and_flooded_addresses_add_one_bounded_set_of_workers(caplog):
+    """Unkeyed (the flood needs no key): 1,800 records for one fake worker, its address respelled
+    (127.1:7730, 0x7f000001:07730, ...), add nothing; 200 records on distinct ports of one host add
+    MAX_PER_HOST workers."""
+    meeting = SwarmDht.open([])
+    try:
+        hosts = ["127.1", "127.0.1", "0x7f000001", "0x7f.1", "0177.1", "2130706433", "0177.0.0.1", "127.0.0.01", "0x7F000001"]
+        spellings = [f"{host}:{'0' * zeros}7730" for zeros in range(200) for host in hosts][:1800]
+        ports = [f"127.0.0.1:{8000 + i}" for i in range(200)]
+        pending = [meeting._node.store(announcement_key(FINGERPRINT), subkey=address,
+                                       value=_record(address).to_value(), expiration_time=get_dht_time() + 120,
+                                       return_future=True) for address in spellings + ports]
+        assert all(future.result(timeout=60) for future in pending)
+        with caplog.at_level(logging.WARNING, logger="moeswarm.discovery"):
+            records = meeting.fetch(FINGERPRINT)
+        assert len(records) == MAX_PER_HOST and set(records) <= set(ports)
+        lines = caplog.text.splitlines()
+        assert any("is not in canonical form ('127.0.0.1:7730') (model ffffffffffffffff)" in line for line in lines)
+        assert lines[-1].endswith(f"{1800 + 200 - MAX_PER_HOST} announcements of model {FINGERPRINT} ignored in all "
+                                  "(the first 8 causes logged)")
+        assert len(lines) == 9  # the flood logs 9 lines, not 1,984
+        assert f"ignoring announcements beyond the cap per host 127.0.0.1: {MAX_PER_HOST} workers" in caplog.text
+    finally:
+        meeting.close()
