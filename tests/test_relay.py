@@ -103,7 +103,8 @@ def test_worker_specs_parse_or_name_what_is_wrong():
 
 def test_the_relay_refuses_bad_requests_in_one_line_and_keeps_serving():
     limits = RelayLimits(max_idle_per_name=1, wait_for_worker_s=0.2, handshake_timeout_s=0.5)
-    with relay_thread(RelayServer(limits)) as where:
+    relay = RelayServer(limits)
+    with relay_thread(relay) as where:
         host, port = where.rsplit(":", 1)
 
         def ask(raw: bytes) -> bytes:
@@ -113,10 +114,14 @@ def test_the_relay_refuses_bad_requests_in_one_line_and_keeps_serving():
 
         assert ask(b"GET / HTTP/1.1\r\n\r\n") == b"E\x00\x28not a moeswarm relay request (bad magic)"
         assert ask(MAGIC)[3:] == b"no relay request within 0.5 s"  # a partial request times out
-        with socket.create_connection((host, int(port)), timeout=5) as idle:
+        with socket.create_connection((host, int(port)), timeout=5) as idle, \
+                socket.create_connection((host, int(port)), timeout=5) as newer:
             idle.sendall(encode_request(b"W", "w1"))
             assert idle.recv(1) == b"K"
-            assert ask(encode_request(b"W", "w1"))[3:] == b"worker w1 already has 1 idle connections here"
+            newer.sendall(encode_request(b"W", "w1"))  # the name is full: its owner's newest replaces its oldest
+            assert newer.recv(1) == b"K"
+            assert idle.recv(1) == b""  # closed by the relay
+            assert relay.idle_counts() == {"w1": 1}
         link = RelayLink(f"relay://{where}/ghost")
         with pytest.raises(WorkerError, match="no worker named ghost is registered at this relay"):
             link.connect("fingerprint")

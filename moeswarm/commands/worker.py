@@ -118,15 +118,14 @@ def limits_from(args: argparse.Namespace):
 async def _attach_relay(args: argparse.Namespace, server, serving: asyncio.Task) -> tuple[asyncio.Task, str]:
     """Register at the relay: (the task keeping the pool, the route relay://HOST:PORT/NAME). RelayError, and
     the server closed, when the first registration fails."""
-    import secrets
-
-    from moeswarm.net.relay_worker import RelayAttachment
+    from moeswarm.net.relay_worker import RelayAttachment, relay_identity
 
     if not args.swarm_key:
         print("moeswarm worker: warning: --relay without --swarm-key: the relay, and anyone on its paths, can read and "
               "alter the hidden states, and any backbone that knows the name can use this worker", file=sys.stderr,
               flush=True)
-    attachment = RelayAttachment(server, args.relay, args.relay_name or f"w-{secrets.token_hex(6)}", args.relay_pool)
+    name, identity = relay_identity(args.swarm_key, args.relay_name)  # a keyed relay asks for the member key
+    attachment = RelayAttachment(server, args.relay, name, args.relay_pool, identity)
     relaying = asyncio.create_task(attachment.run())
     try:
         await attachment.wait_registered(timeout_s=15.0)

@@ -13,6 +13,16 @@ worker's registered connection it later sends "A" (keepalive, every few seconds 
 at last "P": a backbone was spliced to this connection; every byte after "P" is the backbone's.
 On a backbone's connection every byte after "K" is the worker's.
 
+A keyed relay (`moeswarm relay --swarm-key`) asks a worker to prove its member key before it
+registers the name: to role "W" it answers "C" and a 32-byte random challenge, and the worker
+sends its member certificate and a signature of the challenge:
+
+    certificate length C (2 bytes, big-endian, 1..2048) | certificate (C bytes, DER) | signature (64 bytes, Ed25519)
+
+over CHALLENGE_DOMAIN | challenge | name. The relay registers the name only when the certificate
+was issued by the swarm key, is not revoked, names NAME (a member registers its own name only),
+and the signature holds; then "K", else "E" and the reason.
+
 After the handshake the relay copies bytes both ways and never reads them: the backbone and the
 worker run TLS (the swarm key) and the moeswarm protocol end to end through the pipe.
 Everything here is read with exact sizes (never more than the handshake), so no byte of the
@@ -33,6 +43,11 @@ OK = b"K"
 ERROR = b"E"
 PAIRED = b"P"
 KEEPALIVE = b"A"
+CHALLENGE = b"C"
+CHALLENGE_BYTES = 32
+CHALLENGE_DOMAIN = b"moeswarm-relay/1"
+SIGNATURE_BYTES = 64
+MAX_CERTIFICATE = 2048
 REQUEST_HEAD = len(MAGIC) + 2  # magic, role, name length
 MAX_NAME = 64
 MAX_ERROR = 512
@@ -71,6 +86,24 @@ def parse_name(raw: bytes) -> str:
     if not NAME.fullmatch(raw):
         raise RelayError(f"bad relay name {printable(raw.decode('utf-8', 'replace'))!r}: expected A-Z a-z 0-9 . _ -")
     return raw.decode("ascii")
+
+
+def challenge_bytes(challenge: bytes, name: str) -> bytes:
+    """What a worker signs to register `name` (bound to this challenge: a proof is good once)."""
+    return CHALLENGE_DOMAIN + challenge + name.encode("ascii")
+
+
+def encode_proof(certificate_der: bytes, signature: bytes) -> bytes:
+    if not 0 < len(certificate_der) <= MAX_CERTIFICATE or len(signature) != SIGNATURE_BYTES:
+        raise RelayError("a member certificate of 1 to 2048 bytes and a 64-byte signature")
+    return struct.pack(">H", len(certificate_der)) + certificate_der + signature
+
+
+def parse_proof_length(raw: bytes) -> int:
+    (length,) = struct.unpack(">H", raw)
+    if not 0 < length <= MAX_CERTIFICATE:
+        raise RelayError(f"member certificate of {length} bytes (expected 1 to {MAX_CERTIFICATE})")
+    return length
 
 
 def encode_error(message: str) -> bytes:

@@ -8,8 +8,18 @@ ways without reading them. TLS with the swarm key runs end to end through the pi
 alters breaks the TLS record and the connection, never a result.
 
 Everything a peer can make the relay hold is bounded (RelayLimits): open connections, names,
-idle connections per name, the time a handshake may take, the time a backbone waits for an idle
-connection, and the time a pipe may carry nothing. The relay never learns the swarm key.
+names per host, idle connections and pipes per name, the time a handshake may take, the time a
+backbone waits for an idle connection, and the time a pipe may carry nothing. The relay never
+learns the swarm key.
+
+Names are bound. A keyed relay (`authority`: the swarm's certificate, net/member_cert.py)
+registers a name only for the member whose certificate names it, proven by a signed challenge
+(net/relay_protocol.py): a peer without that member's key cannot register it at all. A name in
+use (idle connections or pipes) is bound to its owner (the member; unkeyed, the peer's host), so
+nobody else can add connections under it while it is held; the owner's newest registration
+replaces its oldest idle one when the name is full (a restarted worker is not locked out by its
+own stale connections). An unkeyed relay can only bind names to hosts: the first host to register
+a name holds it while it is in use, which is why `moeswarm relay` warns without a key.
 """
 
 from __future__ import annotations
@@ -17,13 +27,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass, field
 
 from moeswarm.errors import printable
-from moeswarm.net.relay_protocol import (KEEPALIVE, OK, PAIRED, REQUEST_HEAD, ROLE_WORKER, RelayError, encode_error,
-                                         parse_name, parse_request_head)
+from moeswarm.net.member_cert import Authority, CertError
+from moeswarm.net.relay_protocol import (CHALLENGE, CHALLENGE_BYTES, KEEPALIVE, OK, PAIRED, REQUEST_HEAD, ROLE_WORKER,
+                                         SIGNATURE_BYTES, RelayError, challenge_bytes, encode_error, parse_name,
+                                         parse_proof_length, parse_request_head)
 
 log = logging.getLogger("moeswarm.relay")
 
@@ -35,6 +48,8 @@ class RelayLimits:
     max_connections: int = 1024  # open TCP connections, idle, spliced or in their handshake
     max_names: int = 256  # distinct worker names with idle connections
     max_idle_per_name: int = 8  # idle connections one name may keep registered
+    max_pipes_per_name: int = 64  # spliced pipes to one name at once
+    max_names_per_host: int = 16  # names registered from one host (IP address) at once
     handshake_timeout_s: float = 10.0  # from accept to a whole request
     wait_for_worker_s: float = 5.0  # a backbone waits this long for the named worker's idle connection
     keepalive_s: float = 15.0  # a byte to each idle worker connection this often (NAT mappings stay open)
@@ -46,6 +61,7 @@ class _Idle:
     """A worker's registered connection, waiting for a backbone."""
 
     name: str
+    owner: str  # "member ID" (keyed) or "host H" (unkeyed): who the name is bound to
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     taken: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -62,10 +78,15 @@ class RelayStats:
 
 
 class RelayServer:
-    def __init__(self, limits: RelayLimits | None = None):
+    def __init__(self, limits: RelayLimits | None = None, authority: Authority | None = None):
+        """authority: the swarm's certificate; registering a name then takes that member's key."""
         self.limits = limits or RelayLimits()
+        self.authority = authority
         self.stats = RelayStats()
         self._idle: dict[str, collections.deque[_Idle]] = {}
+        self._bound: dict[str, tuple[str, str]] = {}  # name in use -> (owner, host it registered from)
+        self._host_names: dict[str, set[str]] = {}  # host -> names in use it registered
+        self._pipes: collections.Counter[str] = collections.Counter()  # name -> spliced pipes now
         self._registered = asyncio.Condition()
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -104,14 +125,18 @@ class RelayServer:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = printable(str(writer.get_extra_info("peername")))
+        peername = writer.get_extra_info("peername")
+        peer = printable(str(peername))
+        host = str(peername[0]) if isinstance(peername, tuple) and peername else "?"
         keep_open = False
         try:
             if self.stats.connections > self.limits.max_connections:
                 raise RelayError(f"relay busy: {self.limits.max_connections} connections open; retry later")
+            deadline = time.monotonic() + self.limits.handshake_timeout_s
             role, name = await asyncio.wait_for(self._read_request(reader), self.limits.handshake_timeout_s)
             if role == ROLE_WORKER:
-                keep_open = await self._register(name, reader, writer)
+                owner = await asyncio.wait_for(self._prove(name, host, reader, writer), max(deadline - time.monotonic(), 0))
+                keep_open = await self._register(name, owner, host, reader, writer)
             else:
                 await self._connect(name, reader, writer)
         except asyncio.TimeoutError:
@@ -136,15 +161,45 @@ class RelayServer:
         role, length = parse_request_head(await reader.readexactly(REQUEST_HEAD))
         return role, parse_name(await reader.readexactly(length))
 
-    async def _register(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _prove(self, name: str, host: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+        """Who registers `name`: the member whose key answers the challenge (keyed), else the peer's host."""
+        if self.authority is None:
+            return f"host {host}"
+        challenge = os.urandom(CHALLENGE_BYTES)
+        writer.write(CHALLENGE + challenge)
+        certificate = await reader.readexactly(parse_proof_length(await reader.readexactly(2)))
+        signature = await reader.readexactly(SIGNATURE_BYTES)
+        try:
+            member = self.authority.check(certificate)
+        except CertError as error:
+            raise RelayError(f"cannot register {name}: {error}") from None
+        if member.name != name:
+            raise RelayError(f"cannot register {name}: the member certificate names {printable(member.name)!r} "
+                             "(a member registers its own name only)")
+        if not member.verify(signature, challenge_bytes(challenge, name)):
+            raise RelayError(f"cannot register {name}: the signature does not match the member certificate")
+        return f"member {member.member_id}"
+
+    async def _register(self, name: str, owner: str, host: str, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> bool:
         """Hold a worker's idle connection until a backbone takes it (True: the pipe owns it now)."""
-        queue = self._idle.get(name)
-        if queue is None and len(self._idle) >= self.limits.max_names:
-            raise RelayError(f"relay full: {self.limits.max_names} worker names registered")
-        if queue is not None and len(queue) >= self.limits.max_idle_per_name:
-            raise RelayError(f"worker {name} already has {self.limits.max_idle_per_name} idle connections here")
-        idle = _Idle(name, reader, writer)
-        self._idle.setdefault(name, collections.deque()).append(idle)
+        bound = self._bound.get(name)
+        if bound is not None and bound[0] != owner:
+            raise RelayError(f"name {name} is in use by another {bound[0].split()[0]}: a registered worker is not displaced")
+        if bound is None:
+            if len(self._bound) >= self.limits.max_names:
+                raise RelayError(f"relay full: {self.limits.max_names} worker names registered")
+            if len(self._host_names.get(host, ())) >= self.limits.max_names_per_host:
+                raise RelayError(f"host {host} already registered {self.limits.max_names_per_host} names here")
+            self._bound[name] = (owner, host)
+            self._host_names.setdefault(host, set()).add(name)
+        queue = self._idle.setdefault(name, collections.deque())
+        if len(queue) >= self.limits.max_idle_per_name:  # the owner's own stale ones: the oldest gives way
+            oldest = queue.popleft()
+            log.info("worker %s: a new registration replaces the oldest of %d idle connections", name, len(queue) + 1)
+            oldest.writer.transport.abort()
+        idle = _Idle(name, owner, reader, writer)
+        queue.append(idle)
         writer.write(OK)
         async with self._registered:
             self._registered.notify_all()
@@ -172,9 +227,22 @@ class RelayServer:
             queue.remove(idle)
             if not queue:
                 del self._idle[idle.name]
+        self._unbind(idle.name)
+
+    def _unbind(self, name: str) -> None:
+        """Free `name` for anyone once it has neither idle connections nor pipes."""
+        if self._idle.get(name) or self._pipes[name] or name not in self._bound:
+            return
+        _, host = self._bound.pop(name)
+        self._pipes.pop(name, None)
+        names = self._host_names.get(host)
+        if names is not None:
+            names.discard(name)
+            if not names:
+                del self._host_names[host]
 
     async def _take(self, name: str) -> _Idle:
-        """The oldest idle connection of `name`, waiting for one a short while."""
+        """The newest idle connection of `name` (the likeliest alive), waiting for one a short while."""
         def available() -> bool:
             return bool(self._idle.get(name))
 
@@ -183,14 +251,18 @@ class RelayServer:
                 await asyncio.wait_for(self._registered.wait_for(available), self.limits.wait_for_worker_s)
             except asyncio.TimeoutError:
                 raise RelayError(f"no worker named {name} is registered at this relay") from None
-        idle = self._idle[name].popleft()
+        idle = self._idle[name].pop()
         if not self._idle[name]:
             del self._idle[name]
         idle.taken.set_result(None)
         return idle
 
     async def _connect(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._pipes[name] >= self.limits.max_pipes_per_name:
+            raise RelayError(f"worker {name} already has {self.limits.max_pipes_per_name} pipes through this relay; "
+                             "retry later")
         worker = await self._take(name)
+        self._pipes[name] += 1
         worker.writer.write(PAIRED)  # before any byte of the backbone's: the worker starts TLS after it
         writer.write(OK)
         self.stats.pipes += 1
@@ -201,6 +273,8 @@ class RelayServer:
             await self._splice(reader, writer, worker.reader, worker.writer)
         finally:
             self.stats.pipes -= 1
+            self._pipes[name] -= 1
+            self._unbind(name)
             self.stats.connections -= 1  # the worker's connection, kept open by its own task's end
             worker.writer.transport.abort()
 

@@ -6,6 +6,10 @@ When a backbone takes one (the relay sends "P"), the connection is handed to the
 as if it had been accepted: TLS server side with the swarm key, then the moeswarm protocol, end to
 end with the backbone through the relay. A new idle connection replaces it at once.
 
+At a keyed relay the registration proves the worker's member key (net/relay_protocol.py): the
+relay's challenge is signed with `identity` (net/member_cert.py), whose certificate must name the
+registered name.
+
 A connection that fails (relay down, refused, silent past the keepalive) is opened again after a
 backoff (0.5 s doubling to 30 s); the first failure of a run and each change of cause are logged.
 """
@@ -14,14 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 from typing import TYPE_CHECKING
 
 from moeswarm.errors import printable
-from moeswarm.net.relay_protocol import (ERROR, KEEPALIVE, OK, PAIRED, ROLE_WORKER, RelayError, encode_request,
-                                         error_text, parse_error_length)
+from moeswarm.net.relay_protocol import (CHALLENGE, CHALLENGE_BYTES, ERROR, KEEPALIVE, OK, PAIRED, ROLE_WORKER,
+                                         RelayError, challenge_bytes, encode_proof, encode_request, error_text,
+                                         parse_error_length)
 
 if TYPE_CHECKING:
+    from moeswarm.net.member_cert import Identity
     from moeswarm.worker.server import WorkerServer
 
 log = logging.getLogger("moeswarm.worker")
@@ -31,9 +38,23 @@ SILENCE_S = 60.0  # the relay sends a keepalive every 15 s by default: silence t
 BACKOFF_S = (0.5, 30.0)
 
 
+def relay_identity(key_file: str | None, name: str | None) -> tuple[str, Identity | None]:
+    """(the name to register, the member key proving it) for `--swarm-key` and `--relay-name`: a
+    member file registers its member's name by default; the swarm key itself may take any name;
+    without a key, `name` or a random one, unproven."""
+    if not key_file:
+        return name or f"w-{secrets.token_hex(6)}", None
+    from moeswarm.net.member_cert import Identity
+
+    identity = Identity.load(key_file, name=name or f"w-{secrets.token_hex(6)}")
+    return name or identity.name, identity
+
+
 class RelayAttachment:
-    def __init__(self, server: WorkerServer, relay: tuple[str, int], name: str, pool: int = 2):
+    def __init__(self, server: WorkerServer, relay: tuple[str, int], name: str, pool: int = 2,
+                 identity: Identity | None = None):
         self.server = server
+        self.identity = identity  # the member key a keyed relay asks for
         self.relay = relay
         self.name = name
         self.pool = pool
@@ -100,6 +121,13 @@ class RelayAttachment:
             await asyncio.wait_for(loop.sock_connect(sock, self.relay), CONNECT_TIMEOUT_S)
             await loop.sock_sendall(sock, encode_request(ROLE_WORKER, self.name))
             status = await asyncio.wait_for(_read_exactly(sock, 1), CONNECT_TIMEOUT_S)
+            if status == CHALLENGE:  # a keyed relay: prove the member key the name is bound to
+                challenge = await asyncio.wait_for(_read_exactly(sock, CHALLENGE_BYTES), CONNECT_TIMEOUT_S)
+                if self.identity is None:
+                    raise RelayError("the relay registers members of a keyed swarm only: give --swarm-key")
+                signature = self.identity.sign(challenge_bytes(challenge, self.name))
+                await loop.sock_sendall(sock, encode_proof(self.identity.certificate_der, signature))
+                status = await asyncio.wait_for(_read_exactly(sock, 1), CONNECT_TIMEOUT_S)
             if status == ERROR:
                 raise RelayError(f"relay refused: {await _read_error(sock)}")
             if status != OK:
