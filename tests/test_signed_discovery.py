@@ -158,3 +158,75 @@ def test_respelled_and_flooded_addresses_add_one_bounded_set_of_workers(caplog):
         assert f"ignoring announcements beyond the cap per host 127.0.0.1: {MAX_PER_HOST} workers" in caplog.text
     finally:
         meeting.close()
+
+
+def test_a_keyed_swarm_uses_the_signed_worker_and_never_the_forged_one(qwen2_moe, keys, tmp_path):
+    """Real processes: a worker announcing with its member file; an attacker's node storing a signed-
+    looking record of a fake worker (a listening socket that counts who dials it) and the honest
+    worker withdrawn with a later expiry. The backbone joins the honest worker only, never dials the
+    fake one, and generates exactly what local eager does."""
+    import socket
+    import threading
+
+    import torch
+
+    from moeswarm.generation.stepper import Stepper
+    from moeswarm.local_workers import spawn_worker, stop
+    from moeswarm.model.loading import load_local
+    from moeswarm.model.source import open_source
+    from moeswarm.net.discovery_follow import DiscoveryOptions
+    from moeswarm.swarm import open_swarm
+    from moeswarm.transport.tls import client_context
+
+    swarm, files = keys
+    source = open_source(qwen2_moe)
+    meeting = SwarmDht.open([], authority=Authority.load(swarm), identity=Identity.load(swarm))
+    peer = meeting.addresses()[0]
+    attacker = SwarmDht.open([peer])
+    fake = socket.create_server(("127.0.0.1", 0))
+    dialled = []
+    threading.Thread(target=lambda: dialled.append(fake.accept()), daemon=True).start()
+    worker = spawn_worker(qwen2_moe, list(range(8)), extra_args=["--swarm", peer, "--swarm-key", str(files["gpu-1"])])
+    try:
+        line = ""
+        while "announced on the swarm as " not in line:
+            line = worker.stdout.readline()
+            assert line, worker.stderr.read()[-2000:]
+        honest_address = line.split("announced on the swarm as ", 1)[1].split()[0]
+        honest, evil = Identity.load(files["gpu-1"]), Identity.load(files["evil"])
+        key, expiry = announcement_key(source.fingerprint), get_dht_time() + 300
+        fake_address = "127.0.0.1:%d" % fake.getsockname()[1]
+        config = source.config
+        fake_record = Announcement(address=fake_address, fingerprint=source.fingerprint, model_type="qwen2_moe",
+                                   num_experts=config.num_experts, hidden_size=config.hidden_size,
+                                   held={layer: tuple(range(8)) for layer in range(config.num_hidden_layers)}, tls=True,
+                                   capacity=Capacity(4, 64), throughput=1e9)
+        forged = [(member_subkey(evil.member_id, honest_address),  # a member posing at the honest address
+                   fake_record.to_value() | {"address": honest_address}),
+                  (member_subkey(honest.member_id, honest_address), fake_record.offline().to_value() | {"address": honest_address}),
+                  (member_subkey(honest.member_id, fake_address), fake_record.to_value())]
+        for subkey, value in forged:
+            signed = sign_record(evil, key, subkey, value, expiry)
+            attacker._node.store(key, subkey=subkey, value=signed | {"cert": honest.certificate_der}, expiration_time=expiry)
+        _forge(attacker, fake_address, fake_record.to_value())
+        attacker._node.store(key, subkey=fake_address, value=fake_record.to_value(), expiration_time=expiry)
+
+        local = Stepper(load_local(qwen2_moe))
+        options = DiscoveryOptions((peer,), wait_s=120.0, poll_s=0.5, swarm_key=str(files["gpu-2"]))
+        with open_swarm(qwen2_moe, [], discovery=options, tls=client_context(files["gpu-2"])) as opened:
+            assert opened.members() == [honest_address]
+            remote = Stepper(opened.model)
+            tokens = [5, 17, 42, 9]
+            for _ in range(4):
+                got, want = remote.forward(tokens), local.forward(tokens)
+                assert torch.equal(got, want)
+                tokens = [int(want[-1].argmax())]
+            time.sleep(1.5)  # three more polls of the DHT: still only the honest worker
+            assert opened.members() == [honest_address]
+            assert all(set(call.worker_seconds) == {honest_address} for call in opened.layer_calls())
+        assert dialled == []  # the fake worker was never even dialled
+    finally:
+        stop([worker])
+        fake.close()
+        attacker.close()
+        meeting.close()
