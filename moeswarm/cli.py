@@ -94,7 +94,16 @@ def _command_module(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        status = _main(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+        return status
+    except BrokenPipeError:  # `moeswarm info M | head`: the reader is gone, so is the rest of the output
+        _silence_stdout()
+        return 141  # as a shell reports a command ended by SIGPIPE
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser(argv).parse_args(argv)
     from moeswarm.commands._setup import quiet_transformers
 
@@ -110,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"moeswarm {args.command}: error: {one_line(error)}", file=sys.stderr)
         return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush does not fail on the closed pipe too."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

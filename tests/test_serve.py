@@ -91,6 +91,7 @@ def _stream_text(client, prompt: str, max_tokens: int, **options) -> tuple[str, 
 def test_concurrent_greedy_streams_equal_each_prompt_run_alone(trained_server, client, alone):
     before_steps = trained_server.metric("moeswarm_steps_total")
     before_trips = trained_server.metric("moeswarm_step_round_trips_sum")
+    before_groups = trained_server.metric("moeswarm_step_groups_sum")
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = list(pool.map(lambda p: _stream_text(client, p, 16, temperature=0), PROMPTS))
     for prompt, (text, finish) in zip(PROMPTS, results):
@@ -99,7 +100,9 @@ def test_concurrent_greedy_streams_equal_each_prompt_run_alone(trained_server, c
     steps = trained_server.metric("moeswarm_steps_total") - before_steps
     trips = trained_server.metric("moeswarm_step_round_trips_sum") - before_trips
     assert 0 < steps < 4 * 16  # requests shared steps
-    assert trips == 6 * steps  # one round trip per MoE layer per step, whatever the number of requests
+    groups = trained_server.metric("moeswarm_step_groups_sum") - before_groups
+    assert steps < groups <= 2 * steps  # two batches in flight (serve/turns.py) once two requests run
+    assert trips == 6 * groups  # one round trip per MoE layer per group, whatever the number of requests
     assert trained_server.metric("moeswarm_check_local_logits_total") > 0
     assert trained_server.metric("moeswarm_check_local_mismatched_logits_total") == 0
 
@@ -195,7 +198,11 @@ def _post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 64}, 400, "context"),
     ("/v1/completions", {"model": "tiny", "prompt": "y" * 80}, 400, "context"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 3}, 400, "n=1"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 17}, 400, "from 1 to 16"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, 400, "chat template"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
     add("--workers", default=None, type=_workers, help="comma-separated HOST:PORT list (or find them with --swarm; neither: the local mode, every expert in this process)")
     add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    add("--port", type=_port, default=8080, help="TCP port to listen on")
+    add("--port", type=port, default=8080, help="TCP port to listen on (0: any free one, printed at start)")
     add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     add("--model-name", default=None, help="the model's id in the API (default: the model's directory or file name)")
     add("--wire", choices=tuple(PRESETS), default="exact", help="wire preset: exact (bit-identical) or wan (docs/wire.md)")
@@ -60,9 +60,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "(moeswarm_check_local_mismatched_logits in /metrics)")
     add("--threads", type=positive, default=None, help="CPU threads of the backbone, torch's and the kernels' (default: every core: the backbone and its workers take turns)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")
+    _add_http_flags(parser)
     _defaults_from_environment(parser)
     add_backbone_dtype(parser)
     add_quiet(parser)
+
+
+# -- the HTTP side's flags: requests, their defaults and limits (not the swarm's) ----------------------------
+
+def _add_http_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("HTTP API")
+    add = group.add_argument
+    add("--chat-template", default=None, metavar="FILE|NAME",
+        help="the chat template of /v1/chat/completions: a Jinja file, or chatml (default: the model's own)")
+    add("--max-tokens", type=positive, default=None, metavar="N",
+        help="a request's max_tokens when it gives none (default: 16 for completions, as OpenAI; chat: until the context is full)")
+    add("--cors-origins", default=None, metavar="ORIGINS",
+        help="comma-separated origins a browser page may call the API from (* for any; default: none)")
+    add("--max-queue", type=non_negative, default=256, metavar="N",
+        help="requests waiting for a slot; past that, 429 with Retry-After")
+    add("--max-connections", type=positive, default=512, metavar="N",
+        help="open HTTP connections; one past that is closed as soon as it is accepted")
+    add("--header-timeout", type=seconds, default=10.0, metavar="SECONDS",
+        help="a request's headers must arrive within this (from the connection or the previous response)")
+    add("--body-timeout", type=seconds, default=30.0, metavar="SECONDS",
+        help="a request's body must arrive within this after its headers")
 
 
 def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.model.source import open_source
     from moeswarm.serve.api import ServeState, create_app
     from moeswarm.serve.engine import EngineConfig
+    from moeswarm.serve.chat import read_chat_template
+    from moeswarm.serve.http_limits import limited_protocol, redact_access_log
     from moeswarm.serve.loader import Backend, load
     from moeswarm.wire.config import WireConfig
     from moeswarm.worker.listen import check_can_listen
@@ -106,14 +130,22 @@ def run(args: argparse.Namespace) -> int:
     context = args.ctx_size or positions or 4096
     if positions is not None and context > positions:
         raise MoeSwarmError(f"--ctx-size {context} is more than the model's {positions} positions (max_position_embeddings)")
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     check_can_listen(args.host, args.port)
     set_backbone_threads(args.threads)
     apply_backbone_dtype(args)
     engine = EngineConfig(context, args.max_batch, args.speculate, args.prefill_chunk, args.step_tokens, args.cache_slots,
                           draft=args.draft)
-    state = ServeState(args.model_name or _model_name(source.path), args.api_key)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+    state = ServeState(args.model_name or _model_name(source.path), args.api_key, default_max_tokens=args.max_tokens,
+                       max_queue=args.max_queue)
+    origins = [o.strip() for o in (args.cors_origins or "").split(",") if o.strip()]
+    config = uvicorn.Config(create_app(state, origins), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5,
+                            http=limited_protocol(args.header_timeout, args.body_timeout, args.max_connections))
+    redact_access_log()
+    listener = config.bind_socket()
+    print(f"moeswarm serve: listening on http://{args.host}:{listener.getsockname()[1]}", flush=True)
+    server = uvicorn.Server(config)
     fatal: list[str] = []
 
     def on_fatal(message: str) -> None:
@@ -125,10 +157,11 @@ def run(args: argparse.Namespace) -> int:
                      "tls": client_tls(args.swarm_key)}
     swarm_options["local_experts"] = resolve_local_experts(args, source)
     swarm_options["discovery"] = discovery_options(args, report=lambda line: setattr(state, "loading", line))
-    backend = Backend(source, args.workers or [], wire, args.fanout, engine, args.check_local, swarm_options)
+    backend = Backend(source, args.workers or [], wire, args.fanout, engine, args.check_local, swarm_options,
+                      chat_template)
     threading.Thread(target=load, args=(state, backend, on_fatal), name="moeswarm-load", daemon=True).start()
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         if state.engine is not None:
             state.engine.stop()
@@ -145,10 +178,3 @@ def _model_name(path) -> str:
     if path.suffix == ".gguf":
         return path.stem
     return path.parent.name if path.name == "hf" else path.name  # models/pymoe/hf -> pymoe
-
-
-def _port(text: str) -> int:
-    value = port(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("give the port to listen on (1 to 65535): clients need to know it")
-    return value

@@ -7,12 +7,13 @@ is OpenAI's shape with the right status; nothing a client sends can end the serv
 
 from __future__ import annotations
 
-import asyncio
+import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -23,12 +24,14 @@ from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.chat import NoChatTemplate, chat_prompt
 from moeswarm.serve.dashboard import PAGE, dashboard_data
 from moeswarm.serve.engine import Engine
-from moeswarm.serve.job import Delta, Failed, Finished, Job
 from moeswarm.serve.metrics import ServeMetrics
-from moeswarm.serve.responses import APIError, Shapes, error_body, sse
-from moeswarm.serve.schemas import ChatRequest, CompletionRequest, Sampling
+from moeswarm.serve.responses import APIError, Shapes, error_body
+from moeswarm.serve.runs import Ask, Prompt, Run
+from moeswarm.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling, TokenizeRequest
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions
+RETRY_AFTER_S = 1
 OPEN_ROUTES = ("/health", "/")  # answered without the API key (the page holds no data: it fetches /v1/dashboard)
 
 
@@ -42,29 +45,23 @@ class ServeState:
     context: int = 0
     vocab_size: int = 0
     loading: str = "loading the model"  # what /health says while there is no engine
+    default_max_tokens: int | None = None  # serve --max-tokens: a request's max_tokens when it gives none
+    max_queue: int = 256  # requests waiting for a slot; past that, 429 with Retry-After
 
 
-def create_app(state: ServeState) -> FastAPI:
+def create_app(state: ServeState, cors_origins: list[str] | None = None) -> FastAPI:
+    """The app; cors_origins: the origins a browser page may call it from ("*": any)."""
     app = FastAPI(title="moeswarm", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        route = "other"
-        try:
-            _check_key(state, request)
-            _check_body_size(request)
-            response = await call_next(request)
-            matched = request.scope.get("route")
-            route = getattr(matched, "path", route)
-        except APIError as error:
-            response = JSONResponse(error.body(), status_code=error.status)
-        state.metrics.requests.labels(route, str(response.status_code)).inc()
-        return response
+    app.add_middleware(Guard, state=state)
+    if cors_origins:  # added after the guard, so it runs first: a preflight needs no key
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError):
@@ -100,17 +97,43 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": 0, "owned_by": "moeswarm"}]}
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.model_id:
+            raise APIError(404, f"model {printable(model_id, 200)!r} does not exist: this server serves "
+                                f"{state.model_id!r}", code="model_not_found", param="model")
+        return _model_card(state)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        codec = _codec(state)
+        tokens = codec.encode(body.content)
+        if body.add_special and codec.tokenizer is not None and getattr(codec.tokenizer, "bos_token_id", None) is not None:
+            tokens = [codec.tokenizer.bos_token_id] + tokens
+        if body.with_pieces:
+            return {"tokens": [{"id": t, "piece": codec.decode([t])} for t in tokens]}
+        return {"tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        codec = _codec(state)
+        _check_ids(state, body.tokens, "tokens")
+        return {"content": codec.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         engine = _engine(state, body)
-        if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
-            text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-            prompt = state.codec.encode(text)
-        else:
-            prompt = list(body.prompt)
-        return await _run(state, engine, request, body, prompt, body.max_tokens, chat=False)
+        prompts = []
+        for given in body.prompts:
+            if isinstance(given, str):
+                prompts.append(Prompt(state.codec.encode(given), given))
+            else:
+                prompts.append(Prompt(list(given), state.codec.decode(list(given)) if body.echo else ""))
+        limit = body.max_tokens if body.max_tokens is not None else (state.default_max_tokens or COMPLETION_MAX_TOKENS)
+        return await _run(state, engine, request, body, prompts, limit, chat=False, logprobs=body.logprobs,
+                          echo=body.echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -121,9 +144,60 @@ def create_app(state: ServeState) -> FastAPI:
             raise APIError(400, str(error), code="no_chat_template") from None
         except MoeSwarmError as error:
             raise APIError(400, one_line(error), param="messages") from None
-        return await _run(state, engine, request, body, prompt, body.token_limit, chat=True)
+        limit = body.token_limit if body.token_limit is not None else state.default_max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await _run(state, engine, request, body, [Prompt(prompt, "")], limit, chat=True, logprobs=logprobs)
 
     return app
+
+
+def _model_card(state: ServeState) -> dict:
+    card = {"id": state.model_id, "object": "model", "created": 0, "owned_by": "moeswarm"}
+    if state.context:
+        card["max_model_len"] = state.context  # vLLM's field: what clients read the context from
+    return card
+
+
+def _codec(state: ServeState) -> TextCodec:
+    if state.codec is None:
+        raise APIError(503, f"not ready: {state.loading}")
+    return state.codec
+
+
+class Guard:
+    """The key and body-size checks before any route, and the request count after it. A plain ASGI
+    middleware (not @app.middleware, whose wrapped `receive` never reports that the client went away):
+    a route waiting for a whole answer sees its client leave."""
+
+    def __init__(self, app, state: ServeState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500  # what a route that raised before answering ends in
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        request = Request(scope)
+        try:
+            _check_key(self.state, request)
+            _check_body_size(request)
+        except APIError as error:
+            response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+            await response(scope, receive, send_and_note)
+        else:
+            try:
+                await self.app(scope, receive, send_and_note)
+            finally:
+                route = getattr(scope.get("route"), "path", "other")
+                self.state.metrics.requests.labels(route, str(status)).inc()
+            return
+        self.state.metrics.requests.labels("other", str(status)).inc()
 
 
 def _check_key(state: ServeState, request: Request) -> None:
@@ -154,89 +228,51 @@ def _engine(state: ServeState, body: Sampling) -> Engine:
     return state.engine
 
 
+def _check_ids(state: ServeState, tokens: list[int], param: str) -> None:
+    bad = next((t for t in tokens if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of range: the vocabulary has {state.vocab_size} ids", param=param)
+
+
 def _job_limits(state: ServeState, prompt: list[int], max_tokens: int | None) -> int:
     """max_tokens checked against the context (or the room left in it when not given)."""
     if not prompt:
         raise APIError(400, "the prompt gives no tokens", param="prompt")
-    bad = next((t for t in prompt if not 0 <= t < state.vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is out of range: the vocabulary has {state.vocab_size} ids", param="prompt")
+    _check_ids(state, prompt, "prompt")
     room = state.context - len(prompt)
-    if room < 1:
-        raise APIError(400, f"the prompt is {len(prompt)} tokens: this server's context is {state.context} tokens, "
-                            "with room for at least one new token", code="context_length_exceeded", param="prompt")
-    if max_tokens is not None and max_tokens > room:
-        raise APIError(400, f"max_tokens ({max_tokens}) plus the prompt ({len(prompt)} token{'s' * (len(prompt) != 1)}) exceeds the context "
-                            f"({state.context} tokens)", code="context_length_exceeded", param="max_tokens")
-    return max_tokens or room
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        # OpenAI's words, which clients (litellm) map to a context-window error
+        asked = len(prompt) + (max_tokens or 1)
+        raise APIError(400, f"This model's maximum context length is {state.context} tokens. However, you requested "
+                            f"{asked} tokens ({len(prompt)} in the messages, {max_tokens or 1} in the completion). "
+                            "Please reduce the length of the messages or completion.",
+                       code="context_length_exceeded", param="max_tokens" if room >= 1 else "prompt")
+    return room if max_tokens is None else max_tokens
 
 
-async def _run(state: ServeState, engine: Engine, request: Request, body: Sampling, prompt: list[int],
-               max_tokens: int | None, chat: bool):
-    limit = _job_limits(state, prompt, max_tokens)
+async def _run(state: ServeState, engine: Engine, request: Request, body: Sampling, prompts: list[Prompt],
+               max_tokens: int | None, chat: bool, logprobs: int | None, echo: bool = False):
+    prompts = [replace(prompt, max_tokens=_job_limits(state, prompt.tokens, max_tokens)) for prompt in prompts]
     try:
-        params = SamplingParams(body.temperature, body.top_p, body.top_k, body.seed)
+        params = SamplingParams(body.temperature, body.top_p, body.top_k, body.seed, body.min_p,
+                                body.repetition_penalty, body.presence_penalty, body.frequency_penalty)
     except ValueError as error:
         raise APIError(400, one_line(error)) from None
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-
-    def emit(event) -> None:  # called from the engine's thread
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (the server is stopping)
-            pass
-
-    job = Job(prompt, limit, params, emit, body.stops, body.speculate)
-    engine.submit(job)
-    shapes = Shapes(state.model_id, chat)
+    jobs = len(prompts) * body.n
+    free = max(0, engine.config.max_batch - engine.active)  # slots a job takes at once, without waiting
+    if engine.queue_depth + jobs > state.max_queue + free:
+        raise APIError(429, f"the server is busy: {engine.queue_depth} requests wait for a slot (at most "
+                            f"{state.max_queue}); retry shortly", code="server_busy",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+    ask = Ask(params, body.stops, body.speculate, body.n, logprobs, echo)
+    run = Run(prompts, ask, Shapes(state.model_id, chat), lambda token: state.codec.decode([token]))
+    for job in run.jobs:
+        engine.submit(job)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(job, events, shapes, include_usage), media_type="text/event-stream",
+        return StreamingResponse(run.stream(include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _collect(job, events, shapes, request)
-
-
-async def _collect(job: Job, events: asyncio.Queue, shapes: Shapes, request: Request):
-    text = []
-    try:
-        while True:
-            try:
-                event = await asyncio.wait_for(events.get(), timeout=1.0)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return Response(status_code=499)
-                continue
-            if isinstance(event, Delta):
-                text.append(event.text)
-            elif isinstance(event, Finished):
-                return shapes.whole("".join(text), event)
-            elif isinstance(event, Failed):
-                raise APIError(event.status, event.message)
-    finally:
-        job.cancelled.set()  # done, failed or abandoned: the engine drops it at its next step if it still runs
-
-
-async def _stream(job: Job, events: asyncio.Queue, shapes: Shapes, include_usage: bool):
-    try:
-        if shapes.chat:
-            yield sse(shapes.chunk(role=True))
-        while True:
-            event = await events.get()
-            if isinstance(event, Delta):
-                if event.text:
-                    yield sse(shapes.chunk(event.text))
-            elif isinstance(event, Finished):
-                yield sse(shapes.chunk(None, event.reason))
-                if include_usage:
-                    yield sse(shapes.usage_chunk(event))
-                break
-            elif isinstance(event, Failed):
-                yield sse(error_body(event.status, event.message))
-                break
-        yield sse("[DONE]")
-    finally:
-        job.cancelled.set()  # a client that went away frees its slot at the engine's next step
+    return await run.whole(request)
 
 
 def _validation_message(error: RequestValidationError) -> str:
@@ -256,4 +292,7 @@ def _validation_param(error: RequestValidationError) -> str | None:
     if not problems or problems[0].get("type") == "json_invalid":
         return None
     loc = [str(p) for p in problems[0].get("loc", ()) if p != "body"]
-    return loc[0] if loc else None
+    if loc:
+        return loc[0]
+    named = re.match(r"([A-Za-z_]\w*)[.\[:]", problems[0].get("msg", "").removeprefix("Value error, "))
+    return named.group(1) if named else None  # a check of the whole body names its field first

@@ -2,6 +2,10 @@
 
 The engine calls `job.emit(event)` from its own thread; the HTTP side hops each event onto its
 event loop. A caller that goes away sets `job.cancelled`; the engine frees the slot at its next step.
+
+A job asking for log-probabilities decodes without drafts: its values are then those of one
+forward per token, whatever --speculate says, so speculation never changes them. max_tokens 0 is
+for scoring a prompt (prompt_logprobs): the prompt is prefilled and nothing is sampled.
 """
 
 from __future__ import annotations
@@ -15,11 +19,28 @@ from moeswarm.generation.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's token and the model's log-probability of it, with the likeliest alternatives."""
+
+    token: int
+    logprob: float | None  # None: the prompt's first token, which nothing before it predicts
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), likeliest first; () when not asked
+
+
+@dataclass(frozen=True)
 class Delta:
     """New output: the text now safe to show (no partial stop string, no half character)."""
 
     text: str
     tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()  # each new token's (the end-of-text token's too), when the job asks
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's tokens scored by the model (echo): the first one's logprob is None."""
+
+    logprobs: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -36,7 +57,7 @@ class Failed:
     status: int = 503  # the HTTP status the caller should answer with
 
 
-Event = Delta | Finished | Failed
+Event = Delta | PromptLogprobs | Finished | Failed
 
 
 @dataclass(eq=False)
@@ -47,5 +68,9 @@ class Job:
     emit: Callable[[Event], None]
     stops: tuple[str, ...] = ()
     speculate: int | None = None  # most drafts per step, capped by the engine's --speculate; None: that cap
+    logprobs: int | None = None  # each new token's log-probability and this many alternatives; None: off
+    # the same for every prompt token (echo; no prefix cache); None: off. The HTTP side sets it with logprobs:
+    # every row of the prompt is then computed, so the first new token's values are a plain forward's
+    prompt_logprobs: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)

@@ -18,6 +18,7 @@ from moeswarm.model.loading import load_local
 from moeswarm.model.source import ModelSource
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.serve.api import ServeState
+from moeswarm.serve.chat import set_chat_template
 from moeswarm.serve.engine import Engine, EngineConfig
 from moeswarm.swarm import open_swarm
 from moeswarm.wire.config import WireConfig
@@ -34,12 +35,15 @@ class Backend:
     engine: EngineConfig
     check_local: bool = False
     swarm_options: dict = field(default_factory=dict)  # open_swarm's keywords: deadlines, hedging, spot checks, TLS
+    chat_template: str | None = None  # serve --chat-template's text: replaces the model's own
 
 
 def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -> None:
     """Run in a thread: fill `state` (codec, engine) or call `on_fatal(message)`."""
     try:
         state.codec = load_text_codec(backend.source, backend.source.config.vocab_size)
+        if backend.chat_template is not None:
+            set_chat_template(state.codec, backend.chat_template)
         state.vocab_size = backend.source.config.vocab_size
         state.context = backend.engine.context
         while True:

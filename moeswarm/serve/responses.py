@@ -1,20 +1,23 @@
-"""OpenAI's response shapes: whole completions, stream chunks, usage, errors (plain dicts)."""
+"""OpenAI's response shapes: whole completions, stream chunks, usage, log-probabilities, errors (plain dicts)."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 
-from moeswarm.serve.job import Finished
+from moeswarm.serve.job import Finished, TokenLogprob
 
 
 class APIError(Exception):
     """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.code, self.param)
@@ -30,10 +33,53 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(done: Finished) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def total_usage(done: Sequence[Finished], n: int) -> dict:
+    """Usage of a request's choices: each prompt counted once (its n choices share it), every completion."""
+    prompts = done[::n]
+    return usage(sum(d.prompt_tokens for d in prompts), sum(d.completion_tokens for d in done),
+                 sum(d.cached_tokens for d in prompts))
+
+
+class Logprobs:
+    """One choice's log-probabilities in the route's shape: completions' four parallel lists, or
+    chat's `content` list. `piece(token)` is the token's text."""
+
+    def __init__(self, chat: bool, piece: Callable[[int], str], offset: int = 0):
+        self.chat, self.piece, self.offset = chat, piece, offset
+
+    def shape(self, scores: Sequence[TokenLogprob]) -> dict:
+        if self.chat:
+            return {"content": [self._chat_entry(s) for s in scores], "refusal": None}
+        tokens, values, tops, offsets = [], [], [], []
+        for score in scores:
+            text = self.piece(score.token)
+            tokens.append(text)
+            values.append(score.logprob)
+            tops.append(self._top_dict(score))
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _top_dict(self, score: TokenLogprob) -> dict | None:
+        if score.logprob is None:
+            return None
+        pairs = score.top or ((score.token, score.logprob),)  # logprobs 0: the token itself (as vLLM)
+        top: dict[str, float] = {}
+        for token, value in pairs:
+            top.setdefault(self.piece(token), value)  # two ids with one text: the likelier one's
+        return top
+
+    def _chat_entry(self, score: TokenLogprob) -> dict:
+        text = self.piece(score.token)
+        return {"token": text, "logprob": score.logprob, "bytes": list(text.encode("utf-8", "surrogatepass")),
+                "top_logprobs": [{"token": (t := self.piece(token)), "logprob": value,
+                                  "bytes": list(t.encode("utf-8", "surrogatepass"))} for token, value in score.top]}
 
 
 class Shapes:
@@ -43,24 +89,28 @@ class Shapes:
         self.model, self.chat = model, chat
         self.id, self.created = new_id(chat), int(time.time())
 
-    def whole(self, text: str, done: Finished) -> dict:
+    def choice(self, index: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": done.reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.reason}
-        return self._envelope("chat.completion" if self.chat else "text_completion", [choice]) | {"usage": usage(done)}
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def whole(self, choices: list[dict], done: Sequence[Finished], n: int) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(kind, choices) | {"usage": total_usage(done, n)}
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False, index: int = 0,
+              logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
-    def usage_chunk(self, done: Finished) -> dict:
+    def usage_chunk(self, done: Sequence[Finished], n: int) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(kind, []) | {"usage": usage(done)}
+        return self._envelope(kind, []) | {"usage": total_usage(done, n)}
 
     def _envelope(self, kind: str, choices: list) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}

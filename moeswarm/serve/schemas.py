@@ -1,18 +1,27 @@
 """Request bodies of the OpenAI-compatible routes, validated by pydantic before any work is done.
 
-Fields moeswarm does not implement (logprobs, penalties, n > 1, ...) are refused by name when a
-request asks for them, rather than silently ignored; fields OpenAI clients send that change
-nothing here (user, metadata, ...) are accepted.
+Fields moeswarm does not implement (structured output, tools, logit_bias, ...: NOT_BUILT) are
+refused by name when a request asks for them, rather than silently ignored; fields OpenAI clients
+send that change nothing here (user, metadata, ...) are accepted. A string with a lone surrogate
+(JSON allows "\\ud800", UTF-8 cannot carry it) is refused wherever it is.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+from moeswarm.errors import printable
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
+MAX_N = 16  # completions per prompt
+MAX_PROMPTS = 64  # prompts per completions request
+MAX_TOP_LOGPROBS = 20
+# Fields that would change the output and are not built: a request that sets one gets a 400 naming it.
+NOT_BUILT = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix", "guided_json",
+             "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema", "typical_p", "mirostat",
+             "tfs_z", "prediction", "audio", "modalities")
 
 
 class StreamOptions(BaseModel):
@@ -34,19 +43,28 @@ class Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     speculate: StrictInt | None = Field(None, ge=0, le=16)  # moeswarm's: most n-gram drafts per step for this request
-    logprobs: object = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's and llama-server's extension; 1.0 is off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's and llama-server's extension; 0.0 is off
+    response_format: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data):
+        return _check_text(data)
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs: not supported")
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            raise ValueError("presence_penalty, frequency_penalty and logit_bias are not supported")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: from 1 to {MAX_N} completions")
+        extra = self.model_extra or {}
+        asked = [name for name in NOT_BUILT if extra.get(name) not in (None, [], {}, "none", "")]
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            asked.insert(0, f"response_format {printable(str(self.response_format.get('type')), 40)}")
+        if asked:
+            raise ValueError(f"{asked[0].split()[0]}: not supported by this server "
+                             f"({', '.join(asked)}): structured output, tools and logit_bias are not built")
         stops = self.stops
         if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop: at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
@@ -60,19 +78,50 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr]
-    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default for completions
+    # a text, token ids, or a list of either (one completion per prompt, times n)
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(None, ge=0)  # None: serve's --max-tokens (16, OpenAI's default); 0: echo only
     echo: StrictBool = False
-    suffix: StrictStr | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token; 0: the token's only
     best_of: StrictInt | None = None
 
     @model_validator(mode="after")
-    def _one_prompt(self):
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-            raise ValueError("prompt: give one prompt (a string or a list of token ids)")
-        if self.echo or self.suffix or (self.best_of or 1) != 1:
-            raise ValueError("echo, suffix and best_of are not supported")
+    def _prompts(self):
+        if (self.best_of or self.n) != self.n:
+            raise ValueError("best_of: not supported by this server (only best_of equal to n)")
+        if not self.prompt:
+            raise ValueError("prompt: give a prompt (a text or token ids)")
+        if len(self.prompts) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only for scoring a prompt, with echo")
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text or a list of token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TokenizeRequest(BaseModel):
+    """llama-server's POST /tokenize."""
+
+    content: StrictStr
+    add_special: StrictBool = False
+    with_pieces: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data):
+        return _check_text(data)
+
+
+class DetokenizeRequest(BaseModel):
+    """llama-server's POST /detokenize."""
+
+    tokens: list[StrictInt]
 
 
 class TextPart(BaseModel):
@@ -95,9 +144,43 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)  # None: until the context is full
+    max_tokens: StrictInt | None = Field(None, ge=1)  # None: serve's --max-tokens, else until the context is full
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs true")
+        return self
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def _check_text(data):
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise ValueError(f"{where}: the text holds a lone surrogate (\\ud800-\\udfff), which no UTF-8 text can carry")
+    return data
+
+
+def _lone_surrogate(value, where: str = "") -> str | None:
+    """The path of the first string (key or value) in `value` holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        return where or "body" if any("\ud800" <= c <= "\udfff" for c in value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{where}.{key}" if where and isinstance(key, str) else str(key)
+            found = _lone_surrogate(key, name) if isinstance(key, str) else None
+            found = found or _lone_surrogate(item, name)
+            if found:
+                return printable(found, 100)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _lone_surrogate(item, f"{where}[{index}]")
+            if found:
+                return found
+    return None

@@ -11,6 +11,12 @@ B rows, its logits [B, n, V], and it keeps the branch accepted longest. Those dr
 the limit allows (a draft position is cheap next to a step). A sampled sequence verifies one draft
 (choosing among drafts after seeing the logits would bias its sampling), whose length follows the
 sequence's own recent acceptance.
+
+Log-probabilities (job.logprobs, job.prompt_logprobs) are the log-softmax of the very logits a step
+computed: a prompt chunk's rows score the prompt's next tokens (echo), a decode row the token taken.
+Such a job, and a penalised one, runs without drafts and without the prefix cache, so its values
+are those of a plain forward of the prompt (in the engine's prefill chunks) and then one token per
+step, whatever else is running: speculation and earlier requests never change them.
 """
 
 from __future__ import annotations
@@ -21,11 +27,11 @@ import torch
 
 from moeswarm.generation.branches import choose, rows_of
 from moeswarm.generation.drafters import Drafter, NgramDrafter
-from moeswarm.generation.sampling import make_generator, sample
+from moeswarm.generation.sampling import log_probs, make_generator, penalize, sample, top_logprobs
 from moeswarm.generation.stepper import Stepper
 from moeswarm.generation.stops import find_stop, held_back
 from moeswarm.model.tokenizer import TextCodec
-from moeswarm.serve.job import Delta, Finished, Job
+from moeswarm.serve.job import Delta, Finished, Job, PromptLogprobs, TokenLogprob
 
 
 class Sequence:
@@ -48,6 +54,15 @@ class Sequence:
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
         self.drafted = self.accepted = 0  # the kept branch's drafts, and how many of them were accepted
+        self.prompt_scores = [TokenLogprob(job.prompt[0], None)] if job.prompt else []  # the prompt scored so far (echo)
+        self.chunk: tuple[int, int] | None = None  # the prompt chunk this step feeds: (start, length)
+        if job.logprobs is not None or job.prompt_logprobs is not None or job.params.penalised:
+            self.max_drafts = self.draft_len = 0
+            if cached_tokens:  # a plain forward of the whole prompt, as the reference computes it
+                for taker in (stepper, reference):
+                    if taker is not None:
+                        taker.cache = None
+                self.cached_tokens = 0
 
     @property
     def prefill_left(self) -> int:
@@ -86,7 +101,10 @@ class Sequence:
         first `rows` branches (one list when one branch; else B padded rows: generation/branches.py)."""
         if self.prefill_left:
             start = self.stepper.length
-            return self.job.prompt[start : start + tokens]
+            chunk = self.job.prompt[start : start + tokens]
+            self.chunk = (start, len(chunk))
+            return chunk
+        self.chunk = None
         self.branches = self.branches[: max(1, rows)]
         if len(self.branches) == 1:
             return [self.context[-1]] + self.branches[0]
@@ -95,13 +113,25 @@ class Sequence:
     def advance(self, logits: torch.Tensor) -> None:
         """Take this step's logits ([n, V] for one row, [B, n, V] for B rows: what `feed` gave) and emit
         what they decide."""
+        if self.chunk is not None and self.job.prompt_logprobs is not None:
+            self._score_prompt(logits)
         if self.prefill_left:
             return  # more prompt to go
         if not self.output:  # the prompt just finished: its last logits give the first token
-            self._accept([sample(logits[-1], self.job.params, self.generator)])
+            if self.job.prompt_logprobs is not None:
+                self.job.emit(PromptLogprobs(tuple(self.prompt_scores)))
+            if self.job.max_tokens == 0:  # scoring the prompt only
+                self.finish_reason = "length"
+                self._emit_text([])
+                return
+            last = logits[-1]  # [V]
+            token = sample(penalize(last, self.context, 0, self.job.params), self.job.params, self.generator)
+            self._accept([token], [last])
             return
         branches = self.branches
         rows = logits if logits.dim() == 3 else logits[None]  # [B, 1 + L, V]
+        if self.job.params.penalised:  # no drafts then: one row of one position
+            rows = penalize(rows[0, 0], self.context, len(self.output), self.job.params)[None, None]
         chosen = choose(rows, branches, self.job.params, self.generator, self.codec.eos_token_id)
         drafts, accepted = branches[chosen.row], chosen.accepted
         for stepper in (self.stepper, self.reference):
@@ -112,12 +142,31 @@ class Sequence:
         self.accepted += accepted
         if drafts and not self.branching:
             self.draft_len = min(self.max_drafts, self.draft_len + 1) if accepted == len(drafts) else max(1, accepted)
-        self._accept(drafts[:accepted] + [chosen.next_token])
+        kept = logits if logits.dim() == 3 else logits[None]
+        self._accept(drafts[:accepted] + [chosen.next_token], list(kept[chosen.row, : accepted + 1]))
 
-    def _accept(self, tokens: list[int]) -> None:
+    def _score_prompt(self, logits: torch.Tensor) -> None:
+        """Score the prompt tokens that this chunk's rows predict: row i of a chunk from `start` gives
+        the log-probabilities of prompt token start + i + 1."""
+        start, length = self.chunk
+        if logits.dim() != 2 or logits.shape[0] != length:
+            raise ValueError(f"prompt log-probabilities need every row of the prompt chunk: got logits "
+                             f"{list(logits.shape)} for {length} tokens")
+        prompt = self.job.prompt
+        scored = min(length, len(prompt) - start - 1)  # the last prompt token's row predicts the output
+        if scored <= 0:
+            return
+        rows = log_probs(logits[:scored])  # [scored, V]
+        for i in range(scored):
+            token = prompt[start + i + 1]
+            self.prompt_scores.append(TokenLogprob(token, *top_logprobs(rows[i], token, self.job.prompt_logprobs)))
+
+    def _accept(self, tokens: list[int], rows: list[torch.Tensor]) -> None:
+        """Take `tokens`; rows[i] is the logits [V] token i was chosen from (for its log-probability)."""
         eos = self.codec.eos_token_id
-        new = []
+        new, taken = [], 0
         for token in tokens:
+            taken += 1
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
             self.output.append(token)
@@ -129,9 +178,13 @@ class Sequence:
             if len(self.output) >= self.job.max_tokens:
                 self.finish_reason = "length"
                 break
-        self._emit_text(new)
+        scores = ()
+        if self.job.logprobs is not None:
+            scores = tuple(TokenLogprob(token, *top_logprobs(log_probs(row), token, self.job.logprobs))
+                           for token, row in zip(tokens[:taken], rows))
+        self._emit_text(new, scores)
 
-    def _emit_text(self, new: list[int]) -> None:
+    def _emit_text(self, new: list[int], scores: tuple[TokenLogprob, ...] = ()) -> None:
         visible = self.output[:-1] if self.output and self.output[-1] == self.codec.eos_token_id else self.output
         text = self.codec.decode(visible)
         stop_at = find_stop(text, self.job.stops)
@@ -143,8 +196,8 @@ class Sequence:
             end = len(text) - held_back(text, self.job.stops)
             while end > self.shown and text[end - 1] == "\ufffd":  # half a character: wait for the rest
                 end -= 1
-        if end > self.shown or new:
-            self.job.emit(Delta(text[self.shown:end], tuple(new)))
+        if end > self.shown or new or scores:
+            self.job.emit(Delta(text[self.shown:end], tuple(new), scores))
             self.shown = max(self.shown, end)
         if self.done:
             self.job.emit(Finished(self.finish_reason, len(self.job.prompt), len(self.output), self.cached_tokens))

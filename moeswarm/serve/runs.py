@@ -1,0 +1,152 @@
+"""One HTTP request's jobs: n completions of each prompt, submitted together, their events gathered
+into one answer or one stream.
+
+Choice i of prompt p has index p * n + i (OpenAI's order). With a seed, choice i samples with seed + i,
+so a list of prompts gives each prompt what it gets alone, and the n choices of a prompt differ.
+Every job is cancelled when the answer is done, failed or abandoned: a client that goes away, even
+one waiting for a whole answer, frees its slots at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from moeswarm.generation.sampling import SamplingParams
+from moeswarm.serve.job import Delta, Failed, Finished, Job, PromptLogprobs, TokenLogprob
+from moeswarm.serve.responses import APIError, Logprobs, Shapes, error_body, sse
+
+DISCONNECT_POLL_S = 0.05  # how often a whole answer's client is checked for having gone away
+ABANDONED = -1  # the index of the event that says the client went away
+
+
+@dataclass(frozen=True)
+class Prompt:
+    tokens: list[int]
+    text: str  # what echo shows
+    max_tokens: int = 0  # new tokens at most (checked against the context by the caller)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What every job of one request shares."""
+
+    params: SamplingParams
+    stops: tuple[str, ...] = ()
+    speculate: int | None = None
+    n: int = 1
+    logprobs: int | None = None  # alternatives per new token; None: no log-probabilities
+    echo: bool = False  # the prompt's text before the completion's (and its log-probabilities with logprobs)
+
+
+class Run:
+    def __init__(self, prompts: list[Prompt], ask: Ask, shapes: Shapes, piece: Callable[[int], str]):
+        self.prompts, self.ask, self.shapes, self.piece = prompts, ask, shapes, piece
+        self.events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.jobs = []
+        for prompt in prompts:
+            for i in range(ask.n):
+                params = ask.params if ask.params.seed is None else replace(ask.params, seed=ask.params.seed + i)
+                emit = _emitter(loop, self.events, len(self.jobs))
+                # a job with log-probabilities scores its prompt too (shown with echo only): every row of its
+                # prompt is then computed, as a plain forward of the prompt computes it
+                self.jobs.append(Job(prompt.tokens, prompt.max_tokens, params, emit, ask.stops, ask.speculate,
+                                     logprobs=ask.logprobs, prompt_logprobs=ask.logprobs))
+
+    def prompt_of(self, index: int) -> Prompt:
+        return self.prompts[index // self.ask.n]
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancelled.set()  # done, failed or abandoned: the engine drops it at its next step if it still runs
+
+    def logprobs_shape(self, index: int) -> Logprobs:
+        offset = 0 if self.ask.echo else len(self.prompt_of(index).text)
+        return Logprobs(self.shapes.chat, self.piece, offset)
+
+    async def whole(self, request: Request):
+        count = len(self.jobs)
+        texts: list[list[str]] = [[] for _ in range(count)]
+        scores: list[list[TokenLogprob]] = [[] for _ in range(count)]
+        done: list[Finished | None] = [None] * count
+        watcher = asyncio.create_task(self._watch(request))
+        try:
+            while any(d is None for d in done):
+                index, event = await self.events.get()
+                if index == ABANDONED:
+                    return Response(status_code=499)
+                if isinstance(event, PromptLogprobs):
+                    if self.ask.echo:
+                        scores[index][:0] = event.logprobs
+                elif isinstance(event, Delta):
+                    texts[index].append(event.text)
+                    scores[index].extend(event.logprobs)
+                elif isinstance(event, Finished):
+                    done[index] = event
+                elif isinstance(event, Failed):
+                    raise APIError(event.status, event.message)
+        finally:
+            watcher.cancel()
+            self.cancel()
+        choices = []
+        for index in range(count):
+            text = (self.prompt_of(index).text if self.ask.echo else "") + "".join(texts[index])
+            logprobs = self.logprobs_shape(index).shape(scores[index]) if self.ask.logprobs is not None else None
+            choices.append(self.shapes.choice(index, text, done[index].reason, logprobs))
+        return self.shapes.whole(choices, done, self.ask.n)
+
+    async def _watch(self, request: Request) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        self.cancel()
+        self.events.put_nowait((ABANDONED, None))
+
+    async def stream(self, include_usage: bool) -> AsyncIterator[str]:
+        shapes, count = self.shapes, len(self.jobs)
+        shapers = [self.logprobs_shape(index) for index in range(count)]
+        done: list[Finished | None] = [None] * count
+        wants_prompt_scores = self.ask.echo and self.ask.logprobs is not None
+        try:
+            for index in range(count):
+                if shapes.chat:
+                    yield sse(shapes.chunk(role=True, index=index))
+                elif self.ask.echo and not wants_prompt_scores:
+                    yield sse(shapes.chunk(self.prompt_of(index).text, index=index))
+            while any(d is None for d in done):
+                index, event = await self.events.get()
+                if isinstance(event, PromptLogprobs):
+                    if not self.ask.echo:
+                        continue
+                    yield sse(shapes.chunk(self.prompt_of(index).text, index=index,
+                                           logprobs=shapers[index].shape(event.logprobs)))
+                elif isinstance(event, Delta):
+                    logprobs = shapers[index].shape(event.logprobs) if self.ask.logprobs is not None else None
+                    if event.text or logprobs:
+                        yield sse(shapes.chunk(event.text, index=index, logprobs=logprobs))
+                elif isinstance(event, Finished):
+                    done[index] = event
+                    yield sse(shapes.chunk(None, event.reason, index=index))
+                elif isinstance(event, Failed):
+                    yield sse(error_body(event.status, event.message))
+                    break
+            else:
+                if include_usage:
+                    yield sse(shapes.usage_chunk(done, self.ask.n))
+            yield sse("[DONE]")
+        finally:
+            self.cancel()  # a client that went away frees its slots at the engine's next step
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
+    def emit(event) -> None:  # called from the engine's thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
+        except RuntimeError:  # the event loop is gone (the server is stopping)
+            pass
+
+    return emit
