@@ -28,7 +28,7 @@ from moeswarm.net.path import worker_link
 from moeswarm.placement.profile import RoutingStats
 from moeswarm.placement.table import build_table
 from moeswarm.transport.link import WorkerLink
-from moeswarm.transport.local import LocalLink, hold_local
+from moeswarm.transport.local import LOCAL_ADDRESS, LocalLink, hold_local
 from moeswarm.wire.config import EXACT, WireConfig
 from moeswarm.worker.store import ExpertStore
 
@@ -56,6 +56,13 @@ class Swarm:
     @property
     def fanout(self) -> str:
         return self._dispatcher.fanout
+
+    @property
+    def remote(self) -> bool:
+        """Whether a forward waits on other machines: some MoE layer is not held whole in this process
+        and some holder is not local."""
+        held_whole = set(self._in_process) >= set(self.moe_layers)
+        return not held_whole and any(link.address != LOCAL_ADDRESS for link in self._dispatcher.links)
 
     @property
     def workers(self) -> list[str]:

@@ -2,12 +2,13 @@
 
 Requests join and leave between steps. A step plans each sequence's feed (a prompt chunk, or its
 last token plus its drafts, several alternative drafts one row each for a greedy sequence:
-`scheduler.plan_step`), runs every sequence's forward at once (one thread each, meeting at every
-MoE layer in the `StepBatcher`: one DISPATCH per worker per layer for the whole step), then lets
-each sequence accept or reject its drafts and emit its text.
+`scheduler.plan_step`), runs them (serve/runner.py: one packed forward per group for every
+sequence of the group, so the backbone reads each weight once per group and each MoE layer makes
+one DISPATCH per worker per group; the groups take turns so that one computes while another's
+trip is on the wire), then lets each sequence accept or reject its drafts and emit its text.
 
 With a reference model (serve --check-local), every step also runs on a local eager model with the
-same sequences in the same slots, and every logit row is compared bit for bit.
+same sequences in the same groups, and every logit row is compared bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ import torch
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.generation.draft_names import check_draft_flags
 from moeswarm.generation.drafters import make_drafter
-from moeswarm.generation.stepper import Stepper
+from moeswarm.generation.ragged import install, supports_ragged
 from moeswarm.model.backend import attach
 from moeswarm.model.experts import num_experts_of
 from moeswarm.model.tokenizer import TextCodec
@@ -33,9 +33,11 @@ from moeswarm.serve.eager import EagerExperts
 from moeswarm.serve.job import Failed, Job
 from moeswarm.serve.metrics import ServeMetrics
 from moeswarm.serve.prefix_cache import PrefixCache
+from moeswarm.serve.runner import PackedRunner, ThreadedRunner, split_groups
 from moeswarm.serve.scheduler import Slot, plan_step
 from moeswarm.serve.sequence import Sequence
 from moeswarm.serve.stats import EngineStats, StepRecord
+from moeswarm.serve.turns import TakingTurns
 from moeswarm.swarm import Swarm
 
 
@@ -52,6 +54,7 @@ class EngineConfig:
     cache_slots: int = 8  # finished sequences' KV caches kept for prefix reuse (0: off)
     health_interval_s: float = 2.0
     draft: str = "ngram"  # where drafts come from (generation/drafters.py): ngram, local or both
+    groups: int = 0  # batches in flight per step (serve/turns.py); 0: 2 when sequences wait on remote workers, else 1
 
 
 class Engine:
@@ -61,23 +64,20 @@ class Engine:
         self.swarm, self.codec, self.config = swarm, codec, config
         self.metrics = metrics or ServeMetrics()
         self.stats = EngineStats(num_experts_of(swarm.model))
-        self.batcher = swarm.interpose(lambda dispatcher: StepBatcher(dispatcher, self.stats.record_routing))
         self.reference = reference
-        self.reference_batcher = None
-        if reference is not None:
-            self.reference_batcher = StepBatcher(EagerExperts(reference))
-            attach(reference, self.reference_batcher)
+        self.packed = supports_ragged(swarm.model) and (reference is None or supports_ragged(reference))
+        self.runner, self.reference_runner = self._runners(config)
         self.prefix_cache = PrefixCache(config.cache_slots)
         self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
         self.checked_rows = self.mismatched_rows = 0
         self.steps = 0
+        self.groups_in_flight = 0  # groups of the last step
         self.decode_steps = self.branches = 0  # sequences' decode steps, and the branches (rows) they verified
         self._queue: deque[Job] = deque()
         self._active: list[Sequence] = []
         self._wake = threading.Condition()
         self._stopping = False
         self._health_due = 0.0
-        self._pool = ThreadPoolExecutor(config.max_batch, thread_name_prefix="moeswarm-seq")
         self._thread = threading.Thread(target=self._run, name="moeswarm-engine", daemon=True)
 
     # -- called from other threads -----------------------------------------------------------
@@ -93,7 +93,9 @@ class Engine:
             self._stopping = True
             self._wake.notify_all()
         self._thread.join()
-        self._pool.shutdown()
+        for runner in (self.runner, self.reference_runner):
+            if runner is not None:
+                runner.close()
 
     def submit(self, job: Job) -> None:
         with self._wake:
@@ -108,6 +110,27 @@ class Engine:
     @property
     def active(self) -> int:
         return len(self._active)
+
+    def _runners(self, config: EngineConfig):
+        """How steps run (serve/runner.py): packed forwards where the model's layers allow, else a
+        thread per sequence; and the same for the reference."""
+        model, reference = self.swarm.model, self.reference
+        if self.packed:
+            install(model)
+            turns = self.swarm.interpose(lambda dispatcher: TakingTurns(dispatcher, self.stats.record_routing))
+            runner = PackedRunner(model, turns, max(2, config.groups))
+            if reference is None:
+                return runner, None
+            install(reference)
+            attach(reference, EagerExperts(reference))
+            return runner, PackedRunner(reference, None)
+        batcher = self.swarm.interpose(lambda dispatcher: StepBatcher(dispatcher, self.stats.record_routing))
+        runner = ThreadedRunner(model, batcher, config.max_batch)
+        if reference is None:
+            return runner, None
+        reference_batcher = StepBatcher(EagerExperts(reference))
+        attach(reference, reference_batcher)
+        return runner, ThreadedRunner(reference, reference_batcher, config.max_batch)
 
     # -- the engine thread ----------------------------------------------------------------------
 
@@ -151,8 +174,8 @@ class Engine:
     def _start(self, job: Job) -> Sequence:
         speculate = self.config.speculate if job.speculate is None else min(job.speculate, self.config.speculate)
         reused, caches = self.prefix_cache.take(job.prompt)
-        stepper = Stepper(self.swarm.model)
-        reference = Stepper(self.reference) if self.reference is not None else None
+        stepper = self.runner.stepper()
+        reference = self.reference_runner.stepper() if self.reference_runner is not None else None
         if caches is not None:
             for taker, cache in zip((stepper, reference), caches):
                 if taker is not None:
@@ -177,19 +200,21 @@ class Engine:
             sequence.plan_drafts(self.config.context)
         plans = plan_step([Slot(s.prefill_left, s.draft_counts) for s in sequences],
                           self.config.prefill_chunk, self.config.step_tokens)
-        work = [(s, s.feed(plan.tokens, plan.rows)) for s, plan in zip(sequences, plans) if plan.tokens]
-        for sequence, feed in work:
+        work = [(s, s.feed(plan.tokens, plan.rows), self._keep(s)) for s, plan in zip(sequences, plans) if plan.tokens]
+        for sequence, feed, _ in work:
             if not sequence.prefill_left:
                 self.decode_steps += 1
                 self.branches += len(feed) if _is_rows(feed) else 1
+        groups = split_groups([_tokens(feed) for _, feed, _ in work], self._group_count(len(work)))
         self.swarm.reset_accounting()
-        outputs = self._forward_all(self.batcher, [(s.stepper, feed) for s, feed in work])
+        outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
         calls = self.swarm.layer_calls()
-        if self.reference is not None:
-            expected = self._forward_all(self.reference_batcher, [(s.reference, feed) for s, feed in work])
+        self.groups_in_flight = len(groups)
+        if self.reference_runner is not None:
+            expected = self.reference_runner.run([(s.reference, feed, keep) for s, feed, keep in work], groups)
             self._compare(outputs, expected)
         failed_worker, generated, drafted, accepted = False, 0, 0, 0
-        for (sequence, _), logits in zip(work, outputs):
+        for (sequence, _, _), logits in zip(work, outputs):
             if isinstance(logits, BaseException):
                 failed_worker |= isinstance(logits, MoeSwarmError)
                 self._fail(sequence, logits)
@@ -197,8 +222,8 @@ class Engine:
             counts = self._advance(sequence, logits)
             generated, drafted, accepted = generated + counts[0], drafted + counts[1], accepted + counts[2]
         self.steps += 1
-        fed = sum(_tokens(feed) for _, feed in work)  # every row's tokens, padding included
-        self.metrics.observe_step(len(work), fed, time.monotonic() - started, calls)
+        fed = sum(_tokens(feed) for _, feed, _ in work)  # every row's tokens, padding included
+        self.metrics.observe_step(len(work), fed, time.monotonic() - started, calls, len(groups))
         self.stats.record_step(StepRecord(time.monotonic(), len(work), fed, generated, drafted, accepted),
                                [call.worker_seconds for call in calls])
         for sequence in [s for s in self._active if s.done]:
@@ -208,6 +233,21 @@ class Engine:
         self.metrics.active.set(len(self._active))
         if failed_worker:
             self._health_due = 0.0  # find out now which holders are gone
+
+    def _keep(self, sequence: Sequence) -> str:
+        """Which of its feed's logits a sequence needs (called before it feeds): a prompt chunk's last
+        row only, unless every row is compared (--check-local) or scored (prompt log-probabilities)."""
+        if not sequence.prefill_left or self.reference is not None or getattr(sequence.job, "prompt_logprobs", None) is not None:
+            return "all"
+        return "last"
+
+    def _group_count(self, sequences: int) -> int:
+        """Batches in flight this step: as configured, or (auto) two when the step waits on remote
+        workers and has two sequences to split; never more than the sequences."""
+        if not self.packed:
+            return 1
+        wanted = self.config.groups or (2 if self.swarm.remote else 1)
+        return max(1, min(wanted, sequences))
 
     def _advance(self, sequence: Sequence, logits: torch.Tensor) -> tuple[int, int, int]:
         """Let `sequence` take its logits; (tokens generated, drafts fed, drafts accepted) by it."""
@@ -234,13 +274,6 @@ class Engine:
         else:
             sequence.job.emit(Failed(f"internal error: {one_line(error)}", 500))
 
-    def _forward_all(self, batcher: StepBatcher, pairs: list[tuple[Stepper, list[int] | list[list[int]]]]) -> list:
-        """Every forward of the step at once; each result is its logits ([n, V] for a token list,
-        [B, n, V] for B rows) or the exception it raised."""
-        batcher.begin(len(pairs))
-        futures = [self._pool.submit(_forward_one, batcher, order, stepper, feed) for order, (stepper, feed) in enumerate(pairs)]
-        return [future.result() for future in futures]
-
     def _compare(self, outputs: list, expected: list) -> None:
         for got, want in zip(outputs, expected):
             if isinstance(got, BaseException) or isinstance(want, BaseException):
@@ -262,12 +295,3 @@ def _is_rows(feed: list[int] | list[list[int]]) -> bool:
 def _tokens(feed: list[int] | list[list[int]]) -> int:
     return sum(len(row) for row in feed) if _is_rows(feed) else len(feed)
 
-
-def _forward_one(batcher: StepBatcher, order: int, stepper: Stepper, feed: list[int] | list[list[int]]):
-    batcher.enter(order)
-    try:
-        return stepper.forward_rows(feed) if _is_rows(feed) else stepper.forward(feed)  # [B, n, V] or [n, V]
-    except Exception as error:
-        return error
-    finally:
-        batcher.leave()

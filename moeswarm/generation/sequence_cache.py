@@ -1,0 +1,86 @@
+"""A sequence's own keys and values, for packed forwards (generation/ragged.py).
+
+Per attention layer, the keys and values of every position the sequence has fed, in buffers that
+grow by doubling (a decode step appends in place instead of copying the whole cache); alternative
+draft rows keep theirs aside until one is kept.
+
+Legend: H = key/value heads, D = head size, n = new positions, m = a branch's positions aside.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SequenceCache:
+    """One sequence's keys and values, per attention layer, in buffers that grow by doubling.
+
+    Alternative rows (branches) of a step keep their new entries aside (`pending`) until one row
+    is kept."""
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [1, H, capacity, D]
+        self.values: dict[int, torch.Tensor] = {}
+        self.lengths: dict[int, int] = {}
+        self.pending: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> row -> ([1, H, m, D] x2)
+        self.rows = 1  # rows fed since the last keep_row
+
+    @property
+    def length(self) -> int:
+        return min(self.lengths.values(), default=0)
+
+    @property
+    def pending_length(self) -> int:
+        """Positions each branch row holds aside (a branch continued over several forwards)."""
+        held = next(iter(self.pending.values()), {})
+        return next(iter(held.values()))[0].shape[2] if held else 0
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor, row: int | None) -> None:
+        """keys, values [1, H, n, D*]: new positions, committed (row None) or aside for branch `row`."""
+        if row is not None:
+            held = self.pending.setdefault(layer, {})
+            if row in held:
+                keys, values = torch.cat([held[row][0], keys], dim=2), torch.cat([held[row][1], values], dim=2)
+            held[row] = (keys, values)
+            return
+        self._commit(layer, keys, values)
+
+    def _commit(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        length, n = self.lengths.get(layer, 0), keys.shape[2]
+        buffer = self.keys.get(layer)
+        if buffer is None or buffer.shape[2] < length + n:
+            capacity = max(length + n, 2 * (0 if buffer is None else buffer.shape[2]), 16)
+            grown_k = keys.new_empty(keys.shape[:2] + (capacity,) + keys.shape[3:])  # [1, H, capacity, D]
+            grown_v = values.new_empty(values.shape[:2] + (capacity,) + values.shape[3:])
+            if length:
+                grown_k[:, :, :length] = self.keys[layer][:, :, :length]
+                grown_v[:, :, :length] = self.values[layer][:, :, :length]
+            self.keys[layer], self.values[layer] = grown_k, grown_v
+        self.keys[layer][:, :, length : length + n] = keys
+        self.values[layer][:, :, length : length + n] = values
+        self.lengths[layer] = length + n
+
+    def view(self, layer: int, row: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position `row` (None: the committed context) sees at `layer`: ([1, H, p + m, D] x2)."""
+        length = self.lengths.get(layer, 0)
+        keys, values = self.keys[layer][:, :, :length], self.values[layer][:, :, :length]
+        if row is None:
+            return keys, values
+        extra_k, extra_v = self.pending[layer][row]
+        return torch.cat([keys, extra_k], dim=2), torch.cat([values, extra_v], dim=2)
+
+    @torch.inference_mode()
+    def keep_row(self, row: int) -> None:
+        """Commit branch `row`'s pending entries; drop the other rows'."""
+        for layer, held in self.pending.items():
+            if row in held:
+                self._commit(layer, *held[row])
+        self.pending.clear()
+        self.rows = 1
+
+    def crop(self, length: int) -> None:
+        if self.pending:
+            raise ValueError("crop with branches pending: keep one row first")
+        for layer in self.lengths:
+            self.lengths[layer] = min(self.lengths[layer], length)
+
