@@ -15,7 +15,10 @@ import contextlib
 import os
 from pathlib import Path
 
-from moeswarm.bench.llamacpp_convert import LLAMA_CPP_PYTHON, QUANT_TYPES, bpe_tokenizer, convert_hf, quantize
+from moeswarm.errors import MoeSwarmError
+
+from moeswarm.bench.llamacpp_convert import (LLAMA_CPP_PYTHON, QUANT_TYPES, bpe_tokenizer, convert_hf, convert_hf_many,
+                                              quantize)
 
 
 def require_llama_cpp(test_file: str):
@@ -89,4 +92,33 @@ def make_fixture_ggufs(family: str, out_dir: str | Path, types=FIXTURE_TYPES, **
     for kind in types:
         if kind in QUANT_TYPES:
             made[kind] = quantize(made["F32"], out_dir / f"{family}-{kind}.gguf", kind)
+    return made
+
+
+def make_many_fixture_ggufs(specs: dict[str, tuple[str, dict]], out_dir: str | Path, types=("F32", "Q8_0"),
+                            **shape) -> dict[str, dict[str, Path] | str]:
+    """`make_fixture_ggufs` for several models, converted in one run of llama.cpp's converter.
+
+    specs: name -> (family, the tiny config's keys beyond `shape`). Returns name -> {"HF": dir,
+    "F32": ..., "Q8_0": ...}, or name -> the converter's error for a model it could not convert."""
+    out_dir = Path(out_dir)
+    made: dict[str, dict[str, Path] | str] = {}
+    for name, (family, overrides) in specs.items():
+        made[name] = {"HF": make_fixture_model(family, out_dir / f"{name}-hf", **{**shape, **overrides}),
+                      "F32": out_dir / f"{name}-F32.gguf"}
+    error = ""
+    try:
+        convert_hf_many([(files["HF"], files["F32"], "f32") for files in made.values()], pre="qwen2")
+    except MoeSwarmError as failure:
+        error = str(failure)
+    for name, files in made.items():
+        if not files["F32"].is_file():
+            made[name] = f"llama.cpp's converter could not convert {name}: {error[-2000:]}"
+            continue
+        try:
+            for kind in types:
+                if kind in QUANT_TYPES:
+                    files[kind] = quantize(files["F32"], out_dir / f"{name}-{kind}.gguf", kind)
+        except MoeSwarmError as failure:
+            made[name] = f"llama.cpp's quantizer failed on {name}: {failure}"
     return made

@@ -6,8 +6,8 @@
   cosine below 0.99 fails;
 - slice files: byte-identical expert blocks, a worker serving from a slice alone;
 - the GGUF tokenizer round-trips and tokenizes as llama.cpp does;
-- gpt-oss, olmoe and mixtral (GGUF arch llama): an F32 GGUF's logits through moeswarm match the
-  HF directory's (prefill and decode steps, atol 1e-4) on small models (hidden 64).
+- every architecture's own proof (F32 vs the HF directory, vs llama.cpp, slices through two
+  workers) is the shared runner, tests/test_gguf_families.py.
 
 llama-cpp-python is required (CI installs it): without it these tests fail, unless
 MOESWARM_SKIP_LLAMACPP=1 is set.
@@ -143,31 +143,3 @@ def test_tokenizer_round_trips_and_matches_llama_cpp(gguf_fixtures):
     finally:
         model.close()
     assert codec.eos_token_id == GGUFFile.open(path).metadata["tokenizer.ggml.eos_token_id"]
-
-
-# Small shapes (hidden 64, F32 only) keep these cheap; gpt-oss's sliding window (6) is shorter
-# than the prompt, so its sliding layers' mask is exercised, and its YaRN is the HF default (factor 32).
-SMALL_SHAPE = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320)
-_MLA = dict(num_key_value_heads=4, head_dim=8, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
-LOGITS_VS_HF = {
-    "gpt_oss": {"sliding_window": 6}, "olmoe": {}, "mixtral": {},
-    "deepseek_v3": dict(_MLA, q_lora_rank=16),  # deepseek2 arch, grouped routing, MLA with q-lora
-    "deepseek_v2": dict(_MLA, q_lora_rank=None),  # deepseek2 arch, MLA with full-rank q
-    "glm4_moe": {},  # GGUF block_count includes the MTP layer
-}
-
-
-@pytest.mark.parametrize("family", sorted(LOGITS_VS_HF))
-def test_f32_gguf_logits_match_hf_directory(family, tmp_path):
-    files = make_fixture_ggufs(family, tmp_path, types=("F32",), **{**SMALL_SHAPE, **LOGITS_VS_HF[family]})
-    reference, from_gguf = load_local(files["HF"]), load_local(files["F32"])
-    assert reference.config.rope_parameters == from_gguf.config.rope_parameters
-    assert getattr(reference.config, "layer_types", None) == getattr(from_gguf.config, "layer_types", None)
-    local, ours = Stepper(reference), Stepper(from_gguf)
-    feed = TOKENS
-    for step in range(4):
-        expected, got = local.forward(feed), ours.forward(feed)
-        assert torch.allclose(got, expected, atol=1e-4, rtol=0), \
-            f"{family} step {step}: max abs diff {(got - expected).abs().max():.3g}"
-        feed = [int(expected[-1].argmax())]

@@ -15,6 +15,7 @@ vocabulary path instead of sentencepiece.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -33,6 +34,7 @@ sys.path.insert(0, root + "/gguf-py")
 sys.path.insert(0, root)
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: PRE
+base.TextModel._set_vocab_sentencepiece = lambda self, *args, **kwargs: self._set_vocab_gpt2()  # ERNIE and kin
 import conversion.llama as llama  # our tokenizers are byte-level BPE, never sentencepiece
 llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv[0] = root + "/convert_hf_to_gguf.py"
@@ -87,6 +89,32 @@ def convert_hf(model_dir: str | Path, out: str | Path, outtype: str = "f32", pre
     if done.returncode != 0 or not out.is_file():
         raise MoeSwarmError(f"convert_hf_to_gguf.py failed for {model_dir}:\n{done.stderr[-3000:]}")
     return out
+
+
+_MANY = r"""
+import json
+jobs = json.loads(sys.argv.pop(1))
+failed = []
+for model_dir, outtype, out in jobs:
+    sys.argv = [root + "/convert_hf_to_gguf.py", model_dir, "--outtype", outtype, "--outfile", out]
+    try:
+        convert_hf_to_gguf.main()
+    except (Exception, SystemExit) as error:
+        failed.append(f"{model_dir}: {type(error).__name__}: {error}")
+if failed:
+    sys.exit("\n".join(failed))
+"""
+
+
+def convert_hf_many(jobs: list[tuple[str | Path, str | Path, str]], pre: str = "gpt-2") -> None:
+    """`convert_hf` for each (model_dir, out, outtype), all in one subprocess (one start-up)."""
+    script = _WRAPPER.replace("PRE", repr(pre)).replace("convert_hf_to_gguf.main()\n", "") + _MANY
+    payload = json.dumps([[str(model_dir), outtype, str(out)] for model_dir, out, outtype in jobs])
+    command = [sys.executable, "-c", script, str(llama_cpp_source()), payload]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "NO_LOCAL_GGUF": "1", "OMP_NUM_THREADS": "1"})
+    missing = [str(out) for _, out, _ in jobs if not Path(out).is_file()]
+    if done.returncode != 0 or missing:
+        raise MoeSwarmError(f"convert_hf_to_gguf.py failed for {missing or 'some models'}:\n{done.stderr[-3000:]}")
 
 
 def quantize(source: str | Path, out: str | Path, kind: str, threads: int = 1) -> Path:

@@ -1,10 +1,11 @@
 """GGUF metadata -> a transformers config, per architecture.
 
 GGUF records what llama.cpp needs to run the model (`{arch}.block_count`, `.expert_count`...);
-each entry below says which transformers family an architecture is and how its hyperparameters
-are named there. What GGUF does not record is taken from how llama.cpp runs that architecture
-(qwen2moe does not renormalise the top-k weights, qwen3moe does), so moeswarm computes what
-llama.cpp computes.
+each entry of the config table below says which transformers family an architecture is and how
+its shapes are named there. Routing keys come from the routing table (gguf_routing.py), tensor
+names from the names table (gguf_names.py); which architectures are supported, and why the others
+are not, is gguf_support.py. What GGUF does not record is taken from how llama.cpp runs that
+architecture, so moeswarm computes what llama.cpp computes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from moeswarm.errors import ModelError
 from moeswarm.weights.gguf_file import GGUFFile
+from moeswarm.weights.gguf_routing import routing_from_gguf
+from moeswarm.weights.gguf_support import require_supported
 
 
 def _common(f: GGUFFile) -> dict:
@@ -53,26 +56,30 @@ def _vocab_size(f: GGUFFile) -> int:
     return len(tokens)
 
 
-def _experts(f: GGUFFile, count_key: str) -> dict:
-    return {count_key: int(f.require("expert_count")), "num_experts_per_tok": int(f.require("expert_used_count"))}
+def _experts(f: GGUFFile, count_key: str, used_key: str = "num_experts_per_tok") -> dict:
+    return {count_key: int(f.require("expert_count")), used_key: int(f.require("expert_used_count"))}
+
+
+def _has(f: GGUFFile, tensor: str) -> bool:
+    return tensor in f.tensors
 
 
 def _qwen2moe(f: GGUFFile) -> dict:
     return dict(_experts(f, "num_experts"), model_type="qwen2_moe",
                 moe_intermediate_size=int(f.require("expert_feed_forward_length")),
                 shared_expert_intermediate_size=int(f.get("expert_shared_feed_forward_length", 0)),
-                norm_topk_prob=False, qkv_bias="blk.0.attn_q.bias" in f.tensors)
+                qkv_bias=_has(f, "blk.0.attn_q.bias"))
 
 
 def _qwen3moe(f: GGUFFile) -> dict:
     return dict(_experts(f, "num_experts"), model_type="qwen3_moe",
                 moe_intermediate_size=int(f.require("expert_feed_forward_length")),
-                norm_topk_prob=True, attention_bias="blk.0.attn_q.bias" in f.tensors)
+                attention_bias=_has(f, "blk.0.attn_q.bias"))
 
 
 def _olmoe(f: GGUFFile) -> dict:
     return dict(_experts(f, "num_experts"), model_type="olmoe", intermediate_size=int(
-        f.get("expert_feed_forward_length", f.get("feed_forward_length"))), norm_topk_prob=False)
+        f.get("expert_feed_forward_length", f.get("feed_forward_length"))))
 
 
 def _llama(f: GGUFFile) -> dict:
@@ -83,25 +90,22 @@ def _llama(f: GGUFFile) -> dict:
 
 
 def _deepseek2(f: GGUFFile) -> dict:
-    # deepseek_v3 (V3, R1, Kimi-K2, Moonlight) has a router bias; V2 does not.
-    v3 = any(name.endswith("exp_probs_b.bias") for name in f.tensors)
+    # deepseek_v3 (V3, R1, Kimi-K2, Moonlight, GLM-4.7-Flash) has a router bias and sigmoid scores;
+    # V2 has neither (a slice file without its backbone has no router bias: the scores tell).
+    v3 = any(name.endswith("exp_probs_b.bias") for name in f.tensors) or f.get("expert_gating_func") == 2
     heads = int(f.require("attention.head_count"))
     rope_dim = int(f.require("rope.dimension_count"))
     k_mla = f.get("attention.key_length_mla")
-    config = dict(_experts(f, "n_routed_experts"), model_type="deepseek_v3" if v3 else "deepseek_v2",
-                  moe_intermediate_size=int(f.require("expert_feed_forward_length")),
-                  n_shared_experts=int(f.get("expert_shared_count", 0)),
-                  first_k_dense_replace=int(f.get("leading_dense_block_count", 0)),
-                  routed_scaling_factor=float(f.get("expert_weights_scale", 1.0)),
-                  norm_topk_prob=bool(f.get("expert_weights_norm", False)),
-                  kv_lora_rank=int(f.require("attention.kv_lora_rank")),
-                  q_lora_rank=int(f.get("attention.q_lora_rank")) if f.get("attention.q_lora_rank") else None,
-                  qk_rope_head_dim=rope_dim,
-                  qk_nope_head_dim=int(k_mla) - rope_dim if k_mla else int(f.require("attention.key_length")) - rope_dim,
-                  v_head_dim=int(f.get("attention.value_length_mla", f.get("attention.value_length"))),
-                  num_key_value_heads=heads, n_group=int(f.get("expert_group_count", 1)),
-                  topk_group=int(f.get("expert_group_used_count", 1)), head_dim=rope_dim)
-    return config
+    return dict(_experts(f, "n_routed_experts"), model_type="deepseek_v3" if v3 else "deepseek_v2",
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                n_shared_experts=int(f.get("expert_shared_count", 0)),
+                first_k_dense_replace=int(f.get("leading_dense_block_count", 0)),
+                kv_lora_rank=int(f.require("attention.kv_lora_rank")),
+                q_lora_rank=int(f.get("attention.q_lora_rank")) if f.get("attention.q_lora_rank") else None,
+                qk_rope_head_dim=rope_dim,
+                qk_nope_head_dim=int(k_mla) - rope_dim if k_mla else int(f.require("attention.key_length")) - rope_dim,
+                v_head_dim=int(f.get("attention.value_length_mla", f.get("attention.value_length"))),
+                num_key_value_heads=heads, head_dim=rope_dim)
 
 
 def _glm4moe(f: GGUFFile) -> dict:
@@ -115,11 +119,8 @@ def _glm4moe(f: GGUFFile) -> dict:
                 moe_intermediate_size=int(f.require("expert_feed_forward_length")),
                 n_shared_experts=int(f.get("expert_shared_count", 0)),
                 first_k_dense_replace=int(f.get("leading_dense_block_count", 0)),
-                routed_scaling_factor=float(f.get("expert_weights_scale", 1.0)),
-                norm_topk_prob=bool(f.get("expert_weights_norm", False)),
-                n_group=int(f.get("expert_group_count", 1)), topk_group=int(f.get("expert_group_used_count", 1)),
-                use_qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
-                attention_bias="blk.0.attn_q.bias" in f.tensors,
+                use_qk_norm=_has(f, "blk.0.attn_q_norm.weight"),
+                attention_bias=_has(f, "blk.0.attn_q.bias"),
                 partial_rotary_factor=rope_dim / head_dim if rope_dim else 0.5)
 
 
@@ -134,6 +135,36 @@ def _gpt_oss(f: GGUFFile) -> dict:
                 rope_extra={"truncate": False})
 
 
+def _granitemoe(f: GGUFFile) -> dict:
+    # One GGUF architecture for GraniteMoE and GraniteMoE-Shared: the shared expert's tensors tell.
+    shared = f.get("expert_shared_feed_forward_length")
+    return dict(_experts(f, "num_local_experts"), model_type="granitemoeshared" if shared else "granitemoe",
+                intermediate_size=int(f.get("expert_feed_forward_length", f.require("feed_forward_length"))),
+                **({"shared_intermediate_size": int(shared)} if shared else {}),
+                embedding_multiplier=float(f.get("embedding_scale", 1.0)),
+                residual_multiplier=float(f.get("residual_scale", 1.0)),
+                attention_multiplier=float(f.get("attention.scale", 1.0)),
+                logits_scaling=float(f.get("logit_scale", 1.0)),
+                attention_bias=_has(f, "blk.0.attn_q.bias"))
+
+
+def _dots1(f: GGUFFile) -> dict:
+    return dict(_experts(f, "n_routed_experts"), model_type="dots1",
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                n_shared_experts=int(f.get("expert_shared_count", 0)),
+                first_k_dense_replace=int(f.get("leading_dense_block_count", 0)),
+                attention_bias=_has(f, "blk.0.attn_q.bias"))
+
+
+def _ernie4_5_moe(f: GGUFFile) -> dict:
+    return dict(_experts(f, "moe_num_experts", "moe_k"), model_type="ernie4_5_moe",
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                moe_num_shared_experts=int(f.get("expert_shared_count", 0)),
+                moe_layer_start_index=int(f.get("leading_dense_block_count", 0)),
+                moe_layer_interval=int(f.get("interleave_moe_layer_step", 1)),
+                use_bias=_has(f, "blk.0.attn_q.bias"))
+
+
 ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "qwen2moe": _qwen2moe,
     "qwen3moe": _qwen3moe,
@@ -142,15 +173,17 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "deepseek2": _deepseek2,
     "glm4moe": _glm4moe,
     "gpt-oss": _gpt_oss,
+    "granitemoe": _granitemoe,
+    "dots1": _dots1,
+    "ernie4_5-moe": _ernie4_5_moe,
 }
 
 
 def config_from_gguf(f: GGUFFile) -> PretrainedConfig:
-    arch = f.arch
-    if arch not in ARCHITECTURES:
-        raise ModelError(f"{f.path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
-    values = {**_common(f), **ARCHITECTURES[arch](f)}
+    require_supported(f)
+    values = {**_common(f), **ARCHITECTURES[f.arch](f)}
     model_type = values.pop("model_type")
+    values.update(routing_from_gguf(f, model_type))
     rope = values.pop("rope_parameters")
     if "partial_rotary_factor" in values:
         rope["partial_rotary_factor"] = values.pop("partial_rotary_factor")

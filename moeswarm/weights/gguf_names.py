@@ -1,15 +1,23 @@
-"""GGUF tensor names <-> transformers parameter names, and the per-architecture quirks.
+"""GGUF tensor names <-> transformers parameter names: the names table, one entry an architecture.
 
-gguf-py's `TensorNameMap` knows the Hugging Face names of every GGUF tensor (it is what
+gguf-py's `TensorNameMap` knows the Hugging Face checkpoint names of every GGUF tensor (it is what
 llama.cpp's converter uses), so the plain mapping is a lookup. What the converter changes on the
-way is undone here, one small table entry each (read from llama.cpp's convert_hf_to_gguf.py):
+way is undone here, from the table entry (read from llama.cpp's conversion/*.py):
 
-- llama (Mixtral): q_proj and k_proj rows are permuted for llama.cpp's RoPE ("undo_permute").
-- deepseek2: kv_b_proj is split into attn_k_b (transposed per head) and attn_v_b.
-- deepseek2 / glm4moe: the router's e_score_correction_bias is `exp_probs_b.bias`.
-- gpt-oss: attention sinks get a `.weight` suffix; experts are stored transposed, with gate and up
-  de-interleaved (transformers keeps them interleaved: gate = [..., ::2], up = [..., 1::2]).
-- every family: the fused experts `gate_up_proj` [E, 2I, H] is ffn_gate_exps then ffn_up_exps.
+- `permute_qk`: q_proj and k_proj rows were permuted for llama.cpp's RoPE ("undo_permute": Mixtral,
+  Granite).
+- `renames`: a transformers parameter whose name differs from the checkpoint name TensorNameMap
+  knows (transformers 5 renames some on load: GraniteMoE's `router.layer` is `router`).
+- `merged`: a transformers parameter the converter split in two (GraniteMoE-Shared's
+  `shared_mlp.input_linear` = ffn_gate_shexp rows then ffn_up_shexp rows).
+- `experts`: the routed experts' layout (below).
+- every architecture: a router's e_score_correction_bias is `exp_probs_b.bias`; DeepSeek's MLA
+  kv_b_proj was split into attn_k_b (transposed per head) and attn_v_b; gpt-oss's attention sinks
+  carry a `.weight` suffix.
+
+Expert layouts: "gate_up": transformers' fused `gate_up_proj` [E, 2I, H] is ffn_gate_exps then
+ffn_up_exps; "gpt_oss": stored transposed, gate and up de-interleaved (transformers keeps them
+interleaved: gate = [..., ::2], up = [..., 1::2]); "up": no gate (Nemotron-H's squared-ReLU experts).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 
 from moeswarm.errors import ModelError
 from moeswarm.weights.gguf_file import GGUFFile
+from moeswarm.weights.gguf_support import require_supported
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -30,8 +39,17 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 @dataclass(frozen=True)
 class ArchQuirks:
     permute_qk: bool = False  # llama.cpp permuted q/k rows for its rotary layout
-    experts: str = "gate_up"  # "gate_up": [E, 2I, H] = cat(gate, up); "gpt_oss": [E, H, 2I] interleaved
+    experts: str = "gate_up"  # "gate_up": [E, 2I, H] = cat(gate, up); "gpt_oss": [E, H, 2I] interleaved; "up"
+    renames: tuple[tuple[str, str], ...] = ()  # (transformers name suffix, checkpoint name suffix TensorNameMap knows)
+    merged: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (transformers name suffix, GGUF suffixes stacked on rows)
 
+
+# Every architecture: the router's score-correction bias, wherever the family keeps it.
+_COMMON_TENSORS = (("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
+                   ("mlp.gate.moe_statics.e_score_correction_bias", "exp_probs_b.bias"),
+                   ("mlp.router.e_score_correction_bias", "exp_probs_b.bias"))
+_GRANITE = ArchQuirks(permute_qk=True, renames=(("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight"),),
+                      merged=(("shared_mlp.input_linear.weight", ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")),))
 
 QUIRKS: dict[str, ArchQuirks] = {
     "qwen2moe": ArchQuirks(),
@@ -41,6 +59,9 @@ QUIRKS: dict[str, ArchQuirks] = {
     "deepseek2": ArchQuirks(),
     "glm4moe": ArchQuirks(),
     "gpt-oss": ArchQuirks(experts="gpt_oss"),
+    "granitemoe": _GRANITE,
+    "dots1": ArchQuirks(),
+    "ernie4_5-moe": ArchQuirks(),
 }
 
 Loader = Callable[[], torch.Tensor]  # reads and dequantizes on call
@@ -51,8 +72,9 @@ class NameMapper:
 
     def __init__(self, f: GGUFFile, config, read: Callable[[str], torch.Tensor]):
         arch_ids = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
-        if f.arch not in arch_ids or f.arch not in QUIRKS:
-            raise ModelError(f"{f.path}: unsupported GGUF architecture {f.arch!r}")
+        require_supported(f)
+        if f.arch not in arch_ids:
+            raise ModelError(f"{f.path}: GGUF architecture {f.arch!r} is unknown to the installed gguf package")
         self.file, self.config, self.read = f, config, read
         self.quirks = QUIRKS[f.arch]
         self.names = gguf.get_tensor_name_map(arch_ids[f.arch], config.num_hidden_layers + 8)
@@ -60,11 +82,17 @@ class NameMapper:
     def source(self, hf_name: str) -> Loader | None:
         """A loader for `hf_name`'s tensor, or None when the file has no such tensor."""
         layer = _LAYER.search(hf_name)
-        if hf_name.endswith("mlp.gate.e_score_correction_bias") and layer:
-            return self._plain(f"blk.{layer.group(1)}.exp_probs_b.bias")
+        if layer:
+            for suffix, tensor in _COMMON_TENSORS:
+                if hf_name.endswith(suffix):
+                    return self._plain(f"blk.{layer.group(1)}.{tensor}")
+            for suffix, parts in self.quirks.merged:
+                names = [f"blk.{layer.group(1)}.{part}" for part in parts]
+                if hf_name.endswith(suffix) and all(name in self.file.tensors for name in names):
+                    return lambda names=names: torch.cat([self.read(name) for name in names])
         if hf_name.endswith("self_attn.kv_b_proj.weight") and layer and f"blk.{layer.group(1)}.attn_k_b.weight" in self.file.tensors:
             return lambda: self._merge_kv_b(layer.group(1))
-        name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        name = self._lookup(hf_name)
         if name is None:
             return None
         for candidate in (name, f"{name}.weight"):  # gpt-oss sinks carry a .weight suffix
@@ -79,12 +107,21 @@ class NameMapper:
         layer = _LAYER.search(hf_name)
         if hf_name.endswith("self_attn.kv_b_proj.weight") and layer:
             return None
-        name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if any(hf_name.endswith(suffix) for suffix, _ in self.quirks.merged):
+            return None
+        name = self._lookup(hf_name)
         if name is None or name not in self.file.tensors:
             return None
         if self.quirks.permute_qk and re.search(r"\.attn_[qk]\.(weight|bias)$", name):
             return None
         return name
+
+    def _lookup(self, hf_name: str) -> str | None:
+        """The GGUF name TensorNameMap gives `hf_name` (after the table's renames), or None."""
+        for suffix, checkpoint in self.quirks.renames:
+            if hf_name.endswith(suffix):
+                hf_name = hf_name[: -len(suffix)] + checkpoint
+        return self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
     def _plain(self, name: str) -> Loader | None:
         return (lambda: self.read(name)) if name in self.file.tensors else None
@@ -117,9 +154,11 @@ def fuse_experts(quirks: ArchQuirks, parts: dict[str, torch.Tensor]) -> dict[str
 
     parts: gate, up [n, I, H]; down [n, H, I]; optional gate_bias, up_bias [n, I], down_bias [n, H].
     """
-    gate, up, down = parts["gate"], parts["up"], parts["down"]
+    gate, up, down = parts.get("gate"), parts["up"], parts["down"]
     if quirks.experts == "gate_up":
         return {"gate_up_proj": torch.cat([gate, up], dim=1), "down_proj": down}  # [n, 2I, H], [n, H, I]
+    if quirks.experts == "up":
+        return {"up_proj": up, "down_proj": down}  # [n, I, H], [n, H, I]
     n, inner, hidden = gate.shape
     gate_up = torch.empty(n, hidden, 2 * inner)  # [n, H, 2I], gate and up interleaved
     gate_up[..., 0::2], gate_up[..., 1::2] = gate.transpose(1, 2), up.transpose(1, 2)

@@ -1,0 +1,47 @@
+"""Which GGUF architectures moeswarm runs, and why not the others: the support table.
+
+SUPPORTED names, for each GGUF architecture (`general.architecture`) that loads, slices and
+serves, the transformers families it becomes. UNSUPPORTED names the MoE architectures llama.cpp's
+converter writes and transformers implements through its experts interface that do not load yet,
+each with the reason. docs/models.md is the same list for people; tests check the two agree with
+the config, routing and names tables.
+"""
+
+from __future__ import annotations
+
+from moeswarm.errors import ModelError
+from moeswarm.weights.gguf_file import GGUFFile
+
+DOCS = "docs/models.md"
+
+SUPPORTED: dict[str, str] = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "olmoe": "olmoe",
+    "llama": "mixtral",
+    "deepseek2": "deepseek_v2, deepseek_v3",
+    "glm4moe": "glm4_moe",
+    "gpt-oss": "gpt_oss",
+    "granitemoe": "granitemoe, granitemoeshared",
+    "dots1": "dots1",
+    "ernie4_5-moe": "ernie4_5_moe",
+}
+
+UNSUPPORTED: dict[str, str] = {}
+
+
+def support_status(arch: str) -> tuple[bool, str]:
+    """(supported, one line): the families a supported architecture becomes, or why it is not."""
+    if arch in SUPPORTED:
+        return True, f"supported (transformers {SUPPORTED[arch]}): loads, slices, serves"
+    if arch in UNSUPPORTED:
+        return False, f"not supported: {UNSUPPORTED[arch]}"
+    return False, "not supported: not a MoE architecture moeswarm knows"
+
+
+def require_supported(f: GGUFFile) -> None:
+    """A one-line ModelError for a file whose architecture moeswarm does not run."""
+    supported, status = support_status(f.arch)
+    if not supported:
+        raise ModelError(f"{f.path}: unsupported GGUF architecture {f.arch!r} ({status.removeprefix('not supported: ')}); "
+                         f"supported: {', '.join(sorted(SUPPORTED))}; see {DOCS}")
