@@ -44,16 +44,18 @@ class Oracle:
 
     def __init__(self, model: str, experts: Sequence[int], limits: WorkerLimits):
         from moeswarm.model.loading import load_experts
+        from moeswarm.worker.limits import model_top_k
         from moeswarm.worker.server import WorkerServer
         from moeswarm.worker.store import ExpertStore
 
         hosted, source, num_experts = load_experts(model, list(experts))
         self.store = ExpertStore(hosted, num_experts, source.config.hidden_size)
         self.fingerprint = source.fingerprint
-        self.server = WorkerServer(self.store, source.fingerprint, source.config.model_type, limits)
+        top_k = model_top_k(source.config)  # a worker caps top-k at its model's, as `moeswarm worker` does
+        self.server = WorkerServer(self.store, source.fingerprint, source.config.model_type, limits, top_k=top_k)
         layers = tuple(self.store.held)
         self.shape = Shape(self.store.hidden_size, num_experts, layers, tuple(self.store.held[layers[0]]),
-                           limits.max_tokens, limits.max_top_k)
+                           limits.max_tokens, min(limits.max_top_k, top_k or limits.max_top_k))
 
     def answer(self, frame: Frame) -> Frame:
         return self.server.compute(frame)

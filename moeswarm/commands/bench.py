@@ -41,7 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wan.add_argument("--out-json", metavar="FILE", default=None, help="also write {meta, rows} to FILE")
     wan.add_argument("--report", action="store_true", help="write docs/bench.md and its plots under docs/bench/")
     serve = sub.add_parser("serve", help="concurrent streaming clients against moeswarm serve, workers at 80 ms RTT (docs/serve.md)")
-    serve.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    serve.add_argument("--model", default=None,
+                       help="model directory or file (default: the bundled model); 'real': the OLMoE-1B-7B-shaped "
+                            "Q4_K_M file of `moeswarm bench real` (built and cached on first use), on 2 workers")
+    serve.add_argument("--groups", type=_groups, default=(0,),
+                       help="batches in flight to run, comma-separated (0: the server's own choice; default 0)")
+    serve.add_argument("--workers", type=int, default=None, help="worker processes (default: 4; 2 for --model real)")
     serve.add_argument("--quick", action="store_true", help="1, 2 and 4 clients and 12 tokens each, for smoke tests")
     serve.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: 32, --quick 12)")
     serve.add_argument("--clients", type=_counts, default=None, help="comma-separated client counts (default: 1,2,4,8,16)")
@@ -91,6 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flood.add_argument("--half-open", type=int, default=200, help="half-sent connections in that attack (default 200)")
     flood.add_argument("--flooders", type=int, default=4, help="pipelining connections that never read (default 4)")
     flood.add_argument("--samples", type=int, default=300, help="round trips timed per phase (default 300)")
+    flood.add_argument("--amplification", action="store_true",
+                       help="instead: the reply-amplification attack (big DISPATCHes, one expert, never read) and "
+                            "the worker's RSS before, at peak and after")
+    flood.add_argument("--connections", type=int, default=256, help="attack connections (--amplification; default 256)")
+    flood.add_argument("--tokens", type=int, default=8185, help="tokens per attack DISPATCH (default 8185: the largest RESULT a default worker admits at top-8, d 128)")
+    flood.add_argument("--top-k", type=int, default=8, help="slots per token, all one expert (default 8)")
+    flood.add_argument("--hold", type=float, default=40.0, help="seconds the attack is held (default 40)")
     flood.add_argument("--json", action="store_true", help=JSON_HELP)
     faults = sub.add_parser("faults", help="generations through WAN faults and SIGKILL with a replica of every expert, "
                                            "the tail with one slow worker, spot checks against a liar (docs/failover.md)")
@@ -183,9 +195,14 @@ def run(args: argparse.Namespace) -> int:
 
         _print(run_fuzz(args.cases, args.seed, args.model, progress=_fuzz_progress), args.json)
     elif args.bench == "flood":
-        from moeswarm.bench.flood import run_flood
+        if args.amplification:
+            from moeswarm.bench.amplification import run_amplification
 
-        _print(run_flood(args.half_open, args.flooders, args.samples), args.json)
+            _print(run_amplification(args.connections, args.tokens, args.top_k, args.hold), args.json)
+        else:
+            from moeswarm.bench.flood import run_flood
+
+            _print(run_flood(args.half_open, args.flooders, args.samples), args.json)
     elif args.bench == "faults":
         from moeswarm.bench.faults import print_report, run_faults
 
@@ -242,10 +259,18 @@ def _run_serve(args: argparse.Namespace, model: str) -> None:
 
     def show(row: dict) -> None:
         if sys.stderr.isatty() and not args.quiet:
-            print(f"clients {row['clients']:>2} speculate {row['speculate']}: {row['aggregate_tokens_per_s']:.2f} tokens/s",
-                  file=sys.stderr)
+            print(f"clients {row['clients']:>2} speculate {row['speculate']} groups {row['groups_flag'] or 'auto'}: "
+                  f"{row['aggregate_tokens_per_s']:.2f} tokens/s", file=sys.stderr)
 
-    result = run_serve_bench(model, args.quick, args.max_tokens, show, args.clients, args.speculate, args.serve_threads)
+    workers = args.workers or 4
+    if model == "real":
+        from moeswarm.bench.real_build import DEFAULT_CACHE, model_file
+        from moeswarm.bench.real_shapes import SHAPES
+
+        model, workers = str(model_file(SHAPES["olmoe"], DEFAULT_CACHE)), args.workers or 2
+    command = "moeswarm bench " + " ".join(sys.argv[sys.argv.index("serve"):]) if "serve" in sys.argv else "moeswarm bench serve"
+    result = run_serve_bench(model, args.quick, args.max_tokens, show, args.clients, args.speculate, args.serve_threads,
+                             args.groups, workers, command)
     if args.report:
         from moeswarm.bench.serve_report import write_serve_report
 

@@ -68,8 +68,16 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
         help=f"seconds a connection may send no request, or take none of its replies, before it is closed "
              f"(default {d.idle_timeout_s:g})")
     add("--max-unsent-bytes", type=positive, default=d.max_unsent_bytes,
-        help=f"replies of one connection its client has not read; its requests are not read beyond it "
-             f"(default {d.max_unsent_bytes})")
+        help=f"replies of one connection its client has not read; its requests are not read beyond it, and a "
+             f"DISPATCH whose RESULT alone is larger is refused (default {d.max_unsent_bytes})")
+    add("--max-reply-bytes", type=positive, default=d.max_reply_bytes,
+        help=f"replies being computed or not yet read, over all connections; beyond it a DISPATCH is answered "
+             f"'busy' (default {d.max_reply_bytes})")
+    add("--max-connections-per-peer", type=positive, default=d.max_connections_per_peer,
+        help=f"open connections from one IP address (default {d.max_connections_per_peer})")
+    add("--evict-after", type=seconds, default=d.evict_after_s,
+        help=f"at a connection limit, a connection with no HELLO or DISPATCH for this many seconds is closed to "
+             f"make room for a new one (default {d.evict_after_s:g})")
 
 
 def _add_relay(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +119,8 @@ def limits_from(args: argparse.Namespace):
         max_payload=args.max_payload, max_tokens=args.max_tokens, max_top_k=args.max_top_k,
         hello_max_bytes=args.hello_max_bytes, hello_timeout_s=args.hello_timeout, frame_timeout_s=args.frame_timeout,
         idle_timeout_s=args.idle_timeout, max_unsent_bytes=args.max_unsent_bytes,
+        max_reply_bytes=args.max_reply_bytes, max_connections_per_peer=args.max_connections_per_peer,
+        evict_after_s=args.evict_after,
     )
 
 
@@ -178,7 +188,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     store, source = load_hosted(args)  # --experts (one list or per layer), --layers, or --plan
     gc.freeze()  # the model's objects live as long as the worker: the collector no longer walks them per DISPATCH
-    server = WorkerServer(store, source.fingerprint, source.config.model_type, limits, tls)
+    from moeswarm.worker.memory import serve_large_from_mmap
+
+    serve_large_from_mmap()  # after loading: a flood's large buffers go back to the system when freed
+    from moeswarm.worker.limits import model_top_k
+
+    server = WorkerServer(store, source.fingerprint, source.config.model_type, limits, tls,
+                          top_k=model_top_k(source.config))
     tokens_per_s = _swarm.throughput(store, source) if dht is not None else 0.0
 
     async def main() -> None:

@@ -5,8 +5,15 @@ pairs the worker computes (ids >= 0 in the DISPATCH; each must be a held expert,
 
 Each limit is checked before the memory or time it guards is spent: header lengths before the
 body is read, declared tensor shapes before they are decoded, the byte budget before a body is
-buffered. A RESULT holds at most S x d values in exact mode (T x d in partial), and S <= T x k
-with every id distinct in its row: the reply is never larger than the routing implies.
+buffered. A RESULT holds at most S x d values in exact mode (T x d in partial), and S <= T x k,
+with k at most the model's own top-k: the reply is never larger than the routing implies.
+
+Replies are bounded before compute: a DISPATCH's RESULT size follows from its declared shapes
+and combine codec (`reply_bound`, integer arithmetic on the event loop), is counted against the
+connection's unsent bound and the worker's reply budget before the request is queued, and its
+exact size (from the routed pairs S) is checked again on the compute thread before any expert
+runs. So a client that never reads holds at most its connection's bound of reply bytes, and all
+clients together at most the worker's reply budget (plus SMALL_FRAME_BYTES per connection).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ class WorkerLimits:
     max_connections: int = 256  # open connections; one more is answered ERROR "busy" and closed at once
     queue_limit: int = 64  # DISPATCHes waiting for the compute thread, over all connections
     queue_per_connection: int = 16  # of those, from one connection
-    max_buffered_bytes: int = 2 << 30  # request bodies held at once (being read, queued or computing)
+    max_buffered_bytes: int = 128 << 20  # request bodies held at once (being read, queued or computing)
     max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES  # one frame's payload
     max_tokens: int = 16384  # T of one DISPATCH
     max_top_k: int = 64  # k of one DISPATCH
@@ -40,12 +47,18 @@ class WorkerLimits:
     hello_timeout_s: float = 10.0  # from accept to a successful HELLO
     frame_timeout_s: float = 30.0  # a frame's header and body, once its first byte arrived
     idle_timeout_s: float = 600.0  # a greeted connection with no new frame (or no reply taken) for this long
-    max_unsent_bytes: int = 64 << 20  # replies of one connection not yet taken by its client: reading pauses beyond
+    max_unsent_bytes: int = 32 << 20  # replies of one connection not yet taken by its client: reading pauses beyond
+    max_reply_bytes: int = 128 << 20  # replies computing or not yet taken, over all connections: "busy" beyond
+    max_connections_per_peer: int = 64  # open connections from one IP address
+    evict_after_s: float = 5.0  # at a connection limit, one quiet this long (no HELLO or DISPATCH) makes room
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if not value > 0:
                 raise MoeSwarmError(f"worker limit {name.replace('_', '-')} must be positive, got {value}")
+        if self.max_reply_bytes < self.max_unsent_bytes:
+            raise MoeSwarmError(f"worker limit max-reply-bytes ({self.max_reply_bytes}) must be at least "
+                                f"max-unsent-bytes ({self.max_unsent_bytes}): one connection's replies must fit")
 
 
 class ByteBudget:
@@ -95,10 +108,22 @@ def declared_shape(meta: dict[str, Any], name: str) -> tuple[int, ...] | None:
     return declared_shapes(meta).get(name)
 
 
+def model_top_k(config: Any) -> int | None:
+    """The model's router top-k from its config (None when the config does not say)."""
+    from moeswarm.model.summary import TOP_K_KEYS
+
+    for key in TOP_K_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def check_dispatch_size(meta: dict[str, Any], limits: WorkerLimits,
-                        shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+                        shapes: dict[str, tuple[int, ...]] | None = None, model_top_k: int | None = None) -> None:
     """Refuse a DISPATCH whose declared T or k is over the limits, before any tensor is decoded.
-    shapes: `declared_shapes(meta)` when the caller has them already."""
+    shapes: `declared_shapes(meta)` when the caller has them already. model_top_k: the model's own
+    top-k: no router picks more, so no DISPATCH needs more (it would only amplify the reply)."""
     shapes = declared_shapes(meta) if shapes is None else shapes
     for name in ("x", "ids", "w"):
         shape = shapes.get(name)
@@ -108,20 +133,39 @@ def check_dispatch_size(meta: dict[str, Any], limits: WorkerLimits,
         if tokens > limits.max_tokens:
             raise ProtocolError(f"DISPATCH tensor {name!r} has {tokens} tokens, over the limit of {limits.max_tokens} "
                                 "(worker flag --max-tokens)")
+        if name != "x" and len(shape) > 1 and model_top_k is not None and shape[1] > model_top_k:
+            raise ProtocolError(f"DISPATCH tensor {name!r} has top-k {shape[1]}, over the model's top-k of {model_top_k}")
         if name != "x" and len(shape) > 1 and shape[1] > limits.max_top_k:
             raise ProtocolError(f"DISPATCH tensor {name!r} has top-k {shape[1]}, over the limit of {limits.max_top_k} "
                                 "(worker flag --max-top-k)")
 
 
-def reply_estimate(meta: dict[str, Any], hidden: int, shapes: dict[str, tuple[int, ...]] | None = None) -> int:
-    """An upper bound on a DISPATCH's RESULT bytes from its declared shapes: T x k rows (exact) of
-    d f32 values. Counted against the connection's unsent bound while the request is in flight."""
+RESULT_META_BYTES = 256  # a RESULT's header and metadata besides its expert lists (layer, mode, descriptor)
+PER_EXPERT_META_BYTES = 18  # an expert id and its row count in msgpack: at most 9 bytes each
+
+
+def reply_bytes(rows: int, hidden: int, combine: Any, experts: int) -> int:
+    """A RESULT's size on the wire: `rows` x `hidden` values in the combine codec (exact), plus a
+    bound on its metadata for `experts` listed experts (0 in partial mode). Unknown codecs count as
+    f32, the largest float codec (the request is refused when decoded anyway)."""
+    from moeswarm.wire.codecs import CODECS
+
+    codec = CODECS.get(combine) if isinstance(combine, str) else None
+    payload = codec.nbytes((rows, hidden)) if codec is not None else rows * hidden * 4
+    return payload + RESULT_META_BYTES + PER_EXPERT_META_BYTES * experts
+
+
+def reply_bound(meta: dict[str, Any], hidden: int, num_experts: int,
+                shapes: dict[str, tuple[int, ...]] | None = None) -> int:
+    """An upper bound on a DISPATCH's RESULT bytes from its declared shapes, before decoding: T x k
+    rows in exact mode (every id routed here), T in partial. Integer arithmetic only."""
     shape = (declared_shapes(meta) if shapes is None else shapes).get("ids")
-    if shape is None or len(shape) != 2:
-        return 0
+    if shape is None or len(shape) != 2 or shape[0] <= 0 or shape[1] <= 0:
+        return 0  # refused when decoded: no reply but an ERROR
     tokens, k = shape
-    rows = tokens * (k if meta.get("mode") == "exact" else 1)
-    return max(0, rows) * hidden * 4
+    if meta.get("mode") == "exact":
+        return reply_bytes(tokens * k, hidden, meta.get("combine"), min(num_experts, tokens * k))
+    return reply_bytes(tokens, hidden, meta.get("combine"), 0)
 
 
 def check_routing(index: torch.Tensor) -> int:

@@ -44,13 +44,14 @@ from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerInfo
 from moeswarm.wire.stream import decode_frame
+from moeswarm.worker.admission import ConnectionTable, CountedLog, Slot, error_cause
 from moeswarm.worker.framing import FrameFault, Idle, Incoming, read_frame
-from moeswarm.worker.limits import (ByteBudget, WorkerLimits, check_dispatch_size, check_reply_size, check_routing,
-                                    declared_shapes, reply_estimate)
+from moeswarm.worker.limits import (SMALL_FRAME_BYTES, ByteBudget, WorkerLimits, check_dispatch_size,
+                                    check_reply_size, check_routing, declared_shapes, reply_bound, reply_bytes)
 from moeswarm.worker.memory import release_freed_memory
 from moeswarm.worker.merge import merge, merge_key, partners, split
 from moeswarm.worker.runner import CANCELLED, DECLINED, ComputeRunner, WorkerBusy
-from moeswarm.worker.session import Session
+from moeswarm.worker.session import Session, within
 
 if TYPE_CHECKING:
     from moeswarm.worker.store import ExpertStore
@@ -65,11 +66,13 @@ class WorkerServer:
     ({layer: experts}) and `run(Dispatch) -> Result` (called on the compute thread only, one call
     at a time).
     limits: what the worker accepts and how long it waits (WorkerLimits' defaults when None).
+    top_k: the model's router top-k (`limits.model_top_k(config)`): no DISPATCH may ask for more.
     """
 
     def __init__(self, store: ExpertStore, fingerprint: str, model_type: str, limits: WorkerLimits | None = None,
-                 tls: ssl.SSLContext | None = None):
+                 tls: ssl.SSLContext | None = None, top_k: int | None = None):
         self.store = store
+        self.model_top_k = top_k
         self.tls = tls  # the swarm key's context (transport/tls.py); None: plain TCP
         self.fingerprint = fingerprint
         self.info = WorkerInfo(fingerprint, model_type, store.num_experts, store.hidden_size, store.held,
@@ -81,21 +84,36 @@ class WorkerServer:
                                     batch_work=self.compute_batch, batch_cost=self.limits.max_tokens)
         self._server: asyncio.base_events.Server | None = None
         self._sessions: dict[asyncio.Task, Session] = {}
-        self._refused = 0  # connections refused over max_connections (logged at the first and every 1000th)
+        self._handshakes: dict[asyncio.Task, asyncio.StreamWriter] = {}  # accepted, TLS handshake under way
+        self.table = ConnectionTable(self.limits.max_connections, self.limits.max_connections_per_peer,
+                                     self.limits.evict_after_s)
+        self.refusals = CountedLog(log, "connections refused")
+        self.failures = CountedLog(log, "connections failed before a session began")  # accept, TLS handshake
+        self._watch: asyncio.Task | None = None
         self._closing = False
         self.merged_calls = 0  # expert calls that served several connections' DISPATCHes at once
         self.merged_requests = 0  # the DISPATCHes they served
 
     @property
     def connections(self) -> int:
-        return len(self._sessions)
+        """Connections holding a slot: sessions and TLS handshakes under way."""
+        return len(self.table)
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        """Listen and start the compute thread; return the bound (host, port)."""
+        """Listen and start the compute thread; return the bound (host, port).
+
+        TLS runs inside each connection's slot (`_serve`), not in asyncio's accept path: a handshake
+        in progress counts toward --max-connections and is bounded by the HELLO deadline."""
         self.runner.start()
-        handshake = {"ssl": self.tls, "ssl_handshake_timeout": self.limits.hello_timeout_s} if self.tls else {}
-        self._server = await asyncio.start_server(self._serve, host, port, backlog=min(self.limits.max_connections, 4096),
-                                                  **handshake)
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(functools.partial(_loop_errors, self.failures, loop.get_exception_handler()))
+        tls = self.tls is not None
+
+        def protocol() -> asyncio.StreamReaderProtocol:
+            return _Protocol(asyncio.StreamReader(limit=2**16, loop=loop), self._serve, loop=loop, paused=tls)
+
+        self._server = await loop.create_server(protocol, host, port, backlog=min(self.limits.max_connections, 4096))
+        self._watch = asyncio.create_task(self._watch_replies())
         return self._server.sockets[0].getsockname()[:2]
 
     async def serve_socket(self, sock: socket.socket) -> None:
@@ -123,17 +141,22 @@ class WorkerServer:
         self._closing = True
         if self._server is not None:
             self._server.close()
+        if self._watch is not None:
+            self._watch.cancel()
+        for writer in self._handshakes.values():
+            writer.transport.abort()
         for session in self._sessions.values():
             session.shut()  # before the runner stops: a job that ends after this sends nothing
         # The thread's join is under way before the first await: a second cancellation (asyncio.run
         # cancels every task again on its way out) cannot skip it.
         stopped = self.runner.stop()
-        sessions = [task for task in self._sessions if task is not asyncio.current_task()]
+        sessions = [task for task in [*self._sessions, *self._handshakes] if task is not asyncio.current_task()]
         for task in sessions:
             # Cancelling alone is not enough on Python 3.11: asyncio.wait_for swallows a cancellation
             # that meets a completed read (gh-86296), and the session would wait for its next frame.
             # The flag and the closed transport end it either way.
-            self._sessions[task].writer.transport.abort()
+            if task in self._sessions:
+                self._sessions[task].writer.transport.abort()
             task.cancel()
         await asyncio.gather(*sessions, return_exceptions=True)
         await asyncio.shield(stopped)
@@ -141,14 +164,40 @@ class WorkerServer:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._sessions) >= self.limits.max_connections:
-            self._refuse(writer)
+        admitted = self.table.admit(_peer_host(writer))
+        if isinstance(admitted, str):
+            self._refuse(writer, admitted)
             return
+        slot, task = admitted, asyncio.current_task()
+        try:
+            if self.tls is not None and writer.get_extra_info("sslcontext") is None:
+                self._handshakes[task] = writer
+                slot.evict = lambda _message: writer.transport.abort()
+                try:
+                    await within(self.limits.hello_timeout_s,
+                                 writer.start_tls(self.tls, ssl_handshake_timeout=self.limits.hello_timeout_s))
+                except (asyncio.TimeoutError, ConnectionError, OSError) as error:  # ssl.SSLError is an OSError
+                    cause = "TimeoutError" if isinstance(error, asyncio.TimeoutError) else error_cause(error)
+                    self.failures.note(f"TLS handshake: {cause}")
+                    writer.transport.abort()
+                    return
+                finally:
+                    self._handshakes.pop(task, None)
+            await self._session(reader, writer, slot, task)
+        except asyncio.CancelledError:
+            pass  # the server is closing (see below)
+        finally:
+            self.table.release(slot)
+
+    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot,
+                       task: asyncio.Task) -> None:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session = Session(writer, self.limits.max_unsent_bytes)
-        task = asyncio.current_task()
+        session.slot = slot
+        slot.busy = lambda: session.unsent > 0
+        slot.evict = functools.partial(self._evict, session)
         self._sessions[task] = session
         try:
             while not self._closing and await self._next_frame(reader, session):
@@ -168,14 +217,40 @@ class WorkerServer:
             if session.held_bytes_peak > self.limits.hello_max_bytes:
                 release_freed_memory()  # glibc keeps freed arenas otherwise: give the big buffers back
 
-    def _refuse(self, writer: asyncio.StreamWriter) -> None:
-        """One connection over the limit: a short ERROR and close, nothing read, nothing allocated."""
-        self._refused += 1
-        if self._refused == 1 or self._refused % 1000 == 0:
-            log.warning("refused %d connections over the limit of %d", self._refused, self.limits.max_connections)
-        message = f"worker busy: {len(self._sessions)} connections open (limit {self.limits.max_connections}); retry later"
-        writer.writelines(ErrorReply("busy", message).to_frame(0).encode())
-        writer.close()
+    def _refuse(self, writer: asyncio.StreamWriter, why: str) -> None:
+        """One connection over a limit: a short ERROR (plain TCP; a TLS peer just sees the close) and
+        close, nothing read, nothing allocated."""
+        message = f"worker busy: {why}"
+        self.refusals.note("over the per-address limit" if "your address" in why else "over --max-connections")
+        if self.tls is None:
+            writer.writelines(ErrorReply("busy", message).to_frame(0).encode())
+            writer.close()
+        else:
+            writer.transport.abort()
+
+    def _evict(self, session: Session, message: str) -> None:
+        """Close a quiet connection to give its slot to a newcomer (ConnectionTable decided)."""
+        log.info("closing connection from %s: %s", session.peer, message)
+        session.post(ErrorReply("timeout", message).to_frame(0))
+        session.writer.close()
+
+    async def _watch_replies(self) -> None:
+        """Once a second: close connections whose client took none of their written replies for
+        --frame-timeout (what they hold is then released), so a client that does not read holds
+        its reply bytes that long, not for the idle timeout."""
+        timeout = self.limits.frame_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            for session in list(self._sessions.values()):
+                waiting = session.written_unsent
+                if waiting == 0 or waiting < session.last_waiting:
+                    session.progress_at = now
+                session.last_waiting = waiting
+                if waiting and now - session.progress_at > timeout and not session.writer.transport.is_closing():
+                    log.warning("closing connection from %s: replies not taken for %g s", session.peer, timeout)
+                    session.writer.transport.abort()
+                    session.wake()
 
     async def _next_frame(self, reader: asyncio.StreamReader, session: Session) -> bool:
         """Read and handle one frame; False when the connection is to close."""
@@ -184,15 +259,15 @@ class WorkerServer:
             await session.wait_for_room(limits.idle_timeout_s)
         except asyncio.TimeoutError:
             return self._fail(session, 0, "timeout", f"replies not read for {limits.idle_timeout_s:g} s: closing")
-        if session.greeted:
-            wait_s = limits.idle_timeout_s
+        if session.greeted:  # from the last HELLO or DISPATCH: PINGs do not keep a connection open
+            wait_s = session.slot.last_active + limits.idle_timeout_s - time.monotonic()
         else:
             wait_s = session.opened + limits.hello_timeout_s - time.monotonic()
         try:
             incoming = await read_frame(reader, limits, self.budget, session.greeted, max(wait_s, 0.0))
         except Idle:
             if session.greeted:
-                return self._fail(session, 0, "timeout", f"no request for {limits.idle_timeout_s:g} s: closing")
+                return self._fail(session, 0, "timeout", f"no DISPATCH for {limits.idle_timeout_s:g} s (PINGs do not count): closing")
             return self._fail(session, 0, "timeout", f"no HELLO within {limits.hello_timeout_s:g} s: closing")
         except FrameFault as fault:
             return self._fail(session, fault.request_id, fault.code, str(fault))
@@ -200,6 +275,16 @@ class WorkerServer:
             return False
         session.held_bytes_peak = max(session.held_bytes_peak, incoming.reserved)
         reply = self._handle(session, incoming)
+        if type(reply) is _AwaitRoom:  # the connection's unsent replies leave no room for this one yet
+            try:
+                await session.wait_for_room(limits.idle_timeout_s, need=reply.owed)
+            except asyncio.TimeoutError:
+                self.budget.give(incoming.reserved)
+                return self._fail(session, 0, "timeout", f"replies not read for {limits.idle_timeout_s:g} s: closing")
+            if session.writer.transport.is_closing():
+                self.budget.give(incoming.reserved)
+                return False
+            reply = reply.submit()
         if reply is not None:
             try:
                 await session.send(reply, limits.idle_timeout_s)
@@ -207,8 +292,9 @@ class WorkerServer:
                 return self._fail(session, 0, "timeout", f"replies not read for {limits.idle_timeout_s:g} s: closing")
         return True
 
-    def _handle(self, session: Session, incoming: Incoming) -> Frame | None:
-        """The immediate reply to one frame, or None when a DISPATCH went to the runner.
+    def _handle(self, session: Session, incoming: Incoming) -> Frame | _AwaitRoom | None:
+        """The immediate reply to one frame, None when a DISPATCH went to the runner, or _AwaitRoom
+        when it may go once the connection's unsent replies leave room for its RESULT.
 
         The frame's budget reservation is given back here, or when its DISPATCH is done.
         """
@@ -226,19 +312,18 @@ class WorkerServer:
                 if not session.greeted:
                     raise ProtocolError("DISPATCH before HELLO: send HELLO with the model fingerprint first")
                 shapes = declared_shapes(frame.meta)
-                check_dispatch_size(frame.meta, self.limits, shapes)
-                shape = shapes.get("x")
-                cost = shape[0] if shape else 1  # tokens: the compute thread is shared by them
-                owed = reply_estimate(frame.meta, self.store.hidden_size, shapes)
-                session.owe(owed)
-                try:
-                    self.runner.submit(session, functools.partial(self.compute, frame, True), cost, merge_key(frame.meta),
-                                       frame, done=functools.partial(self._done, session, incoming.reserved, owed, rid))
-                except BaseException:
-                    session.owe(-owed)
-                    raise
+                check_dispatch_size(frame.meta, self.limits, shapes, self.model_top_k)
+                # The RESULT's size, counted before the request is queued: a bound from the declared
+                # shapes, never over what one connection may hold (a larger exact size is refused
+                # on the compute thread before any expert runs).
+                owed = min(reply_bound(frame.meta, self.store.hidden_size, self.store.num_experts, shapes),
+                           self.limits.max_unsent_bytes)
+                unsent = session.unsent
+                if unsent and unsent + owed > self.limits.max_unsent_bytes:
+                    handed_over = True  # the body stays reserved while it waits
+                    return _AwaitRoom(owed, functools.partial(self._submit, session, incoming, frame, shapes, owed))
                 handed_over = True
-                return None
+                return self._submit(session, incoming, frame, shapes, owed)
             raise ProtocolError(f"unexpected opcode {frame.opcode.name} from a client")
         except WorkerBusy as busy:
             log.info("request %d refused: %s", rid, busy)
@@ -250,6 +335,42 @@ class WorkerServer:
             if not handed_over:
                 self.budget.give(incoming.reserved)
 
+    def _submit(self, session: Session, incoming: Incoming, frame: Frame, shapes: dict, owed: int) -> Frame | None:
+        """Queue a DISPATCH whose RESULT (`owed` bytes at most) fits the connection's bound; None once
+        queued, else the ERROR that answers it (its body's reservation is then given back)."""
+        rid = incoming.header.request_id
+        try:
+            self._reply_room(session, owed)
+            shape = shapes.get("x")
+            cost = shape[0] if shape else 1  # tokens: the compute thread is shared by them
+            session.owe(owed)
+            session.held_bytes_peak = max(session.held_bytes_peak, owed)
+            try:
+                self.runner.submit(session, functools.partial(self.compute, frame, True), cost, merge_key(frame.meta),
+                                   frame, done=functools.partial(self._done, session, incoming.reserved, owed, rid))
+            except BaseException:
+                session.owe(-owed)
+                raise
+            session.slot.last_active = time.monotonic()  # a queued DISPATCH is activity; a refused one is not
+            return None
+        except WorkerBusy as busy:
+            self.budget.give(incoming.reserved)
+            log.info("request %d refused: %s", rid, busy)
+            return ErrorReply("busy", str(busy)).to_frame(rid)
+        except BaseException:
+            self.budget.give(incoming.reserved)
+            raise
+
+    def _reply_room(self, session: Session, owed: int) -> None:
+        """WorkerBusy unless a RESULT of `owed` bytes fits the worker's reply budget. A small one
+        always does while its connection holds little (bounded by connections x SMALL_FRAME_BYTES):
+        decode steps get through while others' large replies fill the budget."""
+        if owed + session.unsent <= SMALL_FRAME_BYTES:
+            return
+        held = sum(s.unsent for s in self._sessions.values())
+        if held + owed > self.limits.max_reply_bytes:
+            raise WorkerBusy(held, self.limits.max_reply_bytes, f"bytes of replies held and {owed} more asked")
+
     def _hello(self, session: Session, frame: Frame) -> Frame:
         session.greeted = False
         hello = Hello.from_frame(frame)
@@ -258,7 +379,8 @@ class WorkerServer:
                 f"model fingerprint mismatch: this worker serves {self.info.model_type} model "
                 f"{self.fingerprint}, the backbone runs {hello.fingerprint}"
             )
-        session.greeted = True
+        session.greeted = session.slot.greeted = True
+        session.slot.last_active = time.monotonic()
         return self.info.to_frame(frame.request_id)
 
     def compute(self, frame: Frame, sized: bool = False) -> Frame:
@@ -311,8 +433,10 @@ class WorkerServer:
         sized: its declared sizes were checked against the limits already (on the loop, before queueing)."""
         try:
             if not sized:
-                check_dispatch_size(frame.meta, self.limits)
-            return Dispatch.from_frame(frame)
+                check_dispatch_size(frame.meta, self.limits, model_top_k=self.model_top_k)
+            request = Dispatch.from_frame(frame)
+            self._check_reply_bytes(request)
+            return request
         except MoeSwarmError as error:
             if quiet:
                 return ErrorReply("bad_request", str(error)).to_frame(frame.request_id)
@@ -321,6 +445,18 @@ class WorkerServer:
         except Exception as error:  # a bug on our side: report it and keep serving
             log.exception("request %d failed", frame.request_id)
             return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(frame.request_id)
+
+    def _check_reply_bytes(self, request: Dispatch) -> None:
+        """Refuse a DISPATCH whose RESULT, at its exact size, would be over what one connection may
+        hold unsent: checked before any expert runs (integer arithmetic on the routed count)."""
+        exact = request.mode == CombineMode.EXACT
+        routed = check_routing(request.top_k_index) if exact else 0
+        rows = routed if exact else request.hidden.shape[0]
+        size = reply_bytes(rows, self.store.hidden_size, request.wire_combine, min(routed, self.store.num_experts))
+        if size > self.limits.max_unsent_bytes:
+            raise ProtocolError(f"RESULT of {size} bytes would be over the limit of {self.limits.max_unsent_bytes} "
+                                "bytes a connection may hold unsent (worker flag --max-unsent-bytes): send fewer "
+                                "tokens per DISPATCH")
 
     def _answer(self, rid: int, request: Dispatch, run: Callable[[Dispatch], Result]) -> Frame:
         """RESULT (or ERROR) frame for `request`, whose Result `run` gives."""
@@ -373,3 +509,46 @@ class WorkerServer:
         log.warning("closing connection from %s: %s", session.peer, printable(message))
         session.post(ErrorReply(code, message).to_frame(rid))
         return False
+
+
+class _Protocol(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol, which with `paused` reads nothing before the session's TLS
+    handshake starts: a ClientHello read by the plain transport would be lost to TLS."""
+
+    def __init__(self, reader: asyncio.StreamReader, connected, loop: asyncio.AbstractEventLoop, paused: bool):
+        super().__init__(reader, connected, loop=loop)
+        self._paused_at_start = paused
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._paused_at_start:
+            transport.pause_reading()  # before the transport's reader is added (asyncio adds it after this call)
+        super().connection_made(transport)
+
+
+class _AwaitRoom:
+    """A DISPATCH waiting for its connection's unsent replies to leave room for its RESULT."""
+
+    __slots__ = ("owed", "submit")
+
+    def __init__(self, owed: int, submit: Callable[[], Frame | None]):
+        self.owed, self.submit = owed, submit
+
+
+def _peer_host(writer: asyncio.StreamWriter) -> str:
+    """The peer's address without its port: connections are budgeted per address."""
+    peer = writer.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return str(peer)
+
+
+def _loop_errors(failures: CountedLog, previous, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The loop's exception handler: accept failures (out of file descriptors, ...) are counted per
+    cause and logged once, not with a traceback each time; anything else goes on as before."""
+    if str(context.get("message", "")).startswith("socket.accept() out of system resource"):
+        failures.note(f"accept: {error_cause(context.get('exception') or OSError())}")
+        return
+    if previous is not None:
+        previous(loop, context)
+    else:
+        loop.default_exception_handler(context)

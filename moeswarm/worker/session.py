@@ -51,6 +51,9 @@ class Session:
         self.peer = printable(str(writer.get_extra_info("peername")), 200)
         self.opened = time.monotonic()
         self.greeted = False
+        self.slot = None  # its worker/admission.py Slot: activity, eviction
+        self.progress_at = self.opened  # when its client last took reply bytes (the worker's reply watch)
+        self.last_waiting = 0
         self.held_bytes_peak = 0  # the largest request body read: big ones leave freed memory to hand back
         self.max_unsent_bytes = max_unsent_bytes
         self.replies: set[asyncio.Task] = set()
@@ -72,6 +75,16 @@ class Session:
         from their requests' shapes), replies waiting to be written, the transport's buffer."""
         transport = self.writer.transport
         return self._owed + self._pending + (0 if transport.is_closing() else transport.get_write_buffer_size())
+
+    @property
+    def written_unsent(self) -> int:
+        """Reply bytes written (or waiting to be) that the client has not taken yet."""
+        transport = self.writer.transport
+        return self._pending + (0 if transport.is_closing() else transport.get_write_buffer_size())
+
+    def wake(self) -> None:
+        """Let a reader waiting for room look again (its connection may be closing)."""
+        self._room.set()
 
     def owe(self, size: int) -> None:
         """Count `size` bytes of a RESULT in the making (negative: it is made, or will never be)."""
@@ -201,18 +214,23 @@ class Session:
         except RuntimeError:  # the loop is closed: nobody waits any more
             pass
 
-    async def wait_for_room(self, timeout_s: float) -> None:
-        """Return once unsent replies are within bound; TimeoutError when the client takes none for `timeout_s`."""
+    async def wait_for_room(self, timeout_s: float, need: int = 0) -> None:
+        """Return once unsent replies leave room for `need` more bytes within the bound (or nothing is
+        unsent); TimeoutError when the client takes none for `timeout_s`."""
+        def full() -> bool:
+            unsent = self.unsent
+            return unsent > 0 and unsent + need > self.max_unsent_bytes
+
         async def room() -> None:
             while True:
                 with self._lock:  # the compute thread sees the flag, or this check sees its release
                     self._room.clear()
-                    self._waiting_room = self.unsent > self.max_unsent_bytes and not self.writer.transport.is_closing()
+                    self._waiting_room = full() and not self.writer.transport.is_closing()
                     if not self._waiting_room:
                         return
                 await self._room.wait()
 
-        if self.unsent > self.max_unsent_bytes:
+        if full():
             try:
                 await within(timeout_s, room())
             finally:
