@@ -95,20 +95,21 @@ def make_fixture_ggufs(family: str, out_dir: str | Path, types=FIXTURE_TYPES, **
     return made
 
 
-def make_many_fixture_ggufs(specs: dict[str, tuple[str, dict]], out_dir: str | Path, types=("F32", "Q8_0"),
-                            **shape) -> dict[str, dict[str, Path] | str]:
+def make_many_fixture_ggufs(specs: dict[str, tuple[str, dict, tuple[str, ...]]], out_dir: str | Path,
+                            types=("F32", "Q8_0"), **shape) -> dict[str, dict[str, Path] | str]:
     """`make_fixture_ggufs` for several models, converted in one run of llama.cpp's converter.
 
-    specs: name -> (family, the tiny config's keys beyond `shape`). Returns name -> {"HF": dir,
-    "F32": ..., "Q8_0": ...}, or name -> the converter's error for a model it could not convert."""
+    specs: name -> (family, the tiny config's keys beyond `shape`, extra converter arguments).
+    Returns name -> {"HF": dir, "F32": ..., "Q8_0": ...}, or name -> the error for a model llama.cpp's
+    tools could not convert or quantize."""
     out_dir = Path(out_dir)
     made: dict[str, dict[str, Path] | str] = {}
-    for name, (family, overrides) in specs.items():
+    for name, (family, overrides, _) in specs.items():
         made[name] = {"HF": make_fixture_model(family, out_dir / f"{name}-hf", **{**shape, **overrides}),
                       "F32": out_dir / f"{name}-F32.gguf"}
     error = ""
     try:
-        convert_hf_many([(files["HF"], files["F32"], "f32") for files in made.values()], pre="qwen2")
+        convert_hf_many([(files["HF"], files["F32"], "f32", specs[name][2]) for name, files in made.items()], pre="qwen2")
     except MoeSwarmError as failure:
         error = str(failure)
     for name, files in made.items():

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import re
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -48,28 +49,38 @@ _MLA = dict(num_key_value_heads=4, head_dim=8, kv_lora_rank=16, qk_rope_head_dim
 _SCALED = dict(routed_scaling_factor=2.5, norm_topk_prob=True)
 _GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0)
 
-# family -> (GGUF architecture the converter writes, the tiny config's keys beyond SMALL).
-FAMILIES: dict[str, tuple[str, dict]] = {
-    "qwen2_moe": ("qwen2moe", {}),
-    "qwen3_moe": ("qwen3moe", {"norm_topk_prob": True}),  # llama.cpp always renormalises qwen3moe
-    "olmoe": ("olmoe", {"num_key_value_heads": 4}),  # llama.cpp's olmoe k-norm is hidden-sized: kv heads = heads
-    "mixtral": ("llama", {}),
+@dataclass(frozen=True)
+class Family:
+    arch: str  # the GGUF architecture llama.cpp's converter writes
+    keys: dict = field(default_factory=dict)  # the tiny config's keys beyond SMALL
+    loads_as: str | None = None  # the transformers model type moeswarm builds, where it is another
+    convert_args: tuple[str, ...] = ()  # extra arguments to convert_hf_to_gguf.py
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2_moe": Family("qwen2moe"),
+    "qwen3_moe": Family("qwen3moe", {"norm_topk_prob": True}),  # llama.cpp always renormalises qwen3moe
+    "olmoe": Family("olmoe", {"num_key_value_heads": 4}),  # llama.cpp's olmoe k-norm is hidden-sized: kv heads = heads
+    "mixtral": Family("llama"),
     # MLA with full-rank q, greedy top-k. llama.cpp's deepseek2 reads a full-rank q only at
     # DeepSeek-V2-Lite's depth (26 or 27 layers): the tiny model has 27.
-    "deepseek_v2": ("deepseek2", dict(_MLA, q_lora_rank=None, num_hidden_layers=27)),
+    "deepseek_v2": Family("deepseek2", dict(_MLA, q_lora_rank=None, num_hidden_layers=27)),
     # MLA with q-lora, grouped routing; real checkpoints say scoring_func "sigmoid" (transformers
     # ignores it; llama.cpp's converter writes it, and without it llama.cpp scores with softmax).
-    "deepseek_v3": ("deepseek2", dict(_MLA, q_lora_rank=16, scoring_func="sigmoid", **_SCALED)),
-    "glm4_moe": ("glm4moe", dict(_SCALED)),  # GGUF block_count includes the MTP layer
+    "deepseek_v3": Family("deepseek2", dict(_MLA, q_lora_rank=16, scoring_func="sigmoid", **_SCALED)),
+    "glm4_moe": Family("glm4moe", dict(_SCALED)),  # GGUF block_count includes the MTP layer
     # gpt-oss's sliding window (6) is shorter than the prompt: its sliding layers' mask is exercised.
-    "gpt_oss": ("gpt-oss", {"sliding_window": 6}),
-    "granitemoe": ("granitemoe", dict(_GRANITE)),
-    "granitemoeshared": ("granitemoe", dict(_GRANITE)),
+    "gpt_oss": Family("gpt-oss", {"sliding_window": 6}),
+    "granitemoe": Family("granitemoe", dict(_GRANITE)),
+    "granitemoeshared": Family("granitemoe", dict(_GRANITE)),
     # llama.cpp's dots1 has as many kv heads as heads, and reads its sigmoid scores from the file
     # (the converter writes them from the checkpoint's scoring_func, which transformers ignores).
-    "dots1": ("dots1", dict(_SCALED, num_key_value_heads=4, scoring_func="sigmoid")),
+    "dots1": Family("dots1", dict(_SCALED, num_key_value_heads=4, scoring_func="sigmoid")),
     # llama.cpp sizes ERNIE's shared expert as intermediate_size // kv heads (the converter's rule).
-    "ernie4_5_moe": ("ernie4_5-moe", dict(moe_intermediate_size=32, moe_num_shared_experts=1)),
+    "ernie4_5_moe": Family("ernie4_5-moe", dict(moe_intermediate_size=32, moe_num_shared_experts=1)),
+    # Gated-delta linear attention in layers 0 and 2, full attention in layer 1. transformers drops
+    # the checkpoint's MTP layers, so the converter is told there are none (--no-mtp).
+    "qwen3_next": Family("qwen3next", dict(num_hidden_layers=3), convert_args=("--no-mtp",)),
 }
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96, 109, 122, 135, 148]
@@ -83,7 +94,7 @@ def family_files(request, tmp_path_factory):
     every family the selected tests need, in one run of the converter."""
     needed = {item.callspec.params["family"] for item in request.session.items
               if hasattr(item, "callspec") and item.callspec.params.get("family") in FAMILIES}
-    specs = {family: (family, FAMILIES[family][1]) for family in sorted(needed)}
+    specs = {family: (family, FAMILIES[family].keys, FAMILIES[family].convert_args) for family in sorted(needed)}
     made = make_many_fixture_ggufs(specs, tmp_path_factory.mktemp("gguf-families"), **SMALL)
 
     def get(family: str) -> dict[str, Path]:
@@ -112,14 +123,14 @@ def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_converter_writes_the_architecture(family, family_files):
-    assert GGUFFile.open(family_files(family)["F32"]).arch == FAMILIES[family][0]
+    assert GGUFFile.open(family_files(family)["F32"]).arch == FAMILIES[family].arch
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_f32_gguf_logits_match_hf_directory(family, family_files):
     files = family_files(family)
     reference, from_gguf = load_local(files["HF"]), load_local(files["F32"])
-    assert from_gguf.config.model_type == reference.config.model_type
+    assert from_gguf.config.model_type == (FAMILIES[family].loads_as or reference.config.model_type)
     assert reference.config.rope_parameters == from_gguf.config.rope_parameters
     assert getattr(reference.config, "layer_types", None) == getattr(from_gguf.config, "layer_types", None)
     feeds = _feeds(reference)
@@ -194,7 +205,7 @@ def test_the_tables_agree():
     """One support table, and each concern's table has exactly the supported architectures."""
     assert set(ARCHITECTURES) == set(ROUTING) == set(QUIRKS) == set(SUPPORTED)
     assert not set(SUPPORTED) & set(UNSUPPORTED)
-    assert {arch for arch, _ in FAMILIES.values()} == set(SUPPORTED), "every supported architecture is in the runner"
+    assert {family.arch for family in FAMILIES.values()} == set(SUPPORTED), "every supported architecture is in the runner"
     docs = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
     for arch in [*SUPPORTED, *UNSUPPORTED]:
         assert re.search(rf"`{re.escape(arch)}`", docs), f"docs/models.md does not name `{arch}`"

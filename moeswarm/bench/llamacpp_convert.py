@@ -95,8 +95,8 @@ _MANY = r"""
 import json
 jobs = json.loads(sys.argv.pop(1))
 failed = []
-for model_dir, outtype, out in jobs:
-    sys.argv = [root + "/convert_hf_to_gguf.py", model_dir, "--outtype", outtype, "--outfile", out]
+for model_dir, outtype, out, extra in jobs:
+    sys.argv = [root + "/convert_hf_to_gguf.py", model_dir, "--outtype", outtype, "--outfile", out, *extra]
     try:
         convert_hf_to_gguf.main()
     except (Exception, SystemExit) as error:
@@ -106,13 +106,14 @@ if failed:
 """
 
 
-def convert_hf_many(jobs: list[tuple[str | Path, str | Path, str]], pre: str = "gpt-2") -> None:
-    """`convert_hf` for each (model_dir, out, outtype), all in one subprocess (one start-up)."""
+def convert_hf_many(jobs: list[tuple[str | Path, str | Path, str, tuple[str, ...]]], pre: str = "gpt-2") -> None:
+    """`convert_hf` for each (model_dir, out, outtype, extra converter arguments such as
+    "--no-mtp"), all in one subprocess (one start-up)."""
     script = _WRAPPER.replace("PRE", repr(pre)).replace("convert_hf_to_gguf.main()\n", "") + _MANY
-    payload = json.dumps([[str(model_dir), outtype, str(out)] for model_dir, out, outtype in jobs])
+    payload = json.dumps([[str(model_dir), outtype, str(out), list(extra)] for model_dir, out, outtype, extra in jobs])
     command = [sys.executable, "-c", script, str(llama_cpp_source()), payload]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "NO_LOCAL_GGUF": "1", "OMP_NUM_THREADS": "1"})
-    missing = [str(out) for _, out, _ in jobs if not Path(out).is_file()]
+    missing = [str(out) for _, out, _, _ in jobs if not Path(out).is_file()]
     if done.returncode != 0 or missing:
         raise MoeSwarmError(f"convert_hf_to_gguf.py failed for {missing or 'some models'}:\n{done.stderr[-3000:]}")
 

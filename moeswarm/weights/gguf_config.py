@@ -165,6 +165,24 @@ def _ernie4_5_moe(f: GGUFFile) -> dict:
                 use_bias=_has(f, "blk.0.attn_q.bias"))
 
 
+def _qwen3next(f: GGUFFile) -> dict:
+    # Gated-delta linear attention in the layers `attention.recurrent_layers` marks, full attention
+    # (with an output gate in q_proj) in the others.
+    head_dim = int(f.require("attention.key_length"))
+    value_heads = int(f.require("ssm.time_step_rank"))
+    recurrent = f.require("attention.recurrent_layers")
+    return dict(_experts(f, "num_experts"), model_type="qwen3_next",
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                shared_expert_intermediate_size=int(f.get("expert_shared_feed_forward_length", 0)),
+                layer_types=["linear_attention" if r else "full_attention" for r in recurrent],
+                linear_conv_kernel_dim=int(f.require("ssm.conv_kernel")),
+                linear_key_head_dim=int(f.require("ssm.state_size")),
+                linear_num_key_heads=int(f.require("ssm.group_count")),
+                linear_num_value_heads=value_heads,
+                linear_value_head_dim=int(f.require("ssm.inner_size")) // value_heads,
+                partial_rotary_factor=int(f.require("rope.dimension_count")) / head_dim)
+
+
 ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "qwen2moe": _qwen2moe,
     "qwen3moe": _qwen3moe,
@@ -176,6 +194,7 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "granitemoe": _granitemoe,
     "dots1": _dots1,
     "ernie4_5-moe": _ernie4_5_moe,
+    "qwen3next": _qwen3next,
 }
 
 

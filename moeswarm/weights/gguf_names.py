@@ -32,8 +32,10 @@ import torch
 from moeswarm.errors import ModelError
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_support import require_supported
+from moeswarm.weights.gguf_transforms import a_log, qkvz_per_key_head, zero_centered_norm
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+Transform = Callable[[torch.Tensor, object], torch.Tensor]  # (tensor as stored, config) -> the parameter
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,18 @@ class ArchQuirks:
     experts: str = "gate_up"  # "gate_up": [E, 2I, H] = cat(gate, up); "gpt_oss": [E, H, 2I] interleaved; "up"
     renames: tuple[tuple[str, str], ...] = ()  # (transformers name suffix, checkpoint name suffix TensorNameMap knows)
     merged: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (transformers name suffix, GGUF suffixes stacked on rows)
+    transforms: tuple[tuple[str, Transform], ...] = ()  # (regex on the transformers name, inverse of the converter's maths)
 
 
 # Every architecture: the router's score-correction bias, wherever the family keeps it.
 _COMMON_TENSORS = (("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
                    ("mlp.gate.moe_statics.e_score_correction_bias", "exp_probs_b.bias"),
                    ("mlp.router.e_score_correction_bias", "exp_probs_b.bias"))
+_QWEN3NEXT = ArchQuirks(
+    renames=(("linear_attn.dt_bias", "linear_attn.dt_proj.bias"),),
+    merged=(("linear_attn.in_proj_qkvz.weight", ("attn_qkv.weight", "attn_gate.weight")),),
+    transforms=((r"linear_attn\.in_proj_qkvz\.weight$", qkvz_per_key_head), (r"linear_attn\.A_log$", a_log),
+                (r"(?<!linear_attn\.)norm\.weight$", zero_centered_norm)))
 _GRANITE = ArchQuirks(permute_qk=True, renames=(("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight"),),
                       merged=(("shared_mlp.input_linear.weight", ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")),))
 
@@ -62,6 +70,7 @@ QUIRKS: dict[str, ArchQuirks] = {
     "granitemoe": _GRANITE,
     "dots1": ArchQuirks(),
     "ernie4_5-moe": ArchQuirks(),
+    "qwen3next": _QWEN3NEXT,
 }
 
 Loader = Callable[[], torch.Tensor]  # reads and dequantizes on call
@@ -81,6 +90,14 @@ class NameMapper:
 
     def source(self, hf_name: str) -> Loader | None:
         """A loader for `hf_name`'s tensor, or None when the file has no such tensor."""
+        loader = self._stored(hf_name)
+        for pattern, transform in self.quirks.transforms:
+            if loader is not None and re.search(pattern, hf_name):
+                return lambda loader=loader, transform=transform: transform(loader(), self.config)
+        return loader
+
+    def _stored(self, hf_name: str) -> Loader | None:
+        """A loader for the tensor as the file stores it (merged, un-permuted), before any transform."""
         layer = _LAYER.search(hf_name)
         if layer:
             for suffix, tensor in _COMMON_TENSORS:
@@ -108,6 +125,8 @@ class NameMapper:
         if hf_name.endswith("self_attn.kv_b_proj.weight") and layer:
             return None
         if any(hf_name.endswith(suffix) for suffix, _ in self.quirks.merged):
+            return None
+        if any(re.search(pattern, hf_name) for pattern, _ in self.quirks.transforms):
             return None
         name = self._lookup(hf_name)
         if name is None or name not in self.file.tensors:

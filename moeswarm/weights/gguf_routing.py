@@ -52,6 +52,7 @@ ROUTING: dict[str, Routing] = {
     "granitemoe": Routing("softmax"),  # softmax over the top-k logits
     "dots1": Routing("sigmoid", _grouped),  # with a score-correction bias
     "ernie4_5-moe": Routing("softmax"),  # bias-corrected choice, renormalised by the family's router
+    "qwen3next": Routing("softmax", _fixed(norm_topk_prob=True)),  # plus a sigmoid-gated shared expert
 }
 
 

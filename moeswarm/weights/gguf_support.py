@@ -25,6 +25,7 @@ SUPPORTED: dict[str, str] = {
     "granitemoe": "granitemoe, granitemoeshared",
     "dots1": "dots1",
     "ernie4_5-moe": "ernie4_5_moe",
+    "qwen3next": "qwen3_next",
 }
 
 UNSUPPORTED: dict[str, str] = {}
