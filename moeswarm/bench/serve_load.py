@@ -1,10 +1,12 @@
 """`moeswarm bench serve`: concurrent streaming clients against `moeswarm serve` over emulated WAN links.
 
-The trained model, its experts split over 4 worker processes, each behind its own emulated link
-(80 ms round trip); one `moeswarm serve` process; N = 1, 2, 4, 8, 16 clients streaming greedy
-completions at once through the official openai client. Per N: aggregate and per-request tokens/s,
-time to first token, and from the server's /metrics the round trips and tokens per step. Then the
-same with n-gram speculation on.
+The trained model (or `--model real`: the OLMoE-1B-7B-shaped Q4_K_M file of `moeswarm bench real`,
+on 2 workers), its experts split over worker processes, each behind its own emulated link (80 ms
+round trip); one `moeswarm serve` process; N = 1, 2, 4, 8, 16 clients streaming greedy completions
+at once through the official openai client. Per N: aggregate and per-request tokens/s, time to
+first token, and from the server's /metrics the round trips, tokens, batches in flight (groups)
+and backbone milliseconds per step. Then the same with n-gram speculation on, and for each
+number of groups asked (`--groups`: 0 is the server's own choice).
 """
 
 from __future__ import annotations
@@ -33,34 +35,36 @@ SPECULATE = 4
 
 def run_serve_bench(model: str | None = None, quick: bool = False, max_tokens: int | None = None,
                     progress=None, clients: tuple[int, ...] | None = None, speculate: tuple[int, ...] = (0, SPECULATE),
-                    threads: int = 1) -> dict:
+                    threads: int = 1, groups: tuple[int, ...] = (0,), workers: int = WORKERS,
+                    command: str = "moeswarm bench serve") -> dict:
     model = str(model or TRAINED)
     clients = tuple(sorted(set(clients or (QUICK_CLIENTS if quick else CLIENTS)) | {1}))
     max_tokens = max_tokens or (12 if quick else 32)
     prompts = _prompts(model, max(clients))
     alone = _alone(model, prompts, max_tokens)
     rows, prefix = [], None
-    with local_workers(model, split_experts(_num_experts(model), WORKERS)) as workers, \
-            wan_links(workers, LinkProfile(rtt_s=RTT_S)) as links:
+    with local_workers(model, split_experts(_num_experts(model), workers)) as addresses, \
+            wan_links(addresses, LinkProfile(rtt_s=RTT_S)) as links:
         for drafts in speculate:
-            with ServeProcess(model, links.addresses, "--max-batch", str(max(clients)), "--speculate", str(drafts),
-                              "--model-name", "bench", threads=threads) as server:
-                server.wait_ready()
-                _round(server, prompts[:1], 4)  # warm-up: first-call costs stay out of the figures
-                if drafts == 0:
-                    prefix = _prefix_ttft(server, model)
-                for n in clients:
-                    row = _round(server, prompts[:n], max_tokens)
-                    row["identical_to_alone"] = sum(t == a for t, a in zip(row.pop("texts"), alone))
-                    rows.append({"clients": n, "speculate": drafts} | row)
-                    if progress:
-                        progress(rows[-1])
+            for group_count in groups:
+                with ServeProcess(model, links.addresses, "--max-batch", str(max(clients)), "--speculate", str(drafts),
+                                  "--groups", str(group_count), "--model-name", "bench", threads=threads) as server:
+                    server.wait_ready()
+                    _round(server, prompts[:1], 4)  # warm-up: first-call costs stay out of the figures
+                    if drafts == 0 and prefix is None:
+                        prefix = _prefix_ttft(server, model)
+                    for n in clients:
+                        row = _round(server, prompts[:n], max_tokens)
+                        row["identical_to_alone"] = sum(t == a for t, a in zip(row.pop("texts"), alone))
+                        rows.append({"clients": n, "speculate": drafts, "groups_flag": group_count} | row)
+                        if progress:
+                            progress(rows[-1])
     for row in rows:
-        base = next(r for r in rows if r["clients"] == 1 and r["speculate"] == row["speculate"])
+        base = next(r for r in rows if r["clients"] == 1 and r["speculate"] == row["speculate"]
+                    and r["groups_flag"] == row["groups_flag"])
         row["scaling"] = row["aggregate_tokens_per_s"] / (row["clients"] * base["aggregate_tokens_per_s"])
-    return {"prefix_cache": prefix, "meta": {"model": model, "workers": WORKERS, "rtt_ms": RTT_S * 1000, "max_tokens": max_tokens,
-                     "prompt_tokens": PROMPT_TOKENS, "serve_threads": threads,
-                     "command": "moeswarm bench serve" + (" --quick" if quick else "")},
+    return {"prefix_cache": prefix, "meta": {"model": model, "workers": workers, "rtt_ms": RTT_S * 1000, "max_tokens": max_tokens,
+                     "prompt_tokens": PROMPT_TOKENS, "serve_threads": threads, "command": command},
             "rows": rows}
 
 
@@ -104,6 +108,8 @@ def _round(server: ServeProcess, prompts: list[str], max_tokens: int) -> dict:
         "round_trips_per_step": delta.get("moeswarm_step_round_trips_sum", 0.0) / steps,
         "tokens_per_step": delta.get("moeswarm_step_tokens_sum", 0.0) / steps,
         "batch_per_step": delta.get("moeswarm_step_batch_size_sum", 0.0) / steps,
+        "groups_per_step": delta.get("moeswarm_step_groups_sum", 0.0) / steps,
+        "backbone_ms_per_step": 1000 * delta.get("moeswarm_step_backbone_seconds_sum", 0.0) / steps,
         "accepted_per_drafted": delta.get("moeswarm_accepted_drafts_total", 0.0) / drafted if drafted else None,
         "texts": [r["text"] for r in results],
     }
@@ -157,13 +163,15 @@ def _num_experts(model: str) -> int:
 
 
 def table_lines(result: dict) -> list[str]:
-    lines = [f"{'clients':>7} {'spec':>4} {'agg tok/s':>9} {'req tok/s':>9} {'scaling':>7} {'TTFT s':>7} "
-             f"{'trips/step':>10} {'tok/step':>8} {'batch':>5} {'accept':>6} {'=alone':>6}"]
+    lines = [f"{'clients':>7} {'spec':>4} {'groups':>6} {'agg tok/s':>9} {'req tok/s':>9} {'scaling':>7} {'TTFT s':>7} "
+             f"{'trips/step':>10} {'tok/step':>8} {'batch':>5} {'in flight':>9} {'backbone ms':>11} {'accept':>6} {'=alone':>6}"]
     for r in result["rows"]:
         accept = "-" if r["accepted_per_drafted"] is None else f"{r['accepted_per_drafted']:.2f}"
-        lines.append(f"{r['clients']:>7} {r['speculate']:>4} {r['aggregate_tokens_per_s']:>9.2f} "
+        groups = "auto" if not r.get("groups_flag") else str(r["groups_flag"])
+        lines.append(f"{r['clients']:>7} {r['speculate']:>4} {groups:>6} {r['aggregate_tokens_per_s']:>9.2f} "
                      f"{r['per_request_tokens_per_s']:>9.2f} {r['scaling']:>7.2f} {r['ttft_s_mean']:>7.2f} "
-                     f"{r['round_trips_per_step']:>10.2f} {r['tokens_per_step']:>8.2f} {r['batch_per_step']:>5.1f} {accept:>6} "
+                     f"{r['round_trips_per_step']:>10.2f} {r['tokens_per_step']:>8.2f} {r['batch_per_step']:>5.1f} "
+                     f"{r.get('groups_per_step', 1.0):>9.2f} {r.get('backbone_ms_per_step', 0.0):>11.1f} {accept:>6} "
                      f"{r['identical_to_alone']:>3}/{r['clients']:<2}")
     prefix = result.get("prefix_cache")
     if prefix:

@@ -14,11 +14,12 @@ def write_serve_report(result: dict, docs: Path = DOCS) -> Path:
     plot = _plot(result, docs / "serve")
     meta = result["meta"]
     lines = [START, "",
-             f"Measured with `{meta['command']}`: the bundled trained model, {meta['workers']} worker processes each "
+             f"Measured with `{meta['command']}`: {_model_words(meta['model'])}, {meta['workers']} worker processes each "
              f"behind an emulated link of {meta['rtt_ms']:.0f} ms round trip, N clients streaming greedy completions "
              f"of {meta['max_tokens']} tokens from {meta['prompt_tokens']}-token prompts at once through the openai "
              "client. `scaling` is aggregate tokens/s / (N x the N = 1 tokens/s); `spec` the most n-gram drafts per "
-             "step (0: off); `=alone` how many of the N greedy outputs equal the same prompt run alone on the local "
+             "step (0: off); `groups` the batches in flight asked (auto: the server's choice), `in flight` those a step "
+             "had, `backbone ms` the part of a step the backbone computed rather than waited on replies; `=alone` how many of the N greedy outputs equal the same prompt run alone on the local "
              "eager model (what `generate --check-local` is bit-identical to).", "", "```", *table_lines(result), "```", "",
              f"![aggregate tokens/s against concurrent clients]({plot.relative_to(docs).as_posix()})", "", END]
     path = docs / "serve.md"
@@ -29,6 +30,11 @@ def write_serve_report(result: dict, docs: Path = DOCS) -> Path:
     return path
 
 
+def _model_words(model: str) -> str:
+    name = Path(model).name
+    return f"the model file {name}" if name.endswith(".gguf") else "the bundled trained model"
+
+
 def _plot(result: dict, where: Path) -> Path:
     import matplotlib
 
@@ -37,9 +43,10 @@ def _plot(result: dict, where: Path) -> Path:
 
     where.mkdir(parents=True, exist_ok=True)
     figure, axes = plt.subplots(figsize=(6, 4))
-    for speculate in sorted({r["speculate"] for r in result["rows"]}):
-        rows = [r for r in result["rows"] if r["speculate"] == speculate]
+    for speculate, groups in sorted({(r["speculate"], r.get("groups_flag", 0)) for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["speculate"] == speculate and r.get("groups_flag", 0) == groups]
         label = "speculation off" if speculate == 0 else f"speculation (up to {speculate} drafts)"
+        label += f", {groups} group{'s' * (groups != 1)}" if groups else ""
         axes.plot([r["clients"] for r in rows], [r["aggregate_tokens_per_s"] for r in rows], marker="o", label=label)
     base = next(r for r in result["rows"] if r["clients"] == 1 and r["speculate"] == 0)["aggregate_tokens_per_s"]
     clients = sorted({r["clients"] for r in result["rows"]})

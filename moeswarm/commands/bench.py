@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--model", default=None,
                        help="model directory or file (default: the bundled model); 'real': the OLMoE-1B-7B-shaped "
                             "Q4_K_M file of `moeswarm bench real` (built and cached on first use), on 2 workers")
-    serve.add_argument("--groups", type=_groups, default=(0,),
+    serve.add_argument("--groups", type=_counts, default=(0,),
                        help="batches in flight to run, comma-separated (0: the server's own choice; default 0)")
     serve.add_argument("--workers", type=int, default=None, help="worker processes (default: 4; 2 for --model real)")
     serve.add_argument("--quick", action="store_true", help="1, 2 and 4 clients and 12 tokens each, for smoke tests")

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where --speculate's drafts come from: ngram (prompt lookup), local (the backbone with only its "
              "--local-experts, no round trip), both (n-gram on a match of 2+ tokens, else local)")
     add("--max-batch", type=positive, default=16, help="requests stepped together; more wait in a queue")
+    add("--groups", type=non_negative, default=0, metavar="G",
+        help="batches in flight: a step's requests split into G groups that take turns at every MoE layer, so one "
+             "computes while another's trip is on the wire (0, the default: 2 with remote workers, else 1)")
     add("--ctx-size", type=positive, default=None,
         help="positions per request, prompt and output (default: the model's max_position_embeddings)")
     add("--prefill-chunk", type=positive, default=64, help="most prompt tokens a request feeds per step")
@@ -135,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     set_backbone_threads(args.threads)
     apply_backbone_dtype(args)
     engine = EngineConfig(context, args.max_batch, args.speculate, args.prefill_chunk, args.step_tokens, args.cache_slots,
-                          draft=args.draft)
+                          draft=args.draft, groups=args.groups)
     state = ServeState(args.model_name or _model_name(source.path), args.api_key, default_max_tokens=args.max_tokens,
                        max_queue=args.max_queue)
     origins = [o.strip() for o in (args.cors_origins or "").split(",") if o.strip()]

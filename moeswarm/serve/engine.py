@@ -208,7 +208,7 @@ class Engine:
         groups = split_groups([_tokens(feed) for _, feed, _ in work], self._group_count(len(work)))
         self.swarm.reset_accounting()
         outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
-        calls = self.swarm.layer_calls()
+        calls, waiting_s = self.swarm.layer_calls(), self.runner.waiting_s
         self.groups_in_flight = len(groups)
         if self.reference_runner is not None:
             expected = self.reference_runner.run([(s.reference, feed, keep) for s, feed, keep in work], groups)
@@ -223,7 +223,7 @@ class Engine:
             generated, drafted, accepted = generated + counts[0], drafted + counts[1], accepted + counts[2]
         self.steps += 1
         fed = sum(_tokens(feed) for _, feed, _ in work)  # every row's tokens, padding included
-        self.metrics.observe_step(len(work), fed, time.monotonic() - started, calls, len(groups))
+        self.metrics.observe_step(len(work), fed, time.monotonic() - started, calls, len(groups), waiting_s)
         self.stats.record_step(StepRecord(time.monotonic(), len(work), fed, generated, drafted, accepted),
                                [call.worker_seconds for call in calls])
         for sequence in [s for s in self._active if s.done]:

@@ -28,6 +28,8 @@ class ServeMetrics:
         self.step_tokens = Histogram("moeswarm_step_tokens", "tokens fed per step", buckets=_TOKENS, registry=r)
         self.step_groups = Histogram("moeswarm_step_groups", "batches in flight per step (serve/turns.py)",
                                      buckets=_SMALL_COUNTS, registry=r)
+        self.step_backbone_seconds = Histogram("moeswarm_step_backbone_seconds",
+                                               "seconds of a step the backbone computed (not waiting on replies)", registry=r)
         self.step_round_trips = Histogram("moeswarm_step_round_trips", "round trips per step", buckets=_SMALL_COUNTS, registry=r)
         self.step_bytes = Histogram("moeswarm_step_bytes", "bytes on the wire per step, both ways", buckets=_BYTES, registry=r)
         self.step_seconds = Histogram("moeswarm_step_seconds", "wall time per step", buckets=_SECONDS, registry=r)
@@ -44,9 +46,11 @@ class ServeMetrics:
                                          "logit rows not bit-identical to the local eager run (--check-local)", registry=r)
         self.failed_sequences = Counter("moeswarm_failed_sequences", "sequences ended by an error", registry=r)
 
-    def observe_step(self, batch: int, tokens: int, seconds: float, calls: list[LayerCall], groups: int = 1) -> None:
+    def observe_step(self, batch: int, tokens: int, seconds: float, calls: list[LayerCall], groups: int = 1,
+                     waiting_s: float = 0.0) -> None:
         self.steps.inc()
         self.step_groups.observe(groups)
+        self.step_backbone_seconds.observe(max(0.0, seconds - waiting_s))
         self.batch_size.observe(batch)
         self.step_tokens.observe(tokens)
         self.step_seconds.observe(seconds)

@@ -49,6 +49,11 @@ class PackedRunner:
     def stepper(self) -> PackedStepper:
         return PackedStepper(self.model)
 
+    @property
+    def waiting_s(self) -> float:
+        """Seconds the last step spent gathering replies, when nobody computed (0 without turns)."""
+        return self.turns.waiting_s if self.turns is not None else 0.0
+
     def run(self, work: list[tuple[PackedStepper, Feed, str]], groups: list[list[int]]) -> list:
         """Each work item's logits ([n, V], [1, V] for keep "last", [B, n, V] for B rows) or the
         exception its forward raised; `groups` are slot indices (split_groups)."""
@@ -108,6 +113,8 @@ class ThreadedRunner:
 
     def stepper(self) -> Stepper:
         return Stepper(self.model)
+
+    waiting_s = 0.0  # the forwards wait for each other too: not measured here
 
     def run(self, work: list[tuple[Stepper, Feed, str]], groups: list[list[int]]) -> list:
         """As PackedRunner.run, every sequence in one group (keep is ignored: every row comes back)."""

@@ -15,6 +15,7 @@ Round trips stay one per worker per MoE layer per group.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -29,12 +30,14 @@ class TakingTurns:
         self._order: list[int] = []  # the groups still running, in turn order
         self._turn: int | None = None
         self._group = threading.local()
+        self.waiting_s = 0.0  # in `combine`, summed since `begin`: the turn holder waits, nobody computes
 
     def begin(self, groups: int) -> None:
         """A step starts with `groups` groups; group i calls `enter(i)` in its thread, `leave()` at its end."""
         with self._lock:
             self._order = list(range(groups))
             self._turn = 0 if groups > 1 else None
+            self.waiting_s = 0.0
 
     def enter(self, group: int) -> None:
         """Wait for this group's first turn."""
@@ -66,7 +69,11 @@ class TakingTurns:
         return handle
 
     def combine(self, handle) -> torch.Tensor:
-        return self.inner.combine(handle)  # [T, d]
+        start = time.perf_counter()
+        try:
+            return self.inner.combine(handle)  # [T, d]
+        finally:
+            self.waiting_s += time.perf_counter() - start
 
     def _pass_turn(self) -> None:
         group = getattr(self._group, "index", None)
