@@ -81,6 +81,12 @@ FAMILIES: dict[str, Family] = {
     # Gated-delta linear attention in layers 0 and 2, full attention in layer 1. transformers drops
     # the checkpoint's MTP layers, so the converter is told there are none (--no-mtp).
     "qwen3_next": Family("qwen3next", dict(num_hidden_layers=3), convert_args=("--no-mtp",)),
+    # The same hybrid, separate projections; 4 value heads over 2 key heads, so the converter's
+    # value-head reorder (grouped -> tiled) is exercised and undone. Its multimodal RoPE sections
+    # must fit the tiny rotary width (4 of head_dim 16): llama.cpp asserts it.
+    "qwen3_5_moe_text": Family("qwen35moe", dict(num_hidden_layers=3, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[1, 1, 0])),
+        convert_args=("--no-mtp",)),
 }
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96, 109, 122, 135, 148]

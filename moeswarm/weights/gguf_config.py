@@ -165,6 +165,13 @@ def _ernie4_5_moe(f: GGUFFile) -> dict:
                 use_bias=_has(f, "blk.0.attn_q.bias"))
 
 
+def _qwen35moe(f: GGUFFile) -> dict:
+    # Qwen3-Next's layout with separate q/k/v, z, a, b projections; text positions make its
+    # interleaved multimodal RoPE the plain one (transformers' default sections are llama.cpp's).
+    sections = [int(n) for n in f.require("rope.dimension_sections")]
+    return dict(_qwen3next(f), model_type="qwen3_5_moe_text", mrope_section=sections[:3])
+
+
 def _qwen3next(f: GGUFFile) -> dict:
     # Gated-delta linear attention in the layers `attention.recurrent_layers` marks, full attention
     # (with an output gate in q_proj) in the others.
@@ -195,6 +202,7 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "dots1": _dots1,
     "ernie4_5-moe": _ernie4_5_moe,
     "qwen3next": _qwen3next,
+    "qwen35moe": _qwen35moe,
 }
 
 
@@ -204,8 +212,9 @@ def config_from_gguf(f: GGUFFile) -> PretrainedConfig:
     model_type = values.pop("model_type")
     values.update(routing_from_gguf(f, model_type))
     rope = values.pop("rope_parameters")
-    if "partial_rotary_factor" in values:
-        rope["partial_rotary_factor"] = values.pop("partial_rotary_factor")
+    for key in ("partial_rotary_factor", "mrope_section"):
+        if key in values:
+            rope[key] = values.pop(key)
     scaling = f.get("rope.scaling.type")
     rope_extra = values.pop("rope_extra", {})
     if scaling == "yarn":

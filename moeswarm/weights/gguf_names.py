@@ -32,7 +32,8 @@ import torch
 from moeswarm.errors import ModelError
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_support import require_supported
-from moeswarm.weights.gguf_transforms import a_log, qkvz_per_key_head, zero_centered_norm
+from moeswarm.weights.gguf_transforms import (a_log, qkv_value_rows, qkvz_per_key_head, value_columns, value_heads,
+                                              value_rows, zero_centered_norm)
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 Transform = Callable[[torch.Tensor, object], torch.Tensor]  # (tensor as stored, config) -> the parameter
@@ -56,6 +57,11 @@ _QWEN3NEXT = ArchQuirks(
     merged=(("linear_attn.in_proj_qkvz.weight", ("attn_qkv.weight", "attn_gate.weight")),),
     transforms=((r"linear_attn\.in_proj_qkvz\.weight$", qkvz_per_key_head), (r"linear_attn\.A_log$", a_log),
                 (r"(?<!linear_attn\.)norm\.weight$", zero_centered_norm)))
+_QWEN35MOE = ArchQuirks(
+    renames=_QWEN3NEXT.renames,
+    transforms=((r"linear_attn\.(in_proj_qkv|conv1d)\.weight$", qkv_value_rows), (r"linear_attn\.in_proj_z\.weight$", value_rows),
+                (r"linear_attn\.(in_proj_[ab]\.weight|A_log|dt_bias)$", value_heads),
+                (r"linear_attn\.out_proj\.weight$", value_columns), *_QWEN3NEXT.transforms[1:]))
 _GRANITE = ArchQuirks(permute_qk=True, renames=(("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight"),),
                       merged=(("shared_mlp.input_linear.weight", ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")),))
 
@@ -71,6 +77,7 @@ QUIRKS: dict[str, ArchQuirks] = {
     "dots1": ArchQuirks(),
     "ernie4_5-moe": ArchQuirks(),
     "qwen3next": _QWEN3NEXT,
+    "qwen35moe": _QWEN35MOE,
 }
 
 Loader = Callable[[], torch.Tensor]  # reads and dequantizes on call
@@ -91,9 +98,9 @@ class NameMapper:
     def source(self, hf_name: str) -> Loader | None:
         """A loader for `hf_name`'s tensor, or None when the file has no such tensor."""
         loader = self._stored(hf_name)
-        for pattern, transform in self.quirks.transforms:
+        for pattern, transform in self.quirks.transforms:  # each matching one, in the table's order
             if loader is not None and re.search(pattern, hf_name):
-                return lambda loader=loader, transform=transform: transform(loader(), self.config)
+                loader = lambda loader=loader, transform=transform: transform(loader(), self.config)  # noqa: E731
         return loader
 
     def _stored(self, hf_name: str) -> Loader | None:

@@ -53,6 +53,7 @@ ROUTING: dict[str, Routing] = {
     "dots1": Routing("sigmoid", _grouped),  # with a score-correction bias
     "ernie4_5-moe": Routing("softmax"),  # bias-corrected choice, renormalised by the family's router
     "qwen3next": Routing("softmax", _fixed(norm_topk_prob=True)),  # plus a sigmoid-gated shared expert
+    "qwen35moe": Routing("softmax", _fixed(norm_topk_prob=True)),
 }
 
 

@@ -26,6 +26,7 @@ SUPPORTED: dict[str, str] = {
     "dots1": "dots1",
     "ernie4_5-moe": "ernie4_5_moe",
     "qwen3next": "qwen3_next",
+    "qwen35moe": "qwen3_5_moe (text model: qwen3_5_moe_text)",
 }
 
 UNSUPPORTED: dict[str, str] = {}
