@@ -87,6 +87,11 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe_text": Family("qwen35moe", dict(num_hidden_layers=3, rope_parameters=dict(
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[1, 1, 0])),
         convert_args=("--no-mtp",)),
+    # Partial RoPE as its checkpoints say it (rotary_dim), sigmoid scores (scoring_func).
+    "minimax_m2": Family("minimax-m2", dict(rotary_dim=8, scoring_func="sigmoid")),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA and routing, written as deepseek2 (loaded as deepseek_v3).
+    "glm4_moe_lite": Family("deepseek2", dict(_MLA, q_lora_rank=16, scoring_func="sigmoid", first_k_dense_replace=1, **_SCALED),
+                            loads_as="deepseek_v3"),
 }
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96, 109, 122, 135, 148]

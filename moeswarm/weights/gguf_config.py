@@ -190,6 +190,13 @@ def _qwen3next(f: GGUFFile) -> dict:
                 partial_rotary_factor=int(f.require("rope.dimension_count")) / head_dim)
 
 
+def _minimax_m2(f: GGUFFile) -> dict:
+    head_dim = int(f.require("attention.key_length"))
+    return dict(_experts(f, "num_local_experts"), model_type="minimax_m2",
+                intermediate_size=int(f.require("expert_feed_forward_length")),
+                partial_rotary_factor=int(f.get("rope.dimension_count", head_dim)) / head_dim)
+
+
 ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "qwen2moe": _qwen2moe,
     "qwen3moe": _qwen3moe,
@@ -203,6 +210,7 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "ernie4_5-moe": _ernie4_5_moe,
     "qwen3next": _qwen3next,
     "qwen35moe": _qwen35moe,
+    "minimax-m2": _minimax_m2,
 }
 
 

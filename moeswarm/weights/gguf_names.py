@@ -50,6 +50,7 @@ class ArchQuirks:
 
 # Every architecture: the router's score-correction bias, wherever the family keeps it.
 _COMMON_TENSORS = (("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
+                   ("mlp.e_score_correction_bias", "exp_probs_b.bias"),
                    ("mlp.gate.moe_statics.e_score_correction_bias", "exp_probs_b.bias"),
                    ("mlp.router.e_score_correction_bias", "exp_probs_b.bias"))
 _QWEN3NEXT = ArchQuirks(
@@ -78,6 +79,7 @@ QUIRKS: dict[str, ArchQuirks] = {
     "ernie4_5-moe": ArchQuirks(),
     "qwen3next": _QWEN3NEXT,
     "qwen35moe": _QWEN35MOE,
+    "minimax-m2": ArchQuirks(),
 }
 
 Loader = Callable[[], torch.Tensor]  # reads and dequantizes on call

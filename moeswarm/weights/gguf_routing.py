@@ -54,6 +54,7 @@ ROUTING: dict[str, Routing] = {
     "ernie4_5-moe": Routing("softmax"),  # bias-corrected choice, renormalised by the family's router
     "qwen3next": Routing("softmax", _fixed(norm_topk_prob=True)),  # plus a sigmoid-gated shared expert
     "qwen35moe": Routing("softmax", _fixed(norm_topk_prob=True)),
+    "minimax-m2": Routing("sigmoid"),  # with a score-correction bias, renormalised (the family's router)
 }
 
 

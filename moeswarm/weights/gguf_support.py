@@ -19,7 +19,7 @@ SUPPORTED: dict[str, str] = {
     "qwen3moe": "qwen3_moe",
     "olmoe": "olmoe",
     "llama": "mixtral",
-    "deepseek2": "deepseek_v2, deepseek_v3",
+    "deepseek2": "deepseek_v2, deepseek_v3; glm4_moe_lite runs as deepseek_v3",
     "glm4moe": "glm4_moe",
     "gpt-oss": "gpt_oss",
     "granitemoe": "granitemoe, granitemoeshared",
@@ -27,6 +27,7 @@ SUPPORTED: dict[str, str] = {
     "ernie4_5-moe": "ernie4_5_moe",
     "qwen3next": "qwen3_next",
     "qwen35moe": "qwen3_5_moe (text model: qwen3_5_moe_text)",
+    "minimax-m2": "minimax_m2",
 }
 
 UNSUPPORTED: dict[str, str] = {}
