@@ -548,6 +548,12 @@ def _loop_errors(failures: CountedLog, previous, loop: asyncio.AbstractEventLoop
     if str(context.get("message", "")).startswith("socket.accept() out of system resource"):
         failures.note(f"accept: {error_cause(context.get('exception') or OSError())}")
         return
+    callback = getattr(context.get("handle"), "_callback", None)
+    if getattr(callback, "__name__", "") == "_start_serving":
+        # asyncio's retry of accept after such a failure, run once the server closed (Python 3.11
+        # schedules one per failed accept): nothing to serve any more, nothing to report
+        failures.note(f"accept retried after close: {error_cause(context.get('exception') or OSError())}")
+        return
     if previous is not None:
         previous(loop, context)
     else:

@@ -250,8 +250,10 @@ class Session:
             reply.cancel()
         self.shut()
         transport = self.writer.transport
+        # read before closing: a closed TLS transport has no buffer to ask about any more
+        left = 0 if transport.is_closing() else transport.get_write_buffer_size()
         self.writer.close()
-        if transport.get_write_buffer_size() > 0:
+        if left > 0:
             asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)
 
 
