@@ -95,21 +95,25 @@ def make_fixture_ggufs(family: str, out_dir: str | Path, types=FIXTURE_TYPES, **
     return made
 
 
-def make_many_fixture_ggufs(specs: dict[str, tuple[str, dict, tuple[str, ...]]], out_dir: str | Path,
+def make_many_fixture_ggufs(specs: dict[str, tuple[str, dict, tuple[str, ...], dict]], out_dir: str | Path,
                             types=("F32", "Q8_0"), **shape) -> dict[str, dict[str, Path] | str]:
     """`make_fixture_ggufs` for several models, converted in one run of llama.cpp's converter.
 
-    specs: name -> (family, the tiny config's keys beyond `shape`, extra converter arguments).
+    specs: name -> (family, the tiny config's keys beyond `shape`, extra converter arguments,
+    config.json keys as the family's released checkpoints write them where transformers 5.23 saves
+    them otherwise: the converter reads a copy of the directory with those keys).
     Returns name -> {"HF": dir, "F32": ..., "Q8_0": ...}, or name -> the error for a model llama.cpp's
     tools could not convert or quantize."""
     out_dir = Path(out_dir)
     made: dict[str, dict[str, Path] | str] = {}
-    for name, (family, overrides, _) in specs.items():
+    sources: dict[str, Path] = {}
+    for name, (family, overrides, _, checkpoint) in specs.items():
         made[name] = {"HF": make_fixture_model(family, out_dir / f"{name}-hf", **{**shape, **overrides}),
                       "F32": out_dir / f"{name}-F32.gguf"}
+        sources[name] = _as_released(made[name]["HF"], out_dir / f"{name}-checkpoint", checkpoint) if checkpoint else made[name]["HF"]
     error = ""
     try:
-        convert_hf_many([(files["HF"], files["F32"], "f32", specs[name][2]) for name, files in made.items()], pre="qwen2")
+        convert_hf_many([(sources[name], files["F32"], "f32", specs[name][2]) for name, files in made.items()], pre="qwen2")
     except MoeSwarmError as failure:
         error = str(failure)
     for name, files in made.items():
@@ -123,3 +127,18 @@ def make_many_fixture_ggufs(specs: dict[str, tuple[str, dict, tuple[str, ...]]],
         except MoeSwarmError as failure:
             made[name] = f"llama.cpp's quantizer failed on {name}: {failure}"
     return made
+
+
+def _as_released(model_dir: Path, out: Path, keys: dict) -> Path:
+    """A copy of `model_dir` (files linked) whose config.json has `keys` (None deletes a key)."""
+    import json
+
+    out.mkdir()
+    for item in model_dir.iterdir():
+        if item.name != "config.json":
+            (out / item.name).symlink_to(item.resolve())
+    config = json.loads((model_dir / "config.json").read_text())
+    for key, value in keys.items():
+        config.pop(key, None) if value is None else config.__setitem__(key, value)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

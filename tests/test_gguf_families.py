@@ -55,6 +55,7 @@ class Family:
     keys: dict = field(default_factory=dict)  # the tiny config's keys beyond SMALL
     loads_as: str | None = None  # the transformers model type moeswarm builds, where it is another
     convert_args: tuple[str, ...] = ()  # extra arguments to convert_hf_to_gguf.py
+    checkpoint: dict = field(default_factory=dict)  # config.json keys as released checkpoints write them
 
 
 FAMILIES: dict[str, Family] = {
@@ -92,6 +93,14 @@ FAMILIES: dict[str, Family] = {
     # GLM-4.7-Flash: DeepSeek-V3's MLA and routing, written as deepseek2 (loaded as deepseek_v3).
     "glm4_moe_lite": Family("deepseek2", dict(_MLA, q_lora_rank=16, scoring_func="sigmoid", first_k_dense_replace=1, **_SCALED),
                             loads_as="deepseek_v3"),
+    # Short convolutions in layers 0 and 2, attention in 1; layer 0 dense; tied embeddings (as LFM2).
+    # The converter writes no routed_scaling_factor: released LFM2-MoE models have 1.0, as here.
+    "lfm2_moe": Family("lfm2moe", dict(num_hidden_layers=3, tie_word_embeddings=True)),
+    # Granite 4 (-H): Mamba-2 in layers 0 and 2, attention without RoPE in 1 (the converter writes
+    # every Mamba hybrid as NoPE, as released). Its released configs name layer types "mamba" /
+    # "attention", which the converter reads (transformers 5.23 saves "linear_attention" / "full_attention").
+    "granitemoehybrid": Family("granitehybrid", dict(_GRANITE, num_hidden_layers=3, mamba_n_heads=8, mamba_d_head=16),
+                               checkpoint={"layer_types": ["mamba", "attention", "mamba"]}),
 }
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96, 109, 122, 135, 148]
@@ -105,7 +114,7 @@ def family_files(request, tmp_path_factory):
     every family the selected tests need, in one run of the converter."""
     needed = {item.callspec.params["family"] for item in request.session.items
               if hasattr(item, "callspec") and item.callspec.params.get("family") in FAMILIES}
-    specs = {family: (family, FAMILIES[family].keys, FAMILIES[family].convert_args) for family in sorted(needed)}
+    specs = {name: (name, FAMILIES[name].keys, FAMILIES[name].convert_args, FAMILIES[name].checkpoint) for name in sorted(needed)}
     made = make_many_fixture_ggufs(specs, tmp_path_factory.mktemp("gguf-families"), **SMALL)
 
     def get(family: str) -> dict[str, Path]:

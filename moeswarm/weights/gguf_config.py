@@ -28,7 +28,7 @@ def _common(f: GGUFFile) -> dict:
         hidden_size=hidden,
         num_hidden_layers=int(f.require("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(kv_heads if not isinstance(kv_heads, list) else kv_heads[0]),
+        num_key_value_heads=int(kv_heads if not isinstance(kv_heads, list) else max(kv_heads)),  # per layer in hybrids
         head_dim=int(f.get("attention.key_length", hidden // heads)),
         max_position_embeddings=int(f.get("context_length", 4096)),
         rms_norm_eps=float(f.get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -197,6 +197,31 @@ def _minimax_m2(f: GGUFFile) -> dict:
                 partial_rotary_factor=int(f.get("rope.dimension_count", head_dim)) / head_dim)
 
 
+def _attention_layers(f: GGUFFile, other: str) -> list[str]:
+    """layer_types of a hybrid whose non-attention layers have no kv heads in `attention.head_count_kv`."""
+    return ["full_attention" if heads else other for heads in f.require("attention.head_count_kv")]
+
+
+def _lfm2moe(f: GGUFFile) -> dict:
+    # Short-convolution layers where `attention.head_count_kv` is 0, attention in the others.
+    return dict(_experts(f, "num_experts"), model_type="lfm2_moe",
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                num_dense_layers=int(f.get("leading_dense_block_count", 0)),
+                layer_types=_attention_layers(f, "conv"), conv_L_cache=int(f.require("shortconv.l_cache")),
+                norm_eps=float(f.get("attention.layer_norm_rms_epsilon", 1e-5)))
+
+
+def _granitehybrid(f: GGUFFile) -> dict:
+    # Granite 4 (-H): Mamba-2 layers where `attention.head_count_kv` is 0; llama.cpp applies RoPE
+    # unless `rope.scaling.finetuned` is false, transformers when position_embedding_type is "rope".
+    inner, heads = int(f.require("ssm.inner_size")), int(f.require("ssm.time_step_rank"))
+    return dict(_granitemoe(f), model_type="granitemoehybrid", layer_types=_attention_layers(f, "linear_attention"),
+                mamba_n_heads=heads, mamba_d_head=inner // heads, mamba_d_state=int(f.require("ssm.state_size")),
+                mamba_n_groups=int(f.require("ssm.group_count")), mamba_d_conv=int(f.require("ssm.conv_kernel")),
+                mamba_expand=inner // int(f.require("embedding_length")),
+                position_embedding_type="rope" if f.get("rope.scaling.finetuned", True) else None)
+
+
 ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "qwen2moe": _qwen2moe,
     "qwen3moe": _qwen3moe,
@@ -211,6 +236,8 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "qwen3next": _qwen3next,
     "qwen35moe": _qwen35moe,
     "minimax-m2": _minimax_m2,
+    "lfm2moe": _lfm2moe,
+    "granitehybrid": _granitehybrid,
 }
 
 

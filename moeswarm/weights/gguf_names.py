@@ -51,6 +51,8 @@ class ArchQuirks:
 # Every architecture: the router's score-correction bias, wherever the family keeps it.
 _COMMON_TENSORS = (("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
                    ("mlp.e_score_correction_bias", "exp_probs_b.bias"),
+                   ("feed_forward.expert_bias", "exp_probs_b.bias"),
+                   ("mlp.expert_bias", "exp_probs_b.bias"),
                    ("mlp.gate.moe_statics.e_score_correction_bias", "exp_probs_b.bias"),
                    ("mlp.router.e_score_correction_bias", "exp_probs_b.bias"))
 _QWEN3NEXT = ArchQuirks(
@@ -66,6 +68,9 @@ _QWEN35MOE = ArchQuirks(
 _GRANITE = ArchQuirks(permute_qk=True, renames=(("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight"),),
                       merged=(("shared_mlp.input_linear.weight", ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")),))
 
+_GRANITE_HYBRID = ArchQuirks(permute_qk=True, renames=(*_GRANITE.renames, ("mamba.dt_bias", "mamba.dt_proj.bias")),
+                             merged=_GRANITE.merged, transforms=((r"mamba\.A_log$", a_log),))
+
 QUIRKS: dict[str, ArchQuirks] = {
     "qwen2moe": ArchQuirks(),
     "qwen3moe": ArchQuirks(),
@@ -80,6 +85,8 @@ QUIRKS: dict[str, ArchQuirks] = {
     "qwen3next": _QWEN3NEXT,
     "qwen35moe": _QWEN35MOE,
     "minimax-m2": ArchQuirks(),
+    "lfm2moe": ArchQuirks(),
+    "granitehybrid": _GRANITE_HYBRID,
 }
 
 Loader = Callable[[], torch.Tensor]  # reads and dequantizes on call

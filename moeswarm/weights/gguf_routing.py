@@ -55,6 +55,8 @@ ROUTING: dict[str, Routing] = {
     "qwen3next": Routing("softmax", _fixed(norm_topk_prob=True)),  # plus a sigmoid-gated shared expert
     "qwen35moe": Routing("softmax", _fixed(norm_topk_prob=True)),
     "minimax-m2": Routing("sigmoid"),  # with a score-correction bias, renormalised (the family's router)
+    "lfm2moe": Routing("sigmoid", lambda f: dict(norm_topk_prob=True, routed_scaling_factor=float(f.get("expert_weights_scale", 1.0)))),
+    "granitehybrid": Routing("softmax"),  # softmax over the top-k logits, as granitemoe
 }
 
 

@@ -28,6 +28,8 @@ SUPPORTED: dict[str, str] = {
     "qwen3next": "qwen3_next",
     "qwen35moe": "qwen3_5_moe (text model: qwen3_5_moe_text)",
     "minimax-m2": "minimax_m2",
+    "lfm2moe": "lfm2_moe",
+    "granitehybrid": "granitemoehybrid",
 }
 
 UNSUPPORTED: dict[str, str] = {}
