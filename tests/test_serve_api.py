@@ -1,7 +1,8 @@
 """`moeswarm serve`'s OpenAI surface with the official openai client: log-probabilities and echo
 (compared with torch.equal to a local forward of the bundled model), n and prompt lists, token-id
-prompts, penalties and min_p, the bundled chat template, tokenize, errors in OpenAI's shape, and
-the HTTP limits (429, deadlines, connection cap, abandoned requests).
+prompts, penalties and min_p, the bundled chat template, tokenize, errors in OpenAI's shape, the
+HTTP limits (429, deadlines, connection cap, abandoned requests), and structured output and tool
+calls (validated against their schemas).
 
 One server: the bundled model on two real workers, with --speculate 3 (log-probabilities must not
 change with it), started with --port 0 (the port it prints is the one it serves on).
@@ -17,6 +18,7 @@ import sys
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -27,6 +29,7 @@ from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import local_workers, split_experts
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.serve.grammar import Grammars
 from moeswarm.serve.process import ServeProcess
 
 PROMPT = "def add(a, b):\n"
@@ -296,3 +299,99 @@ def test_connections_past_the_cap_are_closed(server, client):
             connection.close()
     time.sleep(0.2)
     assert client.completions.create(model="pymoe", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+# -- structured output and tools -------------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "ok", "size", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "celsius": {"type": "boolean"}},
+    "required": ["city", "celsius"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "what is the weather in Paris?"}]
+
+
+def test_json_schema_answers_match_the_schema(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
+    reply = client.chat.completions.create(model="pymoe", messages=ASK, max_tokens=60, temperature=0.8, seed=1, n=4,
+                                           response_format=response_format)
+    assert len(reply.choices) == 4
+    for choice in reply.choices:
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+        assert choice.finish_reason == "stop"
+    stream = client.chat.completions.create(model="pymoe", messages=ASK, max_tokens=60, temperature=0.8, seed=1,
+                                            response_format=response_format, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+
+
+def test_drafts_do_not_change_a_constrained_answer(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    answers = [client.chat.completions.create(model="pymoe", messages=ASK, max_tokens=60, temperature=0,
+                                              response_format=response_format, extra_body={"speculate": k})
+               .choices[0].message.content for k in (0, 3)]
+    assert answers[0] == answers[1]
+    jsonschema.validate(json.loads(answers[0]), PERSON)
+
+
+def test_json_object_answers_are_held_to_json(client, local):
+    _, codec = local
+    reply = client.chat.completions.create(model="pymoe", messages=ASK, max_tokens=40, temperature=0,
+                                           response_format={"type": "json_object"})
+    text = reply.choices[0].message.content
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:  # cut by max_tokens: still a prefix the grammar of a JSON object accepts
+        grammars = Grammars(codec.tokenizer, 4096)
+        constraint = grammars.constraint(grammars.json_schema({"type": "object"}))
+        tokens = codec.encode(text)
+        assert text.startswith("{") and constraint.valid_drafts(tokens) == tokens
+
+
+@pytest.mark.parametrize("tool_choice, name", [
+    ("required", None),
+    ({"type": "function", "function": {"name": "get_time"}}, "get_time"),
+])
+def test_a_required_or_named_tool_choice_gives_a_call(client, tool_choice, name):
+    tools = [WEATHER, TIME]
+    reply = client.chat.completions.create(model="pymoe", messages=ASK, max_tokens=60, temperature=0, tools=tools,
+                                           tool_choice=tool_choice)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and (name is None or call.function.name == name)
+    schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    stream = client.chat.completions.create(model="pymoe", messages=ASK, max_tokens=60, temperature=0, tools=tools,
+                                            tool_choice=tool_choice, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    calls = [d for c in chunks if c.delta.tool_calls for d in c.delta.tool_calls]
+    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == \
+        [(0, call.function.name, call.function.arguments)]
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_answers_text_from_a_prompt_that_shows_the_tools(client, local):
+    model, codec = local
+    reply = client.chat.completions.create(model="pymoe", messages=ASK, max_tokens=8, temperature=0, tools=[WEATHER],
+                                           tool_choice="none")
+    assert reply.choices[0].message.tool_calls is None
+    prompt = codec.encode(codec.tokenizer.apply_chat_template(ASK, tools=[WEATHER], tokenize=False,
+                                                              add_generation_prompt=True))
+    assert codec.decode(prompt).startswith('# tool: get_weather(city, celsius)\n# user: ')
+    tokens, _ = _greedy_with_logprobs(model, prompt, 8, codec.eos_token_id)
+    assert reply.choices[0].message.content == codec.decode([t for t in tokens if t != codec.eos_token_id])
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "no tool is named"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "the schema cannot be used"),
+])
+def test_bad_structured_requests_are_400s(server, body, words):
+    response = httpx.post(server.url + "/v1/chat/completions", json={"model": "pymoe", "messages": ASK} | body)
+    assert response.status_code == 400 and words in response.json()["error"]["message"]

@@ -7,6 +7,7 @@ is OpenAI's shape with the right status; nothing a client sends can end the serv
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 from dataclasses import dataclass, field, replace
@@ -24,10 +25,12 @@ from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.chat import NoChatTemplate, chat_prompt
 from moeswarm.serve.dashboard import PAGE, dashboard_data
 from moeswarm.serve.engine import Engine
+from moeswarm.serve.grammar import GrammarUnavailable, Grammars
 from moeswarm.serve.metrics import ServeMetrics
 from moeswarm.serve.responses import APIError, Shapes, error_body
 from moeswarm.serve.runs import Ask, Prompt, Run
 from moeswarm.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling, TokenizeRequest
+from moeswarm.serve.tools import call_schema, template_tools
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions
@@ -47,6 +50,7 @@ class ServeState:
     loading: str = "loading the model"  # what /health says while there is no engine
     default_max_tokens: int | None = None  # serve --max-tokens: a request's max_tokens when it gives none
     max_queue: int = 256  # requests waiting for a slot; past that, 429 with Retry-After
+    grammars: Grammars | None = None  # made at the first request for structured output
 
 
 def create_app(state: ServeState, cors_origins: list[str] | None = None) -> FastAPI:
@@ -132,21 +136,30 @@ def create_app(state: ServeState, cors_origins: list[str] | None = None) -> Fast
             else:
                 prompts.append(Prompt(list(given), state.codec.decode(list(given)) if body.echo else ""))
         limit = body.max_tokens if body.max_tokens is not None else (state.default_max_tokens or COMPLETION_MAX_TOKENS)
-        return await _run(state, engine, request, body, prompts, limit, chat=False, logprobs=body.logprobs,
-                          echo=body.echo)
+        schema = body.response_format.output_schema if body.response_format else None
+        ask = Ask(_params(body), body.stops, body.speculate, body.n, body.logprobs, body.echo,
+                  await _constraint_maker(state, schema, "response_format"))
+        return await _run(state, engine, request, body, prompts, limit, ask)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         engine = _engine(state, body)
         try:
-            prompt = chat_prompt(state.codec, [m.as_template_input() for m in body.messages])
+            prompt = chat_prompt(state.codec, [m.as_template_input() for m in body.messages], template_tools(body.tools))
         except NoChatTemplate as error:
             raise APIError(400, str(error), code="no_chat_template") from None
         except MoeSwarmError as error:
             raise APIError(400, one_line(error), param="messages") from None
         limit = body.token_limit if body.token_limit is not None else state.default_max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await _run(state, engine, request, body, [Prompt(prompt, "")], limit, chat=True, logprobs=logprobs)
+        mode = body.tool_mode
+        if mode not in (None, "auto"):  # a call is due: decoding is held to one
+            schema, field_name = call_schema(body.tools, mode), "tools"
+        else:
+            schema, field_name = (body.response_format.output_schema if body.response_format else None), "response_format"
+        ask = Ask(_params(body), body.stops, body.speculate, body.n, logprobs, False,
+                  await _constraint_maker(state, schema, field_name), tuple(body.tools or ()), mode)
+        return await _run(state, engine, request, body, [Prompt(prompt, "")], limit, ask)
 
     return app
 
@@ -250,21 +263,44 @@ def _job_limits(state: ServeState, prompt: list[int], max_tokens: int | None) ->
     return room if max_tokens is None else max_tokens
 
 
-async def _run(state: ServeState, engine: Engine, request: Request, body: Sampling, prompts: list[Prompt],
-               max_tokens: int | None, chat: bool, logprobs: int | None, echo: bool = False):
-    prompts = [replace(prompt, max_tokens=_job_limits(state, prompt.tokens, max_tokens)) for prompt in prompts]
+def _params(body: Sampling) -> SamplingParams:
     try:
-        params = SamplingParams(body.temperature, body.top_p, body.top_k, body.seed, body.min_p,
-                                body.repetition_penalty, body.presence_penalty, body.frequency_penalty)
+        return SamplingParams(body.temperature, body.top_p, body.top_k, body.seed, body.min_p,
+                              body.repetition_penalty, body.presence_penalty, body.frequency_penalty)
     except ValueError as error:
         raise APIError(400, one_line(error)) from None
+
+
+async def _constraint_maker(state: ServeState, schema: dict | None, field_name: str):
+    """What makes each job's grammar constraint (a schema compiled once per request), or None."""
+    if schema is None:
+        return None
+    if state.codec.tokenizer is None:
+        raise APIError(400, f"{field_name}: structured output needs the model's tokenizer, and this model has none",
+                       param=field_name)
+    try:
+        if state.grammars is None:
+            state.grammars = await asyncio.to_thread(Grammars, state.codec.tokenizer, state.vocab_size)
+        grammar = await asyncio.to_thread(state.grammars.json_schema, schema)
+    except GrammarUnavailable as error:
+        raise APIError(400, f"{field_name}: {error}", param=field_name) from None
+    except ValueError as error:
+        raise APIError(400, f"{field_name}: the schema cannot be used: {printable(one_line(error), 300)}",
+                       param=field_name) from None
+    grammars = state.grammars
+    return lambda: grammars.constraint(grammar)
+
+
+async def _run(state: ServeState, engine: Engine, request: Request, body: Sampling, prompts: list[Prompt],
+               max_tokens: int | None, ask: Ask):
+    prompts = [replace(prompt, max_tokens=_job_limits(state, prompt.tokens, max_tokens)) for prompt in prompts]
     jobs = len(prompts) * body.n
     free = max(0, engine.config.max_batch - engine.active)  # slots a job takes at once, without waiting
     if engine.queue_depth + jobs > state.max_queue + free:
         raise APIError(429, f"the server is busy: {engine.queue_depth} requests wait for a slot (at most "
                             f"{state.max_queue}); retry shortly", code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
-    ask = Ask(params, body.stops, body.speculate, body.n, logprobs, echo)
+    chat = isinstance(body, ChatRequest)
     run = Run(prompts, ask, Shapes(state.model_id, chat), lambda token: state.codec.decode([token]))
     for job in run.jobs:
         engine.submit(job)

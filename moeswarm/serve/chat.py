@@ -55,13 +55,14 @@ def set_chat_template(codec: TextCodec, template: str) -> None:
     codec.tokenizer.chat_template = template
 
 
-def chat_prompt(codec: TextCodec, messages: list[dict]) -> list[int]:
-    """The token ids of `messages` ([{role, content}]) rendered by the template, ready for the assistant's turn."""
+def chat_prompt(codec: TextCodec, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The token ids of `messages` ([{role, content}]) rendered by the template, ready for the assistant's turn
+    (tools: OpenAI's tool list, for the templates that show it)."""
     if not chat_template(codec):
         raise NoChatTemplate("this model has no chat template (neither its tokenizer config nor its GGUF metadata "
                              "gives one): start serve with --chat-template FILE|chatml, or use /v1/completions")
     try:
-        text = codec.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = codec.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as error:  # the template's own checks (roles must alternate, ...) raise from jinja
         raise MoeSwarmError(f"the model's chat template refused these messages: {one_line(error)}") from None
     return codec.encode(text)

@@ -72,5 +72,6 @@ class Job:
     # the same for every prompt token (echo; no prefix cache); None: off. The HTTP side sets it with logprobs:
     # every row of the prompt is then computed, so the first new token's values are a plain forward's
     prompt_logprobs: int | None = None
+    constraint: object | None = None  # a grammar.Constraint: masks the logits before each token is chosen
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)

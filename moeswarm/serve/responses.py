@@ -95,6 +95,16 @@ class Shapes:
                     "finish_reason": reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
+    def call_choice(self, index: int, call: dict, logprobs: dict | None = None) -> dict:
+        """A chat choice that calls a tool (call: serve/tools.py's call_entry)."""
+        return {"index": index, "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+                "logprobs": logprobs, "finish_reason": "tool_calls"}
+
+    def call_chunk(self, index: int, call: dict) -> dict:
+        """A stream chunk carrying a whole tool call (call: call_entry with its index)."""
+        choice = {"index": index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice])
+
     def whole(self, choices: list[dict], done: Sequence[Finished], n: int) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
         return self._envelope(kind, choices) | {"usage": total_usage(done, n)}

@@ -19,6 +19,8 @@ from fastapi.responses import Response
 from moeswarm.generation.sampling import SamplingParams
 from moeswarm.serve.job import Delta, Failed, Finished, Job, PromptLogprobs, TokenLogprob
 from moeswarm.serve.responses import APIError, Logprobs, Shapes, error_body, sse
+from moeswarm.serve.schemas import Tool
+from moeswarm.serve.tools import call_entry, read_call
 
 DISCONNECT_POLL_S = 0.05  # how often a whole answer's client is checked for having gone away
 ABANDONED = -1  # the index of the event that says the client went away
@@ -41,6 +43,9 @@ class Ask:
     n: int = 1
     logprobs: int | None = None  # alternatives per new token; None: no log-probabilities
     echo: bool = False  # the prompt's text before the completion's (and its log-probabilities with logprobs)
+    make_constraint: Callable[[], object] | None = None  # a fresh grammar Constraint per job (structured output)
+    tools: tuple[Tool, ...] = ()
+    tool_mode: str | None = None  # chat: None, "auto", "required" or a function's name (serve/tools.py)
 
 
 class Run:
@@ -56,7 +61,8 @@ class Run:
                 # a job with log-probabilities scores its prompt too (shown with echo only): every row of its
                 # prompt is then computed, as a plain forward of the prompt computes it
                 self.jobs.append(Job(prompt.tokens, prompt.max_tokens, params, emit, ask.stops, ask.speculate,
-                                     logprobs=ask.logprobs, prompt_logprobs=ask.logprobs))
+                                     logprobs=ask.logprobs, prompt_logprobs=ask.logprobs,
+                                     constraint=ask.make_constraint() if ask.make_constraint else None))
 
     def prompt_of(self, index: int) -> Prompt:
         return self.prompts[index // self.ask.n]
@@ -97,8 +103,22 @@ class Run:
         for index in range(count):
             text = (self.prompt_of(index).text if self.ask.echo else "") + "".join(texts[index])
             logprobs = self.logprobs_shape(index).shape(scores[index]) if self.ask.logprobs is not None else None
-            choices.append(self.shapes.choice(index, text, done[index].reason, logprobs))
+            call = self.call_in(text)
+            if call is not None:
+                choices.append(self.shapes.call_choice(index, call_entry(call), logprobs))
+            else:
+                choices.append(self.shapes.choice(index, text, done[index].reason, logprobs))
         return self.shapes.whole(choices, done, self.ask.n)
+
+    def call_in(self, text: str) -> dict | None:
+        """The tool call a chat answer makes, if tools are on and it is one."""
+        return read_call(text, list(self.ask.tools)) if self.ask.tool_mode is not None else None
+
+    def held(self, text: str) -> bool:
+        """Whether a streamed answer's text so far may still be a tool call: kept back until it is known."""
+        if self.ask.tool_mode is None:
+            return False
+        return self.ask.tool_mode != "auto" or text.lstrip()[:1] in ("", "{")
 
     async def _watch(self, request: Request) -> None:
         while not await request.is_disconnected():
@@ -111,6 +131,7 @@ class Run:
         shapers = [self.logprobs_shape(index) for index in range(count)]
         done: list[Finished | None] = [None] * count
         wants_prompt_scores = self.ask.echo and self.ask.logprobs is not None
+        kept = [""] * count  # text held back while it may be a tool call
         try:
             for index in range(count):
                 if shapes.chat:
@@ -126,10 +147,22 @@ class Run:
                                            logprobs=shapers[index].shape(event.logprobs)))
                 elif isinstance(event, Delta):
                     logprobs = shapers[index].shape(event.logprobs) if self.ask.logprobs is not None else None
-                    if event.text or logprobs:
-                        yield sse(shapes.chunk(event.text, index=index, logprobs=logprobs))
+                    text = event.text
+                    if self.held(kept[index] + text):
+                        kept[index], text = kept[index] + text, ""
+                    elif kept[index]:  # no call after all: what was held goes out first
+                        kept[index], text = "", kept[index] + text
+                    if text or logprobs:
+                        yield sse(shapes.chunk(text, index=index, logprobs=logprobs))
                 elif isinstance(event, Finished):
                     done[index] = event
+                    call = self.call_in(kept[index]) if kept[index] else None
+                    if call is not None:
+                        yield sse(shapes.call_chunk(index, call_entry(call, index=0)))
+                        yield sse(shapes.chunk(None, "tool_calls", index=index))
+                        continue
+                    if kept[index]:
+                        yield sse(shapes.chunk(kept[index], index=index))
                     yield sse(shapes.chunk(None, event.reason, index=index))
                 elif isinstance(event, Failed):
                     yield sse(error_body(event.status, event.message))

@@ -24,6 +24,59 @@ NOT_BUILT = ("tools", "tool_choice", "functions", "function_call", "logit_bias",
              "tfs_z", "prediction", "audio", "modalities")
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: StrictStr = "response"
+    json_schema: dict = Field(default_factory=dict, alias="schema")  # "schema" shadows a BaseModel attribute
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON matching a schema (decoding is constrained)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs json_schema: {name, schema, strict}")
+        return self
+
+    @property
+    def output_schema(self) -> dict | None:
+        """The JSON schema output must match, or None (plain text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.json_schema or {}
+        return None
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -47,7 +100,7 @@ class Sampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's and llama-server's extension; 1.0 is off
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's and llama-server's extension; 0.0 is off
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -60,11 +113,8 @@ class Sampling(BaseModel):
             raise ValueError(f"n: from 1 to {MAX_N} completions")
         extra = self.model_extra or {}
         asked = [name for name in NOT_BUILT if extra.get(name) not in (None, [], {}, "none", "")]
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            asked.insert(0, f"response_format {printable(str(self.response_format.get('type')), 40)}")
         if asked:
-            raise ValueError(f"{asked[0].split()[0]}: not supported by this server "
-                             f"({', '.join(asked)}): structured output, tools and logit_bias are not built")
+            raise ValueError(f"{asked[0]}: not supported by this server ({', '.join(asked)})")
         stops = self.stops
         if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop: at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
@@ -139,7 +189,12 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        extra = self.model_extra or {}
+        for key in ("tool_calls", "tool_call_id", "name"):  # what chat templates read of tool turns
+            if extra.get(key) is not None:
+                message[key] = extra[key]
+        return message
 
 
 class ChatRequest(Sampling):
@@ -148,12 +203,32 @@ class ChatRequest(Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # one call per answer here; accepted either way
 
     @model_validator(mode="after")
     def _top_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs true")
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two tools with one name")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool is named {printable(choice.function.name, 64)!r}")
         return self
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools, or tool_choice none), "auto", "required", or the name of the function to call."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
     @property
     def token_limit(self) -> int | None:

@@ -86,9 +86,11 @@ class Sequence:
             self.branches = [b for b in self.drafter.branches(self.context, self.stepper, limit) if b] or [[]]
         else:
             self.branches = [self.drafter.draft(self.context, self.stepper, limit)]
+        if self.job.constraint is not None:  # drafts the grammar refuses are never fed
+            self.branches = [self.job.constraint.valid_drafts(self.branches[0])]
 
     def _can_branch(self) -> bool:
-        return (self.job.params.greedy and self.stepper.branchable
+        return (self.job.params.greedy and self.job.constraint is None and self.stepper.branchable
                 and (self.reference is None or self.reference.branchable))
 
     @property
@@ -125,13 +127,18 @@ class Sequence:
                 self._emit_text([])
                 return
             last = logits[-1]  # [V]
-            token = sample(penalize(last, self.context, 0, self.job.params), self.job.params, self.generator)
+            scores = penalize(last, self.context, 0, self.job.params)
+            if self.job.constraint is not None:
+                scores = self.job.constraint.mask(scores[None])[0]
+            token = sample(scores, self.job.params, self.generator)
             self._accept([token], [last])
             return
         branches = self.branches
         rows = logits if logits.dim() == 3 else logits[None]  # [B, 1 + L, V]
         if self.job.params.penalised:  # no drafts then: one row of one position
             rows = penalize(rows[0, 0], self.context, len(self.output), self.job.params)[None, None]
+        if self.job.constraint is not None:  # one branch: each position masked after the drafts before it
+            rows = self.job.constraint.mask(rows[0], branches[0])[None]
         chosen = choose(rows, branches, self.job.params, self.generator, self.codec.eos_token_id)
         drafts, accepted = branches[chosen.row], chosen.accepted
         for stepper in (self.stepper, self.reference):
@@ -178,6 +185,10 @@ class Sequence:
             if len(self.output) >= self.job.max_tokens:
                 self.finish_reason = "length"
                 break
+        if self.job.constraint is not None:
+            self.job.constraint.accept(tokens[:taken])
+            if self.job.constraint.finished and not self.done:  # the grammar is complete: nothing may follow
+                self.finish_reason = "stop"
         scores = ()
         if self.job.logprobs is not None:
             scores = tuple(TokenLogprob(token, *top_logprobs(log_probs(row), token, self.job.logprobs))
