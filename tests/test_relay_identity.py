@@ -170,6 +170,9 @@ def test_a_keyed_relay_registers_a_name_only_with_its_members_key(members):
         keyless, _ = _attach(where, loop, "gpu-1", None, word=b"squatter")
         with pytest.raises(RelayError, match="the relay registers members of a keyed swarm only: give --swarm-key"):
             _registered(keyless, loop, timeout_s=2.0)
+        member, _ = _attach(where, loop, "gpu-1", ids["evil"], word=b"squatter")  # a worker of the swarm, another name
+        with pytest.raises(RelayError, match="relay refused: cannot register gpu-1: the member certificate names 'evil'"):
+            _registered(member, loop, timeout_s=2.0)
 
         assert [_reach(where, "gpu-1") for _ in range(3)] == [b"honest"] * 3
         assert _until(lambda: relay.idle_counts() == {"gpu-1": 2})  # the worker's pool, refilled; no squatter's
@@ -238,3 +241,39 @@ def test_a_names_pipes_are_capped(members):
         assert _reach(where, "gpu-1") == b"honest"
         for sock in pipes:
             sock.close()
+
+
+def test_a_member_worker_through_a_keyed_relay_process_is_exact(qwen2_moe, members):
+    """Real processes: `moeswarm relay --swarm-key` (a member file: it needs the swarm's certificate
+    only) and a worker with its member file, registered under its member name by default; a backbone
+    holding another member's file generates through it, bit for bit as local eager."""
+    import subprocess
+    import sys
+
+    from moeswarm.generation.loop import generate
+    from moeswarm.generation.stepper import Stepper
+    from moeswarm.local_workers import spawn_worker, stop, wait_listening
+    from moeswarm.model.loading import load_local
+    from moeswarm.swarm import open_swarm
+    from moeswarm.transport.tls import client_context
+
+    _, _, files = members
+    relay = subprocess.Popen([sys.executable, "-m", "moeswarm.cli", "relay", "--host", "127.0.0.1",
+                              "--swarm-key", str(files["evil"])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    processes = [relay]
+    try:
+        line = relay.stdout.readline()
+        assert "moeswarm relay: listening on 127.0.0.1:" in line, relay.stderr.read()[-2000:]
+        where = line.rsplit(" ", 1)[1].strip()
+        worker = spawn_worker(qwen2_moe, range(8), extra_args=("--swarm-key", str(files["gpu-1"]), "--relay", where))
+        processes.append(worker)
+        wait_listening(worker)
+        assert worker.stdout.readline().strip() == f"moeswarm worker: reachable through relay://{where}/gpu-1"
+        with open_swarm(qwen2_moe, [f"relay://{where}/gpu-1"], tls=client_context(files["gpu-2"])) as swarm:
+            result = generate(Stepper(swarm.model), [72, 101, 108, 108, 111], 3, 0, Stepper(load_local(qwen2_moe)))
+        assert result.bit_identical is True and len(result.tokens) == 3
+    finally:
+        relay.terminate()
+        relay_log = relay.communicate(timeout=30)[1]
+        stop(processes)
+    assert "warning" not in relay_log  # keyed: no first-come names
