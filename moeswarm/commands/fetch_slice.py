@@ -8,6 +8,7 @@ from pathlib import Path
 
 from moeswarm.commands._setup import add_quiet, quiet_progress
 from moeswarm.commands._tls import add_swarm_key, client_tls
+from moeswarm.commands._types import seconds
 from moeswarm.commands.worker import _range, expert_list
 
 
@@ -22,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--with-backbone", action="store_true", help="also fetch every non-expert tensor")
     parser.add_argument("-o", "--out", required=True, help="slice file to write (PART.gguf)")
     parser.add_argument("--retries", type=int, default=3, help="reconnections after a broken connection")
+    parser.add_argument("--timeout", type=seconds, default=30.0,
+                        help="seconds to connect, and for each piece beyond its length at 64 KiB/s: a seeder slower "
+                             "than that is left and retried (default 30)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_swarm_key(parser)
     add_quiet(parser)
@@ -41,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         raise MoeSwarmError(f"--retries must be 0 or more, got {args.retries}")
     manifest = load_manifest(args.manifest, args.manifest_sha256)
     report = fetch_slice(args.peer, manifest, args.experts, out, args.layers, args.with_backbone,
-                         client_tls(args.swarm_key), args.retries)
+                         client_tls(args.swarm_key), args.retries, args.timeout)
     if args.json:
         print(json.dumps(report))
     else:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from moeswarm.errors import MoeSwarmError
+from moeswarm.errors import MoeSwarmError, printable
 from moeswarm.progress import progress
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_slice import expert_layer
@@ -32,6 +32,7 @@ FINGERPRINT_SAMPLE = 1 << 16  # bytes at each end of the data region that the fi
 DEFAULT_CHUNK = 4 << 20
 MAX_CHUNK = 16 << 20  # the most a seeder sends for one request (net/seed.py)
 MAX_MANIFEST_BYTES = 256 << 20
+MAX_FILE_SIZE = 1 << 44  # 16 TiB: beyond any model file, and beyond what a sparse partial file may claim
 
 
 class ManifestError(MoeSwarmError):
@@ -153,14 +154,19 @@ def load_manifest(path: str | Path, sha256: str | None = None) -> Manifest:
         raise ManifestError(f"manifest {path} not found (the model owner makes it with `moeswarm manifest MODEL.gguf`)")
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise ManifestError(f"manifest {path} is over {MAX_MANIFEST_BYTES >> 20} MiB: not a manifest")
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise ManifestError(f"cannot read manifest {path}: {error.strerror or error}") from None
     digest = hashlib.sha256(raw).hexdigest()
     if sha256 is not None and digest != sha256.lower():
         raise ManifestError(f"manifest {path} has sha256 {digest}, not the pinned {sha256}: it is not the owner's")
     try:
         data = json.loads(raw)
-    except ValueError as error:
-        raise ManifestError(f"manifest {path} is not JSON ({error})") from None
+    except ValueError as error:  # UnicodeDecodeError and over-long integers included
+        raise ManifestError(f"manifest {path} is not JSON ({printable(str(error), 200)})") from None
+    except RecursionError:
+        raise ManifestError(f"manifest {path} is not a manifest: its JSON is nested too deeply") from None
     problem = _problem(data)
     if problem:
         raise ManifestError(f"manifest {path} is malformed: {problem}")
@@ -174,6 +180,8 @@ def _problem(d) -> str | None:
     ints = ("file_size", "data_offset", "chunk_bytes")
     if not all(_is_int(d.get(k)) and d[k] > 0 for k in ints) or d["chunk_bytes"] > MAX_CHUNK:
         return f"{', '.join(ints)} must be positive integers (chunk at most {MAX_CHUNK})"
+    if d["file_size"] > MAX_FILE_SIZE:
+        return f"file_size {d['file_size']} is over the {MAX_FILE_SIZE} bytes (16 TiB) a model file may have"
     size, chunk = d["file_size"], d["chunk_bytes"]
     if d["data_offset"] > size or not isinstance(d.get("fingerprint"), str):
         return "data_offset beyond the file, or no fingerprint"
@@ -194,7 +202,8 @@ def _problem(d) -> str | None:
         if not (isinstance(t, dict) and isinstance(t.get("name"), str) and _is_int(t.get("offset"))
                 and _is_int(t.get("bytes")) and isinstance(t.get("units"), list) and t["units"]):
             return "each tensor needs name, offset, bytes and units"
-        if t["offset"] < d["data_offset"] or t["offset"] + t["bytes"] > size or t["bytes"] % len(t["units"]):
+        if (t["offset"] < d["data_offset"] or t["bytes"] < 0 or t["offset"] + t["bytes"] > size
+                or t["bytes"] % len(t["units"])):
             return f"tensor {t['name']!r:.80} lies outside the data region or does not split into its units"
         if expert_layer(t["name"]) is not None and len(t["units"]) != len(ids):
             return f"expert tensor {t['name']!r} has {len(t['units'])} units for {len(ids)} experts"

@@ -8,6 +8,12 @@ most MAX_REQUEST bytes, inside the file; a bad one gets a one-line ERR! and the 
 the seeder goes on serving. A connection reads one request at a time, so it holds at most one
 range in memory; one that sends nothing, or takes nothing, for IDLE_TIMEOUT_S is closed. File
 reads run off the event loop.
+
+Slots are budgeted as the worker's are (worker/admission.py): a TLS handshake in progress holds
+one and must finish within HANDSHAKE_TIMEOUT_S, each peer address has its own cap, and once the
+seeder is full a connection with no request in flight for EVICT_AFTER_S gives its slot to the
+newcomer: silent peers cannot hold the slots. Accept and handshake failures are logged once per
+cause with a count.
 """
 
 from __future__ import annotations
@@ -18,19 +24,27 @@ import os
 import ssl
 from pathlib import Path
 
+import functools
+import time
+
 from moeswarm.errors import MoeSwarmError, ProtocolError, printable
 from moeswarm.net.seed_protocol import DATA, MAX_REQUEST, REQUEST, RESPONSE, decode_request, encode_error
+from moeswarm.worker.admission import ConnectionTable, CountedLog, StreamProtocol, handshake, loop_errors, peer_host
 
 log = logging.getLogger("moeswarm.seed")
 MAX_CONNECTIONS = 64
+MAX_PER_PEER = 16
 IDLE_TIMEOUT_S = 60.0
+HANDSHAKE_TIMEOUT_S = 10.0
+EVICT_AFTER_S = 5.0
 
 
 class Seeder:
     """Serve the file at `path`. tls: the swarm key's server context, or None for plain TCP."""
 
     def __init__(self, path: str | Path, tls: ssl.SSLContext | None = None, max_connections: int = MAX_CONNECTIONS,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S):
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_per_peer: int = MAX_PER_PEER,
+                 evict_after_s: float = EVICT_AFTER_S, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S):
         self.path = Path(path)
         if not self.path.is_file():
             raise MoeSwarmError(f"{self.path}: no such file to seed")
@@ -41,12 +55,21 @@ class Seeder:
         self.sent_bytes = 0
         self._fd = os.open(self.path, os.O_RDONLY)
         self._server: asyncio.base_events.Server | None = None
+        self.handshake_timeout_s = handshake_timeout_s
         self._writers: set[asyncio.StreamWriter] = set()
-        self._open = 0
+        self.table = ConnectionTable(max_connections, max_per_peer, evict_after_s)
+        self.refusals = CountedLog(log, "connections refused")
+        self.failures = CountedLog(log, "connections failed before their first request")
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        handshake = {"ssl": self.tls, "ssl_handshake_timeout": 10.0} if self.tls else {}
-        self._server = await asyncio.start_server(self._serve, host, port, **handshake)
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(functools.partial(loop_errors, self.failures, loop.get_exception_handler()))
+        paused = self.tls is not None
+
+        def protocol() -> asyncio.StreamReaderProtocol:
+            return StreamProtocol(asyncio.StreamReader(limit=2**16, loop=loop), self._serve, loop=loop, paused=paused)
+
+        self._server = await loop.create_server(protocol, host, port)
         return self._server.sockets[0].getsockname()[:2]
 
     async def close(self) -> None:
@@ -64,18 +87,29 @@ class Seeder:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = printable(str(writer.get_extra_info("peername")))
-        if self._open >= self.max_connections:
-            writer.write(encode_error(f"seeder busy: {self._open} connections open; retry later"))
-            writer.close()
+        slot = self.table.admit(peer_host(writer))
+        if isinstance(slot, str):
+            self.refusals.note("over the per-address limit" if "your address" in slot else "over the connection limit")
+            if self.tls is None:
+                writer.write(encode_error(f"seeder busy: {slot}"))
+                writer.close()
+            else:
+                writer.transport.abort()
             return
-        self._open += 1
+        serving = False
+        slot.busy = lambda: serving
+        slot.evict = lambda _message: writer.transport.abort()
         self._writers.add(writer)
         try:
+            if self.tls is not None and not await handshake(writer, self.tls, self.handshake_timeout_s, self.failures):
+                return
+            slot.greeted = True
             while True:
                 try:
                     raw = await asyncio.wait_for(reader.readexactly(REQUEST.size), self.idle_timeout_s)
                 except asyncio.IncompleteReadError:
                     return  # the fetcher is done
+                serving, slot.last_active = True, time.monotonic()
                 try:
                     offset, length = self._check(*decode_request(raw))
                 except ProtocolError as error:
@@ -86,12 +120,14 @@ class Seeder:
                 data = await asyncio.to_thread(os.pread, self._fd, length, offset)
                 writer.write(RESPONSE.pack(DATA, len(data)))
                 writer.write(data)
+                del data
                 await asyncio.wait_for(writer.drain(), self.idle_timeout_s)  # a peer that stops reading is dropped
-                self.sent_bytes += len(data)
+                self.sent_bytes += length
+                serving, slot.last_active = False, time.monotonic()
         except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError) as error:
             log.info("connection from %s ended: %s", peer, printable(str(error) or type(error).__name__))
         finally:
-            self._open -= 1
+            self.table.release(slot)
             self._writers.discard(writer)
             writer.close()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 import ssl
 import time
@@ -34,6 +35,8 @@ from moeswarm.weights.gguf_slice import write_slice
 RECORD_HEADER = "moeswarm-fetch/1"
 WINDOW = 4  # requests in flight on the connection
 TIMEOUT_S = 30.0
+MIN_RATE = 64 << 10  # bytes/s: a piece must arrive within timeout_s + its length at this rate
+_RECORD_LINE = re.compile(r"[0-9]{1,20} [0-9]{1,20}")
 
 
 class FetchError(MoeSwarmError):
@@ -51,11 +54,18 @@ def fetch_slice(peer: str, manifest: Manifest, experts: Sequence[int], out: str 
     out = Path(out)
     pieces = manifest.pieces(experts, layers, with_backbone)
     partial, record = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.done")
-    done = _resume(partial, record, manifest, pieces)
+    try:
+        done = _resume(partial, record, manifest, pieces)
+    except OSError as error:
+        raise FetchError(f"cannot prepare {partial} ({manifest.file_size} bytes, sparse): "
+                         f"{error.strerror or error}") from None
     resumed = sum(p.length for p in pieces if (p.offset, p.length) in done)
     total = sum(p.length for p in pieces)
     fetched, attempt, started = 0, 0, time.perf_counter()
-    fd = os.open(partial, os.O_RDWR)
+    try:
+        fd = os.open(partial, os.O_RDWR)
+    except OSError as error:
+        raise FetchError(f"cannot open {partial}: {error.strerror or error}") from None
     try:
         with record.open("a") as log, progress(desc=f"fetching {out.name}", total=total, unit="B") as bar:
             bar.update(resumed)
@@ -63,7 +73,7 @@ def fetch_slice(peer: str, manifest: Manifest, experts: Sequence[int], out: str 
                 try:
                     for piece, data in _ranges(peer, todo, tls, timeout_s):
                         _check(peer, piece, data)
-                        os.pwrite(fd, data, piece.offset)
+                        _write(fd, partial, data, piece.offset)
                         log.write(f"{piece.offset} {piece.length}\n")
                         log.flush()
                         done.add((piece.offset, piece.length))
@@ -80,7 +90,10 @@ def fetch_slice(peer: str, manifest: Manifest, experts: Sequence[int], out: str 
     finally:
         os.close(fd)
     seconds = time.perf_counter() - started
-    report = write_slice(partial, out, experts, layers, with_backbone)
+    try:
+        report = write_slice(partial, out, experts, layers, with_backbone)
+    except OSError as error:
+        raise FetchError(f"cannot write {out}: {error.strerror or error} (the fetched pieces stay in {partial})") from None
     if report["fingerprint"] != manifest.fingerprint:
         raise FetchError(f"the slice's fingerprint {report['fingerprint']} is not the manifest's {manifest.fingerprint}")
     partial.unlink()
@@ -94,11 +107,11 @@ def _resume(partial: Path, record: Path, manifest: Manifest, pieces: list[Piece]
     """The pieces already fetched and still good; starts fresh partial files when there are none usable."""
     header = f"{RECORD_HEADER} {manifest.sha256} {manifest.file_size}"
     if partial.is_file() and record.is_file() and partial.stat().st_size == manifest.file_size:
-        lines = record.read_text().splitlines()
+        lines = record.read_text(errors="replace").splitlines()
         if lines and lines[0] == header:
             wanted = {(p.offset, p.length): p for p in pieces}
-            listed = {tuple(int(x) for x in line.split()) for line in lines[1:] if len(line.split()) == 2
-                      and all(x.isdigit() for x in line.split())}
+            # lines as this file writes them; anything else (a torn or edited line) is ignored: its piece is fetched again
+            listed = {tuple(int(x) for x in line.split()) for line in lines[1:] if _RECORD_LINE.fullmatch(line)}
             good = set()
             with partial.open("rb") as handle:
                 for key in listed & set(wanted):
@@ -111,6 +124,13 @@ def _resume(partial: Path, record: Path, manifest: Manifest, pieces: list[Piece]
         handle.truncate(manifest.file_size)  # sparse: holes take no disk space
     record.write_text(header + "\n")
     return set()
+
+
+def _write(fd: int, partial: Path, data: bytes, offset: int) -> None:
+    try:
+        os.pwrite(fd, data, offset)
+    except OSError as error:
+        raise FetchError(f"cannot write {partial} at byte {offset}: {error.strerror or error}") from None
 
 
 def _check(peer: str, piece: Piece, data: bytes) -> None:
@@ -130,7 +150,7 @@ def _ranges(peer: str, pieces: list[Piece], tls: ssl.SSLContext | None, timeout_
             while ahead < len(pieces) and ahead < number + WINDOW:
                 _send(sock, encode_request(pieces[ahead].offset, pieces[ahead].length))
                 ahead += 1
-            yield piece, _response(sock, peer, piece)
+            yield piece, _response(sock, peer, piece, timeout_s)
     finally:
         sock.close()
 
@@ -161,27 +181,39 @@ def _send(sock: socket.socket, data: bytes) -> None:
         raise _Broken(f"connection lost ({error})") from None
 
 
-def _response(sock: socket.socket, peer: str, piece: Piece) -> bytes:
-    kind, length = RESPONSE.unpack(_exactly(sock, RESPONSE.size))
+def _response(sock: socket.socket, peer: str, piece: Piece, timeout_s: float) -> bytes:
+    """The piece's bytes, all within its deadline: a seeder that trickles them is cut off (_Broken)."""
+    allowed = timeout_s + piece.length / MIN_RATE
+    deadline = time.monotonic() + allowed
+    what = f"{piece.label} (bytes {piece.offset}-{piece.offset + piece.length})"
+    kind, length = RESPONSE.unpack(_exactly(sock, RESPONSE.size, deadline, what, allowed))
     if kind == ERROR:
-        message = _exactly(sock, min(length, MAX_ERROR)).decode(errors="replace")
+        message = _exactly(sock, min(length, MAX_ERROR), deadline, what, allowed).decode(errors="replace")
         raise FetchError(f"seeder {peer} refused {piece.label}: {printable(message)}")
     if kind != DATA:
         raise FetchError(f"seeder {peer} answered with {printable(repr(kind))}: not a moeswarm seeder")
     if length != piece.length:
         raise FetchError(f"seeder {peer} sent {length} bytes for {piece.label}, which has {piece.length}")
-    return _exactly(sock, length)
+    return _exactly(sock, length, deadline, what, allowed)
 
 
-def _exactly(sock: socket.socket, size: int) -> bytes:
+def _exactly(sock: socket.socket, size: int, deadline: float, what: str, allowed: float) -> bytes:
     buffer, got = bytearray(size), 0
     view = memoryview(buffer)
     try:
         while got < size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Broken(f"{what} not received within {allowed:.3g} s ({got} of {size} bytes): the seeder is "
+                              f"too slow or stalls")
+            sock.settimeout(left)
             n = sock.recv_into(view[got:])
             if n == 0:
                 raise _Broken("the seeder closed the connection")
             got += n
+    except TimeoutError:
+        raise _Broken(f"{what} not received within {allowed:.3g} s ({got} of {size} bytes): the seeder is too slow "
+                      f"or stalls") from None
     except ssl.SSLError as error:
         raise _Broken(f"TLS error ({error.reason or error})") from None
     except OSError as error:

@@ -14,6 +14,7 @@ renews nothing).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -129,3 +130,57 @@ def error_cause(error: BaseException) -> str:
     if name:
         return f"{type(error).__name__} {name}"
     return type(error).__name__
+
+
+class StreamProtocol(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol, which with `paused` reads nothing before the session's TLS
+    handshake starts: a ClientHello read by the plain transport would be lost to TLS."""
+
+    def __init__(self, reader: asyncio.StreamReader, connected, loop: asyncio.AbstractEventLoop, paused: bool):
+        super().__init__(reader, connected, loop=loop)
+        self._paused_at_start = paused
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._paused_at_start:
+            transport.pause_reading()  # before the transport's reader is added (asyncio adds it after this call)
+        super().connection_made(transport)
+
+
+async def handshake(writer: asyncio.StreamWriter, tls, timeout_s: float, failures: CountedLog) -> bool:
+    """Run the server side of TLS on an accepted connection (already holding its slot) within
+    `timeout_s`; False (failure counted, connection aborted) when it does not complete."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await writer.start_tls(tls, ssl_handshake_timeout=timeout_s)
+        return True
+    except (TimeoutError, ConnectionError, OSError) as error:  # ssl.SSLError is an OSError
+        cause = "TimeoutError" if isinstance(error, TimeoutError) else error_cause(error)
+        failures.note(f"TLS handshake: {cause}")
+        writer.transport.abort()
+        return False
+
+
+def peer_host(writer: asyncio.StreamWriter) -> str:
+    """The peer's address without its port: connections are budgeted per address."""
+    peer = writer.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return str(peer)
+
+
+def loop_errors(failures: CountedLog, previous, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The loop's exception handler: accept failures (out of file descriptors, ...) are counted per
+    cause and logged once, not with a traceback each time; anything else goes on as before."""
+    if str(context.get("message", "")).startswith("socket.accept() out of system resource"):
+        failures.note(f"accept: {error_cause(context.get('exception') or OSError())}")
+        return
+    callback = getattr(context.get("handle"), "_callback", None)
+    if getattr(callback, "__name__", "") == "_start_serving":
+        # asyncio's retry of accept after such a failure, run once the server closed (Python 3.11
+        # schedules one per failed accept): nothing to serve any more, nothing to report
+        failures.note(f"accept retried after close: {error_cause(context.get('exception') or OSError())}")
+        return
+    if previous is not None:
+        previous(loop, context)
+    else:
+        loop.default_exception_handler(context)

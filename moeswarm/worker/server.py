@@ -44,7 +44,8 @@ from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerInfo
 from moeswarm.wire.stream import decode_frame
-from moeswarm.worker.admission import ConnectionTable, CountedLog, Slot, error_cause
+from moeswarm.worker.admission import (ConnectionTable, CountedLog, Slot, StreamProtocol, handshake, loop_errors,
+                                       peer_host)
 from moeswarm.worker.framing import FrameFault, Idle, Incoming, read_frame
 from moeswarm.worker.limits import (SMALL_FRAME_BYTES, ByteBudget, WorkerLimits, check_dispatch_size,
                                     check_reply_size, check_routing, declared_shapes, reply_bound, reply_bytes)
@@ -106,11 +107,11 @@ class WorkerServer:
         in progress counts toward --max-connections and is bounded by the HELLO deadline."""
         self.runner.start()
         loop = asyncio.get_running_loop()
-        loop.set_exception_handler(functools.partial(_loop_errors, self.failures, loop.get_exception_handler()))
+        loop.set_exception_handler(functools.partial(loop_errors, self.failures, loop.get_exception_handler()))
         tls = self.tls is not None
 
         def protocol() -> asyncio.StreamReaderProtocol:
-            return _Protocol(asyncio.StreamReader(limit=2**16, loop=loop), self._serve, loop=loop, paused=tls)
+            return StreamProtocol(asyncio.StreamReader(limit=2**16, loop=loop), self._serve, loop=loop, paused=tls)
 
         self._server = await loop.create_server(protocol, host, port, backlog=min(self.limits.max_connections, 4096))
         self._watch = asyncio.create_task(self._watch_replies())
@@ -164,7 +165,7 @@ class WorkerServer:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        admitted = self.table.admit(_peer_host(writer))
+        admitted = self.table.admit(peer_host(writer))
         if isinstance(admitted, str):
             self._refuse(writer, admitted)
             return
@@ -174,13 +175,8 @@ class WorkerServer:
                 self._handshakes[task] = writer
                 slot.evict = lambda _message: writer.transport.abort()
                 try:
-                    await within(self.limits.hello_timeout_s,
-                                 writer.start_tls(self.tls, ssl_handshake_timeout=self.limits.hello_timeout_s))
-                except (asyncio.TimeoutError, ConnectionError, OSError) as error:  # ssl.SSLError is an OSError
-                    cause = "TimeoutError" if isinstance(error, asyncio.TimeoutError) else error_cause(error)
-                    self.failures.note(f"TLS handshake: {cause}")
-                    writer.transport.abort()
-                    return
+                    if not await handshake(writer, self.tls, self.limits.hello_timeout_s, self.failures):
+                        return
                 finally:
                     self._handshakes.pop(task, None)
             await self._session(reader, writer, slot, task)
@@ -511,20 +507,6 @@ class WorkerServer:
         return False
 
 
-class _Protocol(asyncio.StreamReaderProtocol):
-    """asyncio's stream protocol, which with `paused` reads nothing before the session's TLS
-    handshake starts: a ClientHello read by the plain transport would be lost to TLS."""
-
-    def __init__(self, reader: asyncio.StreamReader, connected, loop: asyncio.AbstractEventLoop, paused: bool):
-        super().__init__(reader, connected, loop=loop)
-        self._paused_at_start = paused
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self._paused_at_start:
-            transport.pause_reading()  # before the transport's reader is added (asyncio adds it after this call)
-        super().connection_made(transport)
-
-
 class _AwaitRoom:
     """A DISPATCH waiting for its connection's unsent replies to leave room for its RESULT."""
 
@@ -532,29 +514,3 @@ class _AwaitRoom:
 
     def __init__(self, owed: int, submit: Callable[[], Frame | None]):
         self.owed, self.submit = owed, submit
-
-
-def _peer_host(writer: asyncio.StreamWriter) -> str:
-    """The peer's address without its port: connections are budgeted per address."""
-    peer = writer.get_extra_info("peername")
-    if isinstance(peer, tuple) and peer:
-        return str(peer[0])
-    return str(peer)
-
-
-def _loop_errors(failures: CountedLog, previous, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """The loop's exception handler: accept failures (out of file descriptors, ...) are counted per
-    cause and logged once, not with a traceback each time; anything else goes on as before."""
-    if str(context.get("message", "")).startswith("socket.accept() out of system resource"):
-        failures.note(f"accept: {error_cause(context.get('exception') or OSError())}")
-        return
-    callback = getattr(context.get("handle"), "_callback", None)
-    if getattr(callback, "__name__", "") == "_start_serving":
-        # asyncio's retry of accept after such a failure, run once the server closed (Python 3.11
-        # schedules one per failed accept): nothing to serve any more, nothing to report
-        failures.note(f"accept retried after close: {error_cause(context.get('exception') or OSError())}")
-        return
-    if previous is not None:
-        previous(loop, context)
-    else:
-        loop.default_exception_handler(context)
