@@ -6,13 +6,13 @@ methods for accounting and configuration, never the dispatcher's insides.
 
 from __future__ import annotations
 
-import ssl
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from transformers import PreTrainedModel
 
 from moeswarm.dispatch.accounting import LayerCall
-from moeswarm.dispatch.dispatcher import REPLY_TIMEOUT_S, Dispatcher
+from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.dispatch.health import DeadlinePolicy
 from moeswarm.dispatch.in_process import ByLayer, InProcess
 from moeswarm.dispatch.spot_check import SpotCheckPolicy
@@ -22,11 +22,11 @@ from moeswarm.model.backend import attach, set_overlap
 from moeswarm.model.experts import experts_modules, num_experts_of
 from moeswarm.model.loading import load_backbone
 from moeswarm.model.source import ModelSource
-from moeswarm.net.discovery_follow import DiscoveryOptions
 from moeswarm.net.discovery_members import Following, check_holder, follow_swarm, open_dht
 from moeswarm.net.path import worker_link
 from moeswarm.placement.profile import RoutingStats
 from moeswarm.placement.table import build_table
+from moeswarm.swarm_config import SwarmConfig
 from moeswarm.transport.link import WorkerLink
 from moeswarm.transport.local import LOCAL_ADDRESS, LocalLink, hold_local
 from moeswarm.wire.config import EXACT, WireConfig
@@ -157,61 +157,51 @@ class Swarm:
         self._dispatcher.close()
 
 
-def open_swarm(model_path, workers: Sequence[str], wire: WireConfig = EXACT, fanout: str = "star",
-               local_experts: Sequence[int] | Mapping[int, Sequence[int]] | None = None,
-               reply_timeout_s: float = REPLY_TIMEOUT_S,
-               hedge: bool = True, spot_check: float = 0.0, spot_check_seed: int | None = None,
-               wrap_link: Callable[[int, WorkerLink], WorkerLink] | None = None, tls: ssl.SSLContext | None = None,
-               discovery: DiscoveryOptions | None = None) -> Swarm:
+def open_swarm(model_path, workers: Sequence[str], config: SwarmConfig | None = None, *,
+               wrap_link: Callable[[int, WorkerLink], WorkerLink] | None = None, **overrides) -> Swarm:
     """Load the backbone of `model_path`, connect to `workers` (HOST:PORT), and attach the hook.
 
-    With no workers, no discovery and no `local_experts`, every expert is held in this process (the
-    local mode: the whole model in one process, as fast as `load_local`, dispatch/in_process.py).
-
-    local_experts: experts to hold in this process, through the same link interface as a worker:
-    the same ids for every MoE layer, or {layer: experts} (hot sets from a routing profile); the
-    chooser prefers them over a remote copy, and spot checks trust them.
-    reply_timeout_s: the cap on any holder's deadline (docs/failover.md).
-    hedge: send a late share's duplicate to a replica when one holds its experts.
-    spot_check: the fraction of remote answers recomputed by another holder.
+    config: how to reach and trust the holders (swarm_config.py); `overrides` replace its fields
+    by name (`open_swarm(path, workers, wire=WAN)`). With no workers, no discovery and no local
+    experts, every expert is held in this process (the local mode: the whole model in one process,
+    as fast as `load_local`, dispatch/in_process.py).
     wrap_link: (index in `workers`, link) -> the link to use (fault injection in benchmarks).
-    tls: the swarm key's client context (transport/tls.py): mutual TLS to every worker; None: plain TCP.
-    discovery: find the workers on the swarm's DHT instead (`workers` empty), and follow their joins
-    and leaves while the swarm is open (net/discovery_follow.py).
     """
-    if discovery is not None and workers:
+    config = replace(config or SwarmConfig(), **overrides)
+    if config.discovery is not None and workers:
         raise MoeSwarmError("give the workers either as a list (--workers) or through the swarm (--swarm), not both")
-    following = open_dht(discovery) if discovery is not None else None  # before the backbone: a bad peer fails fast
+    # before the backbone: a bad peer fails fast
+    following = open_dht(config.discovery) if config.discovery is not None else None
     try:
-        return _open(model_path, workers, wire, fanout, local_experts, reply_timeout_s, hedge, spot_check,
-                     spot_check_seed, wrap_link, tls, discovery, following)
+        return _open(model_path, workers, config, wrap_link, following)
     except BaseException:
         if following is not None:
             following.close()
         raise
 
 
-def _open(model_path, workers, wire, fanout, local_experts, reply_timeout_s, hedge, spot_check, spot_check_seed,
-          wrap_link, tls, discovery, following) -> Swarm:
+def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, following) -> Swarm:
     model, source = load_backbone(model_path)
     num_experts, hidden_size = num_experts_of(model), model.config.hidden_size
-    if discovery is None and not workers and not local_experts:
+    local_experts = config.local_experts
+    if config.discovery is None and not workers and not local_experts:
         local_experts = range(num_experts)  # the local mode: every expert in this process
     links: list[WorkerLink] = []
     local = hold_local(source, local_experts, list(experts_modules(model)), num_experts, hidden_size)
     if local is not None:
         links.append(LocalLink(local, model.config.model_type))
-    chosen = [worker_link(spec, tls=tls) for spec in workers]  # (path kind, link): net/path.py's policy
+    chosen = [worker_link(spec, tls=config.tls) for spec in workers]  # (path kind, link): net/path.py's policy
     remote: list[WorkerLink] = [link for _, link in chosen]
     links += [wrap_link(i, link) for i, link in enumerate(remote)] if wrap_link else remote
     layers = list(experts_modules(model))
-    policy = DeadlinePolicy(cap_s=reply_timeout_s, hedge=hedge)
-    spot_checks = SpotCheckPolicy(spot_check, spot_check_seed)
+    policy = DeadlinePolicy(cap_s=config.reply_timeout_s, hedge=config.hedge)
+    spot_checks = SpotCheckPolicy(config.spot_check, config.spot_check_seed)
+    wire, fanout = config.wire, config.fanout
     if following is None:
         dispatcher = connect(links, source.fingerprint, num_experts, hidden_size, layers, wire, fanout, policy, spot_checks)
     else:
-        dispatcher = follow_swarm(following, discovery, links, source.fingerprint, num_experts, hidden_size, layers,
-                                  tls, wire=wire, fanout=fanout, policy=policy, spot_checks=spot_checks)
+        dispatcher = follow_swarm(following, config.discovery, links, source.fingerprint, num_experts, hidden_size,
+                                  layers, config.tls, wire=wire, fanout=fanout, policy=policy, spot_checks=spot_checks)
     dispatcher.routing = RoutingStats(num_experts, source.fingerprint, model.config.model_type)
     dispatcher.accounting.paths = {link.address: kind for kind, link in chosen}
     whole = local.whole_layers() if local is not None else {}  # layers held whole here: no dispatch at all

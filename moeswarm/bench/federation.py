@@ -57,7 +57,7 @@ def _run(model: str, expert_sets: list[list[int]], prompts: list[list[int]], new
         addresses = [wait_listening(process) for process in processes]
         with wan_links(addresses, LinkProfile(rtt_s=rtt_s)) as links, ExitStack() as stack:
             # Loading is not thread-safe: every backbone loads first, then they all generate at once.
-            swarms = [stack.enter_context(open_swarm(model, links.addresses, PRESETS[wire])) for _ in prompts]
+            swarms = [stack.enter_context(open_swarm(model, links.addresses, wire=PRESETS[wire])) for _ in prompts]
             tokens, seconds, failures = [0] * len(prompts), [0.0] * len(prompts), []
             start = threading.Barrier(len(prompts) + 1)
 

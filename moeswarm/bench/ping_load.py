@@ -14,13 +14,13 @@ import time
 
 import torch
 
+from moeswarm.dispatch.health import REPLY_TIMEOUT_S
 from moeswarm.local_workers import local_workers
 from moeswarm.model.experts import num_experts_in_config
 from moeswarm.model.source import open_source
 from moeswarm.transport.tcp import TcpLink
 from moeswarm.wire.messages import Dispatch, WorkerInfo
 
-REPLY_TIMEOUT_S = 120.0
 WARMUP_DISPATCHES = 2
 TIMED_DISPATCHES = 5
 

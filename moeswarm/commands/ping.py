@@ -16,7 +16,7 @@ import sys
 
 from moeswarm.commands._tls import add_swarm_key, client_tls
 from moeswarm.commands._types import positive
-from moeswarm.commands.generate import _workers as worker_addresses
+from moeswarm.commands._swarm_flags import workers_list as worker_addresses
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,33 +9,22 @@ from __future__ import annotations
 import argparse
 import os
 
-from moeswarm.commands._setup import add_backbone_dtype, add_quiet, apply_backbone_dtype
-from moeswarm.commands._swarm import add_backbone_swarm, check_workers_or_swarm, discovery_options
-from moeswarm.commands._tls import add_swarm_key, client_tls
+from moeswarm.commands._setup import add_quiet, apply_backbone_dtype
+from moeswarm.commands._swarm import check_workers_or_swarm
+from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
 from moeswarm.generation.draft_names import DRAFTERS, check_draft_flags
-from moeswarm.commands._types import fraction, non_negative, port, positive, seconds
-from moeswarm.transport import FANOUTS
-from moeswarm.wire.config import COMBINE_MODES, PRESETS
+from moeswarm.commands._types import non_negative, port, positive, seconds
 
 ENV_PREFIX = "MOESWARM_"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from moeswarm.commands.generate import _workers
-    from moeswarm.commands._local import add_local_experts
-
     add = parser.add_argument
     add("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
-    add("--workers", default=None, type=_workers, help="comma-separated HOST:PORT list (or find them with --swarm; neither: the local mode, every expert in this process)")
     add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add("--port", type=port, default=8080, help="TCP port to listen on (0: any free one, printed at start)")
     add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     add("--model-name", default=None, help="the model's id in the API (default: the model's directory or file name)")
-    add("--wire", choices=tuple(PRESETS), default="exact", help="wire preset: exact (bit-identical) or wan (docs/wire.md)")
-    add("--combine", choices=COMBINE_MODES, default=None, help="combine mode (default: the preset's)")
-    add("--wire-dispatch", default=None, help="codec for hidden states (default: the preset's)")
-    add("--wire-combine", default=None, help="codec for the experts' outputs (default: the preset's)")
-    add("--fanout", choices=FANOUTS, default="star", help="star: every worker at once; chain: one after another")
     add("--speculate", type=non_negative, default=0, metavar="K",
         help="most drafts per request per step (0: off); a request may ask for fewer with 'speculate'")
     add("--draft", choices=DRAFTERS, default="ngram",
@@ -50,22 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prefill-chunk", type=positive, default=64, help="most prompt tokens a request feeds per step")
     add("--step-tokens", type=positive, default=256, help="token budget of a step: decode tokens first, then prompt chunks")
     add("--cache-slots", type=non_negative, default=8, help="finished requests' KV caches kept for prefix reuse (0: off)")
-    add("--reply-timeout", type=seconds, default=120.0, metavar="SECONDS",
-        help="the most any worker's reply is awaited; measured deadlines are shorter (docs/failover.md)")
-    add("--no-hedge", action="store_true", help="never send a late share's duplicate to a replica of its experts")
-    add("--spot-check", type=fraction, default=0.0, metavar="FRACTION",
-        help="recompute this fraction of remote answers on another holder; ban a liar (0: off)")
-    add_local_experts(parser)
-    add_backbone_swarm(parser)
-    add_swarm_key(parser)
     add("--check-local", action="store_true",
         help="debug: run every batched step on a local eager model too and count logits that are not bit-identical "
              "(moeswarm_check_local_mismatched_logits in /metrics)")
-    add("--threads", type=positive, default=None, help="CPU threads of the backbone, torch's and the kernels' (default: every core: the backbone and its workers take turns)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")
+    add_swarm_flags(parser)
     _add_http_flags(parser)
     _defaults_from_environment(parser)
-    add_backbone_dtype(parser)
     add_quiet(parser)
 
 
@@ -88,6 +68,25 @@ def _add_http_flags(parser: argparse.ArgumentParser) -> None:
         help="a request's headers must arrive within this (from the connection or the previous response)")
     add("--body-timeout", type=seconds, default=30.0, metavar="SECONDS",
         help="a request's body must arrive within this after its headers")
+
+
+SHIPPED_PROFILE = "routing_profile.json"  # a model directory's own routing profile (the bundled model has one)
+
+
+def _use_shipped_profile(args: argparse.Namespace, source) -> None:
+    """--local-experts N|P% without --profile: the profile shipped beside the model (DIR/routing_profile.json,
+    or FILE.routing_profile.json beside a GGUF file) when it is a profile of this very model."""
+    from pathlib import Path
+
+    from moeswarm.placement.profile import read_json
+
+    spec = args.local_experts
+    if spec is None or spec.path is not None or args.profile is not None:
+        return
+    path = Path(source.path)
+    shipped = path / SHIPPED_PROFILE if path.is_dir() else path.with_name(f"{path.stem}.{SHIPPED_PROFILE}")
+    if shipped.is_file() and getattr(read_json(shipped), "get", lambda _: None)("model") == source.fingerprint:
+        args.profile = str(shipped)
 
 
 def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +115,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from moeswarm.commands._setup import set_backbone_threads
-    from moeswarm.commands._local import resolve as resolve_local_experts
     from moeswarm.errors import MoeSwarmError
     from moeswarm.model.source import open_source
     from moeswarm.serve.api import ServeState, create_app
@@ -124,10 +122,8 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.serve.chat import read_chat_template
     from moeswarm.serve.http_limits import limited_protocol, redact_access_log
     from moeswarm.serve.loader import Backend, load
-    from moeswarm.wire.config import WireConfig
     from moeswarm.worker.listen import check_can_listen
 
-    wire = WireConfig.from_flags(args.wire, args.combine, args.wire_dispatch, args.wire_combine)
     source = open_source(args.model)  # a missing or broken model ends here, before anything listens
     positions = getattr(source.config, "max_position_embeddings", None)
     context = args.ctx_size or positions or 4096
@@ -156,12 +152,8 @@ def run(args: argparse.Namespace) -> int:
         state.loading = f"failed: {message}"
         server.should_exit = True
 
-    swarm_options = {"reply_timeout_s": args.reply_timeout, "hedge": not args.no_hedge, "spot_check": args.spot_check,
-                     "tls": client_tls(args.swarm_key)}
-    swarm_options["local_experts"] = resolve_local_experts(args, source)
-    swarm_options["discovery"] = discovery_options(args, report=lambda line: setattr(state, "loading", line))
-    backend = Backend(source, args.workers or [], wire, args.fanout, engine, args.check_local, swarm_options,
-                      chat_template)
+    swarm = swarm_config(args, source, report=lambda line: setattr(state, "loading", line))
+    backend = Backend(source, args.workers or [], swarm, engine, args.check_local, chat_template)
     threading.Thread(target=load, args=(state, backend, on_fatal), name="moeswarm-load", daemon=True).start()
     try:
         server.run(sockets=[listener])

@@ -22,22 +22,19 @@ from dataclasses import dataclass
 import torch
 
 from moeswarm.errors import MoeSwarmError, one_line
+from moeswarm.generation.check import LocalCheck
 from moeswarm.generation.draft_names import check_draft_flags
 from moeswarm.generation.drafters import make_drafter
-from moeswarm.generation.ragged import install, supports_ragged
-from moeswarm.model.backend import attach
 from moeswarm.model.experts import num_experts_of
 from moeswarm.model.tokenizer import TextCodec
-from moeswarm.serve.batcher import StepBatcher
-from moeswarm.serve.eager import EagerExperts
 from moeswarm.serve.job import Failed, Job
 from moeswarm.serve.metrics import ServeMetrics
 from moeswarm.serve.prefix_cache import PrefixCache
-from moeswarm.serve.runner import PackedRunner, ThreadedRunner, split_groups
+from moeswarm.serve.runner import PackedRunner, build_runners, split_groups
 from moeswarm.serve.scheduler import Slot, plan_step
 from moeswarm.serve.sequence import Sequence
 from moeswarm.serve.stats import EngineStats, StepRecord
-from moeswarm.serve.turns import TakingTurns
+from moeswarm.serve.tally import Tally
 from moeswarm.swarm import Swarm
 
 
@@ -65,16 +62,20 @@ class Engine:
         self.metrics = metrics or ServeMetrics()
         self.stats = EngineStats(num_experts_of(swarm.model))
         self.reference = reference
-        self.packed = supports_ragged(swarm.model) and (reference is None or supports_ragged(reference))
-        self.runner, self.reference_runner = self._runners(config)
+        self.runner, self.reference_runner = build_runners(swarm, reference, config.max_batch, config.groups,
+                                                           self.stats.record_routing)
+        self.packed = isinstance(self.runner, PackedRunner)
         self.prefix_cache = PrefixCache(config.cache_slots)
         self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
+        # --check-local: every step's logits against the reference's (bit for bit; a lossy wire: the gate's thresholds)
+        self.check = LocalCheck(swarm.wire.exact) if reference is not None else None
         self.checked_rows = self.mismatched_rows = 0
         self.steps = 0
         self.groups_in_flight = 0  # groups of the last step
         self.decode_steps = self.branches = 0  # sequences' decode steps, and the branches (rows) they verified
-        self._queue: deque[Job] = deque()
+        self._queue: deque[tuple[Job, Tally]] = deque()
         self._active: list[Sequence] = []
+        self._tallies: dict[int, Tally] = {}  # id(sequence) -> its request's figures
         self._wake = threading.Condition()
         self._stopping = False
         self._health_due = 0.0
@@ -97,11 +98,20 @@ class Engine:
             if runner is not None:
                 runner.close()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, tally: Tally | None = None) -> None:
+        """Queue `job`; its figures go to `tally` as it runs."""
         with self._wake:
-            self._queue.append(job)
+            self._queue.append((job, tally or Tally()))
             self.metrics.queue_depth.set(len(self._queue))
             self._wake.notify_all()
+
+    def run(self, job: Job) -> Tally:
+        """`job` alone, stepped in this thread until it ends (generate: one request, the same engine)."""
+        tally = Tally()
+        self.submit(job, tally)
+        while self.step():
+            pass
+        return tally
 
     @property
     def queue_depth(self) -> int:
@@ -110,27 +120,6 @@ class Engine:
     @property
     def active(self) -> int:
         return len(self._active)
-
-    def _runners(self, config: EngineConfig):
-        """How steps run (serve/runner.py): packed forwards where the model's layers allow, else a
-        thread per sequence; and the same for the reference."""
-        model, reference = self.swarm.model, self.reference
-        if self.packed:
-            install(model)
-            turns = self.swarm.interpose(lambda dispatcher: TakingTurns(dispatcher, self.stats.record_routing))
-            runner = PackedRunner(model, turns, max(2, config.groups))
-            if reference is None:
-                return runner, None
-            install(reference)
-            attach(reference, EagerExperts(reference))
-            return runner, PackedRunner(reference, None)
-        batcher = self.swarm.interpose(lambda dispatcher: StepBatcher(dispatcher, self.stats.record_routing))
-        runner = ThreadedRunner(model, batcher, config.max_batch)
-        if reference is None:
-            return runner, None
-        reference_batcher = StepBatcher(EagerExperts(reference))
-        attach(reference, reference_batcher)
-        return runner, ThreadedRunner(reference, reference_batcher, config.max_batch)
 
     # -- the engine thread ----------------------------------------------------------------------
 
@@ -143,17 +132,24 @@ class Engine:
                     self._wake.wait(timeout=max(0.0, self._health_due - time.monotonic()))
                     if self._stopping:
                         break
-            if time.monotonic() >= self._health_due and (not self._active or self.problems):
-                self._check_health()
-            self._admit()
-            if self._active:
-                try:
-                    self._step()
-                except Exception as error:  # a bug outside any one sequence: fail the step's sequences, keep serving
-                    for sequence in list(self._active):
-                        self._fail(sequence, error)
+            self.step()
         for sequence in self._active:
             sequence.job.emit(Failed("the server is shutting down", 503))
+
+    def step(self) -> bool:
+        """Admit what waits, and step every active request once: schedule, run, postprocess (the
+        health check first when due). False when there was nothing to step."""
+        if time.monotonic() >= self._health_due and (not self._active or self.problems):
+            self._check_health()
+        self._admit()
+        if not self._active:
+            return False
+        try:
+            self._step()
+        except Exception as error:  # a bug outside any one sequence: fail the step's sequences, keep serving
+            for sequence in list(self._active):
+                self._fail(sequence, error)
+        return True
 
     def _check_health(self) -> None:
         try:
@@ -165,9 +161,11 @@ class Engine:
     def _admit(self) -> None:
         with self._wake:
             while self._queue and len(self._active) < self.config.max_batch:
-                job = self._queue.popleft()
+                job, tally = self._queue.popleft()
                 if not job.cancelled.is_set():
-                    self._active.append(self._start(job))
+                    sequence = self._start(job)
+                    self._active.append(sequence)
+                    self._tallies[id(sequence)] = tally
             self.metrics.queue_depth.set(len(self._queue))
         self.metrics.active.set(len(self._active))
 
@@ -192,27 +190,42 @@ class Engine:
         started = time.monotonic()
         for sequence in list(self._active):
             if sequence.job.cancelled.is_set():  # the client went away: free its slot now
-                self._active.remove(sequence)
+                self._remove(sequence)
         if not self._active:
             return
         sequences = list(self._active)
         for sequence in sequences:
+            drafting = time.perf_counter()
             sequence.plan_drafts(self.config.context)
+            drafting = time.perf_counter() - drafting
+            tally = self._tallies[id(sequence)]
+            tally.draft_seconds += drafting
+            tally.seconds += drafting
         plans = plan_step([Slot(s.prefill_left, s.draft_counts) for s in sequences],
                           self.config.prefill_chunk, self.config.step_tokens)
         work = [(s, s.feed(plan.tokens, plan.rows), self._keep(s)) for s, plan in zip(sequences, plans) if plan.tokens]
         for sequence, feed, _ in work:
             if not sequence.prefill_left:
-                self.decode_steps += 1
-                self.branches += len(feed) if _is_rows(feed) else 1
+                tally = self._tallies[id(sequence)]
+                rows = len(feed) if _is_rows(feed) else 1
+                self.decode_steps, self.branches = self.decode_steps + 1, self.branches + rows
+                tally.steps, tally.branches = tally.steps + 1, tally.branches + rows
+                tally.drafted_all += _tokens(feed) - rows  # each row's first token is the last one taken
         groups = split_groups([_tokens(feed) for _, feed, _ in work], self._group_count(len(work)))
         self.swarm.reset_accounting()
+        forward = time.perf_counter()
         outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
+        forward = time.perf_counter() - forward
+        for sequence, _, _ in work:
+            tally = self._tallies[id(sequence)]
+            tally.seconds += forward
+            if not sequence.output:  # a prompt chunk (its first token comes from this step's logits)
+                tally.prefill_seconds += forward
         calls, waiting_s = self.swarm.layer_calls(), self.runner.waiting_s
         self.groups_in_flight = len(groups)
         if self.reference_runner is not None:
             expected = self.reference_runner.run([(s.reference, feed, keep) for s, feed, keep in work], groups)
-            self._compare(outputs, expected)
+            self._compare(work, outputs, expected)
         failed_worker, generated, drafted, accepted = False, 0, 0, 0
         for (sequence, _, _), logits in zip(work, outputs):
             if isinstance(logits, BaseException):
@@ -227,7 +240,7 @@ class Engine:
         self.stats.record_step(StepRecord(time.monotonic(), len(work), fed, generated, drafted, accepted),
                                [call.worker_seconds for call in calls])
         for sequence in [s for s in self._active if s.done]:
-            self._active.remove(sequence)
+            self._remove(sequence)
             self.prefix_cache.put(sequence.context[: sequence.stepper.length],
                                   (sequence.stepper.cache, sequence.reference.cache if sequence.reference else None))
         self.metrics.active.set(len(self._active))
@@ -258,6 +271,8 @@ class Engine:
             self._fail(sequence, error)
             return 0, 0, 0
         counts = (len(sequence.output) - before[0], sequence.drafted - before[1], sequence.accepted - before[2])
+        if counts[1]:
+            sequence.drafter.feedback(counts[1], counts[2], sequence.max_drafts)  # local drafts adapt their length
         self.metrics.generated_tokens.inc(counts[0])
         self.metrics.drafted.inc(counts[1])
         self.metrics.accepted.inc(counts[2])
@@ -266,20 +281,26 @@ class Engine:
             self.metrics.first_token.labels(hit).observe(sequence.first_token_at - sequence.job.submitted)
         return counts
 
-    def _fail(self, sequence: Sequence, error: BaseException) -> None:
+    def _remove(self, sequence: Sequence) -> None:
         self._active.remove(sequence)
+        self._tallies.pop(id(sequence), None)
+
+    def _fail(self, sequence: Sequence, error: BaseException) -> None:
+        self._remove(sequence)
         self.metrics.failed_sequences.inc()
         if isinstance(error, MoeSwarmError):
             sequence.job.emit(Failed(one_line(error), 503))
         else:
             sequence.job.emit(Failed(f"internal error: {one_line(error)}", 500))
 
-    def _compare(self, outputs: list, expected: list) -> None:
-        for got, want in zip(outputs, expected):
+    def _compare(self, work: list, outputs: list, expected: list) -> None:
+        for (sequence, _, _), got, want in zip(work, outputs, expected):
             if isinstance(got, BaseException) or isinstance(want, BaseException):
                 continue
             vocabulary = got.shape[-1]
             got, want = got.reshape(-1, vocabulary), want.reshape(-1, vocabulary)  # every row of every branch: [B*n, V]
+            step = self._tallies[id(sequence)].steps
+            self.check.compare(got, want, f"step {step}" if step else "prefill")
             rows = got.shape[0]
             differing = int((got != want).any(dim=-1).sum())
             self.checked_rows += rows

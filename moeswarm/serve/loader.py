@@ -10,7 +10,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from moeswarm.errors import MoeSwarmError, WorkerError, one_line
 from moeswarm.ids import parse_address
@@ -21,7 +21,7 @@ from moeswarm.serve.api import ServeState
 from moeswarm.serve.chat import set_chat_template
 from moeswarm.serve.engine import Engine, EngineConfig
 from moeswarm.swarm import open_swarm
-from moeswarm.wire.config import WireConfig
+from moeswarm.swarm_config import SwarmConfig
 
 RETRY_S = 2.0
 
@@ -30,11 +30,9 @@ RETRY_S = 2.0
 class Backend:
     source: ModelSource
     workers: Sequence[str]
-    wire: WireConfig
-    fanout: str
+    swarm: SwarmConfig
     engine: EngineConfig
     check_local: bool = False
-    swarm_options: dict = field(default_factory=dict)  # open_swarm's keywords: deadlines, hedging, spot checks, TLS
     chat_template: str | None = None  # serve --chat-template's text: replaces the model's own
 
 
@@ -50,7 +48,7 @@ def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -
             _wait_for_workers(state, backend.workers)
             state.loading = "loading the backbone and connecting to the workers"
             try:
-                swarm = open_swarm(backend.source, backend.workers, backend.wire, backend.fanout, **backend.swarm_options)
+                swarm = open_swarm(backend.source, backend.workers, backend.swarm)
                 break
             except WorkerError as error:  # a worker that is still starting, or one that went away again
                 state.loading = f"waiting for workers: {one_line(error)}"
@@ -59,7 +57,7 @@ def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -
         engine = Engine(swarm, state.codec, backend.engine, state.metrics, reference)
         engine.start()
         state.engine = engine
-        holders = f"{len(swarm.workers)} workers" if backend.workers or backend.swarm_options.get("discovery") \
+        holders = f"{len(swarm.workers)} workers" if backend.workers or backend.swarm.discovery is not None \
             else "local mode: every expert in this process"
         print(f"moeswarm serve: ready ({swarm.model.config.model_type}, {holders}, "
               f"{len(swarm.moe_layers)} MoE layers, context {backend.engine.context})", file=sys.stderr, flush=True)

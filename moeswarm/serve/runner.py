@@ -19,12 +19,36 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import PreTrainedModel
 
-from moeswarm.generation.ragged import Item, PackedStepper, forward_packed
+from moeswarm.generation.ragged import Item, PackedStepper, forward_packed, install, supports_ragged
 from moeswarm.generation.stepper import Stepper
+from moeswarm.model.backend import attach
 from moeswarm.serve.batcher import StepBatcher
+from moeswarm.serve.eager import EagerExperts
 from moeswarm.serve.turns import TakingTurns
 
 Feed = list[int] | list[list[int]]
+
+
+def build_runners(swarm, reference: PreTrainedModel | None, max_batch: int, groups: int, on_routing=None):
+    """(runner, reference runner or None): packed where both models' layers allow, else a thread per
+    sequence. The swarm's MoE layers go through the runner's meeting point (`swarm.interpose`); the
+    reference's through its own eager experts, in the same groups."""
+    if supports_ragged(swarm.model) and (reference is None or supports_ragged(reference)):
+        install(swarm.model)
+        turns = swarm.interpose(lambda dispatcher: TakingTurns(dispatcher, on_routing))
+        runner = PackedRunner(swarm.model, turns, max(2, groups))
+        if reference is None:
+            return runner, None
+        install(reference)
+        attach(reference, EagerExperts(reference))
+        return runner, PackedRunner(reference, None)
+    batcher = swarm.interpose(lambda dispatcher: StepBatcher(dispatcher, on_routing))
+    runner = ThreadedRunner(swarm.model, batcher, max_batch)
+    if reference is None:
+        return runner, None
+    reference_batcher = StepBatcher(EagerExperts(reference))
+    attach(reference, reference_batcher)
+    return runner, ThreadedRunner(reference, reference_batcher, max_batch)
 
 
 def split_groups(tokens: list[int], groups: int) -> list[list[int]]:

@@ -1,0 +1,15 @@
+"""One request's figures in the engine: what `generate` reports about its run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Tally:
+    steps: int = 0  # decode forwards (after the prompt)
+    branches: int = 0  # draft rows verified side by side, summed over the steps
+    drafted_all: int = 0  # draft tokens verified, over every branch
+    seconds: float = 0.0  # in the steps' forwards and the drafting (the --check-local reference's time not counted)
+    draft_seconds: float = 0.0
+    prefill_seconds: float = 0.0
