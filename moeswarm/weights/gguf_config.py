@@ -38,7 +38,7 @@ def _common(f: GGUFFile) -> dict:
         dtype="float32",
     )
     if (intermediate := f.get("feed_forward_length")) is not None:
-        config["intermediate_size"] = int(intermediate)
+        config["intermediate_size"] = int(max(intermediate) if isinstance(intermediate, list) else intermediate)
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
         value = f.metadata.get(f"tokenizer.ggml.{gguf_key}")
         config[key] = int(value) if value is not None else None
@@ -222,6 +222,23 @@ def _granitehybrid(f: GGUFFile) -> dict:
                 position_embedding_type="rope" if f.get("rope.scaling.finetuned", True) else None)
 
 
+def _nemotron_h_moe(f: GGUFFile) -> dict:
+    # Nemotron-H MoE (Nemotron 3): per layer, attention where it has kv heads, MoE where it has a
+    # feed-forward length, Mamba-2 elsewhere; experts are squared-ReLU up/down (no gate).
+    kv_heads, feed_forward = f.require("attention.head_count_kv"), f.require("feed_forward_length")
+    inner, heads = int(f.require("ssm.inner_size")), int(f.require("ssm.time_step_rank"))
+    return dict(_experts(f, "n_routed_experts"), model_type="nemotron_h",
+                layers_block_type=["full_attention" if kv else "moe" if ff else "linear_attention"
+                                   for kv, ff in zip(kv_heads, feed_forward)],
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                moe_shared_expert_intermediate_size=int(f.get("expert_shared_feed_forward_length", 0)),
+                n_shared_experts=int(f.get("expert_shared_count", 0)),
+                mamba_num_heads=heads, mamba_head_dim=inner // heads, ssm_state_size=int(f.require("ssm.state_size")),
+                n_groups=int(f.require("ssm.group_count")), conv_kernel=int(f.require("ssm.conv_kernel")),
+                expand=inner // int(f.require("embedding_length")),
+                layer_norm_epsilon=float(f.get("attention.layer_norm_epsilon", 1e-5)))
+
+
 ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "qwen2moe": _qwen2moe,
     "qwen3moe": _qwen3moe,
@@ -238,6 +255,7 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "minimax-m2": _minimax_m2,
     "lfm2moe": _lfm2moe,
     "granitehybrid": _granitehybrid,
+    "nemotron_h_moe": _nemotron_h_moe,
 }
 
 

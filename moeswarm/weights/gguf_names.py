@@ -43,7 +43,7 @@ Transform = Callable[[torch.Tensor, object], torch.Tensor]  # (tensor as stored,
 class ArchQuirks:
     permute_qk: bool = False  # llama.cpp permuted q/k rows for its rotary layout
     experts: str = "gate_up"  # "gate_up": [E, 2I, H] = cat(gate, up); "gpt_oss": [E, H, 2I] interleaved; "up"
-    renames: tuple[tuple[str, str], ...] = ()  # (transformers name suffix, checkpoint name suffix TensorNameMap knows)
+    renames: tuple[tuple[str, str], ...] = ()  # (regex on the transformers name, re.sub replacement: a name TensorNameMap knows)
     merged: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (transformers name suffix, GGUF suffixes stacked on rows)
     transforms: tuple[tuple[str, Transform], ...] = ()  # (regex on the transformers name, inverse of the converter's maths)
 
@@ -56,7 +56,7 @@ _COMMON_TENSORS = (("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
                    ("mlp.gate.moe_statics.e_score_correction_bias", "exp_probs_b.bias"),
                    ("mlp.router.e_score_correction_bias", "exp_probs_b.bias"))
 _QWEN3NEXT = ArchQuirks(
-    renames=(("linear_attn.dt_bias", "linear_attn.dt_proj.bias"),),
+    renames=((r"linear_attn\.dt_bias$", "linear_attn.dt_proj.bias"),),
     merged=(("linear_attn.in_proj_qkvz.weight", ("attn_qkv.weight", "attn_gate.weight")),),
     transforms=((r"linear_attn\.in_proj_qkvz\.weight$", qkvz_per_key_head), (r"linear_attn\.A_log$", a_log),
                 (r"(?<!linear_attn\.)norm\.weight$", zero_centered_norm)))
@@ -65,11 +65,16 @@ _QWEN35MOE = ArchQuirks(
     transforms=((r"linear_attn\.(in_proj_qkv|conv1d)\.weight$", qkv_value_rows), (r"linear_attn\.in_proj_z\.weight$", value_rows),
                 (r"linear_attn\.(in_proj_[ab]\.weight|A_log|dt_bias)$", value_heads),
                 (r"linear_attn\.out_proj\.weight$", value_columns), *_QWEN3NEXT.transforms[1:]))
-_GRANITE = ArchQuirks(permute_qk=True, renames=(("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight"),),
+_GRANITE = ArchQuirks(permute_qk=True, renames=((r"block_sparse_moe\.router\.weight$", "block_sparse_moe.router.layer.weight"),),
                       merged=(("shared_mlp.input_linear.weight", ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")),))
 
-_GRANITE_HYBRID = ArchQuirks(permute_qk=True, renames=(*_GRANITE.renames, ("mamba.dt_bias", "mamba.dt_proj.bias")),
+_GRANITE_HYBRID = ArchQuirks(permute_qk=True, renames=(*_GRANITE.renames, (r"mamba\.dt_bias$", "mamba.dt_proj.bias")),
                              merged=_GRANITE.merged, transforms=((r"mamba\.A_log$", a_log),))
+
+# Nemotron-H: transformers 5 names the layers model.layers.N.mixer, the checkpoints backbone.layers.N.mixer.
+_NEMOTRON_H = ArchQuirks(experts="up", renames=((r"^model\.layers\.(\d+)\.mixer\.", r"backbone.layers.\1.mixer."),
+                                                (r"mixer\.dt_bias$", "mixer.dt_proj.bias")),
+                         transforms=((r"mixer\.A_log$", a_log),))
 
 QUIRKS: dict[str, ArchQuirks] = {
     "qwen2moe": ArchQuirks(),
@@ -87,6 +92,7 @@ QUIRKS: dict[str, ArchQuirks] = {
     "minimax-m2": ArchQuirks(),
     "lfm2moe": ArchQuirks(),
     "granitehybrid": _GRANITE_HYBRID,
+    "nemotron_h_moe": _NEMOTRON_H,
 }
 
 Loader = Callable[[], torch.Tensor]  # reads and dequantizes on call
@@ -153,9 +159,8 @@ class NameMapper:
 
     def _lookup(self, hf_name: str) -> str | None:
         """The GGUF name TensorNameMap gives `hf_name` (after the table's renames), or None."""
-        for suffix, checkpoint in self.quirks.renames:
-            if hf_name.endswith(suffix):
-                hf_name = hf_name[: -len(suffix)] + checkpoint
+        for pattern, replacement in self.quirks.renames:
+            hf_name = re.sub(pattern, replacement, hf_name)
         return self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
     def _plain(self, name: str) -> Loader | None:
@@ -182,6 +187,11 @@ def expert_tensor_names(layer: int) -> dict[str, str]:
         f"{role}{kind}": f"blk.{layer}.ffn_{role}_exps.{'weight' if kind == '' else 'bias'}"
         for role in ("gate", "up", "down") for kind in ("", "_bias")
     }
+
+
+def expert_roles(quirks: ArchQuirks) -> tuple[str, ...]:
+    """The stacked expert tensors a layer must have: gate, up, down; up and down without a gate."""
+    return ("up", "down") if quirks.experts == "up" else ("gate", "up", "down")
 
 
 def fuse_experts(quirks: ArchQuirks, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -57,6 +57,7 @@ ROUTING: dict[str, Routing] = {
     "minimax-m2": Routing("sigmoid"),  # with a score-correction bias, renormalised (the family's router)
     "lfm2moe": Routing("sigmoid", lambda f: dict(norm_topk_prob=True, routed_scaling_factor=float(f.get("expert_weights_scale", 1.0)))),
     "granitehybrid": Routing("softmax"),  # softmax over the top-k logits, as granitemoe
+    "nemotron_h_moe": Routing("sigmoid", _grouped),  # with a score-correction bias
 }
 
 

@@ -29,7 +29,7 @@ from moeswarm.weights.gguf_backbone import encode_backbone, tie_encoded
 from moeswarm.weights.gguf_config import config_from_gguf
 from moeswarm.weights.gguf_dequant import dequantize
 from moeswarm.weights.gguf_file import GGUFFile
-from moeswarm.weights.gguf_names import QUIRKS, NameMapper, expert_tensor_names, fuse_experts
+from moeswarm.weights.gguf_names import QUIRKS, NameMapper, expert_roles, expert_tensor_names, fuse_experts
 from moeswarm.weights.gguf_quant_load import quant_experts, use_quantized
 from moeswarm.weights.gguf_tokenizer import gguf_tokenizer
 
@@ -123,8 +123,9 @@ class GGUFCheckpoint:
                     tensor = f.tensors[tensor_name]
                     pieces = [dequantize(f.path, tensor, slice(run.start, run.stop)) for run in stored_runs]
                     parts[role] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [n, ...]
-            if not {"gate", "up", "down"} <= parts.keys():
-                raise ModelError(f"{f.path}: layer {layer} lacks stacked expert tensors blk.{layer}.ffn_{{gate,up,down}}_exps")
+            roles = expert_roles(QUIRKS[f.arch])
+            if not set(roles) <= parts.keys():
+                raise ModelError(f"{f.path}: layer {layer} lacks stacked expert tensors blk.{layer}.ffn_{{{','.join(roles)}}}_exps")
             for param_name, value in fuse_experts(QUIRKS[f.arch], parts).items():
                 expected = tuple(getattr(module, param_name).shape)
                 if tuple(value.shape) != expected:

@@ -30,6 +30,7 @@ SUPPORTED: dict[str, str] = {
     "minimax-m2": "minimax_m2",
     "lfm2moe": "lfm2_moe",
     "granitehybrid": "granitemoehybrid",
+    "nemotron_h_moe": "nemotron_h (MoE)",
 }
 
 UNSUPPORTED: dict[str, str] = {}
