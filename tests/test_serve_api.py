@@ -5,7 +5,9 @@ HTTP limits (429, deadlines, connection cap, abandoned requests), and structured
 calls (validated against their schemas).
 
 One server: the bundled model on two real workers, with --speculate 3 (log-probabilities must not
-change with it), started with --port 0 (the port it prints is the one it serves on).
+change with it), started with --port 0 (the port it prints is the one it serves on), holding a
+quarter of the experts itself by --local-experts 25% with no --profile (the one the bundled model
+ships ranks them).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class PortZeroServer(ServeProcess):
 @pytest.fixture(scope="module")
 def server():
     with local_workers(str(TRAINED), split_experts(32, 2)) as workers:
-        process = PortZeroServer(str(TRAINED), workers, "--speculate", "3", "--model-name", "pymoe",
+        process = PortZeroServer(str(TRAINED), workers, "--speculate", "3", "--model-name", "pymoe", "--local-experts", "25%",
                                  "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
                                  "--max-connections", str(MAX_CONNECTIONS), "--header-timeout", "1.5",
                                  "--body-timeout", "1.5", "--cors-origins", "http://app.example")

@@ -142,8 +142,6 @@ def run(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=5,
                             http=limited_protocol(args.header_timeout, args.body_timeout, args.max_connections))
     redact_access_log()
-    listener = config.bind_socket()
-    print(f"moeswarm serve: listening on http://{args.host}:{listener.getsockname()[1]}", flush=True)
     server = uvicorn.Server(config)
     fatal: list[str] = []
 
@@ -152,7 +150,10 @@ def run(args: argparse.Namespace) -> int:
         state.loading = f"failed: {message}"
         server.should_exit = True
 
+    _use_shipped_profile(args, source)
     swarm = swarm_config(args, source, report=lambda line: setattr(state, "loading", line))
+    listener = config.bind_socket()  # --port 0: the port the system gave, said before anything else is
+    print(f"moeswarm serve: listening on http://{args.host}:{listener.getsockname()[1]}", flush=True)
     backend = Backend(source, args.workers or [], swarm, engine, args.check_local, chat_template)
     threading.Thread(target=load, args=(state, backend, on_fatal), name="moeswarm-load", daemon=True).start()
     try:
