@@ -116,13 +116,38 @@ def test_forged_records_neither_add_nor_remove_a_worker(keys, keyed):
             DHTRecord(key_bytes, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), expiry))
 
 
+def test_an_unkeyed_reader_of_a_keyed_swarm_is_told_to_give_the_key(keyed, caplog):
+    meeting, _, _ = keyed
+    meeting.store(_record(HONEST), 60)  # (the attacker's node, holding a forgery with a later expiry, may say no)
+    reader = SwarmDht.open(meeting.addresses(), client=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="moeswarm.discovery"):
+            assert HONEST not in reader.fetch(FINGERPRINT)  # (the attacker's unsigned fake is: unkeyed readers trust anyone)
+    finally:
+        reader.close()
+    assert "a signed record of a keyed swarm: give --swarm-key to read it" in caplog.text
+
+
+def test_an_unkeyed_swarm_warns_once(keyed, monkeypatch, capsys):
+    from moeswarm.net import discovery
+
+    meeting, _, _ = keyed
+    monkeypatch.setattr(discovery, "_warned", False)
+    capsys.readouterr()
+    for _ in range(2):
+        SwarmDht.open(meeting.addresses(), client=True).close()
+    assert capsys.readouterr().err == (
+        "moeswarm: warning: --swarm without --swarm-key: any peer that reaches the DHT can pose as a worker (announce "
+        "a fake one, or withdraw a real one); give every member a swarm key (docs/discovery.md)\n")
+
+
 def test_a_revoked_member_is_dropped_by_readers(keys, keyed, caplog):
     swarm, files = keys
     meeting, _, reader = keyed
     second = SwarmDht.open(meeting.addresses(), authority=Authority.load(swarm), identity=Identity.load(files["gpu-2"]))
     try:
         assert second.store(_record("127.0.0.1:7002"), 60)
-        assert meeting.store(_record(HONEST), 60)
+        meeting.store(_record(HONEST), 60)  # (the attacker's node, holding a forgery with a later expiry, may say no)
         assert set(reader.fetch(FINGERPRINT)) == {HONEST, "127.0.0.1:7002"}
         revoke(swarm, files["gpu-2"])
         time.sleep(1.1)  # the list is re-read at most once a second

@@ -173,6 +173,8 @@ class SwarmDht:
         """(the signer: a member id, or "" unkeyed; the announcement) of one entry; RecordError if it does not count."""
         value = getattr(entry, "value", None)
         if self.authority is None:
+            if isinstance(value, dict) and {"body", "cert", "sig"} <= value.keys():
+                raise RecordError("a signed record of a keyed swarm: give --swarm-key to read it")
             return "", parse_record(subkey, value, fingerprint)
         from moeswarm.net.discovery_sign import key_id, open_record
 
