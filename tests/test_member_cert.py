@@ -73,4 +73,7 @@ def test_bad_certificates_are_named_in_one_line(swarm, tmp_path):
     (tmp_path / "list").write_text("# revoked\nab12 gpu-1\nnot-hex x\n")
     with pytest.raises(MoeSwarmError, match="line 3: 'not-hex' is not a hexadecimal serial"):
         read_revoked(tmp_path / "list")
+    (tmp_path / "swarm.key.revoked").write_text("not-hex x\n")  # a broken list refuses every member, in one line
+    with pytest.raises(CertError, match="^cannot use the revocation list: revocation list .* line 1: 'not-hex' is not"):
+        Authority.load(swarm).check(Identity.load(swarm, name="y").certificate_der)
 

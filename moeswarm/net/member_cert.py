@@ -82,6 +82,7 @@ class Authority:
         self._revoked: frozenset[int] = frozenset()
         self._revoked_stamp: tuple | None = None
         self._checked_at = 0.0
+        self._certificate = None  # parsed on first use
 
     @classmethod
     def load(cls, key_file: str | os.PathLike) -> "Authority":
@@ -91,7 +92,9 @@ class Authority:
         return cls(certificate.public_bytes(serialization.Encoding.DER), str(key_file) + REVOKED_SUFFIX)
 
     def revoked(self) -> frozenset[int]:
-        """Serials of revoked member certificates (the list is re-read when it changes, at most once a second)."""
+        """Serials of revoked member certificates (the list is re-read when it changes, at most once a
+        second). CertError while the list cannot be read: every member is refused until it is fixed,
+        rather than a revoked one let back in."""
         now = time.monotonic()
         if self.revoked_path is None or now - self._checked_at < 1.0:
             return self._revoked
@@ -103,7 +106,11 @@ class Authority:
             return self._revoked
         stamp = (stat.st_mtime_ns, stat.st_size)
         if stamp != self._revoked_stamp:
-            self._revoked = read_revoked(self.revoked_path)
+            try:
+                self._revoked = read_revoked(self.revoked_path)
+            except (MoeSwarmError, OSError) as error:
+                self._checked_at = 0.0  # read it again at the next check
+                raise CertError(f"cannot use the revocation list: {error}") from None
             self._revoked_stamp = stamp
         return self._revoked
 
@@ -126,7 +133,10 @@ class Authority:
             raise CertError("certificate not issued by this swarm's key") from None
         except Exception:  # cryptography's InvalidSignature
             raise CertError("certificate not signed by this swarm's key") from None
-        key = certificate.public_key()
+        try:
+            key = certificate.public_key()
+        except Exception:  # a key type cryptography does not support
+            raise CertError("not a member certificate (an unsupported key)") from None
         if not isinstance(key, ed25519.Ed25519PublicKey):
             raise CertError("not a member certificate (its key is not Ed25519)")
         name = _common_name(certificate)
@@ -139,9 +149,11 @@ class Authority:
         return MemberCert(name, member_id(key), certificate.serial_number, certificate.not_valid_after_utc.timestamp(), key)
 
     def _swarm(self):
-        from cryptography import x509
+        if self._certificate is None:
+            from cryptography import x509
 
-        return x509.load_der_x509_certificate(self.certificate_der)
+            self._certificate = x509.load_der_x509_certificate(self.certificate_der)
+        return self._certificate
 
     def __getstate__(self):
         return {"certificate_der": self.certificate_der, "revoked_path": self.revoked_path}
