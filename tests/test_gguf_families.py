@@ -103,6 +103,11 @@ FAMILIES: dict[str, Family] = {
                                checkpoint={"layer_types": ["mamba", "attention", "mamba"]}),
     # Nemotron 3 (Nemotron-H MoE): Mamba-2, MoE (squared-ReLU experts, grouped sigmoid routing), attention.
     "nemotron_h": Family("nemotron_h_moe", dict(num_hidden_layers=3, **_SCALED)),
+    # Hunyuan-A13B's released config gives per-layer lists, which the converter requires.
+    "hunyuan_v1_moe": Family("hunyuan-moe", checkpoint=dict(moe_intermediate_size=[64, 64], moe_topk=[2, 2],
+                                                              num_shared_expert=[1, 1])),
+    # Mamba in layers 0, 2, 3, attention in layer 1; experts in layers 1 and 3, dense MLPs in 0 and 2.
+    "jamba": Family("jamba", dict(num_hidden_layers=4, expert_layer_period=2, expert_layer_offset=1)),
 }
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96, 109, 122, 135, 148]

@@ -35,6 +35,9 @@ sys.path.insert(0, root)
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: PRE
 base.TextModel._set_vocab_sentencepiece = lambda self, *args, **kwargs: self._set_vocab_gpt2()  # ERNIE and kin
+base.TextModel._set_vocab_llama_hf = lambda self: self._set_vocab_gpt2()  # Jamba
+import conversion.hunyuan as hunyuan  # HunYuan-MoE's own reads a tiktoken vocabulary
+hunyuan.HunYuanMoEModel.set_vocab = lambda self: self._set_vocab_gpt2()
 import conversion.llama as llama  # our tokenizers are byte-level BPE, never sentencepiece
 llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv[0] = root + "/convert_hf_to_gguf.py"

@@ -239,6 +239,37 @@ def _nemotron_h_moe(f: GGUFFile) -> dict:
                 layer_norm_epsilon=float(f.get("attention.layer_norm_epsilon", 1e-5)))
 
 
+def _hunyuan_moe(f: GGUFFile) -> dict:
+    # Hunyuan-A13B: its experts and its shared MLP are both `intermediate_size` wide.
+    return dict(_experts(f, "num_experts", "moe_topk"), model_type="hunyuan_v1_moe",
+                intermediate_size=int(f.require("expert_feed_forward_length")),
+                attention_bias=_has(f, "blk.0.attn_q.bias"))
+
+
+def _period(layers: list[int], count: int) -> tuple[int, int]:
+    """(period, offset) of evenly spaced layer indices (Jamba's attention and expert layers)."""
+    if not layers:
+        return count + 1, count  # none
+    return (layers[1] - layers[0] if len(layers) > 1 else count), layers[0]
+
+
+def _jamba(f: GGUFFile) -> dict:
+    # Mamba layers where `attention.head_count_kv` is 0; experts in the layers that have a router
+    # or stacked expert tensors (dense MLPs in the others); GGUF records neither period.
+    count = int(f.require("block_count"))
+    attention = [layer for layer, heads in enumerate(f.require("attention.head_count_kv")) if heads]
+    moe = sorted({int(name.split(".")[1]) for name in f.tensors
+                  if name.startswith("blk.") and (".ffn_gate_inp." in name or "_exps." in name)})
+    (attn_period, attn_offset), (expert_period, expert_offset) = _period(attention, count), _period(moe, count)
+    inner = int(f.require("ssm.inner_size"))
+    return dict(_experts(f, "num_experts"), model_type="jamba",
+                attn_layer_period=attn_period, attn_layer_offset=attn_offset,
+                expert_layer_period=expert_period, expert_layer_offset=expert_offset,
+                mamba_d_state=int(f.require("ssm.state_size")), mamba_d_conv=int(f.require("ssm.conv_kernel")),
+                mamba_expand=inner // int(f.require("embedding_length")), mamba_dt_rank=int(f.require("ssm.time_step_rank")),
+                use_mamba_kernels=False)
+
+
 ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "qwen2moe": _qwen2moe,
     "qwen3moe": _qwen3moe,
@@ -256,6 +287,8 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "lfm2moe": _lfm2moe,
     "granitehybrid": _granitehybrid,
     "nemotron_h_moe": _nemotron_h_moe,
+    "hunyuan-moe": _hunyuan_moe,
+    "jamba": _jamba,
 }
 
 

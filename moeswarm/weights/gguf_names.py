@@ -10,6 +10,10 @@ way is undone here, from the table entry (read from llama.cpp's conversion/*.py)
   knows (transformers 5 renames some on load: GraniteMoE's `router.layer` is `router`).
 - `merged`: a transformers parameter the converter split in two (GraniteMoE-Shared's
   `shared_mlp.input_linear` = ffn_gate_shexp rows then ffn_up_shexp rows).
+- `transforms`: the inverse of the converter's arithmetic on a tensor (gguf_transforms.py: Qwen3-Next's
+  +1 norms, Mamba's A = -exp(A_log), the linear-attention head reorders).
+- `keep_float`: modules whose weight the family reads directly (Jamba's `dt_proj.weight @ x`), never
+  kept in the file's blocks (gguf_backbone.py).
 - `experts`: the routed experts' layout (below).
 - every architecture: a router's e_score_correction_bias is `exp_probs_b.bias`; DeepSeek's MLA
   kv_b_proj was split into attn_k_b (transposed per head) and attn_v_b; gpt-oss's attention sinks
@@ -46,6 +50,7 @@ class ArchQuirks:
     renames: tuple[tuple[str, str], ...] = ()  # (regex on the transformers name, re.sub replacement: a name TensorNameMap knows)
     merged: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (transformers name suffix, GGUF suffixes stacked on rows)
     transforms: tuple[tuple[str, Transform], ...] = ()  # (regex on the transformers name, inverse of the converter's maths)
+    keep_float: tuple[str, ...] = ()  # regexes on module names whose weight the family's code reads directly
 
 
 # Every architecture: the router's score-correction bias, wherever the family keeps it.
@@ -93,6 +98,8 @@ QUIRKS: dict[str, ArchQuirks] = {
     "lfm2moe": ArchQuirks(),
     "granitehybrid": _GRANITE_HYBRID,
     "nemotron_h_moe": _NEMOTRON_H,
+    "hunyuan-moe": ArchQuirks(),
+    "jamba": ArchQuirks(transforms=((r"mamba\.A_log$", a_log),), keep_float=(r"mamba\.dt_proj$",)),
 }
 
 Loader = Callable[[], torch.Tensor]  # reads and dequantizes on call
@@ -142,8 +149,11 @@ class NameMapper:
         return None
 
     def plain_tensor(self, hf_name: str) -> str | None:
-        """The GGUF tensor `hf_name` is stored in as it is (no permutation, no merge), or None."""
+        """The GGUF tensor `hf_name` is stored in as it is (no permutation, no merge), or None; None
+        too where the family's code reads the module's weight itself (it must stay a float tensor)."""
         layer = _LAYER.search(hf_name)
+        if any(re.search(pattern, hf_name.rpartition(".")[0]) for pattern in self.quirks.keep_float):
+            return None
         if hf_name.endswith("self_attn.kv_b_proj.weight") and layer:
             return None
         if any(hf_name.endswith(suffix) for suffix, _ in self.quirks.merged):

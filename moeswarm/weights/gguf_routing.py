@@ -58,6 +58,8 @@ ROUTING: dict[str, Routing] = {
     "lfm2moe": Routing("sigmoid", lambda f: dict(norm_topk_prob=True, routed_scaling_factor=float(f.get("expert_weights_scale", 1.0)))),
     "granitehybrid": Routing("softmax"),  # softmax over the top-k logits, as granitemoe
     "nemotron_h_moe": Routing("sigmoid", _grouped),  # with a score-correction bias
+    "hunyuan-moe": Routing("softmax"),  # top-k of the softmax, renormalised (the family's router)
+    "jamba": Routing("softmax"),  # top-k of the softmax, not renormalised (the family's router)
 }
 
 

@@ -31,6 +31,8 @@ SUPPORTED: dict[str, str] = {
     "lfm2moe": "lfm2_moe",
     "granitehybrid": "granitemoehybrid",
     "nemotron_h_moe": "nemotron_h (MoE)",
+    "hunyuan-moe": "hunyuan_v1_moe",
+    "jamba": "jamba",
 }
 
 UNSUPPORTED: dict[str, str] = {}
