@@ -108,6 +108,10 @@ FAMILIES: dict[str, Family] = {
                                                               num_shared_expert=[1, 1])),
     # Mamba in layers 0, 2, 3, attention in layer 1; experts in layers 1 and 3, dense MLPs in 0 and 2.
     "jamba": Family("jamba", dict(num_hidden_layers=4, expert_layer_period=2, expert_layer_offset=1)),
+    # Arcee Trinity: layers 0-2 sliding (window 6, shorter than the prompt), layer 3 global, layer 0
+    # dense; its released configs say score_func "sigmoid" and route_norm, which the converter writes.
+    "afmoe": Family("afmoe", dict(num_hidden_layers=4, sliding_window=6, route_scale=2.5, mup_enabled=True),
+                    checkpoint=dict(score_func="sigmoid", route_norm=True)),
 }
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96, 109, 122, 135, 148]

@@ -246,6 +246,17 @@ def _hunyuan_moe(f: GGUFFile) -> dict:
                 attention_bias=_has(f, "blk.0.attn_q.bias"))
 
 
+def _afmoe(f: GGUFFile) -> dict:
+    # Arcee Trinity: sliding-window attention with every 4th layer global (llama.cpp's pattern when
+    # the file gives none), gated attention, and MuP embedding scaling, which llama.cpp always applies.
+    return dict(_experts(f, "num_experts"), model_type="afmoe",
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                num_shared_experts=int(f.get("expert_shared_count", 0)),
+                num_dense_layers=int(f.get("leading_dense_block_count", 0)),
+                sliding_window=int(f.get("attention.sliding_window", 1024)), global_attn_every_n_layers=4,
+                mup_enabled=True)
+
+
 def _period(layers: list[int], count: int) -> tuple[int, int]:
     """(period, offset) of evenly spaced layer indices (Jamba's attention and expert layers)."""
     if not layers:
@@ -289,6 +300,7 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "nemotron_h_moe": _nemotron_h_moe,
     "hunyuan-moe": _hunyuan_moe,
     "jamba": _jamba,
+    "afmoe": _afmoe,
 }
 
 

@@ -99,6 +99,7 @@ QUIRKS: dict[str, ArchQuirks] = {
     "granitehybrid": _GRANITE_HYBRID,
     "nemotron_h_moe": _NEMOTRON_H,
     "hunyuan-moe": ArchQuirks(),
+    "afmoe": ArchQuirks(),
     "jamba": ArchQuirks(transforms=((r"mamba\.A_log$", a_log),), keep_float=(r"mamba\.dt_proj$",)),
 }
 

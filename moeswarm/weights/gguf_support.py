@@ -33,6 +33,7 @@ SUPPORTED: dict[str, str] = {
     "nemotron_h_moe": "nemotron_h (MoE)",
     "hunyuan-moe": "hunyuan_v1_moe",
     "jamba": "jamba",
+    "afmoe": "afmoe",
 }
 
 UNSUPPORTED: dict[str, str] = {}
