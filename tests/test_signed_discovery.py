@@ -9,6 +9,7 @@ expiry, a revoked member, and 1,800 records for one fake worker by respelling it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -139,6 +140,58 @@ def test_an_unkeyed_swarm_warns_once(keyed, monkeypatch, capsys):
     assert capsys.readouterr().err == (
         "moeswarm: warning: --swarm without --swarm-key: any peer that reaches the DHT can pose as a worker (announce "
         "a fake one, or withdraw a real one); give every member a swarm key (docs/discovery.md)\n")
+
+
+def test_a_member_claiming_another_workers_address_does_not_keep_it_out(keys, keyed):
+    """A certified member may announce any address; when two members claim one, the backbone
+    follows the claim the worker's own HELLO confirms (here a stand-in for Members checks it)."""
+    from moeswarm.errors import WorkerError
+    from moeswarm.net.discovery_follow import Follower
+
+    swarm, files = keys
+    meeting, _, reader = keyed
+    honest = Identity.load(files["gpu-1"])
+    for attempt in range(64):  # a claimer whose subkey sorts first: its wrong claim is the one read first
+        identity = Identity.load(write_member(swarm, "claimer", swarm.parent / f"claimer-{attempt}.pem"))
+        if identity.member_id < honest.member_id:
+            break
+    claimer = SwarmDht.open(meeting.addresses(), authority=Authority.load(swarm), identity=identity)
+    try:
+        meeting.store(_record(HONEST), 60)
+        wrong = dataclasses.replace(_record(HONEST), held={0: (4, 5, 6, 7)})
+        assert claimer.store(wrong, 60)
+        assert [dict(c.held) for c in reader.claims(FINGERPRINT)[HONEST]] == [{0: (4, 5, 6, 7)}, {0: (0, 1, 2, 3)}]
+
+        class HelloChecking:
+            def __init__(self):
+                self.joined: dict[str, dict] = {}
+
+            def current(self):
+                return dict(self.joined)
+
+            def join(self, record):
+                if dict(record.held) != {0: (0, 1, 2, 3)}:
+                    raise WorkerError(record.address, "its HELLO announces other experts than its DHT record")
+                self.joined[record.address] = dict(record.held)
+
+            def leave(self, address):
+                self.joined.pop(address)
+
+            def gaps(self):
+                return {}
+
+        members = HelloChecking()
+        follower = Follower(reader, FINGERPRINT, members, tls=True, poll_s=0.05)
+        deadline = time.monotonic() + 10
+        while HONEST not in members.joined and time.monotonic() < deadline:
+            follower.step()
+            time.sleep(0.05)
+        assert members.joined == {HONEST: {0: (0, 1, 2, 3)}}
+        for _ in range(3):
+            follower.step()  # and it stays: the confirmed claim is kept
+        assert members.joined == {HONEST: {0: (0, 1, 2, 3)}}
+    finally:
+        claimer.close()
 
 
 def test_a_revoked_member_is_dropped_by_readers(keys, keyed, caplog):

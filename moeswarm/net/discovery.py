@@ -128,10 +128,16 @@ class SwarmDht:
             raise MoeSwarmError(f"the DHT did not answer within {timeout_s:g} s") from None
 
     def fetch(self, fingerprint: str) -> dict[str, Announcement]:
-        """The online workers announced for model `fingerprint`, by address. Malformed entries are
-        skipped (each logged once, escaped); withdrawn ones (online false) are left out. Keyed: an
-        entry counts only when signed by a member of the swarm under its own subkey, not revoked;
-        at most MAX_PER_MEMBER per member and MAX_PER_HOST per host (in subkey order)."""
+        """The online workers announced for model `fingerprint`, by address (the first claim of each, see `claims`)."""
+        return {address: claims[0] for address, claims in self.claims(fingerprint).items()}
+
+    def claims(self, fingerprint: str) -> dict[str, list[Announcement]]:
+        """The online announcements for model `fingerprint`, by address, in subkey order. Malformed
+        entries are skipped (each cause logged once, escaped); withdrawn ones (online false) are left
+        out. Keyed: an entry counts only when signed by a member of the swarm under its own subkey,
+        not revoked, at most MAX_PER_MEMBER per member; several members may claim one address (only
+        the worker's HELLO tells which is right: net/discovery_follow.py tries them in turn).
+        Unkeyed: one claim per address, at most MAX_PER_HOST per host."""
         found = self._node.get(announcement_key(fingerprint), latest=True)
         entries = found.value if found is not None else {}
         if not isinstance(entries, dict):  # someone stored a plain value under the key
@@ -139,7 +145,7 @@ class SwarmDht:
             return {}
         if len(entries) > MAX_RECORDS:
             self._problem(f"{len(entries)} announcements for model {fingerprint}: only the first {MAX_RECORDS} are read")
-        records: dict[str, Announcement] = {}
+        records: dict[str, list[Announcement]] = {}
         per_member: Counter[str] = Counter()
         per_host: Counter[str] = Counter()
         ignored: list[str] = []  # why, per entry left out (a flood must not become as many log lines)
@@ -152,15 +158,13 @@ class SwarmDht:
             host = _host(record.address)
             if signer and per_member[signer] >= MAX_PER_MEMBER:
                 ignored.append(f"ignoring announcements beyond the cap per member {signer}: {MAX_PER_MEMBER} workers")
-            elif per_host[host] >= MAX_PER_HOST:
+            elif not signer and per_host[host] >= MAX_PER_HOST:  # unkeyed: anyone's; keyed: members are capped
                 ignored.append(f"ignoring announcements beyond the cap per host {host}: {MAX_PER_HOST} workers")
-            elif record.address in records:  # two members naming one address: the first (in subkey order) holds it
-                ignored.append(f"ignoring a second announcement of address {record.address}")
             else:
                 per_member[signer] += 1
                 per_host[host] += 1
                 if record.online:
-                    records[record.address] = record
+                    records.setdefault(record.address, []).append(record)
         causes = sorted(dict.fromkeys(ignored), key=lambda cause: "cap" not in cause)  # caps first: they say the most
         for cause in causes[:MAX_CAUSES_LOGGED]:
             self._problem(f"{cause} (model {fingerprint})")

@@ -6,6 +6,11 @@ and joins; a member whose record is gone (expired, or withdrawn on a clean exit)
 that stops answering while its record lives is the dispatcher's business (failover, probes with
 backoff) until the record expires. A worker that cannot be joined (unreachable, wrong model, a
 HELLO that contradicts its record) is retried with backoff, and said once per cause.
+
+On a keyed swarm several members may claim one address (a member may announce any address it
+likes). The worker's own HELLO is what counts: a member stays joined on the claim that matches
+it, and an address whose join failed is tried with its next claim at the next attempt, so a
+member claiming another's address cannot keep that worker out.
 """
 
 from __future__ import annotations
@@ -67,6 +72,14 @@ def membership_diff(members: Mapping[str, Mapping[int, tuple[int, ...]]],
     return join, leave
 
 
+def _choose(claims: list[Announcement], held: Mapping[int, tuple[int, ...]] | None, turn: int) -> Announcement:
+    """The claim of an address to follow: the one matching the joined member's HELLO (`held`), else the `turn`-th."""
+    for claim in claims:
+        if held is not None and dict(claim.held) == dict(held):
+            return claim
+    return claims[turn % len(claims)]
+
+
 class Follower:
     def __init__(self, dht: SwarmDht, fingerprint: str, members: MembersLike, tls: bool, poll_s: float = POLL_S):
         self.dht = dht
@@ -75,6 +88,7 @@ class Follower:
         self.tls = tls
         self.poll_s = poll_s
         self._retry: dict[str, tuple[float, int]] = {}  # address -> (monotonic time of the next try, failures)
+        self._turn: dict[str, int] = {}  # address -> which of its claims to try next
         self._said: set[str] = set()  # problems already logged
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="moeswarm-discovery", daemon=True)
@@ -116,8 +130,10 @@ class Follower:
 
     def step(self) -> None:
         """One look at the DHT: leaves first (their experts go to the others), then joins."""
-        records = {a: r for a, r in self.dht.fetch(self.fingerprint).items() if self._fits(r)}
-        join, leave = membership_diff(self.members.current(), records)
+        current = self.members.current()
+        claims = {a: [r for r in found if self._fits(r)] for a, found in self.dht.claims(self.fingerprint).items()}
+        records = {a: _choose(found, current.get(a), self._turn.get(a, 0)) for a, found in claims.items() if found}
+        join, leave = membership_diff(current, records)
         for address in leave:
             log.info("worker %s left the swarm", address)
             self.members.leave(address)
@@ -131,10 +147,13 @@ class Follower:
                         log.info("worker %s joined from the swarm", record.address)
                         continue
                     failures = self._retry.get(record.address, (0.0, 0))[1]
+                    self._turn[record.address] = self._turn.get(record.address, 0) + 1  # its next claim, next time
                     self._retry[record.address] = (now + min(RETRY_MAX_S, self.poll_s * 2 ** failures), failures + 1)
                     self._say(f"cannot use worker {record.address} announced on the swarm: {one_line(error)}")
         for address in [a for a in self._retry if a not in records]:
             del self._retry[address]
+        for address in [a for a in self._turn if a not in records]:
+            del self._turn[address]
 
     def _join(self, record: Announcement) -> MoeSwarmError | None:
         try:
