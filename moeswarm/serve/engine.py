@@ -32,7 +32,7 @@ from moeswarm.serve.metrics import ServeMetrics
 from moeswarm.serve.prefix_cache import PrefixCache
 from moeswarm.serve.runner import PackedRunner, build_runners, split_groups
 from moeswarm.serve.scheduler import Slot, plan_step
-from moeswarm.serve.sequence import Sequence
+from moeswarm.serve.sequence import Sequence, apart
 from moeswarm.serve.stats import EngineStats, StepRecord
 from moeswarm.serve.tally import Tally
 from moeswarm.swarm import Swarm
@@ -212,6 +212,7 @@ class Engine:
                 tally.steps, tally.branches = tally.steps + 1, tally.branches + rows
                 tally.drafted_all += _tokens(feed) - rows  # each row's first token is the last one taken
         groups = split_groups([_tokens(feed) for _, feed, _ in work], self._group_count(len(work)))
+        groups = apart(groups, [s.scored for s, _, _ in work], max(2, self.config.groups))  # log-probabilities: own forwards
         self.swarm.reset_accounting()
         forward = time.perf_counter()
         outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
