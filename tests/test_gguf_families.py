@@ -112,6 +112,12 @@ FAMILIES: dict[str, Family] = {
     # dense; its released configs say score_func "sigmoid" and route_norm, which the converter writes.
     "afmoe": Family("afmoe", dict(num_hidden_layers=4, sliding_window=6, route_scale=2.5, mup_enabled=True),
                     checkpoint=dict(score_func="sigmoid", route_norm=True)),
+    # K-EXAONE: grouped sigmoid routing (scoring_func as released, which llama.cpp requires), a sliding
+    # window (6) shorter than the prompt in layers 0-2, a global layer 3, layer 0 dense.
+    "exaone_moe": Family("exaone-moe", dict(_SCALED, num_hidden_layers=4, sliding_window=6,
+                                            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                            mlp_layer_types=["dense"] + ["sparse"] * 3),
+                         checkpoint=dict(scoring_func="sigmoid")),
 }
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96, 109, 122, 135, 148]

@@ -257,6 +257,21 @@ def _afmoe(f: GGUFFile) -> dict:
                 mup_enabled=True)
 
 
+def _exaone_moe(f: GGUFFile) -> dict:
+    # K-EXAONE: DeepSeek-V3-style routing, sliding-window layers where the file's pattern says so
+    # (RoPE only there when there is a window), leading dense layers, MTP layers beyond block_count's text.
+    nextn = int(f.get("nextn_predict_layers", 0))
+    layers = int(f.require("block_count")) - nextn
+    dense = int(f.get("leading_dense_block_count", 0))
+    pattern = f.get("attention.sliding_window_pattern")
+    return dict(_experts(f, "num_experts"), model_type="exaone_moe", num_hidden_layers=layers,
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                num_shared_experts=int(f.get("expert_shared_count", 0)), first_k_dense_replace=dense,
+                mlp_layer_types=["dense" if layer < dense else "sparse" for layer in range(layers)],
+                sliding_window=int(f.get("attention.sliding_window", 4096)) if pattern else None,
+                layer_types=["sliding_attention" if sliding else "full_attention" for sliding in (pattern or [False] * layers)][:layers])
+
+
 def _period(layers: list[int], count: int) -> tuple[int, int]:
     """(period, offset) of evenly spaced layer indices (Jamba's attention and expert layers)."""
     if not layers:
@@ -301,6 +316,7 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "hunyuan-moe": _hunyuan_moe,
     "jamba": _jamba,
     "afmoe": _afmoe,
+    "exaone-moe": _exaone_moe,
 }
 
 

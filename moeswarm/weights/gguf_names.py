@@ -100,6 +100,7 @@ QUIRKS: dict[str, ArchQuirks] = {
     "nemotron_h_moe": _NEMOTRON_H,
     "hunyuan-moe": ArchQuirks(),
     "afmoe": ArchQuirks(),
+    "exaone-moe": ArchQuirks(),
     "jamba": ArchQuirks(transforms=((r"mamba\.A_log$", a_log),), keep_float=(r"mamba\.dt_proj$",)),
 }
 

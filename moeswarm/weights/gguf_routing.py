@@ -60,6 +60,7 @@ ROUTING: dict[str, Routing] = {
     "nemotron_h_moe": Routing("sigmoid", _grouped),  # with a score-correction bias
     "hunyuan-moe": Routing("softmax"),  # top-k of the softmax, renormalised (the family's router)
     "jamba": Routing("softmax"),  # top-k of the softmax, not renormalised (the family's router)
+    "exaone-moe": Routing("sigmoid", _grouped),
     "afmoe": Routing("sigmoid", lambda f: dict(route_scale=float(f.get("expert_weights_scale", 1.0)))),  # renormalised
 }
 

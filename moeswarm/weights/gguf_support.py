@@ -34,6 +34,7 @@ SUPPORTED: dict[str, str] = {
     "hunyuan-moe": "hunyuan_v1_moe",
     "jamba": "jamba",
     "afmoe": "afmoe",
+    "exaone-moe": "exaone_moe",
 }
 
 UNSUPPORTED: dict[str, str] = {}
