@@ -380,12 +380,12 @@ def test_an_idle_connection_is_closed_and_pings_do_not_renew_it():
             send_frame(sock, sent.to_frame(rid + 2))
             expect_result(sock, sent, rid + 2)
         started = time.monotonic()
-        for rid in range(10):  # PINGs are answered but renew nothing
-            send_frame(sock, Frame(Opcode.PING, 20 + rid))
+        for rid in range(10):  # PINGs and HELLOs again are answered but renew nothing
+            send_frame(sock, Hello(FINGERPRINT).to_frame(20 + rid) if rid % 2 else Frame(Opcode.PING, 20 + rid))
             reply = recv(sock)
             if reply.opcode == Opcode.ERROR:
                 break
-            assert reply.opcode == Opcode.PONG
+            assert reply.opcode == (Opcode.HELLO if rid % 2 else Opcode.PONG)
             time.sleep(0.1)
         assert ErrorReply.from_frame(reply) == ErrorReply("timeout", "no DISPATCH for 0.4 s (PINGs do not count): closing")
         assert time.monotonic() - started < 0.4 + 0.3

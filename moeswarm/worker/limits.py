@@ -18,6 +18,7 @@ clients together at most the worker's reply budget (plus SMALL_FRAME_BYTES per c
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -148,11 +149,16 @@ def reply_bytes(rows: int, hidden: int, combine: Any, experts: int) -> int:
     """A RESULT's size on the wire: `rows` x `hidden` values in the combine codec (exact), plus a
     bound on its metadata for `experts` listed experts (0 in partial mode). Unknown codecs count as
     f32, the largest float codec (the request is refused when decoded anyway)."""
-    from moeswarm.wire.codecs import CODECS
-
-    codec = CODECS.get(combine) if isinstance(combine, str) else None
+    codec = _codecs().get(combine) if isinstance(combine, str) else None
     payload = codec.nbytes((rows, hidden)) if codec is not None else rows * hidden * 4
     return payload + RESULT_META_BYTES + PER_EXPERT_META_BYTES * experts
+
+
+@functools.cache
+def _codecs() -> dict:
+    from moeswarm.wire.codecs import CODECS  # here: the flags' defaults come from this module, which loads no torch
+
+    return CODECS
 
 
 def reply_bound(meta: dict[str, Any], hidden: int, num_experts: int,

@@ -368,6 +368,7 @@ class WorkerServer:
             raise WorkerBusy(held, self.limits.max_reply_bytes, f"bytes of replies held and {owed} more asked")
 
     def _hello(self, session: Session, frame: Frame) -> Frame:
+        first = not session.greeted  # only the first HELLO is activity: another one renews nothing
         session.greeted = False
         hello = Hello.from_frame(frame)
         if hello.fingerprint != self.fingerprint:
@@ -376,7 +377,8 @@ class WorkerServer:
                 f"{self.fingerprint}, the backbone runs {hello.fingerprint}"
             )
         session.greeted = session.slot.greeted = True
-        session.slot.last_active = time.monotonic()
+        if first:
+            session.slot.last_active = time.monotonic()
         return self.info.to_frame(frame.request_id)
 
     def compute(self, frame: Frame, sized: bool = False) -> Frame:
@@ -388,7 +390,7 @@ class WorkerServer:
         decoded = self._decode(frame, sized=sized)
         if isinstance(decoded, Frame):
             return decoded
-        return self._answer(frame.request_id, decoded, self.store.run)
+        return self._answer(frame.request_id, *decoded, self.store.run)
 
     def compute_batch(self, frames: list[Frame]) -> list[Frame | object]:
         """The runner's batch_work: frames[0]'s DISPATCH and those of other connections that may run
@@ -402,14 +404,14 @@ class WorkerServer:
             decoded = self._decode(frame, quiet=True, sized=True)
             if not isinstance(decoded, Frame):  # a bad one is declined: it gets its ERROR in its turn
                 requests.append((position, decoded))
-        chosen = [requests[i] for i in partners([request for _, request in requests])]
+        chosen = [requests[i] for i in partners([request for _, (request, _) in requests])]
         replies: list[Frame | object] = [DECLINED] * len(frames)
-        results = self._merged([request for _, request in chosen]) if len(chosen) > 1 else None
+        results = self._merged([request for _, (request, _) in chosen]) if len(chosen) > 1 else None
         if results is None:
-            replies[0] = self._answer(frames[0].request_id, lead, self.store.run)
+            replies[0] = self._answer(frames[0].request_id, *lead, self.store.run)
             return replies
-        for (position, request), result in zip(chosen, results):
-            replies[position] = self._answer(frames[position].request_id, request, lambda _request, r=result: r)
+        for (position, decoded), result in zip(chosen, results):
+            replies[position] = self._answer(frames[position].request_id, *decoded, lambda _request, r=result: r)
         return replies
 
     def _merged(self, requests: list[Dispatch]) -> list[Result] | None:
@@ -424,15 +426,15 @@ class WorkerServer:
         self.merged_requests += len(requests)
         return results
 
-    def _decode(self, frame: Frame, quiet: bool = False, sized: bool = False) -> Dispatch | Frame:
-        """The DISPATCH in `frame`, or the ERROR frame that answers it (not logged when `quiet`).
-        sized: its declared sizes were checked against the limits already (on the loop, before queueing)."""
+    def _decode(self, frame: Frame, quiet: bool = False, sized: bool = False) -> tuple[Dispatch, int] | Frame:
+        """(the DISPATCH in `frame`, its routed pairs S), or the ERROR frame that answers it (not logged
+        when `quiet`). sized: its declared sizes were checked against the limits already (on the loop,
+        before queueing)."""
         try:
             if not sized:
                 check_dispatch_size(frame.meta, self.limits, model_top_k=self.model_top_k)
             request = Dispatch.from_frame(frame)
-            self._check_reply_bytes(request)
-            return request
+            return request, self._check_reply_bytes(request)
         except MoeSwarmError as error:
             if quiet:
                 return ErrorReply("bad_request", str(error)).to_frame(frame.request_id)
@@ -442,22 +444,22 @@ class WorkerServer:
             log.exception("request %d failed", frame.request_id)
             return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(frame.request_id)
 
-    def _check_reply_bytes(self, request: Dispatch) -> None:
-        """Refuse a DISPATCH whose RESULT, at its exact size, would be over what one connection may
-        hold unsent: checked before any expert runs (integer arithmetic on the routed count)."""
+    def _check_reply_bytes(self, request: Dispatch) -> int:
+        """S, the request's routed pairs; ProtocolError when its RESULT, at its exact size, would be over
+        what one connection may hold unsent: checked before any expert runs (integer arithmetic on S)."""
         exact = request.mode == CombineMode.EXACT
-        routed = check_routing(request.top_k_index) if exact else 0
+        routed = check_routing(request.top_k_index)
         rows = routed if exact else request.hidden.shape[0]
         size = reply_bytes(rows, self.store.hidden_size, request.wire_combine, min(routed, self.store.num_experts))
         if size > self.limits.max_unsent_bytes:
             raise ProtocolError(f"RESULT of {size} bytes would be over the limit of {self.limits.max_unsent_bytes} "
                                 "bytes a connection may hold unsent (worker flag --max-unsent-bytes): send fewer "
                                 "tokens per DISPATCH")
+        return routed
 
-    def _answer(self, rid: int, request: Dispatch, run: Callable[[Dispatch], Result]) -> Frame:
-        """RESULT (or ERROR) frame for `request`, whose Result `run` gives."""
+    def _answer(self, rid: int, request: Dispatch, routed: int, run: Callable[[Dispatch], Result]) -> Frame:
+        """RESULT (or ERROR) frame for `request` (`routed`: its S), whose Result `run` gives."""
         try:
-            routed = check_routing(request.top_k_index)
             result = run(request)
             check_reply_size(routed, request.hidden.shape[0], self.store.hidden_size,
                              request.mode == CombineMode.EXACT, result.outputs)
