@@ -79,3 +79,49 @@ def test_slice_lacking_requested_experts(tmp_path):
         load_experts(str(part), [0, 1, 2, 3])
     with pytest.raises(ModelError, match=r"part\.gguf: the GGUF file lacks backbone tensors"):
         load_backbone(str(part))
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    from moeswarm.weights.gguf_support import SUPPORTED
+
+    path = _write(tmp_path / "bert.gguf", arch="bert")
+    with pytest.raises(ModelError) as error:
+        load_backbone(path)
+    message = str(error.value)
+    assert "\n" not in message and message.endswith("see docs/models.md")
+    assert all(arch in message for arch in SUPPORTED)
+
+
+def test_known_moe_architecture_not_supported_says_why(tmp_path):
+    path = _write(tmp_path / "phi.gguf", arch="phimoe")
+    with pytest.raises(ModelError, match=r"phi\.gguf: unsupported GGUF architecture 'phimoe' \(not mapped yet: Phi-3\.5-MoE's "
+                                         r"LongRoPE .*\); supported: .*; see docs/models\.md$"):
+        load_backbone(path)
+
+
+def test_info_names_the_support_status_and_the_gate_command(tmp_path, capsys):
+    import json
+
+    from moeswarm.cli import main
+
+    path = _write(tmp_path / "small.gguf")
+    assert main(["info", path]) == 0
+    out = capsys.readouterr().out
+    assert "  GGUF architecture   qwen2moe: supported (transformers qwen2_moe): loads, slices, serves\n" in out
+    assert f"    moeswarm gate --model {path} --combine partial --wire-dispatch int8-b128 --wire-combine int8-b128" in out
+    assert main(["info", path, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["gguf_architecture"], info["family"]) == ("qwen2moe", "qwen2_moe")
+    assert info["gate_command"].startswith(f"moeswarm gate --model {path} ")
+
+
+def test_info_on_an_unsupported_file_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    path = _write(tmp_path / "phi.gguf", arch="phimoe")
+    run = subprocess.run([sys.executable, "-m", "moeswarm.cli", "info", path], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and run.stdout == ""
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "unsupported GGUF architecture 'phimoe' (not mapped yet" in lines[0] and lines[0].endswith("see docs/models.md")

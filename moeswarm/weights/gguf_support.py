@@ -37,7 +37,27 @@ SUPPORTED: dict[str, str] = {
     "exaone-moe": "exaone_moe",
 }
 
-UNSUPPORTED: dict[str, str] = {}
+_NO_NAMES = "the gguf-py moeswarm reads with (0.19) has no tensor-name map for this architecture"
+UNSUPPORTED: dict[str, str] = {
+    "cohere2moe": _NO_NAMES,
+    "laguna": _NO_NAMES,
+    "mellum": _NO_NAMES,
+    "hy_v3": _NO_NAMES,
+    "hy_v4": _NO_NAMES,
+    "granite_swa": _NO_NAMES,
+    "deepseek32": _NO_NAMES,
+    "deepseek4": _NO_NAMES,
+    "dots3note": _NO_NAMES,
+    "minimax-m3": _NO_NAMES,
+    "qwen4exp": _NO_NAMES,
+    "minimax-01": _NO_NAMES + "; its lightning attention is not mapped",
+    "phimoe": "not mapped yet: Phi-3.5-MoE's LongRoPE (long/short factors and their scales)",
+    "kimi-linear": "not mapped yet: Kimi Delta Attention layers",
+    "mimo2": "not mapped yet: MiMo-V2's hybrid sliding-window layout",
+    "glm-dsa": "not mapped yet: the DeepSeek sparse-attention indexer",
+    "gemma4": "not mapped yet: Gemma 4's MoE block beside its dense MLP",
+    "qwen3vlmoe": "a multimodal model: transformers 5.23 has no causal-LM class for its text model",
+}
 
 
 def support_status(arch: str) -> tuple[bool, str]:
