@@ -1,20 +1,24 @@
-"""One generation over a swarm, with the report that `generate` and `demo` print."""
+"""One generation over a swarm, with the report that `generate` and `demo` print.
+
+The request runs in the serving engine (serve/engine.py), alone: one request submitted, stepped
+until it ends; the same sequence, acceptance rule and local check as every served request. Its
+prompt goes in one forward.
+"""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from moeswarm.errors import MoeSwarmError
 from moeswarm.generation.check import LocalCheck
-from moeswarm.generation.drafters import make_drafter
-from moeswarm.generation.loop import generate
 from moeswarm.generation.prompt import check_context, prompt_tokens
 from moeswarm.generation.sampling import SamplingParams, make_generator
-from moeswarm.generation.stepper import Stepper
-from moeswarm.generation.stream import TextStream
 from moeswarm.model.loading import load_local
 from moeswarm.model.source import ModelSource
 from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.serve.engine import Engine, EngineConfig
+from moeswarm.serve.job import Delta, Failed, Finished, Job
 from moeswarm.swarm import Swarm
 
 
@@ -41,19 +45,25 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
     codec = load_text_codec(swarm.source.path, swarm.model.config.vocab_size)
     prompt = prompt_tokens(codec, request.prompt, request.prompt_ids)
     check_context(swarm.model.config, len(prompt), request.max_new_tokens)
-    reference = Stepper(load_local(swarm.source)) if request.check_local else None
+    reference = load_local(swarm.source) if request.check_local else None
     swarm.reset_accounting()
     sampling = request.sampling
-    generator = make_generator(sampling.seed)
-    text = TextStream(codec.decode, request.stops, _write if request.stream else None)
-    drafter = make_drafter(request.draft, swarm.model, swarm.local_store) if request.speculate else None
-
-    result = generate(Stepper(swarm.model), prompt, request.max_new_tokens, request.speculate, reference,
-                      codec.eos_token_id, text.add, sampling=sampling, generator=generator,
-                      stop=text.stopped if request.stops else None, exact_check=swarm.wire.exact, drafter=drafter)
-    text.finish()
+    if not sampling.greedy and sampling.seed is None:  # draw the seed here, to report it
+        sampling = replace(sampling, seed=make_generator(None).initial_seed())
+    positions = getattr(swarm.model.config, "max_position_embeddings", None) or len(prompt) + request.max_new_tokens + 1
+    config = EngineConfig(positions, max_batch=1, speculate=request.speculate, prefill_chunk=len(prompt),
+                          step_tokens=max(256, len(prompt)), cache_slots=0, draft=request.draft, keep_accounting=True)
+    outcome = _Outcome(request.stream)
+    engine = Engine(swarm, codec, config, reference=reference)
+    try:
+        tally = engine.run(Job(prompt, request.max_new_tokens, sampling, outcome.take, stops=request.stops))
+    finally:
+        engine.close()
+    if outcome.failure is not None:
+        raise MoeSwarmError(outcome.failure)
     if request.stream:
         sys.stdout.write("\n")
+    result = _Result(tally, outcome.finish_reason, engine.check)
     accounting = swarm.accounting()
     return {
         "model": str(swarm.source.path),
@@ -67,12 +77,12 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
         "tokenizer": codec.name,
         "prompt_tokens": len(prompt),
         "tokens": result.tokens,
-        "text": text.text,
+        "text": outcome.text,
         "finish_reason": result.finish_reason,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
-        "seed": None if sampling.greedy else generator.initial_seed(),  # the one drawn when none was given
+        "seed": None if sampling.greedy else sampling.seed,  # the one drawn when none was given
         "stop": list(request.stops),
         "bit_identical": result.bit_identical,
         "tokens_match_local": result.tokens_match,
@@ -101,6 +111,47 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
         "prefill_seconds": result.prefill_seconds,
         "tokens_per_s": result.tokens_per_s,
     }
+
+
+class _Outcome:
+    """What the request's events say: its text (written out as it comes when streaming), how it ended."""
+
+    def __init__(self, stream: bool):
+        self.stream = stream
+        self.pieces: list[str] = []
+        self.finish_reason: str | None = None
+        self.failure: str | None = None
+
+    def take(self, event) -> None:
+        if isinstance(event, Delta) and event.text:
+            self.pieces.append(event.text)
+            if self.stream:
+                _write(event.text)
+        elif isinstance(event, Finished):
+            self.finish_reason = event.reason
+        elif isinstance(event, Failed):
+            self.failure = event.message
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+class _Result:
+    """The figures `run_generation` reports, from the engine's tally and check."""
+
+    def __init__(self, tally, finish_reason: str | None, check: LocalCheck | None):
+        self.tokens, self.finish_reason, self.check = list(tally.tokens), finish_reason, check
+        self.steps, self.branches, self.drafted_all = tally.steps, tally.branches, tally.drafted_all
+        self.drafted, self.accepted = tally.drafted, tally.accepted
+        self.seconds, self.draft_seconds, self.prefill_seconds = tally.seconds, tally.draft_seconds, tally.prefill_seconds
+        self.bit_identical = None if check is None else check.bit_identical
+        self.tokens_match = None if check is None else check.tokens_match
+        self.first_mismatch = None if check is None else check.first_mismatch
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
 def _check_report(check: LocalCheck | None) -> dict:

@@ -16,6 +16,7 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from moeswarm.model.experts import experts_modules, set_experts_implementation
+from moeswarm.model.experts_backend import ExpertsBackend
 from moeswarm.model.overlap import SharedOverlap, attach_overlap
 
 BACKEND_NAME = "swarm"
@@ -23,7 +24,7 @@ BACKEND_NAME = "swarm"
 
 @dataclass(frozen=True)
 class SwarmBinding:
-    dispatcher: object  # anything with dispatch(layer, hidden, index, weights) -> handle and combine(handle)
+    dispatcher: ExpertsBackend
     layer: int
     shared: SharedOverlap | None = None  # the block's shared expert, computed while the trip is in flight
 
@@ -40,7 +41,7 @@ def swarm_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, to
 ALL_EXPERTS_FUNCTIONS.register(BACKEND_NAME, swarm_experts_forward)
 
 
-def attach(model: torch.nn.Module, dispatcher, backends: Mapping[int, object] | None = None) -> list[int]:
+def attach(model: torch.nn.Module, dispatcher: ExpertsBackend, backends: Mapping[int, ExpertsBackend] | None = None) -> list[int]:
     """Route every MoE layer of `model` through `dispatcher`, or through `backends[layer]` where given
     (the layers held whole in this process: dispatch/in_process.py); return the MoE layer ids."""
     layers = experts_modules(model)

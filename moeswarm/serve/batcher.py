@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moeswarm.errors import MoeSwarmError, one_line
+from moeswarm.model.experts_backend import ExpertsBackend
 
 
 @dataclass(eq=False)
@@ -38,8 +39,8 @@ class _Call:
 class StepBatcher:
     """Stands between the model's MoE layers and a dispatcher (`Swarm.interpose(StepBatcher)`)."""
 
-    def __init__(self, inner, on_routing=None):
-        self.inner = inner  # anything with dispatch(layer, hidden, index, weights) -> handle and combine(handle)
+    def __init__(self, inner: ExpertsBackend, on_routing=None):
+        self.inner = inner
         self.on_routing = on_routing  # called with (layer, top_k_index [T, k]) for every batched layer call
         self._lock = threading.Condition()
         self._running = 0  # forwards of this step that have not ended

@@ -49,6 +49,7 @@ class EngineConfig:
     prefill_chunk: int = 64  # most prompt tokens a sequence feeds per step
     step_tokens: int = 256  # token budget of a step (decode tokens first, then prompt chunks)
     cache_slots: int = 8  # finished sequences' KV caches kept for prefix reuse (0: off)
+    keep_accounting: bool = False  # keep every layer call in the swarm's accounting (one generation); else per step
     health_interval_s: float = 2.0
     draft: str = "ngram"  # where drafts come from (generation/drafters.py): ngram, local or both
     groups: int = 0  # batches in flight per step (serve/turns.py); 0: 2 when sequences wait on remote workers, else 1
@@ -93,7 +94,12 @@ class Engine:
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the runners' threads (after `run`; `stop` does it for a started engine)."""
         for runner in (self.runner, self.reference_runner):
             if runner is not None:
                 runner.close()
@@ -166,6 +172,7 @@ class Engine:
                     sequence = self._start(job)
                     self._active.append(sequence)
                     self._tallies[id(sequence)] = tally
+                    tally.tokens = sequence.output  # the same list: it grows as the sequence does
             self.metrics.queue_depth.set(len(self._queue))
         self.metrics.active.set(len(self._active))
 
@@ -213,7 +220,9 @@ class Engine:
                 tally.drafted_all += _tokens(feed) - rows  # each row's first token is the last one taken
         groups = split_groups([_tokens(feed) for _, feed, _ in work], self._group_count(len(work)))
         groups = apart(groups, [s.scored for s, _, _ in work], max(2, self.config.groups))  # log-probabilities: own forwards
-        self.swarm.reset_accounting()
+        if not self.config.keep_accounting:
+            self.swarm.reset_accounting()  # a server's accounting stays one step long
+        seen = len(self.swarm.layer_calls()) if self.config.keep_accounting else 0
         forward = time.perf_counter()
         outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
         forward = time.perf_counter() - forward
@@ -222,7 +231,7 @@ class Engine:
             tally.seconds += forward
             if not sequence.output:  # a prompt chunk (its first token comes from this step's logits)
                 tally.prefill_seconds += forward
-        calls, waiting_s = self.swarm.layer_calls(), self.runner.waiting_s
+        calls, waiting_s = self.swarm.layer_calls()[seen:], self.runner.waiting_s
         self.groups_in_flight = len(groups)
         if self.reference_runner is not None:
             expected = self.reference_runner.run([(s.reference, feed, keep) for s, feed, keep in work], groups)
@@ -274,6 +283,8 @@ class Engine:
         counts = (len(sequence.output) - before[0], sequence.drafted - before[1], sequence.accepted - before[2])
         if counts[1]:
             sequence.drafter.feedback(counts[1], counts[2], sequence.max_drafts)  # local drafts adapt their length
+        tally = self._tallies[id(sequence)]
+        tally.drafted, tally.accepted = tally.drafted + counts[1], tally.accepted + counts[2]
         self.metrics.generated_tokens.inc(counts[0])
         self.metrics.drafted.inc(counts[1])
         self.metrics.accepted.inc(counts[2])

@@ -31,8 +31,10 @@ Feed = list[int] | list[list[int]]
 
 def build_runners(swarm, reference: PreTrainedModel | None, max_batch: int, groups: int, on_routing=None):
     """(runner, reference runner or None): packed where both models' layers allow, else a thread per
-    sequence. The swarm's MoE layers go through the runner's meeting point (`swarm.interpose`); the
-    reference's through its own eager experts, in the same groups."""
+    sequence. The swarm's MoE layers go through the runner's meeting point (`swarm.interpose`). A
+    packed reference computes each group's rows with its own experts, as loaded (one forward per
+    group already holds the rows every dispatch holds); threaded, its forwards meet at their own
+    StepBatcher over the family's eager experts."""
     if supports_ragged(swarm.model) and (reference is None or supports_ragged(reference)):
         install(swarm.model)
         turns = swarm.interpose(lambda dispatcher: TakingTurns(dispatcher, on_routing))
@@ -40,7 +42,6 @@ def build_runners(swarm, reference: PreTrainedModel | None, max_batch: int, grou
         if reference is None:
             return runner, None
         install(reference)
-        attach(reference, EagerExperts(reference))
         return runner, PackedRunner(reference, None)
     batcher = swarm.interpose(lambda dispatcher: StepBatcher(dispatcher, on_routing))
     runner = ThreadedRunner(swarm.model, batcher, max_batch)

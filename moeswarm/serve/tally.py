@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class Tally:
+    tokens: list[int] = field(default_factory=list)  # the output so far, end-of-sequence token included
+    drafted: int = 0  # draft tokens of the branches kept
+    accepted: int = 0
     steps: int = 0  # decode forwards (after the prompt)
     branches: int = 0  # draft rows verified side by side, summed over the steps
     drafted_all: int = 0  # draft tokens verified, over every branch

@@ -19,12 +19,14 @@ import time
 
 import torch
 
+from moeswarm.model.experts_backend import ExpertsBackend
+
 
 class TakingTurns:
     """Stands between the model's MoE layers and a dispatcher (`Swarm.interpose`)."""
 
-    def __init__(self, inner, on_routing=None):
-        self.inner = inner  # dispatch(layer, hidden, index, weights) -> handle; combine(handle) -> [T, d]
+    def __init__(self, inner: ExpertsBackend, on_routing=None):
+        self.inner = inner
         self.on_routing = on_routing  # called with (layer, top_k_index [T, k]) for every layer call
         self._lock = threading.Condition()
         self._order: list[int] = []  # the groups still running, in turn order
