@@ -188,3 +188,22 @@ def test_accept_errors_are_logged_once_per_cause_without_tracebacks(qwen2_moe, t
     assert len(accept_lines) == len(set(accept_lines)) <= 2, text  # once per cause
     assert any("accept: OSError EMFILE (further ones are counted" in line for line in accept_lines), text
     assert len(text.splitlines()) < 10, text
+
+
+def test_counted_log_reports_each_cause_once_then_its_count(caplog):
+    from moeswarm.worker.admission import CountedLog
+
+    caplog.set_level(logging.WARNING, "test.counted")
+    counted = CountedLog(logging.getLogger("test.counted"), "accept failures", every_s=0.2)
+    for _ in range(100):
+        counted.note("OSError EMFILE")
+    counted.note("TLS handshake: TimeoutError")
+    counted.tick()  # not due yet: nothing more
+    time.sleep(0.25)
+    counted.tick()
+    counted.tick()  # nothing new: nothing more
+    assert [r.getMessage() for r in caplog.records] == [
+        "accept failures: OSError EMFILE (further ones are counted, not logged one by one)",
+        "accept failures: TLS handshake: TimeoutError (further ones are counted, not logged one by one)",
+        "accept failures since the last report: OSError EMFILE x 99",
+    ]

@@ -109,6 +109,12 @@ class CountedLog:
         if now - self._reported_at >= self.every_s:
             self.flush(now)
 
+    def tick(self) -> None:
+        """Report the counts not reported yet once `every_s` has passed (call it now and then: the last
+        events of a burst get their count even when no event follows)."""
+        if self._unreported and time.monotonic() - self._reported_at >= self.every_s:
+            self.flush()
+
     def flush(self, now: float | None = None) -> None:
         """Log the counts not reported yet."""
         if self._unreported:

@@ -237,6 +237,8 @@ class WorkerServer:
         timeout = self.limits.frame_timeout_s
         while True:
             await asyncio.sleep(min(1.0, timeout / 4))
+            self.failures.tick()
+            self.refusals.tick()
             now = time.monotonic()
             for session in list(self._sessions.values()):
                 waiting = session.written_unsent
