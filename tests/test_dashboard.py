@@ -59,9 +59,26 @@ def test_dashboard_shows_workers_and_expert_heat_while_a_generation_runs(qwen2_m
                        for c in heat)
             coverage = browser.find_elements(By.CSS_SELECTOR, "#coverage td")
             assert [c.get_attribute("title").rsplit(": ", 1)[1] for c in coverage] == ["1 holder(s)"] * cells
+            for grid in ("heat", "coverage"):  # an expert-number axis over each grid, and a legend beside it
+                assert [th.text for th in browser.find_elements(By.CSS_SELECTOR, f"#{grid} thead th")] == \
+                    ["expert"] + [str(e) for e in range(8)]
+            assert "none (uncovered)" in browser.find_element(By.ID, "coverage-legend").text
+            assert "busiest" in browser.find_element(By.ID, "heat-legend").text
+            colours = {c.value_of_css_property("background-color") for c in coverage} | \
+                {c.value_of_css_property("background-color") for c in heat}
+            assert not any(colour.startswith(("rgb(198, 40, 40", "rgba(198, 40, 40")) for colour in colours)  # red: uncovered only
+            # the last minutes as time series: a line once two samples are in
+            wait.until(lambda b: " L" in (b.find_element(By.CSS_SELECTOR, "#tps-series path").get_attribute("d") or ""))
+            assert browser.find_element(By.ID, "tps-range").text.startswith("now ")
             time.sleep(0.5)
             # MOESWARM_DASHBOARD_SCREENSHOT=docs/dashboard.png refreshes the picture docs/dashboard.md shows
             assert browser.save_screenshot(os.environ.get("MOESWARM_DASHBOARD_SCREENSHOT", str(tmp_path / "dashboard.png")))
+            browser.set_window_size(390, 844)  # a phone: the page itself never scrolls sideways
+            time.sleep(0.5)
+            assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+            assert browser.save_screenshot(str(tmp_path / "dashboard-phone.png"))
+            browser.get(server.url + "/")  # no key: the page says how to give it
+            wait.until(lambda b: "?key=YOUR_API_KEY" in b.find_element(By.ID, "problems").text)
         finally:
             browser.quit()
             generating.join(timeout=120)

@@ -8,6 +8,7 @@ is OpenAI's shape with the right status; nothing a client sends can end the serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import secrets
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,7 @@ from moeswarm.errors import MoeSwarmError, one_line, printable
 from moeswarm.generation.sampling import SamplingParams
 from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.chat import NoChatTemplate, chat_prompt
-from moeswarm.serve.dashboard import PAGE, dashboard_data
+from moeswarm.serve.dashboard import PAGE, SAMPLE_S, History, dashboard_data
 from moeswarm.serve.engine import Engine
 from moeswarm.serve.grammar import GrammarUnavailable, Grammars
 from moeswarm.serve.metrics import ServeMetrics
@@ -51,11 +52,12 @@ class ServeState:
     default_max_tokens: int | None = None  # serve --max-tokens: a request's max_tokens when it gives none
     max_queue: int = 256  # requests waiting for a slot; past that, 429 with Retry-After
     grammars: Grammars | None = None  # made at the first request for structured output
+    history: History = field(default_factory=History)  # the dashboard's time series
 
 
 def create_app(state: ServeState, cors_origins: list[str] | None = None) -> FastAPI:
     """The app; cors_origins: the origins a browser page may call it from ("*": any)."""
-    app = FastAPI(title="moeswarm", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="moeswarm", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_sampling(state))
     app.state.serve = state
 
     app.add_middleware(Guard, state=state)
@@ -175,6 +177,25 @@ def _codec(state: ServeState) -> TextCodec:
     if state.codec is None:
         raise APIError(503, f"not ready: {state.loading}")
     return state.codec
+
+
+def _sampling(state: ServeState):
+    """The app's lifespan: the dashboard's history sampled while it serves."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async def sample_forever():
+            while True:
+                state.history.sample(state)
+                await asyncio.sleep(SAMPLE_S)
+
+        task = asyncio.create_task(sample_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    return lifespan
 
 
 class Guard:

@@ -1,15 +1,41 @@
-"""The dashboard's data (GET /v1/dashboard): workers, coverage with replicas, expert heat, throughput.
+"""The dashboard's data (GET /v1/dashboard): workers, coverage with replicas, expert heat, throughput,
+and the last minutes of it as time series.
 
 The page (dashboard.html, GET /) polls it every second or two; nothing here blocks the engine.
+`History` samples tokens/s, batch size and the workers' round-trip time every SAMPLE_S seconds
+(a task of the app's), so a page opened now still shows the last HISTORY_S seconds.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
 from pathlib import Path
 
 from moeswarm.ids import format_ids
 
 PAGE = Path(__file__).with_name("dashboard.html")
+SAMPLE_S = 2.0
+HISTORY_S = 300.0
+
+
+class History:
+    def __init__(self):
+        self.samples: deque[dict] = deque(maxlen=int(HISTORY_S / SAMPLE_S))
+
+    def sample(self, state) -> None:
+        engine = state.engine
+        if engine is None:
+            return
+        recent = engine.stats.recent()
+        rtts = [w["rtt_ms_p50"] for w in engine.stats.workers().values() if w["calls"]]
+        self.samples.append({"at": time.time(), "tokens_per_s": recent["tokens_per_s"],
+                             "batch_size": recent["batch_size"] if recent["steps_per_s"] else 0.0,
+                             "rtt_ms": statistics.median(rtts) if rtts else None})
+
+    def series(self) -> list[dict]:
+        return list(self.samples)
 
 
 def dashboard_data(state) -> dict:
@@ -50,4 +76,6 @@ def dashboard_data(state) -> dict:
         "totals": dict(stats.totals),
         "active": engine.active,
         "queued": engine.queue_depth,
+        "history": state.history.series(),  # oldest first, one every SAMPLE_S seconds
+        "sample_s": SAMPLE_S,
     }
