@@ -197,7 +197,9 @@ def test_logits_agree_with_llama_cpp(family, kind, family_files):
         # near-tie at one position can flip (measured: granitemoe, one position at 0.85, the rest > 0.998).
         assert float(cosine.median()) >= 0.99 and float(cosine.mean()) >= 0.95, \
             f"{family} {kind}: cosine median {float(cosine.median()):.5f} mean {float(cosine.mean()):.5f} vs llama.cpp"
-    assert argmax >= 0.75, f"{family} {kind}: argmax agreement {argmax:.2f} vs llama.cpp"
+    # Random weights give flat logits, so argmax agreement is loose where llama.cpp rounds activations
+    # (measured Q8_0 minimum: qwen3_next 0.75); F32 agrees everywhere (measured 1.00).
+    assert argmax >= (0.9 if kind == "F32" else 0.6), f"{family} {kind}: argmax agreement {argmax:.2f} vs llama.cpp"
 
 
 @contextlib.contextmanager
