@@ -75,7 +75,8 @@ def create_app(state: ServeState, cors_origins: list[str] | None = None) -> Fast
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
-        message = {404: f"unknown route {request.method} {printable(request.url.path, 200)}",
+        message = {400: "the body cannot be read: it must be JSON in UTF-8",  # FastAPI's parse error (bad UTF-8 too)
+                   404: f"unknown route {request.method} {printable(request.url.path, 200)}",
                    405: f"method {request.method} is not allowed on {printable(request.url.path, 200)}"}
         return JSONResponse(error_body(error.status_code, message.get(error.status_code, str(error.detail))),
                             status_code=error.status_code)
