@@ -25,8 +25,8 @@ import dataclasses
 import json
 import os
 import time
-from typing import TYPE_CHECKING
 
+from moeswarm.bench.wan_context import WanContext
 from moeswarm.bundled import PROMPTS
 from moeswarm.generation.drafters import make_drafter
 from moeswarm.generation.loop import GenerationResult, generate
@@ -36,8 +36,6 @@ from moeswarm.placement.profile import hot_sets
 from moeswarm.progress import progress
 from moeswarm.swarm import Swarm, open_swarm
 
-if TYPE_CHECKING:
-    from moeswarm.bench.wan_scenarios import WanContext
 
 DRAFTERS = ("none", "ngram", "local", "both")
 DRAFT_CAP = 6
@@ -47,7 +45,7 @@ TOKEN_TIME_RTT_S = 0.1
 MAX_PROMPTS = 4  # held-out prompts measured (quick: one)
 
 
-def measured_prompts(context: "WanContext") -> dict[str, list[int]]:
+def measured_prompts(context: WanContext) -> dict[str, list[int]]:
     """{name: token ids}: held-out prompts spread over repetitiveness (rep3); quick: the least repetitive one."""
     if context.quick:
         return {"non_repetitive": context.prompts["non_repetitive"]}
@@ -95,7 +93,7 @@ def _compare(swarms: dict[str, Swarm], prompts: dict[str, list[int]], new_tokens
     return out
 
 
-def run_drafts(context: "WanContext") -> list[dict]:
+def run_drafts(context: WanContext) -> list[dict]:
     """The drafts scenario's rows: per drafter at 80 ms, then the per-token time at 100 ms."""
     from moeswarm.bench.wan_local import calibration_profile
 

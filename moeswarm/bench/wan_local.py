@@ -26,10 +26,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from moeswarm.bench.wan_context import WanContext
 from moeswarm.bundled import PROMPTS
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.calibrate import count_routing
@@ -38,8 +38,6 @@ from moeswarm.placement.profile import RoutingStats, hot_sets
 from moeswarm.progress import progress
 from moeswarm.swarm import Swarm, open_swarm
 
-if TYPE_CHECKING:
-    from moeswarm.bench.wan_scenarios import WanContext
 
 LOCAL_PERCENTS = (0, 10, 25, 50, 75, 90)
 LOCAL_RTT_S = 0.08
@@ -52,7 +50,7 @@ LARGE_SHARED = dict(hidden_size=2048, num_attention_heads=16, num_key_value_head
                     moe_intermediate_size=352)
 
 
-def calibration_profile(context: "WanContext") -> tuple[RoutingStats, int]:
+def calibration_profile(context: WanContext) -> tuple[RoutingStats, int]:
     """Routing counts over the bundled prompts but the measured ones; (stats, prompts used)."""
     measured = list(context.prompts.values())
     texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines() if line.strip()] \
@@ -139,7 +137,7 @@ def shared_expert_ms(swarm: Swarm, repeats: int = 200) -> float | None:
     return 1e3 * statistics.median(samples)
 
 
-def run_local(context: "WanContext") -> list[dict]:
+def run_local(context: WanContext) -> list[dict]:
     """The local and overlap scenarios' rows."""
     stats, calibration_prompts = calibration_profile(context)
     layers = list(experts_modules(context.local_model))
@@ -159,7 +157,7 @@ def run_local(context: "WanContext") -> list[dict]:
     return rows
 
 
-def _curve_rows(context: "WanContext", stats: RoutingStats, layers: list, prompt: list[int]) -> list[dict]:
+def _curve_rows(context: WanContext, stats: RoutingStats, layers: list, prompt: list[int]) -> list[dict]:
     """Trip share by local percent, from the routing of a local greedy decode (no network)."""
     seen: list[tuple[int, torch.Tensor]] = []  # (layer, top_k_index [1, k]) of every decode step
     hooks = [module.register_forward_pre_hook(lambda _m, args, layer=layer: seen.append((layer, args[1])))
@@ -183,7 +181,7 @@ def _curve_rows(context: "WanContext", stats: RoutingStats, layers: list, prompt
     return rows
 
 
-def _local_rows(context: "WanContext", swarms: dict[int, Swarm], prompt: list[int], steps: int,
+def _local_rows(context: WanContext, swarms: dict[int, Swarm], prompt: list[int], steps: int,
                 calibration_prompts: int) -> list[dict]:
     context.links.set_all(rtt_s=LOCAL_RTT_S, bandwidth_bps=None)
     entries = [(swarms[percent], lambda swarm=swarms[percent]: swarm.set_overlap(True)) for percent in LOCAL_PERCENTS]
@@ -202,7 +200,7 @@ def _local_rows(context: "WanContext", swarms: dict[int, Swarm], prompt: list[in
     return rows
 
 
-def _overlap_rows(context: "WanContext", swarms: dict[int, Swarm], prompt: list[int], steps: int) -> list[dict]:
+def _overlap_rows(context: WanContext, swarms: dict[int, Swarm], prompt: list[int], steps: int) -> list[dict]:
     """Overlap off and on, alternating step by step on the same swarm (the same tokens either way)."""
     rows = []
     bound_ms = shared_expert_ms(swarms[0])
@@ -225,7 +223,7 @@ def _overlap_rows(context: "WanContext", swarms: dict[int, Swarm], prompt: list[
     return rows
 
 
-def _overlap_large_rows(context: "WanContext") -> list[dict]:
+def _overlap_large_rows(context: WanContext) -> list[dict]:
     """Overlap on and off with a real model's shared expert (LARGE_SHARED: Qwen1.5-MoE-A2.7B's
     hidden size and shared-expert width) in a random 2-layer qwen2_moe, 2 workers, same links."""
     from moeswarm.bench.wan_links import wan_links

@@ -29,10 +29,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from moeswarm.bench.wan_context import WanContext
 from moeswarm.bench.wan_links import wan_links
 from moeswarm.bench.wan_local import calibration_profile
 from moeswarm.generation.stepper import Stepper
@@ -45,8 +45,6 @@ from moeswarm.progress import progress
 from moeswarm.swarm import open_swarm
 from moeswarm.wan import LinkProfile
 
-if TYPE_CHECKING:
-    from moeswarm.bench.wan_scenarios import WanContext
 
 RTT_MS = (20.0, 40.0, 60.0, 80.0)
 DECODE_STEPS = 24  # per measured prompt (--quick: the runner's steps, one prompt)
@@ -54,7 +52,7 @@ SIMULATION_ROWS = 2048
 SIMULATION_SEED = 1_000_003  # not the planner's own draws
 
 
-def run_placement(context: "WanContext") -> list[dict]:
+def run_placement(context: WanContext) -> list[dict]:
     """The scenario's rows: contiguous, then planned at each replica budget."""
     model, local_model = context.model, context.local_model
     load_before = os.getloadavg()[0]

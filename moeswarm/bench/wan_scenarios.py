@@ -24,10 +24,10 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 
 import torch
 
+from moeswarm.bench.wan_context import WanContext
 from moeswarm.bench.wan_links import wan_links
 from moeswarm.bundled import PROMPTS
 from moeswarm.generation.loop import generate
@@ -200,22 +200,6 @@ def load_prompts(codec, max_tokens: int) -> dict[str, list[int]]:
         if heldout:
             texts = {"repetitive": heldout[-1]["text"], "non_repetitive": heldout[0]["text"]}
     return {kind: codec.encode(text)[:max_tokens] for kind, text in texts.items()}
-
-
-@dataclass
-class WanContext:
-    """What a scenario module gets (registered in SCENARIOS): the workers behind their WAN links."""
-
-    model: str
-    local_model: object  # the whole model, eager: the reference
-    codec: object  # model/tokenizer.py TextCodec
-    prompts: dict[str, list[int]]  # "repetitive" / "non_repetitive" token ids
-    addresses: list[str]  # the workers, direct
-    links: object  # wan_links.WanLinks: the same workers behind one proxy each
-    steps: int
-    repeats: int
-    new_tokens: int
-    quick: bool
 
 
 def _local_scenario(context: WanContext) -> list[dict]:

@@ -6,12 +6,22 @@ import asyncio
 import contextlib
 import socket
 import struct
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from moeswarm.wan.channel import Channel
+from moeswarm.wan.faults import Faults
 from moeswarm.wan.pump import BudgetSpent, Pump
 
-if TYPE_CHECKING:
-    from moeswarm.wan.proxy import WanProxy
+
+class ProxySide(Protocol):
+    """What a connection uses of its proxy (wan/proxy.py's WanProxy)."""
+
+    upstream: tuple[str, int]
+    upstream_failures: int
+    channel_up: Channel
+    channel_down: Channel
+    faults: Faults
+    spin_s: float
 
 
 def set_nodelay(writer: asyncio.StreamWriter) -> None:
@@ -36,7 +46,7 @@ class Connection:
     """Client <-> proxy <-> upstream. Ends gracefully when both directions have ended, with a
     reset of both sides when either side resets, and by `reset()` on demand."""
 
-    def __init__(self, proxy: WanProxy, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, proxy: ProxySide, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._proxy = proxy
         self._client_reader = reader
         self._client_writer = writer
