@@ -118,6 +118,15 @@ FAMILIES: dict[str, Family] = {
                                             layer_types=["sliding_attention"] * 3 + ["full_attention"],
                                             mlp_layer_types=["dense"] + ["sparse"] * 3),
                          checkpoint=dict(scoring_func="sigmoid")),
+    # Architectures gguf-py 0.19 lacks (loaded with another's name map). Mellum: layer 0 sliding
+    # (window 6 < prompt), layer 1 global. One RoPE base for both: llama.cpp's mellum graph applies
+    # the global base to sliding layers too (it ignores rope.freq_base_swa, which moeswarm maps as
+    # the HF model uses it; measured with 500000 / 10000: moeswarm == HF, vs llama.cpp mean cosine 0.973).
+    "mellum": Family("mellum", dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                                                     "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
+    # HY-V3: layer 0 dense, sigmoid routing with a correction bias and router scaling.
+    "hy_v3": Family("hy_v3", dict(router_scaling_factor=2.5)),
 }
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96, 109, 122, 135, 148]

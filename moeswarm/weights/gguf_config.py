@@ -272,6 +272,36 @@ def _exaone_moe(f: GGUFFile) -> dict:
                 layer_types=["sliding_attention" if sliding else "full_attention" for sliding in (pattern or [False] * layers)][:layers])
 
 
+def _moe_layers(f: GGUFFile) -> set[int]:
+    """Layers with a router or stacked expert tensors (a slice file has only the latter, of its layers)."""
+    return {int(name.split(".")[1]) for name in f.tensors
+            if name.startswith("blk.") and (".ffn_gate_inp." in name or "_exps." in name)}
+
+
+def _mellum(f: GGUFFile) -> dict:
+    # Sliding-window layers where the file's pattern says so, each layer type with its own RoPE base.
+    layers = int(f.require("block_count"))
+    pattern = f.get("attention.sliding_window_pattern") or [False] * layers
+    base = float(f.get("rope.freq_base", 10000.0))
+    moe = _moe_layers(f)
+    return dict(_experts(f, "num_local_experts"), model_type="mellum",
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                layer_types=["sliding_attention" if sliding else "full_attention" for sliding in pattern],
+                mlp_layer_types=["sparse" if layer in moe else "dense" for layer in range(layers)],
+                sliding_window=int(f.get("attention.sliding_window", 1024)),
+                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": base},
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": float(f.get("rope.freq_base_swa", base))}})
+
+
+def _hy_v3(f: GGUFFile) -> dict:
+    layers, moe = int(f.require("block_count")), _moe_layers(f)
+    expert_ff = int(f.require("expert_feed_forward_length"))
+    return dict(_experts(f, "num_experts"), model_type="hy_v3", moe_intermediate_size=expert_ff,
+                num_shared_experts=int(f.get("expert_shared_feed_forward_length", 0)) // expert_ff,
+                mlp_layer_types=["sparse" if layer in moe else "dense" for layer in range(layers)])
+
+
 def _period(layers: list[int], count: int) -> tuple[int, int]:
     """(period, offset) of evenly spaced layer indices (Jamba's attention and expert layers)."""
     if not layers:
@@ -284,8 +314,7 @@ def _jamba(f: GGUFFile) -> dict:
     # or stacked expert tensors (dense MLPs in the others); GGUF records neither period.
     count = int(f.require("block_count"))
     attention = [layer for layer, heads in enumerate(f.require("attention.head_count_kv")) if heads]
-    moe = sorted({int(name.split(".")[1]) for name in f.tensors
-                  if name.startswith("blk.") and (".ffn_gate_inp." in name or "_exps." in name)})
+    moe = sorted(_moe_layers(f))
     (attn_period, attn_offset), (expert_period, expert_offset) = _period(attention, count), _period(moe, count)
     inner = int(f.require("ssm.inner_size"))
     return dict(_experts(f, "num_experts"), model_type="jamba",
@@ -317,6 +346,8 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "jamba": _jamba,
     "afmoe": _afmoe,
     "exaone-moe": _exaone_moe,
+    "mellum": _mellum,
+    "hy_v3": _hy_v3,
 }
 
 

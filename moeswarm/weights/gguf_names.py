@@ -51,15 +51,16 @@ class ArchQuirks:
     merged: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (transformers name suffix, GGUF suffixes stacked on rows)
     transforms: tuple[tuple[str, Transform], ...] = ()  # (regex on the transformers name, inverse of the converter's maths)
     keep_float: tuple[str, ...] = ()  # regexes on module names whose weight the family's code reads directly
+    names_as: str | None = None  # the architecture whose TensorNameMap to use (one the installed gguf-py lacks)
+    tensors: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (transformers name suffix, GGUF names in a layer, first found)
 
 
-# Every architecture: the router's score-correction bias, wherever the family keeps it.
-_COMMON_TENSORS = (("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
-                   ("mlp.e_score_correction_bias", "exp_probs_b.bias"),
-                   ("feed_forward.expert_bias", "exp_probs_b.bias"),
-                   ("mlp.expert_bias", "exp_probs_b.bias"),
-                   ("mlp.gate.moe_statics.e_score_correction_bias", "exp_probs_b.bias"),
-                   ("mlp.router.e_score_correction_bias", "exp_probs_b.bias"))
+# Every architecture: the router's score-correction bias, wherever the family keeps it (some
+# converters write it without the .bias suffix).
+_BIAS = ("exp_probs_b.bias", "exp_probs_b")
+_COMMON_TENSORS = (("mlp.gate.e_score_correction_bias", _BIAS), ("mlp.e_score_correction_bias", _BIAS),
+                   ("feed_forward.expert_bias", _BIAS), ("mlp.expert_bias", _BIAS),
+                   ("mlp.gate.moe_statics.e_score_correction_bias", _BIAS), ("mlp.router.e_score_correction_bias", _BIAS))
 _QWEN3NEXT = ArchQuirks(
     renames=((r"linear_attn\.dt_bias$", "linear_attn.dt_proj.bias"),),
     merged=(("linear_attn.in_proj_qkvz.weight", ("attn_qkv.weight", "attn_gate.weight")),),
@@ -101,6 +102,9 @@ QUIRKS: dict[str, ArchQuirks] = {
     "hunyuan-moe": ArchQuirks(),
     "afmoe": ArchQuirks(),
     "exaone-moe": ArchQuirks(),
+    # gguf-py 0.19 does not know these architectures: another's name map, plus the one name it lacks.
+    "mellum": ArchQuirks(names_as="qwen3moe", tensors=(("post_attention_layernorm.weight", ("ffn_norm.weight",)),)),
+    "hy_v3": ArchQuirks(names_as="glm4moe", tensors=(("post_attention_layernorm.weight", ("ffn_norm.weight",)),)),
     "jamba": ArchQuirks(transforms=((r"mamba\.A_log$", a_log),), keep_float=(r"mamba\.dt_proj$",)),
 }
 
@@ -113,11 +117,12 @@ class NameMapper:
     def __init__(self, f: GGUFFile, config, read: Callable[[str], torch.Tensor]):
         arch_ids = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
         require_supported(f)
-        if f.arch not in arch_ids:
-            raise ModelError(f"{f.path}: GGUF architecture {f.arch!r} is unknown to the installed gguf package")
         self.file, self.config, self.read = f, config, read
         self.quirks = QUIRKS[f.arch]
-        self.names = gguf.get_tensor_name_map(arch_ids[f.arch], config.num_hidden_layers + 8)
+        names_as = self.quirks.names_as or f.arch
+        if names_as not in arch_ids:
+            raise ModelError(f"{f.path}: GGUF architecture {names_as!r} is unknown to the installed gguf package")
+        self.names = gguf.get_tensor_name_map(arch_ids[names_as], config.num_hidden_layers + 8)
 
     def source(self, hf_name: str) -> Loader | None:
         """A loader for `hf_name`'s tensor, or None when the file has no such tensor."""
@@ -131,9 +136,10 @@ class NameMapper:
         """A loader for the tensor as the file stores it (merged, un-permuted), before any transform."""
         layer = _LAYER.search(hf_name)
         if layer:
-            for suffix, tensor in _COMMON_TENSORS:
+            for suffix, tensors in (*_COMMON_TENSORS, *self.quirks.tensors):
                 if hf_name.endswith(suffix):
-                    return self._plain(f"blk.{layer.group(1)}.{tensor}")
+                    found = [name for name in (f"blk.{layer.group(1)}.{t}" for t in tensors) if name in self.file.tensors]
+                    return self._plain(found[0]) if found else None
             for suffix, parts in self.quirks.merged:
                 names = [f"blk.{layer.group(1)}.{part}" for part in parts]
                 if hf_name.endswith(suffix) and all(name in self.file.tensors for name in names):

@@ -61,6 +61,8 @@ ROUTING: dict[str, Routing] = {
     "hunyuan-moe": Routing("softmax"),  # top-k of the softmax, renormalised (the family's router)
     "jamba": Routing("softmax"),  # top-k of the softmax, not renormalised (the family's router)
     "exaone-moe": Routing("sigmoid", _grouped),
+    "mellum": Routing("softmax", _fixed(norm_topk_prob=True)),
+    "hy_v3": Routing("sigmoid", lambda f: dict(router_scaling_factor=float(f.get("expert_weights_scale", 1.0)))),  # renormalised
     "afmoe": Routing("sigmoid", lambda f: dict(route_scale=float(f.get("expert_weights_scale", 1.0)))),  # renormalised
 }
 
