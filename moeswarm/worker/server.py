@@ -47,12 +47,13 @@ from moeswarm.wire.stream import decode_frame
 from moeswarm.worker.admission import (ConnectionTable, CountedLog, Slot, StreamProtocol, handshake, loop_errors,
                                        peer_host)
 from moeswarm.worker.framing import FrameFault, Idle, Incoming, read_frame
-from moeswarm.worker.limits import (SMALL_FRAME_BYTES, ByteBudget, WorkerLimits, check_dispatch_size,
-                                    check_reply_size, check_routing, declared_shapes, reply_bound, reply_bytes)
+from moeswarm.worker.limits import (ByteBudget, WorkerLimits, check_dispatch_size, check_reply_size, declared_shapes,
+                                    reply_bound)
+from moeswarm.worker.replies import AwaitRoom, check_reply_bytes, reply_room, watch_replies
 from moeswarm.worker.memory import release_freed_memory
 from moeswarm.worker.merge import merge, merge_key, partners, split
 from moeswarm.worker.runner import CANCELLED, DECLINED, ComputeRunner, WorkerBusy
-from moeswarm.worker.session import Session, within
+from moeswarm.worker.session import Session
 
 if TYPE_CHECKING:
     from moeswarm.worker.store import ExpertStore
@@ -114,7 +115,8 @@ class WorkerServer:
             return StreamProtocol(asyncio.StreamReader(limit=2**16, loop=loop), self._serve, loop=loop, paused=tls)
 
         self._server = await loop.create_server(protocol, host, port, backlog=min(self.limits.max_connections, 4096))
-        self._watch = asyncio.create_task(self._watch_replies())
+        self._watch = asyncio.create_task(watch_replies(self._sessions, self.limits.frame_timeout_s,
+                                                         (self.failures, self.refusals)))
         return self._server.sockets[0].getsockname()[:2]
 
     async def serve_socket(self, sock: socket.socket) -> None:
@@ -230,26 +232,6 @@ class WorkerServer:
         session.post(ErrorReply("timeout", message).to_frame(0))
         session.writer.close()
 
-    async def _watch_replies(self) -> None:
-        """Once a second: close connections whose client took none of their written replies for
-        --frame-timeout (what they hold is then released), so a client that does not read holds
-        its reply bytes that long, not for the idle timeout."""
-        timeout = self.limits.frame_timeout_s
-        while True:
-            await asyncio.sleep(min(1.0, timeout / 4))
-            self.failures.tick()
-            self.refusals.tick()
-            now = time.monotonic()
-            for session in list(self._sessions.values()):
-                waiting = session.written_unsent
-                if waiting == 0 or waiting < session.last_waiting:
-                    session.progress_at = now
-                session.last_waiting = waiting
-                if waiting and now - session.progress_at > timeout and not session.writer.transport.is_closing():
-                    log.warning("closing connection from %s: replies not taken for %g s", session.peer, timeout)
-                    session.writer.transport.abort()
-                    session.wake()
-
     async def _next_frame(self, reader: asyncio.StreamReader, session: Session) -> bool:
         """Read and handle one frame; False when the connection is to close."""
         limits = self.limits
@@ -273,12 +255,15 @@ class WorkerServer:
             return False
         session.held_bytes_peak = max(session.held_bytes_peak, incoming.reserved)
         reply = self._handle(session, incoming)
-        if type(reply) is _AwaitRoom:  # the connection's unsent replies leave no room for this one yet
+        if type(reply) is AwaitRoom:  # the connection's unsent replies leave no room for this one yet
             try:
                 await session.wait_for_room(limits.idle_timeout_s, need=reply.owed)
             except asyncio.TimeoutError:
                 self.budget.give(incoming.reserved)
                 return self._fail(session, 0, "timeout", f"replies not read for {limits.idle_timeout_s:g} s: closing")
+            except BaseException:  # cancelled: the server closes
+                self.budget.give(incoming.reserved)
+                raise
             if session.writer.transport.is_closing():
                 self.budget.give(incoming.reserved)
                 return False
@@ -290,8 +275,8 @@ class WorkerServer:
                 return self._fail(session, 0, "timeout", f"replies not read for {limits.idle_timeout_s:g} s: closing")
         return True
 
-    def _handle(self, session: Session, incoming: Incoming) -> Frame | _AwaitRoom | None:
-        """The immediate reply to one frame, None when a DISPATCH went to the runner, or _AwaitRoom
+    def _handle(self, session: Session, incoming: Incoming) -> Frame | AwaitRoom | None:
+        """The immediate reply to one frame, None when a DISPATCH went to the runner, or AwaitRoom
         when it may go once the connection's unsent replies leave room for its RESULT.
 
         The frame's budget reservation is given back here, or when its DISPATCH is done.
@@ -319,7 +304,7 @@ class WorkerServer:
                 unsent = session.unsent
                 if unsent and unsent + owed > self.limits.max_unsent_bytes:
                     handed_over = True  # the body stays reserved while it waits
-                    return _AwaitRoom(owed, functools.partial(self._submit, session, incoming, frame, shapes, owed))
+                    return AwaitRoom(owed, functools.partial(self._submit, session, incoming, frame, shapes, owed))
                 handed_over = True
                 return self._submit(session, incoming, frame, shapes, owed)
             raise ProtocolError(f"unexpected opcode {frame.opcode.name} from a client")
@@ -338,7 +323,7 @@ class WorkerServer:
         queued, else the ERROR that answers it (its body's reservation is then given back)."""
         rid = incoming.header.request_id
         try:
-            self._reply_room(session, owed)
+            reply_room(self._sessions.values(), session, owed, self.limits.max_reply_bytes)
             shape = shapes.get("x")
             cost = shape[0] if shape else 1  # tokens: the compute thread is shared by them
             session.owe(owed)
@@ -358,16 +343,6 @@ class WorkerServer:
         except BaseException:
             self.budget.give(incoming.reserved)
             raise
-
-    def _reply_room(self, session: Session, owed: int) -> None:
-        """WorkerBusy unless a RESULT of `owed` bytes fits the worker's reply budget. A small one
-        always does while its connection holds little (bounded by connections x SMALL_FRAME_BYTES):
-        decode steps get through while others' large replies fill the budget."""
-        if owed + session.unsent <= SMALL_FRAME_BYTES:
-            return
-        held = sum(s.unsent for s in self._sessions.values())
-        if held + owed > self.limits.max_reply_bytes:
-            raise WorkerBusy(held, self.limits.max_reply_bytes, f"bytes of replies held and {owed} more asked")
 
     def _hello(self, session: Session, frame: Frame) -> Frame:
         first = not session.greeted  # only the first HELLO is activity: another one renews nothing
@@ -436,7 +411,8 @@ class WorkerServer:
             if not sized:
                 check_dispatch_size(frame.meta, self.limits, model_top_k=self.model_top_k)
             request = Dispatch.from_frame(frame)
-            return request, self._check_reply_bytes(request)
+            return request, check_reply_bytes(request, self.store.hidden_size, self.store.num_experts,
+                                              self.limits.max_unsent_bytes)
         except MoeSwarmError as error:
             if quiet:
                 return ErrorReply("bad_request", str(error)).to_frame(frame.request_id)
@@ -445,19 +421,6 @@ class WorkerServer:
         except Exception as error:  # a bug on our side: report it and keep serving
             log.exception("request %d failed", frame.request_id)
             return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(frame.request_id)
-
-    def _check_reply_bytes(self, request: Dispatch) -> int:
-        """S, the request's routed pairs; ProtocolError when its RESULT, at its exact size, would be over
-        what one connection may hold unsent: checked before any expert runs (integer arithmetic on S)."""
-        exact = request.mode == CombineMode.EXACT
-        routed = check_routing(request.top_k_index)
-        rows = routed if exact else request.hidden.shape[0]
-        size = reply_bytes(rows, self.store.hidden_size, request.wire_combine, min(routed, self.store.num_experts))
-        if size > self.limits.max_unsent_bytes:
-            raise ProtocolError(f"RESULT of {size} bytes would be over the limit of {self.limits.max_unsent_bytes} "
-                                "bytes a connection may hold unsent (worker flag --max-unsent-bytes): send fewer "
-                                "tokens per DISPATCH")
-        return routed
 
     def _answer(self, rid: int, request: Dispatch, routed: int, run: Callable[[Dispatch], Result]) -> Frame:
         """RESULT (or ERROR) frame for `request` (`routed`: its S), whose Result `run` gives."""
@@ -509,12 +472,3 @@ class WorkerServer:
         log.warning("closing connection from %s: %s", session.peer, printable(message))
         session.post(ErrorReply(code, message).to_frame(rid))
         return False
-
-
-class _AwaitRoom:
-    """A DISPATCH waiting for its connection's unsent replies to leave room for its RESULT."""
-
-    __slots__ = ("owed", "submit")
-
-    def __init__(self, owed: int, submit: Callable[[], Frame | None]):
-        self.owed, self.submit = owed, submit
