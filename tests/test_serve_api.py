@@ -140,6 +140,19 @@ def test_generated_logprobs_equal_a_local_forward_despite_speculation(client, lo
             assert list(top.values()) == values.tolist() and list(top) == [codec.decode([i]) for i in ids.tolist()]
 
 
+def test_streamed_echo_and_logprobs_equal_the_whole_answer(client):
+    options = dict(model="pymoe", prompt=PROMPT, max_tokens=4, logprobs=1, echo=True, temperature=0)
+    whole = client.completions.create(**options).choices[0]
+    tokens, values, text = [], [], ""
+    for chunk in client.completions.create(stream=True, **options):
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs:
+                tokens += choice.logprobs.tokens
+                values += choice.logprobs.token_logprobs
+    assert (text, tokens, values) == (whole.text, whole.logprobs.tokens, whole.logprobs.token_logprobs)
+
+
 def test_chat_logprobs_with_the_bundled_template(client, local):
     model, codec = local
     messages = [{"role": "user", "content": "a function that adds two numbers"}]
