@@ -76,6 +76,17 @@ def test_tls_handshakes_in_progress_hold_slots_until_the_hello_deadline(tmp_path
     assert all(r.exc_info is None for r in caplog.records)
 
 
+def test_the_hello_deadline_runs_from_accept_the_tls_handshake_included(tmp_path):
+    key = write_swarm_key(tmp_path / "swarm.key")
+    with serving(server_context(key), hello_timeout_s=1.0) as (_, address):
+        started = time.monotonic()
+        raw = socket.create_connection(address, timeout=WAIT_S)
+        time.sleep(0.6)  # a slow handshake, then no HELLO
+        sock = client_context(key).wrap_socket(raw)
+        expect_error(sock, 0, "timeout", "no HELLO within 1 s: closing")
+        assert time.monotonic() - started < 1.0 + 0.4
+
+
 def test_each_peer_address_has_its_own_cap():
     with serving(max_connections_per_peer=2, evict_after_s=60) as (_, address):
         held = [greeted(address), greeted(address)]

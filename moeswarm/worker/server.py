@@ -193,7 +193,7 @@ class WorkerServer:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session = Session(writer, self.limits.max_unsent_bytes)
-        session.slot = slot
+        session.slot, session.opened = slot, slot.opened  # the HELLO deadline runs from accept, TLS handshake included
         slot.busy = lambda: session.unsent > 0
         slot.evict = functools.partial(self._evict, session)
         self._sessions[task] = session
