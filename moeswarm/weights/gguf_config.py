@@ -21,7 +21,8 @@ from moeswarm.weights.gguf_support import require_supported
 
 
 def _common(f: GGUFFile) -> dict:
-    heads = int(f.require("attention.head_count"))
+    head_counts = f.require("attention.head_count")
+    heads = int(max(head_counts) if isinstance(head_counts, list) else head_counts)  # per layer in some
     hidden = int(f.require("embedding_length"))
     kv_heads = f.get("attention.head_count_kv", heads)
     config = dict(
@@ -302,6 +303,29 @@ def _hy_v3(f: GGUFFile) -> dict:
                 mlp_layer_types=["sparse" if layer in moe else "dense" for layer in range(layers)])
 
 
+def _laguna(f: GGUFFile) -> dict:
+    # Laguna: with a sliding window, layer 0 of every 4 global and the rest sliding (llama.cpp's
+    # pattern; GGUF records none), each layer type with its own RoPE base and rotary width; gated
+    # attention; per-layer head counts; leading dense layers.
+    layers, head_dim = int(f.require("block_count")), int(f.require("attention.key_length"))
+    window = int(f.get("attention.sliding_window", 0))
+    heads = f.require("attention.head_count")
+    dense = int(f.get("leading_dense_block_count", 0))
+    base = float(f.get("rope.freq_base", 10000.0))
+    rotary = int(f.get("rope.dimension_count", head_dim))
+    return dict(_experts(f, "num_experts"), model_type="laguna",
+                moe_intermediate_size=int(f.require("expert_feed_forward_length")),
+                shared_expert_intermediate_size=int(f.get("expert_shared_feed_forward_length", 0)),
+                num_attention_heads_per_layer=[int(n) for n in heads] if isinstance(heads, list) else [int(heads)] * layers,
+                mlp_layer_types=["dense" if layer < dense else "sparse" for layer in range(layers)],
+                layer_types=["full_attention" if not window or layer % 4 == 0 else "sliding_attention" for layer in range(layers)],
+                sliding_window=window or None,
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": base, "partial_rotary_factor": rotary / head_dim},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": float(f.get("rope.freq_base_swa", base)),
+                                          "partial_rotary_factor": int(f.get("rope.dimension_count_swa", rotary)) / head_dim}})
+
+
 def _period(layers: list[int], count: int) -> tuple[int, int]:
     """(period, offset) of evenly spaced layer indices (Jamba's attention and expert layers)."""
     if not layers:
@@ -348,6 +372,7 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "exaone-moe": _exaone_moe,
     "mellum": _mellum,
     "hy_v3": _hy_v3,
+    "laguna": _laguna,
 }
 
 

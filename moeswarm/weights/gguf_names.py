@@ -105,6 +105,7 @@ QUIRKS: dict[str, ArchQuirks] = {
     # gguf-py 0.19 does not know these architectures: another's name map, plus the one name it lacks.
     "mellum": ArchQuirks(names_as="qwen3moe", tensors=(("post_attention_layernorm.weight", ("ffn_norm.weight",)),)),
     "hy_v3": ArchQuirks(names_as="glm4moe", tensors=(("post_attention_layernorm.weight", ("ffn_norm.weight",)),)),
+    "laguna": ArchQuirks(names_as="afmoe", tensors=(("post_attention_layernorm.weight", ("ffn_norm.weight",)),)),
     "jamba": ArchQuirks(transforms=((r"mamba\.A_log$", a_log),), keep_float=(r"mamba\.dt_proj$",)),
 }
 

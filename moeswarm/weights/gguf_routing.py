@@ -63,6 +63,7 @@ ROUTING: dict[str, Routing] = {
     "exaone-moe": Routing("sigmoid", _grouped),
     "mellum": Routing("softmax", _fixed(norm_topk_prob=True)),
     "hy_v3": Routing("sigmoid", lambda f: dict(router_scaling_factor=float(f.get("expert_weights_scale", 1.0)))),  # renormalised
+    "laguna": Routing("sigmoid", lambda f: dict(moe_routed_scaling_factor=float(f.get("expert_weights_scale", 1.0)))),
     "afmoe": Routing("sigmoid", lambda f: dict(route_scale=float(f.get("expert_weights_scale", 1.0)))),  # renormalised
 }
 
