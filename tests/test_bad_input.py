@@ -145,7 +145,7 @@ def _with_meta(data: bytes, edit) -> bytes:
          ["combine codec 'i32' cannot carry the experts' outputs"]),
         (lambda: _dispatch_bytes(top_k_index=torch.tensor([[0] + [-1] * 64, [3] + [-1] * 64]),
                                  top_k_weights=torch.rand(2, 65)),
-         ["DISPATCH tensor 'ids' has top-k 65, over the limit of 64 (worker flag --max-top-k)"]),
+         ["DISPATCH tensor 'ids' has top-k 65, over the model's top-k of 2"]),  # the tiny model routes top-2
         (lambda: _with_meta(_dispatch_bytes(), lambda m: m["tensors"][0].__setitem__(3, [0, 2**31 - 1])),
          ["tensor 'x': shape [0, 2147483647] has no elements"]),
     ],
