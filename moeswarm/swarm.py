@@ -15,7 +15,9 @@ from moeswarm.dispatch.accounting import LayerCall
 from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.dispatch.health import DeadlinePolicy
 from moeswarm.dispatch.in_process import ByLayer, InProcess
+from moeswarm.dispatch.referee import Referee
 from moeswarm.dispatch.spot_check import SpotCheckPolicy
+from moeswarm.dispatch.taint import Taint
 from moeswarm.errors import MoeSwarmError
 from moeswarm.ids import WorkerId
 from moeswarm.model.backend import attach, set_overlap
@@ -87,8 +89,19 @@ class Swarm:
         """Counts of takedowns, failovers, readmissions, hedges, spot checks and bans so far."""
         return self._dispatcher.stats.to_dict()
 
+    def layer_call_number(self) -> int:
+        """How many remote layer calls have started (monotonic): record it before and after a step
+        to know which calls the step made."""
+        return self._dispatcher.call_number
+
+    def take_taints(self) -> list[Taint]:
+        """Holders banned since the last take, each with the layer calls that used its unchecked
+        answers (`Taint.hits(first, last)`): a sequence whose step made one of those calls must be
+        rolled back to before that step and recomputed."""
+        return self._dispatcher.take_taints()
+
     def standing(self) -> list[dict]:
-        """Per holder: up, banned, consecutive failures, last cause, round-trip quantiles (ms)."""
+        """Per holder: up, banned, degraded, consecutive failures, last cause, PING and round-trip quantiles (ms)."""
         return self._dispatcher.standing()
 
     def holdings(self) -> list[tuple[str, dict[int, tuple[int, ...]]]]:
@@ -203,6 +216,7 @@ def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, fo
         dispatcher = follow_swarm(following, config.discovery, links, source.fingerprint, num_experts, hidden_size,
                                   layers, config.tls, wire=wire, fanout=fanout, policy=policy, spot_checks=spot_checks)
     dispatcher.routing = RoutingStats(num_experts, source.fingerprint, model.config.model_type)
+    dispatcher.referee = Referee(source, num_experts, hidden_size)  # settles two holders' dispute itself
     dispatcher.accounting.paths = {link.address: kind for kind, link in chosen}
     whole = local.whole_layers() if local is not None else {}  # layers held whole here: no dispatch at all
     in_process = InProcess(whole, dispatcher.routing, dispatcher.accounting)

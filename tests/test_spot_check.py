@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_dispatcher import E, FakeWorker, _routing, answer, reference, tcp_dispatcher
 
-from moeswarm.dispatch.errors import ExpertsUnavailable
 from moeswarm.dispatch.spot_check import SpotCheckPolicy
+from moeswarm.errors import WorkerError
 from moeswarm.wire.config import CombineMode, WireConfig
 from moeswarm.wire.messages import Dispatch
 from moeswarm.wire.stream import send_frame
@@ -90,14 +90,104 @@ def test_honest_holders_are_never_banned_in_exact_and_lossy_modes(holders):
         dispatcher.close()
 
 
-def test_two_holders_that_disagree_with_no_third_are_both_banned(holders):
-    """Nobody can tell which one lied: neither is trusted again, and the call says so."""
+def test_two_holders_that_disagree_are_settled_by_the_backbone_not_both_banned(holders):
+    """Two holders, one lies: the backbone computes the rows itself (the referee) and bans only the liar."""
+    for liar_first in (True, False):
+        liar, honest = holders(lying("zeros"), None)
+        pair = [liar, honest] if liar_first else [honest, liar]
+        dispatcher = tcp_dispatcher(pair, spot_checks=SpotCheckPolicy(1.0, seed=6), referee=answer)
+        for call in range(4):
+            hidden, index, weights = _routing(6, 70 + call)
+            out = dispatcher.combine(dispatcher.dispatch(call % 2, hidden, index, weights))
+            assert torch.equal(out, reference(hidden, index, weights))
+        assert [h.banned for h in dispatcher.holders] == ([True, False] if liar_first else [False, True])
+        assert dispatcher.stats.disputes_settled == 1 and dispatcher.stats.referee_computations == 1
+        dispatcher.close()
+
+
+def test_two_holders_that_disagree_with_nothing_to_settle_it_fail_the_call_banning_neither(holders):
     liar, honest = holders(lying("zeros"), None)
     dispatcher = tcp_dispatcher([liar, honest], spot_checks=SpotCheckPolicy(1.0, seed=6))
     hidden, index, weights = _routing(6, 70)
-    with pytest.raises(ExpertsUnavailable, match="have no other usable holder"):
+    with pytest.raises(WorkerError, match="no third holder or local copy of those experts can settle") as caught:
         dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
-    assert [h.banned for h in dispatcher.holders] == [True, True]
+    assert "\n" not in str(caught.value) and liar.address in str(caught.value) and honest.address in str(caught.value)
+    assert [h.banned for h in dispatcher.holders] == [False, False]
+    dispatcher.close()
+
+
+def test_a_third_holder_settles_a_dispute_between_two(holders):
+    liar, a, b = holders(lying("zeros"), None, None)
+    dispatcher = tcp_dispatcher([liar, a, b], spot_checks=SpotCheckPolicy(1.0, seed=8))
+    for call in range(6):
+        hidden, index, weights = _routing(6, 80 + call)
+        assert torch.equal(dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights)),
+                           reference(hidden, index, weights))
+    assert [h.banned for h in dispatcher.holders] == [True, False, False]
+    assert dispatcher.stats.referee_computations == 0
+    dispatcher.close()
+
+
+def huge_row(reply_worker, conn, frame):
+    """Honest, except one row of every answer is 1e30 (finite)."""
+    result = answer(Dispatch.from_frame(frame))
+    result.outputs[0] = 1e30
+    send_frame(conn, result.to_frame(frame.request_id))
+
+
+@pytest.mark.parametrize("referee", [True, False])
+def test_a_finite_but_absurd_row_is_caught_without_a_spot_check_and_never_reaches_the_output(holders, referee):
+    """1e30 on one row passes the finite test; the norm gate catches it in the first call, a
+    third computation confirms, the liar is banned and the call's output is the honest one."""
+    liar, honest = holders(huge_row, None)
+    dispatcher = tcp_dispatcher([liar, honest], referee=answer if referee else None)  # no spot checks at all
+    for call in range(5):
+        hidden, index, weights = _routing(6, 90 + call)
+        out = dispatcher.combine(dispatcher.dispatch(call % 2, hidden, index, weights))
+        assert torch.equal(out, reference(hidden, index, weights))
+    assert dispatcher.holders[0].banned and "implausible RESULT" in dispatcher.holders[0].cause
+    assert not dispatcher.holders[1].banned and dispatcher.stats.implausible == 1
+    dispatcher.close()
+
+
+def test_honest_answers_pass_the_norm_gate_over_many_calls(holders):
+    a, b = holders(None, None)
+    dispatcher = tcp_dispatcher([a, b], spot_checks=SpotCheckPolicy(0.2, seed=9), referee=answer)
+    for call in range(60):
+        hidden, index, weights = _routing(1 + call % 17, 200 + call)
+        hidden = hidden * (0.1 + call % 7)  # inputs of varying scale
+        dispatcher.combine(dispatcher.dispatch(call % 2, hidden, index, weights))
+    assert dispatcher.stats.implausible == 0 and dispatcher.stats.bans == 0
+    dispatcher.close()
+
+
+def late_liar(after: int):
+    """Honest for `after` dispatches, then zeros."""
+    def reply(worker, conn, frame):
+        result = answer(Dispatch.from_frame(frame))
+        if worker.dispatches > after:
+            result.outputs.zero_()
+        send_frame(conn, result.to_frame(frame.request_id))
+    return reply
+
+
+def test_a_ban_reports_every_call_that_used_the_liars_unchecked_answers(holders):
+    """The taint covers every call whose output the lie changed, and no call before the liar served."""
+    liar, a, b = holders(late_liar(5), None, None)
+    dispatcher = tcp_dispatcher([liar, a, b], spot_checks=SpotCheckPolicy(0.03, seed=11))
+    wrong = []
+    for call in range(1, 400):
+        hidden, index, weights = _routing(4, 300 + call)
+        out = dispatcher.combine(dispatcher.dispatch(call % 2, hidden, index, weights))
+        if not torch.equal(out, reference(hidden, index, weights)):
+            wrong.append(dispatcher.call_number)
+        if dispatcher.holders[0].banned:
+            break
+    assert dispatcher.holders[0].banned and wrong
+    (taint,) = dispatcher.take_taints()
+    assert taint.holder == liar.address and dispatcher.take_taints() == []
+    assert all(taint.hits(call, call) for call in wrong)
+    assert taint.first <= wrong[0] and taint.runs[-1][1] < dispatcher.call_number  # the banning call was redone
     dispatcher.close()
 
 

@@ -68,6 +68,11 @@ class Resilience:
     checks_dropped: int = 0  # the checking holder failed first
     check_failures: int = 0  # answers that differed from their recomputation
     bans: int = 0
+    implausible: int = 0  # answers whose row norms were far above the layer's running statistics
+    disputes_settled: int = 0  # two holders disagreed and a third computation said who lied
+    disputes_unsettled: int = 0  # ... and nothing could (the call failed, nobody was banned)
+    referee_computations: int = 0  # third computations by the backbone itself
+    pruned: int = 0  # holders that left the swarm, dropped from the lists
 
     def to_dict(self) -> dict[str, int]:
         return dict(vars(self))

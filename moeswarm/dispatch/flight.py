@@ -11,7 +11,10 @@ first and reacts:
   this call; when some experts have no usable holder left, `ExpertsUnavailable` names the
   holder, the layer and the experts;
 - a reply later than the holder's p95, with a replica holding all the part's experts, sends a
-  duplicate there: first good reply wins (identical in exact mode).
+  duplicate there: first good reply wins (identical in exact mode); a holder that keeps losing
+  hedges or missing deadlines is degraded (dispatch/health.py) and planned around;
+- an implausible reply (a row norm far above the layer's running statistics) is settled by a third
+  computation and its holder banned when that computation is plausible (dispatch/verify.py).
 
 Each expert's rows stay together whatever holder computes them, and `combine` adds experts in
 ascending order: exact mode stays bit-identical through failover, hedging and checks.
@@ -50,6 +53,7 @@ class Part:
     winner: int | None = None
     replaced: bool = False  # its rows were handed to other parts
     verifiers: list["Part"] = field(default_factory=list)  # role SERVE: open spot-check parts
+    confirmed: bool = False  # role SERVE: a spot check computed the same answer
 
     @property
     def done(self) -> bool:
@@ -65,6 +69,7 @@ class Attempt:
     timeout_s: float  # the deadline's distance from the send, for the message
     hedge_at: float | None  # time.monotonic(); None: not hedged
     hedge: bool = False  # this attempt is itself a hedged duplicate
+    hedged: bool = False  # a duplicate of it was sent
 
 
 class Flight(Verification):
@@ -112,7 +117,8 @@ class Flight(Verification):
         rows = part.share.tokens.numel()
         now = time.monotonic()
         hedge_after = None if hedge or part.role != SERVE else holder.hedge_after_s(rows)
-        timeout = holder.deadline_s(rows)
+        early = not holder.measured and self.d.replica_for(self.layer, share_experts(part.share), {worker}) is not None
+        timeout = holder.deadline_s(rows, early)
         self.open.append(Attempt(part, worker, pending, now + timeout, timeout,
                                  None if hedge_after is None else now + hedge_after, hedge))
         self.bytes_out += pending.bytes_out
@@ -133,10 +139,14 @@ class Flight(Verification):
             for attempt in [a for a in self.open if a.deadline <= now]:
                 if attempt in self.open:
                     self.d.stats.deadline_misses += 1
+                    late = self.d.holders[attempt.worker]
+                    late.strike(now)
+                    if not late.measured:  # a first deadline was too short for it: allow it more next time
+                        late.early_scale *= 4
                     self._holder_failed(attempt.worker, f"no reply within its deadline of {attempt.timeout_s:.3g} s "
                                                         "(worker stalled or overloaded?)")
             for attempt in [a for a in self.open if a.hedge_at is not None and a.hedge_at <= now]:
-                attempt.hedge_at = None
+                attempt.hedge_at, attempt.hedged = None, True
                 self._hedge(attempt.part, attempt.worker)
             if self.error is not None or not self.open:
                 continue
@@ -182,6 +192,14 @@ class Flight(Verification):
         for twin in self._attempts_of(part):
             self.open.remove(twin)
             self.d.links[twin.worker].forget(twin.pending)
+            if attempt.hedge and not twin.hedge:  # the hedge won: the holder it stood in for lost one
+                self.d.holders[twin.worker].strike(time.monotonic())
+        if not attempt.hedge and not attempt.hedged:  # answered in time, before any duplicate
+            self.d.holders[attempt.worker].on_time()
+        implausible = part.role == SERVE and attempt.worker not in self.d.trusted and self.d.gate.problem(self.layer, reply.result.outputs, part.request.hidden)
+        if implausible:  # (a check's answer is compared instead: a difference is settled the same way)
+            self._implausible(part, attempt.worker, implausible)
+            return
         if part.role == SERVE and attempt.worker not in self.d.trusted and self.d.checker.draw():
             self._spot_check(part)
         elif part.role == CHECK:
@@ -258,10 +276,18 @@ class Flight(Verification):
         return [(p.share, p.reply, p.winner) for p in self.parts
                 if p.role == SERVE and p.reply is not None and not p.replaced]
 
+    def unchecked(self) -> set[int]:
+        """The holders (not trusted) whose answers count in this call without a spot check confirming them."""
+        return {p.winner for p in self.parts if p.role == SERVE and p.reply is not None and not p.replaced
+                and not p.confirmed and p.winner not in self.d.trusted and p.winner >= 0}
+
 
 def ready_or_down(dispatcher: "Dispatcher", worker: int) -> None:
     """Reconnect a usable holder's broken link before use; a failure takes it down."""
+    holder = dispatcher.holders[worker]
     try:
         ready(dispatcher.links[worker], dispatcher.policy.probe_timeout_s)
+        if holder.ping_s is None and worker not in dispatcher.trusted and holder.usable:
+            holder.ping_s = dispatcher.links[worker].ping(dispatcher.policy.probe_timeout_s)  # its first deadline
     except (WorkerError, MoeSwarmError, OSError) as error:
         dispatcher.take_down(WorkerId(worker), getattr(error, "cause", str(error)))

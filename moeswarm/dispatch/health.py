@@ -2,16 +2,22 @@
 
 Deadlines follow what a holder has shown: `multiple` x its recent p99 round trip (scaled up for
 a request with more rows than its typical one), never under `floor_s`, never over `cap_s` (the
-`--reply-timeout`). Until `min_samples` calls are measured the cap applies: a first prefill on a
-slow machine must not be mistaken for a failure. A reply later than the holder's p95 may be
-hedged (sent again to a replica); a holder that failed is out of use until a probe (reconnect:
-HELLO, then PING) succeeds, tried with exponential backoff. A holder caught lying by a spot check
-is banned for the session.
+`--reply-timeout`). Until `min_samples` calls are measured, a holder whose PING round trip is
+known and whose rows a replica could take gets a first deadline from it: `multiple` x the PING,
+at least `floor_s`, plus `row_allowance_s` per row for compute (a worker answering 10 s late is
+failed over within its first calls); each such miss quadruples that holder's allowance, so a
+slow machine's first prefill is not mistaken twice. Otherwise the cap applies. A reply later
+than the holder's p95 may be hedged (sent again to a replica); a holder that failed is out of
+use until a probe (reconnect: HELLO, then PING) succeeds, tried with exponential backoff. A
+holder that keeps losing hedges or missing deadlines (`degraded_after` strikes in a row) is
+degraded for `degraded_s`: calls go to a replica where one exists. A holder caught lying is
+banned for the session.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -30,6 +36,9 @@ class DeadlinePolicy:
     backoff_s: float = 0.5  # first wait before a failed holder is probed again; doubles each failure
     backoff_max_s: float = 30.0
     probe_timeout_s: float = 2.0  # connect, HELLO and PING of a probe
+    row_allowance_s: float = 0.02  # first deadline (from the PING): compute time allowed per row
+    degraded_after: int = 3  # hedges lost or deadlines missed in a row
+    degraded_s: float = 60.0  # how long a degraded holder is avoided where a replica exists
 
 
 class RoundTrips:
@@ -83,6 +92,10 @@ class Holder:
     failures: int = 0  # consecutive, since the last admission
     retry_at: float = 0.0  # time.monotonic() of the next probe while down
     cause: str = ""  # why it went down or was banned
+    ping_s: float | None = None  # the PING round trip, once measured
+    early_scale: float = 1.0  # x the first deadline's allowance: grows with each early miss
+    strikes: int = 0  # hedges lost or deadlines missed in a row
+    degraded_until: float = 0.0  # time.monotonic()
 
     def __post_init__(self) -> None:
         self.round_trips = RoundTrips(self.policy.window)
@@ -91,10 +104,22 @@ class Holder:
     def usable(self) -> bool:
         return self.up and not self.banned
 
-    def deadline_s(self, rows: int) -> float:
+    @property
+    def degraded(self) -> bool:
+        return self.degraded_until > 0 and time.monotonic() < self.degraded_until
+
+    @property
+    def measured(self) -> bool:
+        return len(self.round_trips) >= self.policy.min_samples
+
+    def deadline_s(self, rows: int, early: bool = False) -> float:
+        """The deadline of a request of `rows` rows; early: a replica could take them (the first
+        deadline from the PING applies while unmeasured)."""
         p = self.policy
         if len(self.round_trips) < p.min_samples:
-            return p.cap_s
+            if not early or self.ping_s is None:
+                return p.cap_s
+            return min(p.cap_s, self.early_scale * (max(p.floor_s, p.multiple * self.ping_s) + rows * p.row_allowance_s))
         return min(p.cap_s, max(p.floor_s, p.multiple * self.round_trips.quantile(0.99, rows)))
 
     def hedge_after_s(self, rows: int) -> float | None:
@@ -103,6 +128,15 @@ class Holder:
         if not p.hedge or len(self.round_trips) < p.hedge_min_samples:
             return None
         return self.round_trips.quantile(0.95, rows)
+
+    def strike(self, now: float) -> None:
+        """A hedge lost or a deadline missed: `degraded_after` in a row degrade the holder."""
+        self.strikes += 1
+        if self.strikes >= self.policy.degraded_after:
+            self.degraded_until, self.strikes = now + self.policy.degraded_s, 0
+
+    def on_time(self) -> None:
+        self.strikes = 0
 
     def fail(self, now: float, cause: str) -> None:
         self.up = False

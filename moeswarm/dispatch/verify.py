@@ -1,7 +1,16 @@
-"""Spot checks inside a layer call: send a drawn answer's rows to another holder, compare, and
-when they differ find out who lied (the backbone decides when it checked; otherwise a third
-holder; with no third, neither holder is trusted again). The liar is banned and whatever it
-answered in this call is redone from trusted results (dispatch/spot_check.py compares).
+"""Spot checks and implausible answers inside a layer call: who lied, settled by a third computation.
+
+A drawn answer's rows go to another holder and are compared when it answers. On a difference,
+a third computation settles it: the backbone's own when it was the checker (it is trusted), else a
+third holder, else the backbone computing the rows itself (the dispatcher's `referee`, loading
+those experts from the model source). Whoever differs from the third computation lied and is
+banned; two holders that disagree are never both banned on each other's word. With nothing to
+settle it the call fails naming both, and neither is banned. An implausible answer (a row norm
+far above the layer's running statistics, dispatch/plausible.py) is settled the same way: when
+a third computation is implausible too, the answer stands.
+
+The liar's answers in this call are redone from trusted results (dispatch/spot_check.py
+compares); its unchecked answers in earlier calls are reported by the dispatcher's taint ledger.
 
 A mixin of `Flight` (dispatch/flight.py): it uses the flight's parts, open attempts and helpers.
 """
@@ -14,14 +23,16 @@ from typing import TYPE_CHECKING
 from moeswarm.dispatch.checks import result_problem
 from moeswarm.dispatch.plan import share_experts
 from moeswarm.dispatch.spot_check import disagreement
-from moeswarm.errors import WorkerError
+from moeswarm.errors import MoeSwarmError, WorkerError, one_line
 from moeswarm.ids import WorkerId
 from moeswarm.transport.fanout import ready, send
+from moeswarm.transport.link import Reply
 
 if TYPE_CHECKING:
     from moeswarm.dispatch.flight import Part
 
 SERVE, CHECK = "serve", "check"
+REFEREE = -1  # the winner of a part the backbone computed itself (dispatcher `referee`)
 
 
 class Verification:
@@ -48,24 +59,50 @@ class Verification:
         checked.verifiers = []
 
     def _verify(self, checked: Part) -> None:
-        """Compare; on a difference, find out who lied (the backbone, else a third holder, decides)."""
+        """Compare; on a difference, a third computation says who lied."""
         (verifier,), checked.verifiers = checked.verifiers, []
         verifier.replaced = True
         if self._differs(checked, verifier) is None:
+            checked.confirmed = True
             return
         self.d.stats.check_failures += 1
         if verifier.winner in self.d.trusted:
             liars, trusted = {checked.winner}, verifier
         else:
             arbiter = self._arbitrate(checked, {checked.winner, verifier.winner})
-            if arbiter is None:  # two holders disagree and nobody can tell which lied: neither is used again
-                liars, trusted = {checked.winner, verifier.winner}, None
-            else:
-                liars = {p.winner for p in (checked, verifier) if self._differs(p, arbiter) is not None}
-                trusted = arbiter
+            if arbiter is None:
+                self.d.stats.disputes_unsettled += 1
+                self.error = WorkerError(
+                    self.d.links[checked.winner].address,
+                    f"answered layer {self.layer} experts {share_experts(checked.share)} differently from "
+                    f"{self.d.links[verifier.winner].address}, and no third holder or local copy of those experts "
+                    "can settle which one lied (neither is banned)")
+                return
+            self.d.stats.disputes_settled += 1
+            liars = {p.winner for p in (checked, verifier) if self._differs(p, arbiter) is not None}
+            trusted = verifier if verifier.winner not in liars else arbiter
+        checker = self.d.address_of(trusted.winner if trusted is not None else verifier.winner)
+        self._convict(liars, checked, trusted, f"failed a spot check at layer {self.layer} (settled by {checker})")
+
+    def _implausible(self, part: Part, worker: int, problem: str) -> None:
+        """`part` just got `worker`'s implausible answer: a third computation confirms before a ban."""
+        self.d.stats.implausible += 1
+        arbiter = self._arbitrate(part, {worker})
+        if arbiter is not None and self.d.gate.problem(self.layer, arbiter.reply.result.outputs,
+                                                        part.request.hidden) is not None:
+            return  # the third computation is as large: the statistics were wrong, not the holder
+        if arbiter is None:  # nothing to confirm with: out of use (probed later), not banned
+            part.reply, part.winner = None, None
+            self._holder_failed(worker, problem)
+            if not part.done and not self._attempts_of(part):
+                self._lost(part, worker, problem)
+            return
+        self._convict({worker}, part, arbiter, problem)
+
+    def _convict(self, liars: set[int], checked: Part, trusted: Part | None, cause: str) -> None:
+        """Ban `liars`; `checked`'s rows come from `trusted`, and every other answer of a liar in this call is redone."""
         for liar in sorted(liars):
-            self.d.ban(WorkerId(liar), f"failed a spot check at layer {self.layer} "
-                                       f"(checked by {self.d.links[verifier.winner].address})")
+            self.d.ban(WorkerId(liar), cause)
         if checked.winner in liars:
             if trusted is not None:  # the recomputed rows replace the liar's
                 trusted.role, trusted.checks, trusted.replaced = SERVE, None, False
@@ -78,10 +115,10 @@ class Verification:
             if part.role == SERVE and part.winner in liars and not part.replaced:
                 part.reply, part.winner = None, None
         for liar in sorted(liars):
-            self._holder_failed(liar, "banned after a failed spot check")
+            self._holder_failed(liar, "banned: " + cause)
         for part in list(self.parts):
             if part.role == SERVE and not part.done and not self._attempts_of(part):
-                self._lost(part, next(iter(liars)), "banned after a failed spot check")
+                self._lost(part, next(iter(liars)), "banned: " + cause)
 
     def _differs(self, part: Part, other: Part) -> str | None:
         wire = self.d.wire
@@ -90,7 +127,8 @@ class Verification:
                             (part.share, part.reply.result), [(other.share, other.reply.result)])
 
     def _arbitrate(self, checked: Part, exclude: set[int]) -> Part | None:
-        """A third holder's answer to `checked`'s rows, awaited here (rare: only after a difference)."""
+        """A third computation of `checked`'s rows, awaited here (rare: only after a difference): a
+        third holder's, else the backbone's own (the referee); None when neither can be had."""
         while (target := self.d.replica_for(self.layer, share_experts(checked.share), exclude)) is not None:
             link = self.d.links[target]
             try:
@@ -107,5 +145,14 @@ class Verification:
                 exclude = exclude | {target}
                 continue
             return type(checked)(checked.share, checked.request, CHECK, checked, {target}, reply, target)
-        return None
-
+        if self.d.referee is None:
+            return None
+        started = time.perf_counter()
+        try:
+            result = self.d.referee(checked.request)
+        except (MoeSwarmError, OSError, ValueError) as error:
+            self.d.referee_error = one_line(error)
+            return None
+        reply = Reply(result, 0, time.perf_counter() - started)
+        self.d.stats.referee_computations += 1
+        return type(checked)(checked.share, checked.request, CHECK, checked, set(), reply, REFEREE)

@@ -1,0 +1,55 @@
+"""Is a RESULT plausible? Each row's norm against what the layer's answers have shown so far.
+
+A liar can answer finite values that are absurd (1e30 on one row): the exact comparison catches
+it only when its share is spot-checked. Here every answer's rows are measured (the max norm,
+largest |value| of a row, which no finite row overflows; vectorised, O(n x d), no per-row Python) against the layer's running statistics: the largest log10 row
+norm of an answer, smoothed over answers (an EMA). A row more than `decades` above it is
+implausible. Until `warmup` answers of the layer were seen, the bound is relative to the rows
+sent instead: `bootstrap` x their largest norm (an expert's output is a weighted MLP of a
+normalised hidden state; nothing honest is 10^4 times larger).
+
+Legend: n = rows of a RESULT, d = hidden size, T_w = rows sent to the worker.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class NormGate:
+    def __init__(self, decades: float = 3.0, warmup: int = 8, bootstrap: float = 1e4, alpha: float = 0.05):
+        self.decades, self.warmup, self.bootstrap, self.alpha = decades, warmup, bootstrap, alpha
+        self._ema: dict[int, float] = {}  # layer -> smoothed log10 of an answer's largest row norm
+        self._seen: dict[int, int] = {}  # layer -> answers learned from
+
+    def bound(self, layer: int, hidden: torch.Tensor) -> float:
+        """The largest plausible row norm of an answer to `hidden` [T_w, d] at `layer`."""
+        if self._seen.get(layer, 0) < self.warmup:
+            sent = float(hidden.abs().amax()) if hidden.numel() else 1.0
+            return self.bootstrap * max(1.0, sent if math.isfinite(sent) else 1.0)
+        return 10.0 ** (self._ema[layer] + self.decades)
+
+    def problem(self, layer: int, outputs: torch.Tensor, hidden: torch.Tensor) -> str | None:
+        """What is implausible about `outputs` [n, d] answering `hidden` [T_w, d], or None; a
+        plausible answer is learned from."""
+        if outputs.numel() == 0:
+            return None
+        norms = outputs.abs().amax(dim=1)  # [n]
+        top = float(norms.max())
+        if not math.isfinite(top):  # non-finite rows for non-finite inputs: checks.py judged them
+            return None
+        bound = self.bound(layer, hidden)
+        if top > bound:
+            over = int((norms > bound).sum())
+            return (f"implausible RESULT: {over} of {norms.numel()} rows have a norm above {bound:.3g} "
+                    f"(largest {top:.3g}) for layer {layer}")
+        self._learn(layer, math.log10(max(top, 1e-30)))
+        return None
+
+    def _learn(self, layer: int, log_top: float) -> None:
+        seen = self._seen.get(layer, 0)
+        self._seen[layer] = seen + 1
+        previous = self._ema.get(layer)
+        self._ema[layer] = log_top if previous is None else previous + self.alpha * (log_top - previous)
