@@ -12,6 +12,9 @@ round trips, and a fresh connect + HELLO, in each phase:
 
 Reported per phase: p50 and p99 (ms) of each round trip, the worker's RSS (MB) at the end of
 the phase, RESULTs that differ from the first one (wrong_results) and ERROR replies by code.
+
+`moeswarm bench flood --amplification` runs the reply-amplification attack instead
+(bench/amplification.py).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ def run_flood(half_open: int = 200, flooders: int = 4, samples: int = 300) -> di
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model("qwen2_moe", Path(tmp) / "qwen2_moe"))
         fingerprint = open_source(model).fingerprint
-        with spawn_worker(model, range(8)) as (address, process):
+        # every client here is on 127.0.0.1: the per-address cap would refuse the floods before they start
+        per_peer = ("--max-connections-per-peer", str(half_open + flooders + 16))
+        with spawn_worker(model, range(8), per_peer) as (address, process):
             worker = psutil.Process(process.pid)
             client = _Client(address, fingerprint)
             result = {"half_open": half_open, "flooders": flooders, "samples": samples}
