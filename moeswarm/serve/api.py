@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
-import secrets
 from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
@@ -28,15 +26,14 @@ from moeswarm.serve.dashboard import PAGE, SAMPLE_S, History, dashboard_data
 from moeswarm.serve.engine import Engine
 from moeswarm.serve.grammar import GrammarUnavailable, Grammars
 from moeswarm.serve.metrics import ServeMetrics
-from moeswarm.serve.responses import APIError, Shapes, error_body
+from moeswarm.serve.guard import Guard
+from moeswarm.serve.responses import APIError, Shapes, error_body, validation_message, validation_param
 from moeswarm.serve.runs import Ask, Prompt, Run
 from moeswarm.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling, TokenizeRequest
 from moeswarm.serve.tools import call_schema, template_tools
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions
 RETRY_AFTER_S = 1
-OPEN_ROUTES = ("/health", "/")  # answered without the API key (the page holds no data: it fetches /v1/dashboard)
 
 
 @dataclass
@@ -71,7 +68,7 @@ def create_app(state: ServeState, cors_origins: list[str] | None = None) -> Fast
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError):
-        return JSONResponse(error_body(400, _validation_message(error), param=_validation_param(error)), status_code=400)
+        return JSONResponse(error_body(400, validation_message(error), param=validation_param(error)), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
@@ -199,61 +196,6 @@ def _sampling(state: ServeState):
     return lifespan
 
 
-class Guard:
-    """The key and body-size checks before any route, and the request count after it. A plain ASGI
-    middleware (not @app.middleware, whose wrapped `receive` never reports that the client went away):
-    a route waiting for a whole answer sees its client leave."""
-
-    def __init__(self, app, state: ServeState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = 500  # what a route that raised before answering ends in
-
-        async def send_and_note(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        request = Request(scope)
-        try:
-            _check_key(self.state, request)
-            _check_body_size(request)
-        except APIError as error:
-            response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-            await response(scope, receive, send_and_note)
-        else:
-            try:
-                await self.app(scope, receive, send_and_note)
-            finally:
-                route = getattr(scope.get("route"), "path", "other")
-                self.state.metrics.requests.labels(route, str(status)).inc()
-            return
-        self.state.metrics.requests.labels("other", str(status)).inc()
-
-
-def _check_key(state: ServeState, request: Request) -> None:
-    if state.api_key is None or request.url.path in OPEN_ROUTES:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
-        raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key")
-
-
-def _check_body_size(request: Request) -> None:
-    if request.method != "POST":
-        return
-    length = request.headers.get("content-length")
-    if length is None:
-        raise APIError(411, "a POST body needs a Content-Length header")
-    if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-        raise APIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
-
-
 def _engine(state: ServeState, body: Sampling) -> Engine:
     if state.engine is None:
         raise APIError(503, f"not ready: {state.loading}")
@@ -331,26 +273,3 @@ async def _run(state: ServeState, engine: Engine, request: Request, body: Sampli
         return StreamingResponse(run.stream(include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await run.whole(request)
-
-
-def _validation_message(error: RequestValidationError) -> str:
-    problems = error.errors()
-    if not problems:
-        return "invalid request body"
-    first = problems[0]
-    if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}"
-    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    message = first.get("msg", "invalid").removeprefix("Value error, ")
-    return printable(f"{where}: {message}" if where else message, 500)
-
-
-def _validation_param(error: RequestValidationError) -> str | None:
-    problems = error.errors()
-    if not problems or problems[0].get("type") == "json_invalid":
-        return None
-    loc = [str(p) for p in problems[0].get("loc", ()) if p != "body"]
-    if loc:
-        return loc[0]
-    named = re.match(r"([A-Za-z_]\w*)[.\[:]", problems[0].get("msg", "").removeprefix("Value error, "))
-    return named.group(1) if named else None  # a check of the whole body names its field first

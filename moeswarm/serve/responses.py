@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
 
+from fastapi.exceptions import RequestValidationError
+
+from moeswarm.errors import printable
 from moeswarm.serve.job import Finished, TokenLogprob
 
 
@@ -129,3 +133,26 @@ class Shapes:
 def sse(data: dict | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def validation_message(error: RequestValidationError) -> str:
+    problems = error.errors()
+    if not problems:
+        return "invalid request body"
+    first = problems[0]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}"
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    message = first.get("msg", "invalid").removeprefix("Value error, ")
+    return printable(f"{where}: {message}" if where else message, 500)
+
+
+def validation_param(error: RequestValidationError) -> str | None:
+    problems = error.errors()
+    if not problems or problems[0].get("type") == "json_invalid":
+        return None
+    loc = [str(p) for p in problems[0].get("loc", ()) if p != "body"]
+    if loc:
+        return loc[0]
+    named = re.match(r"([A-Za-z_]\w*)[.\[:]", problems[0].get("msg", "").removeprefix("Value error, "))
+    return named.group(1) if named else None  # a check of the whole body names its field first
