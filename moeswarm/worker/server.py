@@ -9,10 +9,13 @@ running: a PONG may overtake a RESULT (replies carry their request id). RESULTs 
 connection leave in the order of its DISPATCHes.
 
 Everything the network sends is bounded before use (worker/limits.py, docs/protocol.md
-"Limits"): connections, frame sizes (smaller before HELLO), tokens and top-k per DISPATCH,
-requests queued per connection and in total, bytes of request bodies held, replies a client has
-not taken (reading its requests pauses beyond the bound), and the time a frame, a HELLO or an
-idle connection may take.
+"Limits"): connections (a TLS handshake in progress included, per peer address too; a quiet one
+makes room for a newcomer when full: worker/admission.py), frame sizes (smaller before HELLO),
+tokens and top-k per DISPATCH (top-k at most the model's), requests queued per connection and in
+total, bytes of request bodies held, each RESULT's size counted against its connection's bound
+and the worker's reply budget before it is computed (worker/replies.py), and the time a frame,
+a HELLO (from accept) or an idle connection (from its last DISPATCH) may take, or a client may
+leave its replies untaken.
 
 A bad frame gets an ERROR reply and the worker goes on serving. When the framing itself is
 broken (bad magic or version, a length over the limit, a truncated header or body, a frame that

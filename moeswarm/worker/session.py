@@ -8,10 +8,11 @@ for every other reply, the loop writes it (`send`, `post`). A lock orders the tw
 a direct send could not hand to the kernel (`tail`) go out before anything else the loop writes.
 
 Bytes of replies not yet taken by the client count as unsent: RESULTs still computing (bounded
-from their requests' shapes), replies waiting to be written, and the transport's buffer. The
-reader stops reading that connection's requests while they exceed `max_unsent_bytes`, so a
-client that pipelines requests and never reads cannot make the worker hold its replies without
-bound: at most the bound plus one request's RESULT (and what the kernel's socket buffers hold).
+from their requests' shapes before they are queued), replies waiting to be written, and the
+transport's buffer. A DISPATCH whose RESULT would take them over `max_unsent_bytes` waits
+(`wait_for_room(need=...)`) until the client took earlier ones, and no RESULT is larger than the
+bound (worker/replies.py), so a client that pipelines requests and never reads makes the worker
+hold at most the bound of its replies (besides what the kernel's socket buffers hold).
 """
 
 from __future__ import annotations
