@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from moeswarm.errors import MoeSwarmError
+from moeswarm.errors import MoeSwarmError, one_line
 
 
 class GrammarUnavailable(MoeSwarmError):
@@ -42,15 +42,21 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int):
         llg = _llguidance()
         self.vocab_size = vocab_size
-        self.tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        try:
+            self.tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        except Exception as error:  # a tokenizer llguidance cannot read (not a fast HF one, say)
+            raise GrammarUnavailable(f"structured output cannot use this model's tokenizer: {one_line(error)}") from None
 
     def json_schema(self, schema: dict) -> str:
         """The grammar of a JSON value matching `schema`, compactly spaced (a small model offered free
         whitespace may spend every token on it); ValueError
         naming the problem when llguidance cannot take the schema."""
         llg = _llguidance()
-        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
-        problem = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)  # "" when it compiles
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+            problem = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)  # "" when it compiles
+        except Exception as error:  # llguidance's own refusal of a schema, whatever its type
+            raise ValueError(one_line(error)) from None
         if problem:
             raise ValueError(" ".join(str(problem).split()))
         return grammar
