@@ -132,6 +132,9 @@ FAMILIES: dict[str, Family] = {
     "laguna": Family("laguna", dict(num_hidden_layers=4, sliding_window=6, moe_routed_scaling_factor=2.5,
                                     layer_types=["full_attention"] + ["sliding_attention"] * 3,
                                     mlp_layer_types=["dense"] + ["sparse"] * 3, num_attention_heads_per_layer=[4] * 4)),
+    # Cohere2-MoE: layers 0-2 sliding (window 6 < prompt, with RoPE), layer 3 global (NoPE); logit scale.
+    "cohere2_moe": Family("cohere2moe", dict(num_hidden_layers=4, sliding_window=6, logit_scale=0.5,
+                                             layer_types=["sliding_attention"] * 3 + ["full_attention"])),
 }
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96, 109, 122, 135, 148]

@@ -326,6 +326,24 @@ def _laguna(f: GGUFFile) -> dict:
                                           "partial_rotary_factor": int(f.get("rope.dimension_count_swa", rotary)) / head_dim}})
 
 
+def _cohere2moe(f: GGUFFile) -> dict:
+    # Cohere2-MoE: parallel attention and MoE on one LayerNorm; sliding-window layers (with RoPE)
+    # where the file's pattern says so, global ones without; the shared expert averaged with the
+    # routed ones (llama.cpp hard-codes the 0.5).
+    layers = int(f.require("block_count"))
+    pattern = f.get("attention.sliding_window_pattern") or [False] * layers
+    dense = int(f.get("leading_dense_block_count", 0))
+    return dict(_experts(f, "num_experts"), model_type="cohere2_moe",
+                intermediate_size=int(f.require("expert_feed_forward_length")),  # experts; shared: x num_shared
+                num_shared_experts=int(f.get("expert_shared_count", 0)), shared_expert_combination_strategy="average",
+                layer_norm_eps=float(f.get("attention.layer_norm_epsilon", 1e-5)),
+                # LayerNorm unless the file gives an RMS epsilon (llama.cpp's rule; transformers': rms_norm_eps None)
+                rms_norm_eps=float(rms) if (rms := f.get("attention.layer_norm_rms_epsilon")) is not None else None,
+                logit_scale=float(f.get("logit_scale", 1.0)), sliding_window=int(f.get("attention.sliding_window", 4096)),
+                layer_types=["sliding_attention" if sliding else "full_attention" for sliding in pattern],
+                mlp_layer_types=["dense" if layer < dense else "sparse" for layer in range(layers)])
+
+
 def _period(layers: list[int], count: int) -> tuple[int, int]:
     """(period, offset) of evenly spaced layer indices (Jamba's attention and expert layers)."""
     if not layers:
@@ -373,6 +391,7 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "mellum": _mellum,
     "hy_v3": _hy_v3,
     "laguna": _laguna,
+    "cohere2moe": _cohere2moe,
 }
 
 

@@ -106,6 +106,7 @@ QUIRKS: dict[str, ArchQuirks] = {
     "mellum": ArchQuirks(names_as="qwen3moe", tensors=(("post_attention_layernorm.weight", ("ffn_norm.weight",)),)),
     "hy_v3": ArchQuirks(names_as="glm4moe", tensors=(("post_attention_layernorm.weight", ("ffn_norm.weight",)),)),
     "laguna": ArchQuirks(names_as="afmoe", tensors=(("post_attention_layernorm.weight", ("ffn_norm.weight",)),)),
+    "cohere2moe": ArchQuirks(names_as="qwen2moe"),
     "jamba": ArchQuirks(transforms=((r"mamba\.A_log$", a_log),), keep_float=(r"mamba\.dt_proj$",)),
 }
 

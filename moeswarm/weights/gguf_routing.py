@@ -64,6 +64,7 @@ ROUTING: dict[str, Routing] = {
     "mellum": Routing("softmax", _fixed(norm_topk_prob=True)),
     "hy_v3": Routing("sigmoid", lambda f: dict(router_scaling_factor=float(f.get("expert_weights_scale", 1.0)))),  # renormalised
     "laguna": Routing("sigmoid", lambda f: dict(moe_routed_scaling_factor=float(f.get("expert_weights_scale", 1.0)))),
+    "cohere2moe": Routing("softmax", lambda f: dict(norm_topk_prob=bool(f.get("expert_weights_norm", False)))),
     "afmoe": Routing("sigmoid", lambda f: dict(route_scale=float(f.get("expert_weights_scale", 1.0)))),  # renormalised
 }
 

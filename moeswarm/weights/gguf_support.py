@@ -38,11 +38,11 @@ SUPPORTED: dict[str, str] = {
     "mellum": "mellum",
     "hy_v3": "hy_v3",
     "laguna": "laguna",
+    "cohere2moe": "cohere2_moe",
 }
 
 _NO_NAMES = "the gguf-py moeswarm reads with (0.19) has no tensor-name map for this architecture"
 UNSUPPORTED: dict[str, str] = {
-    "cohere2moe": _NO_NAMES,
     "hy_v4": _NO_NAMES,
     "granite_swa": _NO_NAMES,
     "deepseek32": _NO_NAMES,
