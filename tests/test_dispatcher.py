@@ -431,3 +431,31 @@ def test_a_failed_holder_is_probed_with_exponential_backoff():
     assert waits == [0.5, 1.0, 2.0, 3.0, 3.0] and not holder.usable
     holder.readmit()
     assert holder.usable and holder.failures == 0
+
+
+def test_holders_that_left_are_pruned_so_a_long_run_does_not_grow():
+    """Workers come and go 300 times: tombstones stay while young (indices stable), then are
+    dropped with their links; the lists stay bounded and every call stays exact."""
+    from moeswarm.dispatch.dispatcher import PRUNE_AT
+
+    dispatcher, links = _dispatcher()
+    dispatcher.prune_after_s = 3600.0  # only the count bound prunes at first
+    for round_ in range(300):
+        visitor = FakeLink(f"visitor-{round_}", list(range(E)))
+        dispatcher.add_link(visitor)
+        hidden, index, weights = _routing(4, 900 + round_)
+        assert torch.equal(dispatcher.combine(dispatcher.dispatch(round_ % 2, hidden, index, weights)),
+                           reference(hidden, index, weights))
+        dispatcher.remove_link(visitor)
+        dispatcher.apply_membership()
+        assert len(dispatcher.links) <= 2 + PRUNE_AT and len(dispatcher.gone) < PRUNE_AT
+    assert dispatcher.stats.pruned >= 300 - PRUNE_AT
+    assert [link.address for link in dispatcher.links[:2]] == ["a", "b"]  # the members keep their place
+    young = len(dispatcher.gone)
+    assert young > 0 and dispatcher.links[2].address.startswith("visitor")  # young tombstones are kept ...
+    dispatcher.prune_after_s = 0.0
+    hidden, index, weights = _routing(4, 1)
+    assert torch.equal(dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights)),
+                       reference(hidden, index, weights))
+    assert dispatcher.gone == set() and [link.address for link in dispatcher.links] == ["a", "b"]  # ... until due
+    assert [s["worker"] for s in dispatcher.standing()] == ["a", "b"]

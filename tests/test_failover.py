@@ -114,7 +114,9 @@ def test_stalled_worker_misses_its_deadline_and_its_share_moves(qwen2_moe, worke
         started = time.monotonic()
         result = _generate(swarm, reference)
         elapsed = time.monotonic() - started
+        stopped_standing = swarm.standing()[1]
         os.kill(processes[1].pid, signal.SIGCONT)
+        assert stopped_standing["up"] is False and stopped_standing["degraded"] is True  # not "up" while stopped
         assert result.bit_identical is True
         stats = swarm.resilience()
         assert stats["deadline_misses"] == 1 and stats["failovers"] >= 1
@@ -162,4 +164,113 @@ def test_hedging_cuts_the_tail_of_a_slow_worker(hedge):
     finally:
         dispatcher.close()
         slow.close()
+        fast.close()
+
+
+# -- slow holders: a first deadline from the PING, degraded holders avoided ----------------------
+
+
+def _late_from(n: int, seconds: float):
+    """Honest, but from the n-th DISPATCH on each answer comes `seconds` late (PING stays fast)."""
+    from test_dispatcher import honest_reply
+
+    def reply(worker, conn, frame):
+        if worker.dispatches >= n:
+            time.sleep(seconds)
+        honest_reply(worker, conn, frame)
+
+    return reply
+
+
+def test_a_worker_answering_10_s_late_is_failed_over_in_its_first_call_and_then_avoided():
+    """No call measured yet: the first deadline comes from the PING round trip (2 s floor here),
+    not the 120 s cap; the late holder is degraded and later calls go to the replica."""
+    import torch
+    from test_dispatcher import E, FakeWorker, _routing, reference as eager_sum, tcp_dispatcher
+
+    late, fast = FakeWorker(list(range(E)), _late_from(1, 10.0)), FakeWorker(list(range(E)))
+    dispatcher = tcp_dispatcher([late, fast])
+    try:
+        started = time.monotonic()
+        for call in range(6):
+            hidden, index, weights = _routing(2, 400 + call)
+            assert torch.equal(dispatcher.combine(dispatcher.dispatch(call % 2, hidden, index, weights)),
+                               eager_sum(hidden, index, weights))
+            if call == 0:
+                assert time.monotonic() - started < 4.0  # failed over after ~2 s, not 10 s or 120 s
+        assert time.monotonic() - started < 6.0  # and not paid again by the later calls
+        assert dispatcher.stats.deadline_misses == 1 and late.dispatches == 1
+        assert [s["degraded"] for s in dispatcher.standing()] == [True, False]
+        assert dispatcher.holders[0].ping_s is not None and dispatcher.holders[0].ping_s < 1.0
+    finally:
+        dispatcher.close()
+        late.close()
+        fast.close()
+
+
+def test_a_holder_that_keeps_losing_hedges_is_degraded_and_calls_go_elsewhere():
+    import torch
+    from test_dispatcher import E, FakeWorker, _routing, reference as eager_sum, tcp_dispatcher
+
+    from moeswarm.dispatch.health import DeadlinePolicy
+
+    slow, fast = FakeWorker(list(range(E)), _late_from(7, 0.3)), FakeWorker(list(range(E)))
+    policy = DeadlinePolicy(floor_s=3.0, min_samples=3, hedge_min_samples=3)
+    dispatcher = tcp_dispatcher([slow, fast], policy=policy)
+    try:
+        for call in range(30):
+            hidden, index, weights = _routing(3, 500 + call)
+            assert torch.equal(dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights)),
+                               eager_sum(hidden, index, weights))
+        assert dispatcher.stats.takedowns == 0  # 0.3 s is within its deadline: slow, not failed
+        assert dispatcher.stats.hedge_wins >= policy.degraded_after
+        assert dispatcher.standing()[0]["degraded"] is True and dispatcher.standing()[1]["degraded"] is False
+        dispatches = slow.dispatches
+        for call in range(10):
+            hidden, index, weights = _routing(3, 600 + call)
+            dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+        assert slow.dispatches == dispatches  # later calls went to the replica
+        assert max(c.seconds for c in dispatcher.accounting.calls[-10:]) < 0.25
+    finally:
+        dispatcher.close()
+        slow.close()
+        fast.close()
+
+
+def test_a_stalled_holder_does_not_stay_up():
+    """A holder that stops answering anything (as a SIGSTOPped process does: its kernel still
+    accepts connections) is down after its first missed deadline and stays down: probes fail."""
+    import threading
+
+    from test_dispatcher import E, FakeWorker, _routing, honest_hello, honest_reply, tcp_dispatcher
+
+    stopped = threading.Event()
+
+    def reply(worker, conn, frame):
+        if stopped.is_set():
+            time.sleep(30)
+        honest_reply(worker, conn, frame)
+
+    def hello(worker, frame):
+        if stopped.is_set():
+            time.sleep(30)
+        return honest_hello(worker, frame)
+
+    stalling, fast = FakeWorker(list(range(E)), reply, hello), FakeWorker(list(range(E)))
+    dispatcher = tcp_dispatcher([stalling, fast])
+    try:
+        hidden, index, weights = _routing(2, 700)
+        dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+        stopped.set()
+        started = time.monotonic()
+        for call in range(3):
+            hidden, index, weights = _routing(2, 701 + call)
+            dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+        assert dispatcher.standing()[0]["up"] is False
+        dispatcher.readmit(due_only=False)  # a probe: HELLO gets no answer
+        assert dispatcher.standing()[0]["up"] is False and dispatcher.standing()[1]["up"] is True
+        assert time.monotonic() - started < 10.0
+    finally:
+        dispatcher.close()
+        stalling.close()
         fast.close()

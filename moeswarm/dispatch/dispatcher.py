@@ -102,7 +102,7 @@ class Dispatcher:
         self.ledger = Ledger()  # per holder: the calls that used its unchecked answers
         self._taints: list[Taint] = []  # bans not yet taken
         self._flights: weakref.WeakSet[Flight] = weakref.WeakSet()  # dispatched, not yet combined (or dropped)
-        self._next_prune = float("inf")  # time.monotonic() when the oldest tombstone is due
+        self._oldest_gone = float("inf")  # time.monotonic() the oldest tombstone left
 
     @property
     def reply_timeout_s(self) -> float:
@@ -113,7 +113,7 @@ class Dispatcher:
         started = time.perf_counter()
         if self._membership:
             self.apply_membership()
-        elif time.monotonic() >= self._next_prune and not self._flights:
+        elif time.monotonic() - self._oldest_gone >= self.prune_after_s and not self._flights:
             self._prune()
         self.readmit(due_only=True)
         layer = LayerId(layer)
@@ -264,7 +264,7 @@ class Dispatcher:
         due = {w for w in self.gone if now - self._gone_at.get(w, now) >= self.prune_after_s or len(self.gone) >= PRUNE_AT}
         if due:
             self._drop(due)
-        self._next_prune = min(self._gone_at.values(), default=float("inf")) + self.prune_after_s
+        self._oldest_gone = min(self._gone_at.values(), default=float("inf"))
 
     def _drop(self, due: set[WorkerId]) -> None:
         keep = [i for i in range(len(self.links)) if i not in due]

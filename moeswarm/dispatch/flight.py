@@ -139,10 +139,7 @@ class Flight(Verification):
             for attempt in [a for a in self.open if a.deadline <= now]:
                 if attempt in self.open:
                     self.d.stats.deadline_misses += 1
-                    late = self.d.holders[attempt.worker]
-                    late.strike(now)
-                    if not late.measured:  # a first deadline was too short for it: allow it more next time
-                        late.early_scale *= 4
+                    self.d.holders[attempt.worker].stalled(now)
                     self._holder_failed(attempt.worker, f"no reply within its deadline of {attempt.timeout_s:.3g} s "
                                                         "(worker stalled or overloaded?)")
             for attempt in [a for a in self.open if a.hedge_at is not None and a.hedge_at <= now]:

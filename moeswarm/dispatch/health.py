@@ -5,12 +5,12 @@ a request with more rows than its typical one), never under `floor_s`, never ove
 `--reply-timeout`). Until `min_samples` calls are measured, a holder whose PING round trip is
 known and whose rows a replica could take gets a first deadline from it: `multiple` x the PING,
 at least `floor_s`, plus `row_allowance_s` per row for compute (a worker answering 10 s late is
-failed over within its first calls); each such miss quadruples that holder's allowance, so a
-slow machine's first prefill is not mistaken twice. Otherwise the cap applies. A reply later
+failed over within its first call); each such miss doubles that holder's first deadline, so a
+slow machine's first prefill is not mistaken twice in a row. Otherwise the cap applies. A reply later
 than the holder's p95 may be hedged (sent again to a replica); a holder that failed is out of
 use until a probe (reconnect: HELLO, then PING) succeeds, tried with exponential backoff. A
-holder that keeps losing hedges or missing deadlines (`degraded_after` strikes in a row) is
-degraded for `degraded_s`: calls go to a replica where one exists. A holder caught lying is
+holder that misses a deadline, or keeps losing hedges (`degraded_after` in a row), is degraded
+for `degraded_s`: calls go to a replica where one exists. A holder caught lying is
 banned for the session.
 """
 
@@ -37,7 +37,7 @@ class DeadlinePolicy:
     backoff_max_s: float = 30.0
     probe_timeout_s: float = 2.0  # connect, HELLO and PING of a probe
     row_allowance_s: float = 0.02  # first deadline (from the PING): compute time allowed per row
-    degraded_after: int = 3  # hedges lost or deadlines missed in a row
+    degraded_after: int = 3  # hedges lost in a row
     degraded_s: float = 60.0  # how long a degraded holder is avoided where a replica exists
 
 
@@ -94,7 +94,7 @@ class Holder:
     cause: str = ""  # why it went down or was banned
     ping_s: float | None = None  # the PING round trip, once measured
     early_scale: float = 1.0  # x the first deadline's allowance: grows with each early miss
-    strikes: int = 0  # hedges lost or deadlines missed in a row
+    strikes: int = 0  # hedges lost in a row
     degraded_until: float = 0.0  # time.monotonic()
 
     def __post_init__(self) -> None:
@@ -130,10 +130,20 @@ class Holder:
         return self.round_trips.quantile(0.95, rows)
 
     def strike(self, now: float) -> None:
-        """A hedge lost or a deadline missed: `degraded_after` in a row degrade the holder."""
+        """A hedge lost: `degraded_after` in a row degrade the holder."""
         self.strikes += 1
         if self.strikes >= self.policy.degraded_after:
-            self.degraded_until, self.strikes = now + self.policy.degraded_s, 0
+            self.degrade(now)
+
+    def stalled(self, now: float) -> None:
+        """A deadline missed: degraded at once; while unmeasured, its next first deadline doubles
+        (a slow machine's first prefill is not mistaken twice in a row)."""
+        self.degrade(now)
+        if not self.measured:
+            self.early_scale *= 2
+
+    def degrade(self, now: float) -> None:
+        self.degraded_until, self.strikes = now + self.policy.degraded_s, 0
 
     def on_time(self) -> None:
         self.strikes = 0
