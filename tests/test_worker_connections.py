@@ -76,6 +76,25 @@ def test_tls_handshakes_in_progress_hold_slots_until_the_hello_deadline(tmp_path
     assert all(r.exc_info is None for r in caplog.records)
 
 
+def test_a_stalled_tls_handshake_makes_room_for_a_keyed_backbone(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "moeswarm.worker")
+    key = write_swarm_key(tmp_path / "swarm.key")
+    with serving(server_context(key), max_connections=2, evict_after_s=0.3) as (server, address):
+        silent = [socket.create_connection(address, timeout=WAIT_S) for _ in range(2)]
+        wait_until(lambda: server.connections == 2)
+        time.sleep(0.4)
+        greeted_ = []
+        for rid in range(2):  # each takes the slot of a handshake that never began
+            greeted_.append(tls_greeted(address, key))
+            sent = request(seed=rid)
+            send_frame(greeted_[-1], sent.to_frame(2))
+            expect_result(greeted_[-1], sent, 2)
+        assert server.table.evicted == 2 and server.connections == 2
+        for s in silent + greeted_:
+            s.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
 def test_the_hello_deadline_runs_from_accept_the_tls_handshake_included(tmp_path):
     key = write_swarm_key(tmp_path / "swarm.key")
     with serving(server_context(key), hello_timeout_s=1.0) as (_, address):

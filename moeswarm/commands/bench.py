@@ -99,6 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flood.add_argument("--amplification", action="store_true",
                        help="instead: the reply-amplification attack (big DISPATCHes, one expert, never read) and "
                             "the worker's RSS before, at peak and after")
+    flood.add_argument("--handshakes", type=int, default=None, metavar="N",
+                       help="instead: N silent connections to a keyed worker, and a keyed backbone's wait to greet it")
     flood.add_argument("--connections", type=int, default=256, help="attack connections (--amplification; default 256)")
     flood.add_argument("--tokens", type=int, default=8185, help="tokens per attack DISPATCH (default 8185: the largest RESULT a default worker admits at top-8, d 128)")
     flood.add_argument("--top-k", type=int, default=8, help="slots per token, all one expert (default 8)")
@@ -107,8 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     faults = sub.add_parser("faults", help="generations through WAN faults and SIGKILL with a replica of every expert, "
                                            "the tail with one slow worker, spot checks against a liar (docs/failover.md)")
     faults.add_argument("--generations", type=int, default=100, help="generations, one random fault each (default 100)")
-    faults.add_argument("--parts", default="generations,tail,spot-checks",
-                        help="comma-separated parts to run: generations, tail, spot-checks (default: all)")
+    faults.add_argument("--parts", default="generations,tail,spot-checks,liars",
+                        help="comma-separated parts to run: generations, tail, spot-checks, liars (default: all)")
+    faults.add_argument("--liar-trials", type=int, default=3, help="trials per liar, check rate and holder count (default 3)")
     faults.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     faults.add_argument("--seed", type=int, default=0, help="seed of the faults drawn (default 0)")
     faults.add_argument("--json", action="store_true", help=JSON_HELP)
@@ -133,6 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     federation.add_argument("--new-tokens", type=int, default=16, help="tokens each backbone generates (default 16)")
     federation.add_argument("--wire", choices=("exact", "wan"), default="exact", help="wire preset (default exact)")
     federation.add_argument("--json", action="store_true", help=JSON_HELP)
+    drafters = sub.add_parser("drafters", help="tokens per verify step of the model-free drafters (ngram, suffix) on "
+                                                "held-out prompts and a file-editing workload (docs/drafts.md)")
+    drafters.add_argument("--json", action="store_true", help=JSON_HELP)
     fetch = sub.add_parser("fetch-slice", help="fetch-slice throughput from a seeder on loopback and through a "
                                                "100 Mbit/s emulated link (docs/slices.md)")
     fetch.add_argument("--size-mb", type=float, default=64.0, help="expert bytes of the random GGUF model (default 64)")
@@ -195,7 +201,11 @@ def run(args: argparse.Namespace) -> int:
 
         _print(run_fuzz(args.cases, args.seed, args.model, progress=_fuzz_progress), args.json)
     elif args.bench == "flood":
-        if args.amplification:
+        if args.handshakes is not None:
+            from moeswarm.bench.handshake_flood import run_handshake_flood
+
+            _print(run_handshake_flood(args.handshakes), args.json)
+        elif args.amplification:
             from moeswarm.bench.amplification import run_amplification
 
             _print(run_amplification(args.connections, args.tokens, args.top_k, args.hold), args.json)
@@ -206,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "faults":
         from moeswarm.bench.faults import print_report, run_faults
 
-        result = run_faults(args.model or str(demo_model()), args.generations, tuple(args.parts.split(",")), args.seed)
+        result = run_faults(args.model or str(demo_model()), args.generations, tuple(args.parts.split(",")), args.seed,
+                            args.liar_trials)
         print(json.dumps(result)) if args.json else print_report(result)
     elif args.bench == "worker":
         _run_worker(args)
@@ -226,6 +237,11 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_federation(args.model or str(demo_model()), args.new_tokens, wire=args.wire)
         print(json.dumps(result)) if args.json else print("\n".join(federation_lines(result)))
+    elif args.bench == "drafters":
+        from moeswarm.bench.drafters import run_drafters_bench, table_lines as drafter_lines
+
+        result = run_drafters_bench()
+        print(json.dumps(result)) if args.json else print("\n".join(drafter_lines(result)))
     elif args.bench == "fetch-slice":
         from moeswarm.bench.fetch_slice import report_lines as fetch_lines, run_fetch_bench
 

@@ -155,15 +155,21 @@ class StreamProtocol(asyncio.StreamReaderProtocol):
 async def handshake(writer: asyncio.StreamWriter, tls, timeout_s: float, failures: CountedLog) -> bool:
     """Run the server side of TLS on an accepted connection (already holding its slot) within
     `timeout_s`; False (failure counted, connection aborted) when it does not complete."""
+    plain = writer.transport
     try:
         async with asyncio.timeout(timeout_s):
             await writer.start_tls(tls, ssl_handshake_timeout=timeout_s)
-        return True
     except (TimeoutError, ConnectionError, OSError) as error:  # ssl.SSLError is an OSError
         cause = "TimeoutError" if isinstance(error, TimeoutError) else error_cause(error)
-        failures.note(f"TLS handshake: {cause}")
-        writer.transport.abort()
-        return False
+    except Exception:  # asyncio (3.11) fails so when the connection was closed mid-handshake (evicted)
+        cause = "closed during the handshake"
+    else:
+        return True
+    failures.note(f"TLS handshake: {cause}")
+    if writer.transport is None:  # left so by a failed start_tls: the writer keeps its own transport to close
+        writer._transport = plain
+    writer.transport.abort()
+    return False
 
 
 def peer_host(writer: asyncio.StreamWriter) -> str:
