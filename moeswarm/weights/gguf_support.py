@@ -57,6 +57,7 @@ UNSUPPORTED: dict[str, str] = {
     "glm-dsa": "not mapped yet: the DeepSeek sparse-attention indexer",
     "gemma4": "not mapped yet: Gemma 4's MoE block beside its dense MLP",
     "qwen3vlmoe": "a multimodal model: transformers 5.23 has no causal-LM class for its text model",
+    "glm5-next": "a multimodal model: transformers 5.23 has no causal-LM class for its text model",
 }
 
 
