@@ -135,6 +135,8 @@ FAMILIES: dict[str, Family] = {
     # Cohere2-MoE: layers 0-2 sliding (window 6 < prompt, with RoPE), layer 3 global (NoPE); logit scale.
     "cohere2_moe": Family("cohere2moe", dict(num_hidden_layers=4, sliding_window=6, logit_scale=0.5,
                                              layer_types=["sliding_attention"] * 3 + ["full_attention"])),
+    # Granite with SWA: layer 0 global, layer 1 sliding (window 6 < prompt); attention sinks.
+    "granitemoe_swa": Family("granite_swa", dict(_GRANITE, sliding_window=6, layer_types=["full_attention", "sliding_attention"])),
 }
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96, 109, 122, 135, 148]

@@ -84,6 +84,7 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "hy_v3": families.hy_v3,
     "laguna": families.laguna,
     "cohere2moe": families.cohere2moe,
+    "granite_swa": families.granite_swa,
 }
 
 

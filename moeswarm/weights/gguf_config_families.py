@@ -229,3 +229,15 @@ def cohere2moe(f: GGUFFile) -> dict:
                 logit_scale=float(f.get("logit_scale", 1.0)), sliding_window=int(f.get("attention.sliding_window", 4096)),
                 layer_types=["sliding_attention" if sliding else "full_attention" for sliding in pattern],
                 mlp_layer_types=["dense" if layer < dense else "sparse" for layer in range(layers)])
+
+
+def granite_swa(f: GGUFFile) -> dict:
+    # Granite with sliding-window layers (the file's pattern), a learnt attention sink per head, RoPE
+    # where `attention.rope_pattern` says (every layer when absent), and its fused shared MLP.
+    layers = int(f.require("block_count"))
+    pattern = f.get("attention.sliding_window_pattern") or [False] * layers
+    rope = f.get("attention.rope_pattern") or [True] * layers
+    base = float(f.get("rope.freq_base", 10000.0))
+    return dict(granitemoe(f), model_type="granitemoe_swa", sliding_window=int(f.require("attention.sliding_window")),
+                layer_types=["sliding_attention" if sliding else "full_attention" for sliding in pattern],
+                layer_rope_theta=[base if uses else 0.0 for uses in rope])

@@ -21,7 +21,8 @@ way is undone here, from the table entry (read from llama.cpp's conversion/*.py)
 
 Expert layouts: "gate_up": transformers' fused `gate_up_proj` [E, 2I, H] is ffn_gate_exps then
 ffn_up_exps; "gpt_oss": stored transposed, gate and up de-interleaved (transformers keeps them
-interleaved: gate = [..., ::2], up = [..., 1::2]); "up": no gate (Nemotron-H's squared-ReLU experts).
+interleaved: gate = [..., ::2], up = [..., 1::2]); "up": no gate (Nemotron-H's squared-ReLU experts);
+"fused": one ffn_gate_up_exps tensor, already transformers' gate_up_proj (Granite SWA).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ Transform = Callable[[torch.Tensor, object], torch.Tensor]  # (tensor as stored,
 @dataclass(frozen=True)
 class ArchQuirks:
     permute_qk: bool = False  # llama.cpp permuted q/k rows for its rotary layout
-    experts: str = "gate_up"  # "gate_up": [E, 2I, H] = cat(gate, up); "gpt_oss": [E, H, 2I] interleaved; "up"
+    experts: str = "gate_up"  # "gate_up": [E, 2I, H] = cat(gate, up); "gpt_oss": [E, H, 2I] interleaved; "up"; "fused"
     renames: tuple[tuple[str, str], ...] = ()  # (regex on the transformers name, re.sub replacement: a name TensorNameMap knows)
     merged: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (transformers name suffix, GGUF suffixes stacked on rows)
     transforms: tuple[tuple[str, Transform], ...] = ()  # (regex on the transformers name, inverse of the converter's maths)
@@ -107,6 +108,11 @@ QUIRKS: dict[str, ArchQuirks] = {
     "hy_v3": ArchQuirks(names_as="glm4moe", tensors=(("post_attention_layernorm.weight", ("ffn_norm.weight",)),)),
     "laguna": ArchQuirks(names_as="afmoe", tensors=(("post_attention_layernorm.weight", ("ffn_norm.weight",)),)),
     "cohere2moe": ArchQuirks(names_as="qwen2moe"),
+    # Its shared MLP stays fused (gate and up halves of ffn_up_shexp), as transformers keeps it.
+    "granite_swa": ArchQuirks(permute_qk=True, names_as="granitemoe", experts="fused", renames=_GRANITE.renames,
+                              tensors=(("shared_mlp.input_linear.weight", ("ffn_up_shexp.weight",)),
+                                       ("shared_mlp.output_linear.weight", ("ffn_down_shexp.weight",)),
+                                       ("self_attn.sinks", ("attn_sinks.weight",)))),
     "jamba": ArchQuirks(transforms=((r"mamba\.A_log$", a_log),), keep_float=(r"mamba\.dt_proj$",)),
 }
 
@@ -202,16 +208,17 @@ class NameMapper:
 
 
 def expert_tensor_names(layer: int) -> dict[str, str]:
-    """{role: GGUF name} of one layer's stacked routed-expert tensors (biases only in gpt-oss)."""
+    """{role: GGUF name} of one layer's stacked routed-expert tensors (biases only in gpt-oss; gate_up
+    where the converter keeps gate and up fused)."""
     return {
         f"{role}{kind}": f"blk.{layer}.ffn_{role}_exps.{'weight' if kind == '' else 'bias'}"
-        for role in ("gate", "up", "down") for kind in ("", "_bias")
+        for role in ("gate", "up", "down", "gate_up") for kind in ("", "_bias")
     }
 
 
 def expert_roles(quirks: ArchQuirks) -> tuple[str, ...]:
     """The stacked expert tensors a layer must have: gate, up, down; up and down without a gate."""
-    return ("up", "down") if quirks.experts == "up" else ("gate", "up", "down")
+    return {"up": ("up", "down"), "fused": ("gate_up", "down")}.get(quirks.experts, ("gate", "up", "down"))
 
 
 def fuse_experts(quirks: ArchQuirks, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -219,6 +226,8 @@ def fuse_experts(quirks: ArchQuirks, parts: dict[str, torch.Tensor]) -> dict[str
 
     parts: gate, up [n, I, H]; down [n, H, I]; optional gate_bias, up_bias [n, I], down_bias [n, H].
     """
+    if quirks.experts == "fused":
+        return {"gate_up_proj": parts["gate_up"], "down_proj": parts["down"]}  # [n, 2I, H] (gate rows, then up), [n, H, I]
     gate, up, down = parts.get("gate"), parts["up"], parts["down"]
     if quirks.experts == "gate_up":
         return {"gate_up_proj": torch.cat([gate, up], dim=1), "down_proj": down}  # [n, 2I, H], [n, H, I]

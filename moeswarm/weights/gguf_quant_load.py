@@ -37,6 +37,8 @@ def activation_of(module: torch.nn.Module, quirks: ArchQuirks) -> str | None:
     """The QuantExperts activation that reproduces `module`'s maths, or None (keep the family's module)."""
     if quirks.experts == "gpt_oss":
         return "gpt_oss" if hasattr(module, "alpha") and hasattr(module, "limit") else None
+    if quirks.experts != "gate_up":  # no gate (squared ReLU), or gate and up fused in one tensor
+        return None
     return "silu" if type(getattr(module, "act_fn", None)).__name__ in _SILU else None
 
 

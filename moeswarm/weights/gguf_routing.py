@@ -65,6 +65,7 @@ ROUTING: dict[str, Routing] = {
     "hy_v3": Routing("sigmoid", lambda f: dict(router_scaling_factor=float(f.get("expert_weights_scale", 1.0)))),  # renormalised
     "laguna": Routing("sigmoid", lambda f: dict(moe_routed_scaling_factor=float(f.get("expert_weights_scale", 1.0)))),
     "cohere2moe": Routing("softmax", lambda f: dict(norm_topk_prob=bool(f.get("expert_weights_norm", False)))),
+    "granite_swa": Routing("softmax"),  # softmax over the top-k logits, as granitemoe
     "afmoe": Routing("sigmoid", lambda f: dict(route_scale=float(f.get("expert_weights_scale", 1.0)))),  # renormalised
 }
 

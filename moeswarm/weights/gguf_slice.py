@@ -34,7 +34,7 @@ from moeswarm.weights.gguf_file import (
     GGUFFile,
 )
 
-EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
+EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|bias)$")
 
 
 def expert_layer(name: str) -> int | None:

@@ -39,12 +39,12 @@ SUPPORTED: dict[str, str] = {
     "hy_v3": "hy_v3",
     "laguna": "laguna",
     "cohere2moe": "cohere2_moe",
+    "granite_swa": "granitemoe_swa",
 }
 
 _NO_NAMES = "the gguf-py moeswarm reads with (0.19) has no tensor-name map for this architecture"
 UNSUPPORTED: dict[str, str] = {
     "hy_v4": _NO_NAMES,
-    "granite_swa": _NO_NAMES,
     "deepseek32": _NO_NAMES,
     "deepseek4": _NO_NAMES,
     "dots3note": _NO_NAMES,
