@@ -208,3 +208,15 @@ def test_a_lying_link_to_a_real_worker_is_caught_in_a_generation(qwen2_moe):
         assert result.bit_identical is True
         assert [s["banned"] for s in swarm.standing()] == [True, False, False]
         assert swarm.resilience()["bans"] == 1
+
+
+def test_a_liar_answering_zeros_cannot_pull_the_statistics_down_onto_an_honest_holder(holders):
+    """Zeros for 200 calls, unchecked: the layer's statistics must not fall so low that an honest
+    answer looks implausible (and its holder is convicted on the liar's word)."""
+    liar, honest = holders(lying("zeros"), None)
+    dispatcher = tcp_dispatcher([liar, honest])
+    for call in range(200):
+        hidden, index, weights = _routing(3, 1000 + call)
+        dispatcher.combine(dispatcher.dispatch(call % 2, hidden, index, weights))
+    assert dispatcher.stats.implausible == 0 and [h.banned for h in dispatcher.holders] == [False, False]
+    dispatcher.close()

@@ -8,6 +8,9 @@
    is compared with the local eager model at every step (`torch.equal` of the logits).
 2. Tail: one link stalls 1 layer call in 20 for 1 s; layer-call latency with and without hedging.
 3. Spot checks (bench/lying.py): steps until a lying link is banned, and what checking costs.
+4. Liars: greedy generations with a liar (zeros, 1 % noise, 1e30 on one row) among 2 and 3
+   holders at 5 % and 20 % spot checks; steps until the ban, and outputs that differ from the
+   local model's with the tainted steps rolled back (and as first emitted, without rollback).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import signal
 import statistics
 import time
 
-from moeswarm.bench.lying import check_cost, detection_trials
+from moeswarm.bench.lying import check_cost, detection_trials, liar_trials
 from moeswarm.bench.wan_links import wan_links
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.generation.loop import generate
@@ -244,8 +247,36 @@ def run_spot_checks(model: str, trials: int = 10, max_steps: int = 200, seed: in
     return {"detection": detection, "cost": cost}
 
 
-def run_faults(model: str, generations: int = 100, parts: tuple[str, ...] = ("generations", "tail", "spot-checks"),
-               seed: int = 0) -> dict:
+def run_liars(model: str, trials: int = 3, max_steps: int = 64, new_tokens: int = 16, seed: int = 0) -> list[dict]:
+    """Liars among 2 and 3 holders (bench/lying.py `liar_trials`), on 2 worker processes holding every expert."""
+    experts = list(range(num_experts_in_config(open_source(model).config)))
+    reference = load_local(model)
+    cluster = Cluster(model, [experts, experts])
+    rows = []
+    try:
+        for how in ("zeros", "noise", "huge"):
+            for fraction in (0.05, 0.2):
+                for holders in (2, 3):
+                    row = liar_trials(model, cluster.addresses, reference, how, fraction, holders, trials, max_steps,
+                                      new_tokens, seed)
+                    progress(_liar_line(row))
+                    rows.append(row)
+    finally:
+        cluster.close()
+    return rows
+
+
+def _liar_line(row: dict) -> str:
+    mean = "-" if row["steps_to_ban_mean"] is None else f"{row['steps_to_ban_mean']:.1f}"
+    return (f"liar={row['liar']:<5} checks={row['fraction']:>4.0%} holders={row['holders']}: caught "
+            f"{row['detected']}/{row['trials']} (steps to ban mean {mean}, max {row['steps_to_ban_max']}), "
+            f"outputs changed {row['outputs_changed']}/{row['generations']} with rollback, "
+            f"{row['outputs_changed_without_rollback']} without; rollbacks {row['rollbacks']}, "
+            f"honest banned {row['honest_banned']}")
+
+
+def run_faults(model: str, generations: int = 100, parts: tuple[str, ...] = ("generations", "tail", "spot-checks", "liars"),
+               seed: int = 0, liar_trials_per_case: int = 3) -> dict:
     result: dict = {"model": model, "seed": seed}
     if "generations" in parts:
         result["faults"] = run_generations(model, generations, seed=seed)
@@ -253,6 +284,8 @@ def run_faults(model: str, generations: int = 100, parts: tuple[str, ...] = ("ge
         result["tail"] = run_tail(model, seed=seed)
     if "spot-checks" in parts:
         result["spot_checks"] = run_spot_checks(model, seed=seed)
+    if "liars" in parts:
+        result["liars"] = run_liars(model, liar_trials_per_case, seed=seed)
     return result
 
 
@@ -273,6 +306,8 @@ def print_report(result: dict) -> None:
         print(f"liar={row['liar']:<5} tokens/step={row['tokens_per_step']:<3} sampling={row['fraction']:.0%}: "
               f"caught {row['detected']}/{row['trials']} within {row['max_steps']} steps "
               f"(mean {row['steps_to_ban_mean']} steps)")
+    for row in result.get("liars", []):
+        print(_liar_line(row))
     for row in result.get("spot_checks", {}).get("cost", []):
         print(f"check cost sampling={row['fraction']:.0%}: {row['ms_per_step']:.2f} ms/step, "
               f"{row['bytes_per_step']:.0f} B/step, {row['checks']} checks")

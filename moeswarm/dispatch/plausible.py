@@ -5,8 +5,10 @@ it only when its share is spot-checked. Here every answer's rows are measured (t
 largest |value| of a row, which no finite row overflows; vectorised, O(n x d), no per-row Python) against the layer's running statistics: the largest log10 row
 norm of an answer, smoothed over answers (an EMA). A row more than `decades` above it is
 implausible. Until `warmup` answers of the layer were seen, the bound is relative to the rows
-sent instead: `bootstrap` x their largest norm (an expert's output is a weighted MLP of a
-normalised hidden state; nothing honest is 10^4 times larger).
+sent instead: `bootstrap` x their largest |value| (an expert's output is a weighted MLP of a
+normalised hidden state; nothing honest is 10^4 times larger). After it, the bound never falls
+under `floor` x the rows sent: a liar answering zeros must not pull the statistics down until
+honest answers look implausible.
 
 Legend: n = rows of a RESULT, d = hidden size, T_w = rows sent to the worker.
 """
@@ -19,17 +21,19 @@ import torch
 
 
 class NormGate:
-    def __init__(self, decades: float = 3.0, warmup: int = 8, bootstrap: float = 1e4, alpha: float = 0.05):
-        self.decades, self.warmup, self.bootstrap, self.alpha = decades, warmup, bootstrap, alpha
+    def __init__(self, decades: float = 3.0, warmup: int = 8, bootstrap: float = 1e4, floor: float = 1e2,
+                 alpha: float = 0.05):
+        self.decades, self.warmup, self.bootstrap, self.floor, self.alpha = decades, warmup, bootstrap, floor, alpha
         self._ema: dict[int, float] = {}  # layer -> smoothed log10 of an answer's largest row norm
         self._seen: dict[int, int] = {}  # layer -> answers learned from
 
     def bound(self, layer: int, hidden: torch.Tensor) -> float:
         """The largest plausible row norm of an answer to `hidden` [T_w, d] at `layer`."""
+        sent = float(hidden.abs().amax()) if hidden.numel() else 1.0
+        sent = max(1.0, sent if math.isfinite(sent) else 1.0)
         if self._seen.get(layer, 0) < self.warmup:
-            sent = float(hidden.abs().amax()) if hidden.numel() else 1.0
-            return self.bootstrap * max(1.0, sent if math.isfinite(sent) else 1.0)
-        return 10.0 ** (self._ema[layer] + self.decades)
+            return self.bootstrap * sent
+        return max(self.floor * sent, 10.0 ** (self._ema[layer] + self.decades))
 
     def problem(self, layer: int, outputs: torch.Tensor, hidden: torch.Tensor) -> str | None:
         """What is implausible about `outputs` [n, d] answering `hidden` [T_w, d], or None; a

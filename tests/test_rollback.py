@@ -1,0 +1,50 @@
+"""After a ban, the steps that used the liar's unchecked answers are undone and recomputed: the
+output equals an honest run, bit for bit (real worker processes of the tiny model, a lying link
+in front of one of them, the backbone settling the dispute itself with two holders)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeswarm.bench.lying import LyingLink, generate_with_rollback, greedy
+from moeswarm.generation.stepper import Stepper
+from moeswarm.local_workers import local_workers
+from moeswarm.model.loading import load_local
+from moeswarm.swarm import open_swarm
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32]
+
+
+@pytest.fixture(scope="module")
+def honest(qwen2_moe):
+    return greedy(Stepper(load_local(qwen2_moe)), PROMPT, 12)
+
+
+@pytest.fixture(scope="module")
+def addresses(qwen2_moe):
+    """Two worker processes, each holding every expert."""
+    with local_workers(qwen2_moe, [list(range(8))] * 2) as addresses:
+        yield addresses
+
+
+def test_a_late_caught_liar_is_rolled_back_and_the_output_equals_an_honest_run(qwen2_moe, honest, addresses):
+    """Two holders, zeros from the first, checks on 5 % of answers: wrong tokens are emitted before
+    the ban; with the rollback the final output is the honest one, and the honest holder is kept."""
+    with open_swarm(
+            qwen2_moe, addresses, spot_check=0.05, spot_check_seed=4,
+            wrap_link=lambda i, link: LyingLink(link, "zeros") if i == 0 else link) as swarm:
+        out, emitted, rollbacks = generate_with_rollback(swarm, PROMPT, 12)
+        assert [s["banned"] for s in swarm.standing()] == [True, False]
+        assert swarm.resilience()["disputes_settled"] == 1  # the backbone computed the rows itself
+        assert emitted != honest and rollbacks == 1  # the lie reached tokens before the ban ...
+        assert out == honest  # ... and the rollback undid every one of them
+
+
+def test_one_absurd_row_is_caught_in_the_first_step(qwen2_moe, honest, addresses):
+    with open_swarm(
+            qwen2_moe, addresses, wrap_link=lambda i, link: LyingLink(link, "huge") if i == 0 else link) as swarm:
+        steps = []
+        out, emitted, _ = generate_with_rollback(swarm, PROMPT, 12, lambda: steps.append(swarm.resilience()["bans"]))
+        assert steps[0] == 1 and swarm.resilience()["implausible"] == 1
+        assert out == honest and emitted == honest
+        assert [s["banned"] for s in swarm.standing()] == [True, False]
