@@ -153,7 +153,7 @@ def test_generate_check_local_is_bit_identical(qwen2_moe, qwen2_workers, plain_l
 
 def test_speculation_keeps_greedy_tokens_and_saves_round_trips(qwen2_moe, qwen2_workers, plain_local):
     plain = _generate(qwen2_moe, qwen2_workers)
-    fast = _generate(qwen2_moe, qwen2_workers, "--speculate", "4", "--check-local")
+    fast = _generate(qwen2_moe, qwen2_workers, "--speculate", "4", "--draft", "ngram", "--check-local")  # as the library loop drafts
     _, local, calls, _ = local_generation(qwen2_moe, PROMPT, MAX_NEW_TOKENS, speculate=4)
 
     assert fast["tokens"] == plain["tokens"] == local.tokens == plain_local[1].tokens

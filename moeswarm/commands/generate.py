@@ -9,7 +9,7 @@ from moeswarm.commands._setup import add_quiet, apply_backbone_dtype
 from moeswarm.commands._swarm import check_workers_or_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
 from moeswarm.commands._types import non_negative, positive, prompt_file, prompt_text, seed, stop_string, temperature, top_p
-from moeswarm.generation.draft_names import DRAFTERS, check_draft_flags
+from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS, check_draft_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="end the generation where STR appears (STR itself is not printed); repeatable")
     parser.add_argument("--speculate", type=non_negative, default=0, metavar="K",
                         help="draft up to K tokens per step, verified in one forward (0: off)")
-    parser.add_argument("--draft", choices=DRAFTERS, default="ngram",
-                        help="where --speculate's drafts come from: ngram (prompt lookup), local (the backbone with "
+    parser.add_argument("--draft", choices=DRAFTERS, default=DEFAULT_DRAFT,
+                        help="where --speculate's drafts come from: ngram (prompt lookup), suffix (the longest earlier match in this and recent requests), local (the backbone with "
                              "only its --local-experts, no round trip; adaptive length), both (n-gram on a match of "
                              "2+ tokens, else local); the output is the same whichever")
     parser.add_argument("--check-local", action="store_true",

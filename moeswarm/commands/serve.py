@@ -12,7 +12,7 @@ import os
 from moeswarm.commands._setup import add_quiet, apply_backbone_dtype
 from moeswarm.commands._swarm import check_workers_or_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
-from moeswarm.generation.draft_names import DRAFTERS, check_draft_flags
+from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS, check_draft_flags
 from moeswarm.commands._types import non_negative, port, positive, seconds
 
 ENV_PREFIX = "MOESWARM_"
@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model-name", default=None, help="the model's id in the API (default: the model's directory or file name)")
     add("--speculate", type=non_negative, default=0, metavar="K",
         help="most drafts per request per step (0: off); a request may ask for fewer with 'speculate'")
-    add("--draft", choices=DRAFTERS, default="ngram",
-        help="where --speculate's drafts come from: ngram (prompt lookup), local (the backbone with only its "
+    add("--draft", choices=DRAFTERS, default=DEFAULT_DRAFT,
+        help="where --speculate's drafts come from: ngram (prompt lookup), suffix (the longest earlier match in this and recent requests), local (the backbone with only its "
              "--local-experts, no round trip), both (n-gram on a match of 2+ tokens, else local)")
     add("--max-batch", type=positive, default=16, help="requests stepped together; more wait in a queue")
     add("--groups", type=non_negative, default=0, metavar="G",

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from moeswarm.errors import MoeSwarmError
 
-DRAFTERS = ("ngram", "local", "both")  # generation/drafters.py builds them
+DRAFTERS = ("ngram", "suffix", "local", "both")  # generation/drafters.py builds them
+DEFAULT_DRAFT = "suffix"  # measured best of the model-free drafters (docs/drafts.md)
 NEEDS_LOCAL_EXPERTS = ("local", "both")
 
 
 def check_draft_flags(draft: str, speculate: int, holds_local_experts: bool) -> None:
     """MoeSwarmError (one line) when --draft cannot work with the other flags."""
-    if draft != "ngram" and speculate == 0:
+    if draft != DEFAULT_DRAFT and speculate == 0:
         raise MoeSwarmError(f"--draft {draft} drafts nothing without --speculate K (the most drafts per step)")
     if draft in NEEDS_LOCAL_EXPERTS and not holds_local_experts:
         raise MoeSwarmError(f"--draft {draft} drafts with the experts the backbone holds itself: "

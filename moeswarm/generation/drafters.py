@@ -3,6 +3,9 @@
 ngram  prompt lookup (draft.py): free, good on text that repeats itself, silent elsewhere.
 local  the backbone with only its local experts (draft_local.py): a few local forwards per step,
        a draft on any text; needs experts held by the backbone (--local-experts).
+suffix the longest earlier match of the context's end in this request and the recent ones
+       (draft_suffix.py): free, and its drafts grow with the match (files re-emitted, repeated
+       scaffolding).
 both   greedy (generate and serve): the n-gram and the local drafts side by side (branches,
        below). Sampled: the n-gram draft when the context's last two or more tokens occurred
        before (a lookup that strong is usually right, and free), else the local draft. A lone repeated
@@ -25,6 +28,7 @@ import torch
 from moeswarm.generation.draft import propose, propose_many
 from moeswarm.generation.draft_local import LocalDrafter
 from moeswarm.generation.draft_names import DRAFTERS
+from moeswarm.generation.draft_suffix import SuffixDrafter, SuffixHistory
 from moeswarm.generation.stepper import Stepper
 
 STRONG_NGRAM = 2  # the shortest n-gram match `both` takes over the local draft (one draft)
@@ -87,10 +91,13 @@ class BothDrafter:
             self.last.feedback(drafted, accepted, cap)
 
 
-def make_drafter(kind: str, model: torch.nn.Module, store) -> Drafter:
-    """The drafter `kind` names (DRAFTERS); store: the backbone's local ExpertStore, or None."""
+def make_drafter(kind: str, model: torch.nn.Module, store, history: SuffixHistory | None = None) -> Drafter:
+    """The drafter `kind` names (DRAFTERS); store: the backbone's local ExpertStore, or None;
+    history: the recent requests a suffix drafter also looks in (None: its own request only)."""
     if kind == "ngram":
         return NgramDrafter()
+    if kind == "suffix":
+        return SuffixDrafter(history)
     if kind == "local":
         return LocalDrafter(model, store)
     if kind == "both":

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from moeswarm.errors import MoeSwarmError
 from moeswarm.generation.check import LocalCheck
+from moeswarm.generation.draft_names import DEFAULT_DRAFT
 from moeswarm.generation.prompt import check_context, prompt_tokens
 from moeswarm.generation.sampling import SamplingParams, make_generator
 from moeswarm.model.loading import load_local
@@ -32,7 +33,7 @@ class GenerationRequest:
     stream: bool = False
     sampling: SamplingParams = SamplingParams()
     stops: tuple[str, ...] = ()
-    draft: str = "ngram"  # where the drafts come from: generation/drafters.py's DRAFTERS
+    draft: str = DEFAULT_DRAFT  # where the drafts come from: generation/drafters.py's DRAFTERS
 
 
 def check_request(source: ModelSource, request: GenerationRequest) -> None:

@@ -23,7 +23,8 @@ import torch
 
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.generation.check import LocalCheck
-from moeswarm.generation.draft_names import check_draft_flags
+from moeswarm.generation.draft_names import DEFAULT_DRAFT, check_draft_flags
+from moeswarm.generation.draft_suffix import SuffixHistory
 from moeswarm.generation.drafters import make_drafter
 from moeswarm.model.experts import num_experts_of
 from moeswarm.model.tokenizer import TextCodec
@@ -51,7 +52,7 @@ class EngineConfig:
     cache_slots: int = 8  # finished sequences' KV caches kept for prefix reuse (0: off)
     keep_accounting: bool = False  # keep every layer call in the swarm's accounting (one generation); else per step
     health_interval_s: float = 2.0
-    draft: str = "ngram"  # where drafts come from (generation/drafters.py): ngram, local or both
+    draft: str = DEFAULT_DRAFT  # where drafts come from (generation/drafters.py): ngram, suffix, local or both
     groups: int = 0  # batches in flight per step (serve/turns.py); 0: 2 when sequences wait on remote workers, else 1
 
 
@@ -67,6 +68,7 @@ class Engine:
                                                            self.stats.record_routing)
         self.packed = isinstance(self.runner, PackedRunner)
         self.prefix_cache = PrefixCache(config.cache_slots)
+        self.suffix_history = SuffixHistory()  # --draft suffix looks in the recent requests too
         self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
         # --check-local: every step's logits against the reference's (bit for bit; a lossy wire: the gate's thresholds)
         self.check = LocalCheck(swarm.wire.exact) if reference is not None else None
@@ -189,8 +191,8 @@ class Engine:
         (self.metrics.prefix_hits if reused else self.metrics.prefix_misses).inc()
         self.metrics.prompt_tokens.inc(len(job.prompt))
         self.metrics.cached_prompt_tokens.inc(reused)
-        drafter = make_drafter(self.config.draft, self.swarm.model, self.swarm.local_store) \
-            if speculate and self.config.draft != "ngram" else None
+        drafter = make_drafter(self.config.draft, self.swarm.model, self.swarm.local_store, self.suffix_history) \
+            if speculate else None
         return Sequence(job, stepper, self.codec, speculate, reused, reference, drafter)
 
     def _step(self) -> None:
