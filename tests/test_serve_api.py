@@ -175,7 +175,8 @@ def test_chat_logprobs_with_the_bundled_template(client, local):
 # -- several completions and prompts --------------------------------------------------------------------
 
 def test_n_choices_with_a_seed(client):
-    options = dict(model="pymoe", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11)
+    # speculate 0: with drafts, which random draws a seed's sampling consumes depends on what was drafted
+    options = dict(model="pymoe", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11, extra_body={"speculate": 0})
     many = client.completions.create(n=3, **options)
     assert [c.index for c in many.choices] == [0, 1, 2]
     assert many.choices[0].text == client.completions.create(**options).choices[0].text  # choice 0 uses the seed itself
@@ -208,6 +209,21 @@ def test_penalties_change_greedy_tokens_as_the_reference_does(client, local):
     plain, _ = _greedy_with_logprobs(model, codec.encode(PROMPT), 20, codec.eos_token_id)
     assert reply.choices[0].logprobs.tokens == [codec.decode([t]) for t in tokens]
     assert tokens != plain  # the penalties did change something, so the comparison means something
+
+
+def test_logit_bias_pushes_a_token_and_bans_another(client, local):
+    _, codec = local
+    (pushed,) = codec.encode(" return")
+    reply = client.completions.create(model="pymoe", prompt=PROMPT, max_tokens=3, temperature=0,
+                                      logit_bias={str(pushed): 100})
+    assert reply.choices[0].text == " return" * 3
+    plain = client.completions.create(model="pymoe", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
+    first = codec.encode(plain.choices[0].logprobs.tokens[0])[0]
+    banned = client.completions.create(model="pymoe", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(first): -100})
+    assert banned.choices[0].logprobs.tokens[0] != plain.choices[0].logprobs.tokens[0]
+    with pytest.raises(openai.BadRequestError, match="out of range"):
+        client.completions.create(model="pymoe", prompt=PROMPT, max_tokens=1, logit_bias={"99999": 1})
 
 
 def test_min_p_1_keeps_only_the_likeliest_token(client):
@@ -333,13 +349,13 @@ ASK = [{"role": "user", "content": "what is the weather in Paris?"}]
 def test_json_schema_answers_match_the_schema(client):
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
     reply = client.chat.completions.create(model="pymoe", messages=ASK, max_tokens=60, temperature=0.8, seed=1, n=4,
-                                           response_format=response_format)
+                                           response_format=response_format, extra_body={"speculate": 0})
     assert len(reply.choices) == 4
     for choice in reply.choices:
         jsonschema.validate(json.loads(choice.message.content), PERSON)
         assert choice.finish_reason == "stop"
     stream = client.chat.completions.create(model="pymoe", messages=ASK, max_tokens=60, temperature=0.8, seed=1,
-                                            response_format=response_format, stream=True)
+                                            response_format=response_format, stream=True, extra_body={"speculate": 0})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
 
 
@@ -373,7 +389,7 @@ def test_json_object_answers_are_held_to_json(client, local):
 def test_a_required_or_named_tool_choice_gives_a_call(client, tool_choice, name):
     tools = [WEATHER, TIME]
     reply = client.chat.completions.create(model="pymoe", messages=ASK, max_tokens=60, temperature=0, tools=tools,
-                                           tool_choice=tool_choice)
+                                           tool_choice=tool_choice, extra_body={"speculate": 0})
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     call = choice.message.tool_calls[0]
@@ -381,7 +397,7 @@ def test_a_required_or_named_tool_choice_gives_a_call(client, tool_choice, name)
     schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
     jsonschema.validate(json.loads(call.function.arguments), schema)
     stream = client.chat.completions.create(model="pymoe", messages=ASK, max_tokens=60, temperature=0, tools=tools,
-                                            tool_choice=tool_choice, stream=True)
+                                            tool_choice=tool_choice, stream=True, extra_body={"speculate": 0})
     chunks = [c.choices[0] for c in stream if c.choices]
     calls = [d for c in chunks if c.delta.tool_calls for d in c.delta.tool_calls]
     assert [(d.index, d.function.name, d.function.arguments) for d in calls] == \

@@ -7,7 +7,8 @@ renormalised, which is p_i with the drafted token removed. The emitted tokens th
 model's own sampling distribution exactly, whatever the drafts were. Greedy is the same rule
 with p a one-hot of the argmax: drafts are kept while they equal it.
 
-Penalties (repetition, presence, frequency) change the logits before any of that (`penalize`);
+Penalties (repetition, presence, frequency) and logit_bias change the logits before any of that
+(`penalize`, `biased`);
 they depend on the tokens so far, so a penalised sequence is decoded without drafts. Log-probabilities
 (`top_logprobs`) are the model's own log-softmax, before temperature, filters and penalties.
 
@@ -38,6 +39,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL's: a seen token's logit divided (if > 0) or multiplied by it; 1.0: off
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from a token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token, -100 to 100) added to its logit
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
@@ -52,6 +54,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_PENALTY:
             raise ValueError(f"repetition_penalty must be a number in (0, {MAX_PENALTY:g}], got {self.repetition_penalty!r}")
+        if any(not _is_integer(t) or t < 0 or not _is_number(b) or not -100 <= b <= 100 for t, b in self.logit_bias):
+            raise ValueError("logit_bias maps token ids to numbers from -100 to 100")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
@@ -125,6 +129,17 @@ def penalize(logits: torch.Tensor, context: list[int], output_count: int, params
     if output and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).float()  # [V]
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] with params.logit_bias added (a new tensor; the same one when there is none).
+    The same at every position, so drafts are verified against the biased distribution alike."""
+    if not params.logit_bias:
+        return logits
+    logits = logits.detach().float().clone()
+    tokens, values = zip(*params.logit_bias)
+    logits[..., list(tokens)] += torch.tensor(values, dtype=torch.float32)
     return logits
 
 

@@ -230,7 +230,7 @@ def _job_limits(state: ServeState, prompt: list[int], max_tokens: int | None) ->
 def _params(body: Sampling) -> SamplingParams:
     try:
         return SamplingParams(body.temperature, body.top_p, body.top_k, body.seed, body.min_p,
-                              body.repetition_penalty, body.presence_penalty, body.frequency_penalty)
+                              body.repetition_penalty, body.presence_penalty, body.frequency_penalty, body.bias)
     except ValueError as error:
         raise APIError(400, one_line(error)) from None
 
@@ -258,6 +258,7 @@ async def _constraint_maker(state: ServeState, schema: dict | None, field_name: 
 async def _run(state: ServeState, engine: Engine, request: Request, body: Sampling, prompts: list[Prompt],
                max_tokens: int | None, ask: Ask):
     prompts = [replace(prompt, max_tokens=_job_limits(state, prompt.tokens, max_tokens)) for prompt in prompts]
+    _check_ids(state, [token for token, _ in body.bias], "logit_bias")
     jobs = len(prompts) * body.n
     free = max(0, engine.config.max_batch - engine.active)  # slots a job takes at once, without waiting
     if engine.queue_depth + jobs > state.max_queue + free:

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible routes, validated by pydantic before any work is done.
 
-Fields moeswarm does not implement (structured output, tools, logit_bias, ...: NOT_BUILT) are
+Fields moeswarm does not implement (legacy functions, suffix, vLLM's guided_*, ...: NOT_BUILT) are
 refused by name when a request asks for them, rather than silently ignored; fields OpenAI clients
 send that change nothing here (user, metadata, ...) are accepted. A string with a lone surrogate
 (JSON allows "\\ud800", UTF-8 cannot carry it) is refused wherever it is.
@@ -19,7 +19,7 @@ MAX_N = 16  # completions per prompt
 MAX_PROMPTS = 64  # prompts per completions request
 MAX_TOP_LOGPROBS = 20
 # Fields that would change the output and are not built: a request that sets one gets a 400 naming it.
-NOT_BUILT = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix", "guided_json",
+NOT_BUILT = ("tools", "tool_choice", "functions", "function_call", "suffix", "guided_json",
              "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema", "typical_p", "mirostat",
              "tfs_z", "prediction", "audio", "modalities")
 
@@ -100,6 +100,12 @@ class Sampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's and llama-server's extension; 1.0 is off
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's and llama-server's extension; 0.0 is off
+    logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": -100 to 100}
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token, bias) pairs (keys checked to be ids by `_supported`)."""
+        return tuple(sorted((int(token), float(value)) for token, value in (self.logit_bias or {}).items()))
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
@@ -115,6 +121,9 @@ class Sampling(BaseModel):
         asked = [name for name in NOT_BUILT if extra.get(name) not in (None, [], {}, "none", "")]
         if asked:
             raise ValueError(f"{asked[0]}: not supported by this server ({', '.join(asked)})")
+        for token, value in (self.logit_bias or {}).items():
+            if not token.isdigit() or not -100 <= value <= 100:
+                raise ValueError("logit_bias: maps token ids (as strings) to numbers from -100 to 100")
         stops = self.stops
         if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop: at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")

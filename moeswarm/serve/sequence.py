@@ -27,7 +27,7 @@ import torch
 
 from moeswarm.generation.branches import choose, rows_of
 from moeswarm.generation.drafters import Drafter, NgramDrafter
-from moeswarm.generation.sampling import log_probs, make_generator, penalize, sample, top_logprobs
+from moeswarm.generation.sampling import biased, log_probs, make_generator, penalize, sample, top_logprobs
 from moeswarm.generation.stepper import Stepper
 from moeswarm.generation.stops import find_stop, held_back
 from moeswarm.model.tokenizer import TextCodec
@@ -133,7 +133,7 @@ class Sequence:
                 self._emit_text([])
                 return
             last = logits[-1]  # [V]
-            scores = penalize(last, self.context, 0, self.job.params)
+            scores = biased(penalize(last, self.context, 0, self.job.params), self.job.params)
             if self.job.constraint is not None:
                 scores = self.job.constraint.mask(scores[None])[0]
             token = sample(scores, self.job.params, self.generator)
@@ -143,6 +143,7 @@ class Sequence:
         rows = logits if logits.dim() == 3 else logits[None]  # [B, 1 + L, V]
         if self.job.params.penalised:  # no drafts then: one row of one position
             rows = penalize(rows[0, 0], self.context, len(self.output), self.job.params)[None, None]
+        rows = biased(rows, self.job.params)
         if self.job.constraint is not None:  # one branch: each position masked after the drafts before it
             rows = self.job.constraint.mask(rows[0], branches[0])[None]
         chosen = choose(rows, branches, self.job.params, self.generator, self.codec.eos_token_id)
