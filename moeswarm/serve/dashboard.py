@@ -53,7 +53,8 @@ def dashboard_data(state) -> dict:
         experts = sorted({e for ids in held.values() for e in ids})
         workers.append({
             "address": address, "path": "local" if address == "local" else "direct",
-            "state": "banned" if state_of.get("banned") else ("up" if up else "down"),
+            "state": "banned" if state_of.get("banned") else ("down" if not up else
+                                                              "degraded" if state_of.get("degraded") else "up"),
             "cause": state_of.get("cause"), "layers": format_ids(sorted(held)), "experts": format_ids(experts),
             "calls": rtt.get(address, {}).get("calls", 0),
             "rtt_ms_p50": rtt.get(address, {}).get("rtt_ms_p50"), "rtt_ms_p99": rtt.get(address, {}).get("rtt_ms_p99"),
