@@ -77,3 +77,16 @@ def test_any_body_gets_an_answer_in_openai_shape(route, base, extra):
         assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"]
     elif reply is not None:
         assert reply["choices"] and reply["usage"]["completion_tokens"] >= 1
+
+
+def test_a_bug_in_a_route_is_a_500_in_openai_shape_not_a_plain_text_page():
+    app = create_app(ServeState("m"))
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("kaputt\nsecond line")
+
+    response = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert response.status_code == 500
+    assert response.json()["error"] == {"message": "internal error: kaputt second line", "type": "server_error",
+                                        "param": None, "code": None}

@@ -70,6 +70,10 @@ def create_app(state: ServeState, cors_origins: list[str] | None = None) -> Fast
     async def invalid_body(request: Request, error: RequestValidationError):
         return JSONResponse(error_body(400, validation_message(error), param=validation_param(error)), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def bug(request: Request, error: Exception):  # a bug: still one line in OpenAI's shape, and serving goes on
+        return JSONResponse(error_body(500, f"internal error: {printable(one_line(error), 300)}"), status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
         message = {400: "the body cannot be read: it must be JSON in UTF-8",  # FastAPI's parse error (bad UTF-8 too)
