@@ -51,7 +51,7 @@ UNSUPPORTED: dict[str, str] = {
     "minimax-m3": _NO_NAMES,
     "qwen4exp": _NO_NAMES,
     "minimax-01": _NO_NAMES + "; its lightning attention is not mapped",
-    "phimoe": "not mapped yet: Phi-3.5-MoE's LongRoPE (long/short factors and their scales)",
+    "phimoe": "llama.cpp and transformers disagree on it (a trial mapping equal to the HF model: llama.cpp's logits at cosine 0.88)",
     "kimi-linear": "not mapped yet: Kimi Delta Attention layers",
     "mimo2": "not mapped yet: MiMo-V2's hybrid sliding-window layout",
     "glm-dsa": "not mapped yet: the DeepSeek sparse-attention indexer",
