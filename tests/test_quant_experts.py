@@ -20,11 +20,11 @@ from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import local_workers
 from moeswarm.model.experts import experts_modules
 from moeswarm.model.loading import load_experts, load_local
+from moeswarm.model.source import open_source
 from moeswarm.weights import qkernels
 from moeswarm.weights.gguf_quant_load import ENV
 from moeswarm.swarm import open_swarm
 from moeswarm.weights.quant_experts import QuantExperts, QuantMatrix, quant_matrix
-from moeswarm.weights.quant_linear import ENV as BACKBONE_ENV
 from moeswarm.weights.quant_linear import QuantEmbedding, QuantLinear
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96]
@@ -74,8 +74,7 @@ def test_workers_equal_the_local_reference_bit_for_bit(q4_k_m):
 
 def test_backbone_keeps_the_files_encoding_unless_asked_for_float32(q4_k_m, monkeypatch):
     encoded = load_local(q4_k_m)
-    monkeypatch.setenv(BACKBONE_ENV, "f32")
-    plain = load_local(q4_k_m)
+    plain = load_local(open_source(q4_k_m, backbone_dtype="f32"))
     attention = encoded.model.layers[0].self_attn
     assert isinstance(attention.q_proj, QuantLinear) and isinstance(encoded.model.embed_tokens, QuantEmbedding)
     assert type(plain.model.layers[0].self_attn.q_proj) is torch.nn.Linear
@@ -91,9 +90,8 @@ def test_backbone_keeps_the_files_encoding_unless_asked_for_float32(q4_k_m, monk
     logits = [Stepper(model).forward(TOKENS) for model in (encoded, plain)]
     cosine = torch.nn.functional.cosine_similarity(*logits, dim=-1)  # int8-rounded activations vs float ones
     assert float(cosine.mean()) > 0.998 and float(cosine.min()) > 0.99
-    monkeypatch.setenv(BACKBONE_ENV, "bf16")
-    with pytest.raises(ModelError, match=r"^MOESWARM_BACKBONE_DTYPE='bf16': expected one of file, f32$"):
-        load_local(q4_k_m)
+    with pytest.raises(ModelError, match=r"^backbone dtype 'bf16': expected one of file, f32$"):
+        open_source(q4_k_m, backbone_dtype="bf16")
 
 
 def test_without_the_c_kernels_everything_is_float32(q4_k_m, monkeypatch):

@@ -83,13 +83,7 @@ def quiet_progress(args) -> None:
 
 def add_backbone_dtype(parser) -> None:
     """`--backbone-dtype`: a GGUF backbone's matrices in the file's encoding (file) or as float32 (f32)."""
-    parser.add_argument("--backbone-dtype", choices=("file", "f32"), default=None,
+    parser.add_argument("--backbone-dtype", choices=("file", "f32"), default="file",
                         help="GGUF files: keep non-expert matrices in the file's 16-bit or quantized encoding (file, "
-                             "the default; env MOESWARM_BACKBONE_DTYPE) or dequantize them to float32 (f32); the "
-                             "--check-local reference follows the same choice")
-
-
-def apply_backbone_dtype(args) -> None:
-    """Apply `--backbone-dtype` to this process (the backbone and its local reference are loaded after)."""
-    if getattr(args, "backbone_dtype", None):
-        os.environ["MOESWARM_BACKBONE_DTYPE"] = args.backbone_dtype
+                             "the default) or dequantize them to float32 (f32); the --check-local reference follows "
+                             "the same choice")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from moeswarm.commands._setup import add_quiet, apply_backbone_dtype
+from moeswarm.commands._setup import add_quiet
 from moeswarm.commands._swarm import check_workers_or_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
 from moeswarm.commands._types import non_negative, positive, prompt_file, prompt_text, seed, stop_string, temperature, top_p
@@ -59,12 +59,11 @@ def run(args: argparse.Namespace) -> int:
     request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
                                 args.check_local, stream=not args.json, sampling=sampling, stops=tuple(args.stop),
                                 draft=args.draft)
-    source = open_source(args.model)
+    source = open_source(args.model, args.backbone_dtype)
     check_request(source, request)  # before the backbone loads or a worker is reached
     config = swarm_config(args, source)
     check_draft_flags(args.draft, args.speculate, config.local_experts is not None)
     set_backbone_threads(args.threads)
-    apply_backbone_dtype(args)
     with open_swarm(source, args.workers or [], config) as swarm:
         report = run_generation(swarm, request)
         report["worker_paths"] = swarm.accounting()["worker_paths"]  # "direct" or "relay" per worker

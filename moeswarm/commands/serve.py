@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from moeswarm.commands._setup import add_quiet, apply_backbone_dtype
+from moeswarm.commands._setup import add_quiet
 from moeswarm.commands._swarm import check_workers_or_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
 from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS, check_draft_flags
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.serve.loader import Backend, load
     from moeswarm.worker.listen import check_can_listen
 
-    source = open_source(args.model)  # a missing or broken model ends here, before anything listens
+    source = open_source(args.model, args.backbone_dtype)  # a missing or broken model ends here, before anything listens
     positions = getattr(source.config, "max_position_embeddings", None)
     context = args.ctx_size or positions or 4096
     if positions is not None and context > positions:
@@ -132,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     check_can_listen(args.host, args.port)
     set_backbone_threads(args.threads)
-    apply_backbone_dtype(args)
     engine = EngineConfig(context, args.max_batch, args.speculate, args.prefill_chunk, args.step_tokens, args.cache_slots,
                           draft=args.draft, groups=args.groups)
     state = ServeState(args.model_name or _model_name(source.path), args.api_key, default_max_tokens=args.max_tokens,

@@ -2,7 +2,8 @@
 
 The request runs in the serving engine (serve/engine.py), alone: one request submitted, stepped
 until it ends; the same sequence, acceptance rule and local check as every served request. Its
-prompt goes in one forward.
+prompt goes in forwards of up to PREFILL_CHUNK tokens (a worker bounds the reply it will compute:
+docs/protocol.md, Limits).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.serve.engine import Engine, EngineConfig
 from moeswarm.serve.job import Delta, Failed, Finished, Job
 from moeswarm.swarm import Swarm
+
+
+PREFILL_CHUNK = 256  # prompt tokens per forward: 256 x top-8 x 2048 float32 values stay within a worker's reply bound
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,9 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
     if not sampling.greedy and sampling.seed is None:  # draw the seed here, to report it
         sampling = replace(sampling, seed=make_generator(None).initial_seed())
     positions = getattr(swarm.model.config, "max_position_embeddings", None) or len(prompt) + request.max_new_tokens + 1
-    config = EngineConfig(positions, max_batch=1, speculate=request.speculate, prefill_chunk=len(prompt),
-                          step_tokens=max(256, len(prompt)), cache_slots=0, draft=request.draft, keep_accounting=True)
+    chunk = min(len(prompt), PREFILL_CHUNK)
+    config = EngineConfig(positions, max_batch=1, speculate=request.speculate, prefill_chunk=chunk,
+                          step_tokens=max(256, chunk), cache_slots=0, draft=request.draft, keep_accounting=True)
     outcome = _Outcome(request.stream)
     engine = Engine(swarm, codec, config, reference=reference)
     try:

@@ -66,13 +66,15 @@ def is_gguf_path(path: str | os.PathLike) -> bool:
     return str(path).lower().endswith(GGUF_SUFFIX)
 
 
-def open_source(path: str | os.PathLike) -> ModelSource:
+def open_source(path: str | os.PathLike, backbone_dtype: str = "file") -> ModelSource:
     """The model at `path`: a GGUF file when it ends in .gguf, else a model directory.
 
+    backbone_dtype: a GGUF file's non-expert matrices kept in the file's encoding ("file") or
+    loaded as float32 ("f32"); the backbone and any reference loaded from this source follow it.
     Raises ModelError naming the path when it is missing or is not a usable model.
     """
     if is_gguf_path(path):
-        return GGUFCheckpoint.open(path)
+        return GGUFCheckpoint.open(path, backbone_dtype)
     return Checkpoint.open(path)
 
 

@@ -26,6 +26,7 @@ from moeswarm.ids import LayerId, format_ids, runs
 from moeswarm.model.experts import expert_parameter_names, experts_modules
 from moeswarm.model.skeleton import meta_model
 from moeswarm.weights.gguf_backbone import encode_backbone, tie_encoded
+from moeswarm.weights.quant_linear import check_backbone_dtype
 from moeswarm.weights.gguf_config import config_from_gguf
 from moeswarm.weights.gguf_dequant import dequantize
 from moeswarm.weights.gguf_file import GGUFFile
@@ -39,11 +40,12 @@ class GGUFCheckpoint:
     """A GGUF model file (whole, or a slice file): the sibling of model.checkpoint.Checkpoint."""
 
     path: Path
+    backbone_dtype: str = "file"  # non-expert matrices in the file's encoding, or "f32" (weights/quant_linear.py)
     kind: ClassVar[str] = "gguf"
 
     @classmethod
-    def open(cls, path: str | Path) -> "GGUFCheckpoint":
-        checkpoint = cls(Path(path))
+    def open(cls, path: str | Path, backbone_dtype: str = "file") -> "GGUFCheckpoint":
+        checkpoint = cls(Path(path), check_backbone_dtype(backbone_dtype))
         checkpoint.file  # validate now: a bad file fails here, with its name  # noqa: B018
         return checkpoint
 
@@ -75,7 +77,7 @@ class GGUFCheckpoint:
         """Every non-expert tensor (float32, or kept encoded: gguf_backbone.py); those in `skip` are never read."""
         f = self.file
         mapper = NameMapper(f, self.config, lambda name: dequantize(f.path, f.tensor(name)))
-        encoded = encode_backbone(model, mapper, skip)  # matrices kept in the file's encoding (--backbone-dtype)
+        encoded = encode_backbone(model, mapper, skip, self.backbone_dtype)  # matrices kept in the file's encoding
         state, missing = {}, []
         for name, tensor in model.state_dict().items():
             if name in skip or name in encoded or (name == "lm_head.weight" and self.config.tie_word_embeddings):

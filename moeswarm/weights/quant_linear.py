@@ -2,7 +2,7 @@
 
 Legend: N = rows of activations, K = in features, O = out features, V = vocabulary.
 
-`--backbone-dtype file` (the default for GGUF files; MOESWARM_BACKBONE_DTYPE) puts these in the
+`--backbone-dtype file` (the default for GGUF files: `open_source(path, backbone_dtype=...)`) puts these in the
 place of transformers' nn.Linear / nn.Embedding for every non-expert matrix whose GGUF type the C
 kernels decode (F16, BF16 and the quantized types; F32 tensors stay plain parameters). A product is
 qkernels.matmul on the file's blocks: for the quantized types with an integer path (Q4_0..Q8_0,
@@ -16,7 +16,6 @@ both compute the same way.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
@@ -24,14 +23,12 @@ import torch
 from moeswarm.errors import ModelError
 from moeswarm.weights import qkernels
 
-ENV = "MOESWARM_BACKBONE_DTYPE"
-MODES = ("file", "f32")
+MODES = ("file", "f32")  # --backbone-dtype: the matrices in the file's encoding, or float32
 
 
-def backbone_mode() -> str:
-    mode = os.environ.get(ENV, "file") or "file"
+def check_backbone_dtype(mode: str) -> str:
     if mode not in MODES:
-        raise ModelError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
+        raise ModelError(f"backbone dtype {mode!r}: expected one of {', '.join(MODES)}")
     return mode
 
 
