@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+
+_NUMPY = (torch.float32, torch.float16, torch.float64)  # numpy's reductions: ~10 us where torch's take ~200 on 2 threads
 
 
 class NormGate:
@@ -29,7 +32,7 @@ class NormGate:
 
     def bound(self, layer: int, hidden: torch.Tensor) -> float:
         """The largest plausible row norm of an answer to `hidden` [T_w, d] at `layer`."""
-        sent = float(hidden.abs().amax()) if hidden.numel() else 1.0
+        sent = float(_row_max(hidden).max()) if hidden.numel() else 1.0
         sent = max(1.0, sent if math.isfinite(sent) else 1.0)
         if self._seen.get(layer, 0) < self.warmup:
             return self.bootstrap * sent
@@ -40,14 +43,14 @@ class NormGate:
         plausible answer is learned from."""
         if outputs.numel() == 0:
             return None
-        norms = outputs.abs().amax(dim=1)  # [n]
+        norms = _row_max(outputs)  # [n]
         top = float(norms.max())
         if not math.isfinite(top):  # non-finite rows for non-finite inputs: checks.py judged them
             return None
         bound = self.bound(layer, hidden)
         if top > bound:
             over = int((norms > bound).sum())
-            return (f"implausible RESULT: {over} of {norms.numel()} rows have a norm above {bound:.3g} "
+            return (f"implausible RESULT: {over} of {norms.size} rows have a norm above {bound:.3g} "
                     f"(largest {top:.3g}) for layer {layer}")
         self._learn(layer, math.log10(max(top, 1e-30)))
         return None
@@ -57,3 +60,14 @@ class NormGate:
         self._seen[layer] = seen + 1
         previous = self._ema.get(layer)
         self._ema[layer] = log_top if previous is None else previous + self.alpha * (log_top - previous)
+
+
+def _row_max(tensor: torch.Tensor) -> np.ndarray:
+    """[n, d] -> [n] float: the largest |value| of each row."""
+    if tensor.dtype in _NUMPY:
+        rows = tensor.detach().numpy()
+        return np.maximum(rows.max(axis=1), -rows.min(axis=1)).astype(np.float64)
+    if tensor.dtype == torch.bfloat16:  # |x|'s bits without the sign order as |x| does: max them, widen to float32
+        magnitude = (tensor.detach().view(torch.int16).numpy() & 0x7FFF).max(axis=1).astype(np.uint32)
+        return (magnitude << 16).view(np.float32).astype(np.float64)
+    return tensor.detach().abs().amax(dim=1).double().numpy()
