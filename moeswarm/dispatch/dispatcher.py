@@ -345,7 +345,7 @@ class Dispatcher:
         for worker, (link, holder) in enumerate(zip(self.links, self.holders)):
             if holder.usable:
                 try:
-                    link.ping(timeout_s)
+                    holder.ping_s = link.ping(timeout_s)
                 except (MoeSwarmError, OSError) as error:
                     self.take_down(WorkerId(worker), getattr(error, "cause", None) or str(error))
         gaps = self._gaps(layers)
