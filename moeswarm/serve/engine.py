@@ -180,7 +180,9 @@ class Engine:
 
     def _start(self, job: Job) -> Sequence:
         speculate = self.config.speculate if job.speculate is None else min(job.speculate, self.config.speculate)
-        reused, caches = self.prefix_cache.take(job.prompt)
+        # log-probabilities are those of a plain forward of the whole prompt: no prefix reused
+        scored = job.logprobs is not None or job.prompt_logprobs is not None or job.params.penalised
+        reused, caches = (0, None) if scored else self.prefix_cache.take(job.prompt)
         stepper = self.runner.stepper()
         reference = self.reference_runner.stepper() if self.reference_runner is not None else None
         if caches is not None:
@@ -221,7 +223,7 @@ class Engine:
                 tally.steps, tally.branches = tally.steps + 1, tally.branches + rows
                 tally.drafted_all += _tokens(feed) - rows  # each row's first token is the last one taken
         groups = split_groups([_tokens(feed) for _, feed, _ in work], self._group_count(len(work)))
-        groups = apart(groups, [s.scored for s, _, _ in work], max(2, self.config.groups))  # log-probabilities: own forwards
+        groups = apart(groups, [s.scored for s, _, _ in work], self.config.max_batch)  # log-probabilities: own forwards
         if not self.config.keep_accounting:
             self.swarm.reset_accounting()  # a server's accounting stays one step long
         seen = len(self.swarm.layer_calls()) if self.config.keep_accounting else 0

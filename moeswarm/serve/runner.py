@@ -38,7 +38,7 @@ def build_runners(swarm, reference: PreTrainedModel | None, max_batch: int, grou
     if supports_ragged(swarm.model) and (reference is None or supports_ragged(reference)):
         install(swarm.model)
         turns = swarm.interpose(lambda dispatcher: TakingTurns(dispatcher, on_routing))
-        runner = PackedRunner(swarm.model, turns, max(2, groups))
+        runner = PackedRunner(swarm.model, turns, max(2, groups, max_batch))  # a thread per group a step may have
         if reference is None:
             return runner, None
         install(reference)
@@ -69,7 +69,8 @@ class PackedRunner:
     def __init__(self, model: PreTrainedModel, turns: TakingTurns | None, max_groups: int = 2):
         self.model = model
         self.turns = turns  # None: groups run one after the other (a local reference)
-        self._pool = ThreadPoolExecutor(max(1, max_groups), thread_name_prefix="moeswarm-group")
+        self.max_groups = max(1, max_groups)  # every group of a step needs its own thread to take its turn
+        self._pool = ThreadPoolExecutor(self.max_groups, thread_name_prefix="moeswarm-group")
 
     def stepper(self) -> PackedStepper:
         return PackedStepper(self.model)
@@ -89,6 +90,8 @@ class PackedRunner:
             for group in groups:
                 self._run_group(work, group, results)
             return results
+        if len(groups) > self.max_groups:
+            raise ValueError(f"{len(groups)} groups in one step, more than the {self.max_groups} threads that take turns")
         self.turns.begin(len(groups))
         futures = [self._pool.submit(self._group_in_turn, index, work, group, results)
                    for index, group in enumerate(groups)]
