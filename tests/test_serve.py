@@ -101,7 +101,7 @@ def test_concurrent_greedy_streams_equal_each_prompt_run_alone(trained_server, c
     trips = trained_server.metric("moeswarm_step_round_trips_sum") - before_trips
     assert 0 < steps < 4 * 16  # requests shared steps
     groups = trained_server.metric("moeswarm_step_groups_sum") - before_groups
-    assert steps < groups <= 2 * steps  # two batches in flight (serve/turns.py) once two requests run
+    assert steps <= groups <= 2 * steps  # one or two batches in flight (serve/group_policy.py)
     assert trips == 6 * groups  # one round trip per MoE layer per group, whatever the number of requests
     assert trained_server.metric("moeswarm_check_local_logits_total") > 0
     assert trained_server.metric("moeswarm_check_local_mismatched_logits_total") == 0

@@ -104,3 +104,16 @@ def test_two_groups_through_workers_equal_the_same_groups_locally(qwen2_moe):
     assert groups == 2
     assert engine.check.positions > 0 and engine.check.bit_identical and engine.mismatched_rows == 0
     assert all(end is not None and end.reason == "length" for end in ends)
+
+
+def test_the_group_policy_uses_what_measured_cheaper_and_tries_the_other_now_and_then():
+    from moeswarm.serve.group_policy import EXPLORE_EVERY, GroupPolicy
+
+    policy = GroupPolicy()
+    assert policy.choose(remote=False, sequences=8) == 1 and policy.choose(remote=True, sequences=1) == 1
+    assert policy.choose(True, 8) == 1
+    policy.record(1, 1.0, 10)  # 0.1 s per token
+    assert policy.choose(True, 8) == 2
+    policy.record(2, 0.5, 10)  # 0.05 s per token: two groups pay
+    picks = [policy.choose(True, 8) for _ in range(2 * EXPLORE_EVERY)]
+    assert picks.count(2) == 2 * EXPLORE_EVERY - 2 and picks.count(1) == 2

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-batch", type=positive, default=16, help="requests stepped together; more wait in a queue")
     add("--groups", type=non_negative, default=0, metavar="G",
         help="batches in flight: a step's requests split into G groups that take turns at every MoE layer, so one "
-             "computes while another's trip is on the wire (0, the default: 2 with remote workers, else 1)")
+             "computes while another's trip is on the wire (0, the default: one or two, whichever steps faster as measured)")
     add("--ctx-size", type=positive, default=None,
         help="positions per request, prompt and output (default: the model's max_position_embeddings)")
     add("--prefill-chunk", type=positive, default=64, help="most prompt tokens a request feeds per step")

@@ -29,6 +29,7 @@ from moeswarm.generation.drafters import make_drafter
 from moeswarm.model.experts import num_experts_of
 from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.job import Failed, Job
+from moeswarm.serve.group_policy import GroupPolicy
 from moeswarm.serve.metrics import ServeMetrics
 from moeswarm.serve.prefix_cache import PrefixCache
 from moeswarm.serve.runner import PackedRunner, build_runners, split_groups
@@ -53,7 +54,7 @@ class EngineConfig:
     keep_accounting: bool = False  # keep every layer call in the swarm's accounting (one generation); else per step
     health_interval_s: float = 2.0
     draft: str = DEFAULT_DRAFT  # where drafts come from (generation/drafters.py): ngram, suffix, local or both
-    groups: int = 0  # batches in flight per step (serve/turns.py); 0: 2 when sequences wait on remote workers, else 1
+    groups: int = 0  # batches in flight per step (serve/turns.py); 0: one or two, by measurement (serve/group_policy.py)
 
 
 class Engine:
@@ -69,6 +70,7 @@ class Engine:
         self.packed = isinstance(self.runner, PackedRunner)
         self.prefix_cache = PrefixCache(config.cache_slots)
         self.suffix_history = SuffixHistory()  # --draft suffix looks in the recent requests too
+        self.group_policy = GroupPolicy()  # --groups 0: one or two batches in flight, by measurement
         self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
         # --check-local: every step's logits against the reference's (bit for bit; a lossy wire: the gate's thresholds)
         self.check = LocalCheck(swarm.wire.exact) if reference is not None else None
@@ -230,6 +232,8 @@ class Engine:
         forward = time.perf_counter()
         outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
         forward = time.perf_counter() - forward
+        if not self.config.groups and all(s.output for s, _, _ in work):  # decode steps teach the policy
+            self.group_policy.record(len(groups), forward, sum(_tokens(feed) for _, feed, _ in work))
         for sequence, _, _ in work:
             tally = self._tallies[id(sequence)]
             tally.seconds += forward
@@ -269,11 +273,11 @@ class Engine:
         return "last"
 
     def _group_count(self, sequences: int) -> int:
-        """Batches in flight this step: as configured, or (auto) two when the step waits on remote
-        workers and has two sequences to split; never more than the sequences."""
+        """Batches in flight this step: as configured, or (auto) as measured (serve/group_policy.py);
+        never more than the sequences."""
         if not self.packed:
             return 1
-        wanted = self.config.groups or (2 if self.swarm.remote else 1)
+        wanted = self.config.groups or self.group_policy.choose(self.swarm.remote, sequences)
         return max(1, min(wanted, sequences))
 
     def _advance(self, sequence: Sequence, logits: torch.Tensor) -> tuple[int, int, int]:
