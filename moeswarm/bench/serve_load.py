@@ -40,7 +40,10 @@ def run_serve_bench(model: str | None = None, quick: bool = False, max_tokens: i
     model = str(model or TRAINED)
     clients = tuple(sorted(set(clients or (QUICK_CLIENTS if quick else CLIENTS)) | {1}))
     max_tokens = max_tokens or (12 if quick else 32)
-    prompts = _prompts(model, max(clients))
+    # every round its own prompts (no prefix shared with an earlier round's: a prefix cache hit splits
+    # a prompt's attention into other forwards, and `=alone` compares with the prompt run alone)
+    rounds = len(speculate) * len(groups) * len(clients)
+    prompts = _prompts(model, 1 + rounds * max(clients))
     alone = _alone(model, prompts, max_tokens)
     rows, prefix = [], None
     with local_workers(model, split_experts(_num_experts(model), workers)) as addresses, \
@@ -50,12 +53,13 @@ def run_serve_bench(model: str | None = None, quick: bool = False, max_tokens: i
                 with ServeProcess(model, links.addresses, "--max-batch", str(max(clients)), "--speculate", str(drafts),
                                   "--groups", str(group_count), "--model-name", "bench", threads=threads) as server:
                     server.wait_ready()
-                    _round(server, prompts[:1], 4)  # warm-up: first-call costs stay out of the figures
+                    _round(server, prompts[-1:], 4)  # warm-up: first-call costs stay out of the figures
                     if drafts == 0 and prefix is None:
                         prefix = _prefix_ttft(server, model)
                     for n in clients:
-                        row = _round(server, prompts[:n], max_tokens)
-                        row["identical_to_alone"] = sum(t == a for t, a in zip(row.pop("texts"), alone))
+                        first = len(rows) * max(clients)
+                        row = _round(server, prompts[first : first + n], max_tokens)
+                        row["identical_to_alone"] = sum(t == a for t, a in zip(row.pop("texts"), alone[first : first + n]))
                         rows.append({"clients": n, "speculate": drafts, "groups_flag": group_count} | row)
                         if progress:
                             progress(rows[-1])
@@ -133,11 +137,15 @@ def _prefix_ttft(server: ServeProcess, model: str) -> dict:
 
 
 def _prompts(model: str, count: int) -> list[str]:
-    """Held-out code from the bundled prompt set, cut to PROMPT_TOKENS tokens each."""
+    """`count` distinct prompts of PROMPT_TOKENS tokens: windows of the bundled held-out code (each
+    text's first window, then each text's second, ...), none the start of another."""
     codec = load_text_codec(model, 4096)
-    texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines() if line.strip()]
-    cut = [codec.decode(codec.encode(text)[:PROMPT_TOKENS]) for text in texts]
-    return [cut[i % len(cut)] for i in range(count)]
+    texts = [codec.encode(json.loads(line)["text"]) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    windows = [text[start : start + PROMPT_TOKENS] for start in range(0, max(map(len, texts)), PROMPT_TOKENS)
+               for text in texts if len(text) >= start + PROMPT_TOKENS]
+    if len(windows) < count:
+        windows = [windows[i % len(windows)] for i in range(count)]  # more rounds than held-out text: reuse
+    return [codec.decode(window) for window in windows[:count]]
 
 
 def _alone(model: str, prompts: list[str], max_tokens: int) -> list[str]:
