@@ -295,3 +295,30 @@ def test_the_gate_command_info_prints_runs_on_a_gguf_file(family, family_files, 
     assert (report["wire_dispatch"], report["wire_combine"]) == ("int8-b128", "int8-b128")
     assert report["positions"] > 10 and report["cosine_mean"] > 0.995 and report["argmax_agreement"] >= 0.9
     assert status == (0 if report["passed"] else 1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text"])
+def test_generate_check_local_through_worker_processes_on_slice_files(family, family_files, tmp_path, capsys):
+    """What a user runs: `moeswarm slice` the Q8_0 file into two parts, one `moeswarm worker`
+    process on each part, `moeswarm generate --check-local` on the whole file: bit-identical, on a
+    hybrid whose linear-attention state the backbone holds. (qwen3_next's Q8_0 file fails this
+    check at prefill today, its local reference's logits varying from run to run, while the same
+    file through worker processes and `open_swarm` is torch.equal to `load_local`, and generate is
+    bit-identical with MOESWARM_GGUF_EXPERTS=f32: a problem of the engine's reference path with
+    quantized experts, reported, not hidden here.)"""
+    import json
+
+    from moeswarm.cli import main
+    from moeswarm.local_workers import local_workers
+
+    whole = str(family_files(family)["Q8_0"])
+    low, high = str(tmp_path / "low.gguf"), str(tmp_path / "high.gguf")
+    assert main(["slice", whole, "--experts", "0-3", "-o", low]) == 0
+    assert main(["slice", whole, "--experts", "4-7", "-o", high]) == 0
+    capsys.readouterr()
+    with local_workers(low, [LOW]) as first, local_workers(high, [HIGH]) as second:
+        status = main(["generate", "--model", whole, "--workers", ",".join(first + second), "--prompt-ids",
+                       ",".join(map(str, TOKENS[:8])), "--max-new-tokens", "5", "--threads", "1", "--check-local", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["bit_identical"] is True, report
+    assert len(report["tokens"]) == 5
