@@ -338,3 +338,23 @@ def test_a_sampled_sequence_feeds_one_draft(qwen2_moe):
     assert len(got.tokens[0]) == 12
     assert engine.decode_steps > 0 and engine.branches == engine.decode_steps
     assert engine.stats.totals["drafted"] > 0  # it drafted, one draft a step
+
+
+def test_copies_of_one_prompt_prefill_it_once_and_stay_exact(qwen2_moe):
+    """n > 1 (or one prompt sent several times): the first copy prefills, the others take its cache
+    and feed only the last prompt token; the local reference sees the same, bit for bit."""
+    prompt = list(range(11, 41))
+    with open_swarm(qwen2_moe, [], local_experts=list(range(8))) as swarm:
+        codec = load_text_codec(swarm.source, swarm.model.config.vocab_size)
+        engine = Engine(swarm, codec, EngineConfig(context=128, prefill_chunk=8, cache_slots=0),
+                        reference=load_local(qwen2_moe))
+        got = Collector(3)
+        for i in range(3):
+            engine.submit(Job(prompt, 6, SamplingParams(temperature=0.8, seed=i), got.emit_for(i)))
+        while engine.step():
+            pass
+        engine.close()
+    assert [end.cached_tokens for end in got.ends] == [0, len(prompt) - 1, len(prompt) - 1]
+    assert engine.metrics.cached_prompt_tokens._value.get() == 2 * (len(prompt) - 1)
+    assert engine.check.positions > 0 and engine.check.bit_identical and engine.mismatched_rows == 0
+    assert all(len(tokens) == 6 for tokens in got.tokens)

@@ -78,6 +78,14 @@ class SequenceCache:
         self.pending.clear()
         self.rows = 1
 
+    def copy(self, length: int) -> "SequenceCache":
+        """A cache of its own holding this one's first `length` committed positions (no branches)."""
+        twin = SequenceCache()
+        for layer in self.lengths:
+            keep = min(length, self.lengths[layer])
+            twin._commit(layer, self.keys[layer][:, :, :keep].clone(), self.values[layer][:, :, :keep].clone())
+        return twin
+
     def crop(self, length: int) -> None:
         if self.pending:
             raise ValueError("crop with branches pending: keep one row first")

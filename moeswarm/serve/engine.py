@@ -170,21 +170,48 @@ class Engine:
 
     def _admit(self) -> None:
         with self._wake:
+            waiting: deque[tuple[Job, Tally]] = deque()
             while self._queue and len(self._active) < self.config.max_batch:
                 job, tally = self._queue.popleft()
-                if not job.cancelled.is_set():
-                    sequence = self._start(job)
-                    self._active.append(sequence)
-                    self._tallies[id(sequence)] = tally
-                    tally.tokens = sequence.output  # the same list: it grows as the sequence does
+                if job.cancelled.is_set():
+                    continue
+                if self._sibling(job, prefilling=True) is not None:
+                    waiting.append((job, tally))  # the same prompt is being prefilled: take its cache next step
+                    continue
+                sequence = self._start(job)
+                self._active.append(sequence)
+                self._tallies[id(sequence)] = tally
+                tally.tokens = sequence.output  # the same list: it grows as the sequence does
+            self._queue.extendleft(reversed(waiting))
             self.metrics.queue_depth.set(len(self._queue))
         self.metrics.active.set(len(self._active))
+
+    def _sibling(self, job: Job, prefilling: bool) -> Sequence | None:
+        """An active packed sequence with `job`'s very prompt (n > 1, or the same prompt sent twice):
+        one still prefilling it (prefilling=True), or one whose cache holds it all."""
+        if not self.packed or job.logprobs is not None or job.prompt_logprobs is not None or job.params.penalised:
+            return None
+        for sequence in self._active:
+            if sequence.job.prompt == job.prompt and not sequence.scored:
+                if prefilling == bool(sequence.prefill_left):
+                    return sequence
+        return None
+
+    def _shared_prompt(self, job: Job) -> tuple[int, tuple] | None:
+        """(reused length, caches) copied from a sibling that has the whole prompt cached: every
+        position but the last prompt token's, which is fed again for the first token's logits."""
+        sibling = self._sibling(job, prefilling=False)
+        if sibling is None or len(job.prompt) < 2:
+            return None
+        reused = len(job.prompt) - 1
+        reference = sibling.reference.cache.copy(reused) if sibling.reference is not None else None
+        return reused, (sibling.stepper.cache.copy(reused), reference)
 
     def _start(self, job: Job) -> Sequence:
         speculate = self.config.speculate if job.speculate is None else min(job.speculate, self.config.speculate)
         # log-probabilities are those of a plain forward of the whole prompt: no prefix reused
         scored = job.logprobs is not None or job.prompt_logprobs is not None or job.params.penalised
-        reused, caches = (0, None) if scored else self.prefix_cache.take(job.prompt)
+        reused, caches = (0, None) if scored else self._shared_prompt(job) or self.prefix_cache.take(job.prompt)
         stepper = self.runner.stepper()
         reference = self.reference_runner.stepper() if self.reference_runner is not None else None
         if caches is not None:
