@@ -48,3 +48,35 @@ def test_one_absurd_row_is_caught_in_the_first_step(qwen2_moe, honest, addresses
         assert steps[0] == 1 and swarm.resilience()["implausible"] == 1
         assert out == honest and emitted == honest
         assert [s["banned"] for s in swarm.standing()] == [True, False]
+
+
+def test_the_serving_engine_rolls_back_a_request_and_takes_its_text_back(qwen2_moe, honest, addresses):
+    """The same liar under the engine: the request's steps after the first tainted one are undone,
+    the caller told to take their output back (Rewind), and the final tokens are the honest ones."""
+    from moeswarm.generation.sampling import SamplingParams
+    from moeswarm.model.tokenizer import load_text_codec
+    from moeswarm.serve.engine import Engine, EngineConfig
+    from moeswarm.serve.job import Delta, Finished, Job, Rewind
+
+    tokens, rewinds, ends = [], [], []
+
+    def emit(event):
+        if isinstance(event, Delta):
+            tokens.extend(event.tokens)
+        elif isinstance(event, Rewind):
+            rewinds.append(event)
+            del tokens[event.tokens :]
+        elif isinstance(event, Finished):
+            ends.append(event)
+
+    with open_swarm(
+            qwen2_moe, addresses, spot_check=0.05, spot_check_seed=4,
+            wrap_link=lambda i, link: LyingLink(link, "zeros") if i == 0 else link) as swarm:
+        codec = load_text_codec(swarm.source, swarm.model.config.vocab_size)
+        engine = Engine(swarm, codec, EngineConfig(context=128, cache_slots=0))
+        engine.run(Job(PROMPT, 12, SamplingParams(), emit))
+        engine.close()
+        assert [s["banned"] for s in swarm.standing()] == [True, False]
+    assert len(rewinds) == 1 and ends and ends[0].completion_tokens == 12
+    assert tokens == [t for t in honest if t != codec.eos_token_id]
+    assert engine.metrics.rolled_back._value.get() == 1

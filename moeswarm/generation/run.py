@@ -20,7 +20,7 @@ from moeswarm.model.loading import load_local
 from moeswarm.model.source import ModelSource
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.serve.engine import Engine, EngineConfig
-from moeswarm.serve.job import Delta, Failed, Finished, Job
+from moeswarm.serve.job import Delta, Failed, Finished, Job, Rewind
 from moeswarm.swarm import Swarm
 
 
@@ -133,6 +133,10 @@ class _Outcome:
             self.pieces.append(event.text)
             if self.stream:
                 _write(event.text)
+        elif isinstance(event, Rewind):  # a liar's steps undone: their text is taken back
+            self.pieces = ["".join(self.pieces)[: event.text]]
+            if self.stream:
+                sys.stderr.write("\nmoeswarm: a worker was caught lying; the text after this point is computed again\n")
         elif isinstance(event, Finished):
             self.finish_reason = event.reason
         elif isinstance(event, Failed):

@@ -34,7 +34,7 @@ from moeswarm.serve.metrics import ServeMetrics
 from moeswarm.serve.prefix_cache import PrefixCache
 from moeswarm.serve.runner import PackedRunner, build_runners, split_groups
 from moeswarm.serve.scheduler import Slot, plan_step
-from moeswarm.serve.sequence import Sequence, apart
+from moeswarm.serve.sequence import Checkpoint, Sequence, apart
 from moeswarm.serve.stats import EngineStats, StepRecord
 from moeswarm.serve.tally import Tally
 from moeswarm.swarm import Swarm
@@ -81,6 +81,8 @@ class Engine:
         self._queue: deque[tuple[Job, Tally]] = deque()
         self._active: list[Sequence] = []
         self._tallies: dict[int, Tally] = {}  # id(sequence) -> its request's figures
+        # id(sequence) -> (first layer call, last layer call, the sequence before that step), per step
+        self._checkpoints: dict[int, list[tuple[int, int, Checkpoint]]] = {}
         self._wake = threading.Condition()
         self._stopping = False
         self._health_due = 0.0
@@ -256,9 +258,14 @@ class Engine:
         if not self.config.keep_accounting:
             self.swarm.reset_accounting()  # a server's accounting stays one step long
         seen = len(self.swarm.layer_calls()) if self.config.keep_accounting else 0
+        points = [(s, s.checkpoint()) for s, _, _ in work]
+        first_call = self.swarm.layer_call_number() + 1
         forward = time.perf_counter()
         outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
         forward = time.perf_counter() - forward
+        last_call = self.swarm.layer_call_number()
+        for sequence, point in points:
+            self._checkpoints.setdefault(id(sequence), []).append((first_call, last_call, point))
         if not self.config.groups and all(s.output for s, _, _ in work):  # decode steps teach the policy
             self.group_policy.record(len(groups), forward, sum(_tokens(feed) for _, feed, _ in work))
         for sequence, _, _ in work:
@@ -284,6 +291,9 @@ class Engine:
         self.metrics.observe_step(len(work), fed, time.monotonic() - started, calls, len(groups), waiting_s)
         self.stats.record_step(StepRecord(time.monotonic(), len(work), fed, generated, drafted, accepted),
                                [call.worker_seconds for call in calls])
+        taints = self.swarm.take_taints()
+        if taints:
+            self._roll_back(taints)
         for sequence in [s for s in self._active if s.done]:
             self._remove(sequence)
             self.prefix_cache.put(sequence.context[: sequence.stepper.length],
@@ -331,6 +341,25 @@ class Engine:
     def _remove(self, sequence: Sequence) -> None:
         self._active.remove(sequence)
         self._tallies.pop(id(sequence), None)
+        self._checkpoints.pop(id(sequence), None)
+
+    def _roll_back(self, taints: list) -> None:
+        """A holder was banned: every running sequence whose steps used its unchecked answers goes back
+        to before its first such step (dispatch/taint.py) and computes them again; the prefix cache,
+        which may hold such steps' keys and values, is emptied."""
+        self.prefix_cache.clear()
+        for sequence in list(self._active):
+            points = self._checkpoints.get(id(sequence), [])
+            hit = next((i for i, (low, high, _) in enumerate(points) if any(t.hits(low, high) for t in taints)), None)
+            if hit is None:
+                continue
+            point = points[hit][2]
+            del points[hit:]
+            self.metrics.rolled_back.inc()
+            try:
+                sequence.restore(point)
+            except ValueError as error:
+                self._fail(sequence, MoeSwarmError(f"a worker was caught lying after serving this request: {error}"))
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         self._remove(sequence)

@@ -57,7 +57,17 @@ class Failed:
     status: int = 503  # the HTTP status the caller should answer with
 
 
-Event = Delta | PromptLogprobs | Finished | Failed
+@dataclass(frozen=True)
+class Rewind:
+    """Take back the output after its first `text` characters and `tokens` tokens (and their
+    log-probabilities): a worker caught lying later served the steps after them. What follows
+    replaces it; a streamed answer cannot take text back and ends with an error instead."""
+
+    text: int
+    tokens: int
+
+
+Event = Delta | PromptLogprobs | Finished | Failed | Rewind
 
 
 @dataclass(eq=False)

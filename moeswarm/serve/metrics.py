@@ -45,6 +45,8 @@ class ServeMetrics:
         self.mismatched_logits = Counter("moeswarm_check_local_mismatched_logits",
                                          "logit rows not bit-identical to the local eager run (--check-local)", registry=r)
         self.failed_sequences = Counter("moeswarm_failed_sequences", "sequences ended by an error", registry=r)
+        self.rolled_back = Counter("moeswarm_rolled_back_sequences",
+                                   "sequences sent back before steps that used a banned liar's answers", registry=r)
 
     def observe_step(self, batch: int, tokens: int, seconds: float, calls: list[LayerCall], groups: int = 1,
                      waiting_s: float = 0.0) -> None:

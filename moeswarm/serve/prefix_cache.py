@@ -31,6 +31,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        self._entries.clear()
+
     def take(self, prompt: list[int]) -> tuple[int, object | None]:
         """(reusable length, a private copy of the cache holding at least that many positions).
 

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from moeswarm.generation.sampling import SamplingParams
-from moeswarm.serve.job import Delta, Failed, Finished, Job, PromptLogprobs, TokenLogprob
+from moeswarm.serve.job import Delta, Failed, Finished, Job, PromptLogprobs, Rewind, TokenLogprob
 from moeswarm.serve.responses import APIError, Logprobs, Shapes, error_body, sse
 from moeswarm.serve.schemas import Tool
 from moeswarm.serve.tools import call_entry, read_call
@@ -80,6 +80,7 @@ class Run:
         texts: list[list[str]] = [[] for _ in range(count)]
         scores: list[list[TokenLogprob]] = [[] for _ in range(count)]
         done: list[Finished | None] = [None] * count
+        prompt_scored = [0] * count  # echo: the prompt's scores ahead of the output's
         watcher = asyncio.create_task(self._watch(request))
         try:
             while any(d is None for d in done):
@@ -89,9 +90,13 @@ class Run:
                 if isinstance(event, PromptLogprobs):
                     if self.ask.echo:
                         scores[index][:0] = event.logprobs
+                        prompt_scored[index] = len(event.logprobs)
                 elif isinstance(event, Delta):
                     texts[index].append(event.text)
                     scores[index].extend(event.logprobs)
+                elif isinstance(event, Rewind):  # a liar's steps undone: their text is taken back
+                    texts[index] = ["".join(texts[index])[: event.text]]
+                    del scores[index][prompt_scored[index] + event.tokens :]
                 elif isinstance(event, Finished):
                     done[index] = event
                 elif isinstance(event, Failed):
@@ -164,6 +169,10 @@ class Run:
                     if kept[index]:
                         yield sse(shapes.chunk(kept[index], index=index))
                     yield sse(shapes.chunk(None, event.reason, index=index))
+                elif isinstance(event, Rewind):  # text already sent cannot be taken back: end with an error
+                    yield sse(error_body(503, "a worker was caught lying after this answer was streamed in part: "
+                                              "the answer is withdrawn; ask again"))
+                    break
                 elif isinstance(event, Failed):
                     yield sse(error_body(event.status, event.message))
                     break

@@ -22,6 +22,7 @@ step, whatever else is running: speculation and earlier requests never change th
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +32,23 @@ from moeswarm.generation.sampling import biased, log_probs, make_generator, pena
 from moeswarm.generation.stepper import Stepper
 from moeswarm.generation.stops import find_stop, held_back
 from moeswarm.model.tokenizer import TextCodec
-from moeswarm.serve.job import Delta, Finished, Job, PromptLogprobs, TokenLogprob
+from moeswarm.serve.job import Delta, Finished, Job, PromptLogprobs, Rewind, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A sequence between two steps: what `Sequence.restore` needs to undo the steps after it."""
+
+    cached: int  # positions in the KV cache
+    reference_cached: int
+    context: int
+    output: int
+    shown: int
+    generator_state: torch.Tensor | None  # a sampled sequence's random state
+    draft_len: int
+    drafted: int
+    accepted: int
+    prompt_scores: int
 
 
 class Sequence:
@@ -158,6 +175,31 @@ class Sequence:
             self.draft_len = min(self.max_drafts, self.draft_len + 1) if accepted == len(drafts) else max(1, accepted)
         kept = logits if logits.dim() == 3 else logits[None]
         self._accept(drafts[:accepted] + [chosen.next_token], list(kept[chosen.row, : accepted + 1]))
+
+    def checkpoint(self) -> Checkpoint:
+        greedy = self.job.params.greedy
+        return Checkpoint(self.stepper.length, self.reference.length if self.reference is not None else 0,
+                          len(self.context), len(self.output), self.shown, None if greedy else self.generator.get_state(),
+                          self.draft_len, self.drafted, self.accepted, len(self.prompt_scores))
+
+    def restore(self, point: Checkpoint) -> None:
+        """Undo every step after `point` (their logits came from a liar's answers) and tell the caller
+        to take back what they emitted; the next steps compute them again. A grammar-constrained
+        sequence cannot rewind its grammar: ValueError."""
+        if self.job.constraint is not None:
+            raise ValueError("a constrained request cannot rewind its grammar")
+        for stepper, length in ((self.stepper, point.cached), (self.reference, point.reference_cached)):
+            if stepper is not None:
+                stepper.keep_row(0)
+                stepper.crop(length)
+        del self.context[point.context :]
+        del self.output[point.output :]
+        del self.prompt_scores[point.prompt_scores :]
+        if point.generator_state is not None:
+            self.generator.set_state(point.generator_state)
+        self.shown, self.draft_len, self.drafted, self.accepted = point.shown, point.draft_len, point.drafted, point.accepted
+        self.finish_reason = None
+        self.job.emit(Rewind(point.shown, point.output))
 
     def _score_prompt(self, logits: torch.Tensor) -> None:
         """Score the prompt tokens that this chunk's rows predict: row i of a chunk from `start` gives
