@@ -24,17 +24,16 @@ import torch
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.generation.check import LocalCheck
 from moeswarm.generation.draft_names import DEFAULT_DRAFT, check_draft_flags
-from moeswarm.generation.draft_suffix import SuffixHistory
-from moeswarm.generation.drafters import make_drafter
 from moeswarm.model.experts import num_experts_of
 from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.job import Failed, Job
+from moeswarm.serve.admission import Admission
 from moeswarm.serve.group_policy import GroupPolicy
 from moeswarm.serve.metrics import ServeMetrics
-from moeswarm.serve.prefix_cache import PrefixCache
+from moeswarm.serve.rollback import Rollback
 from moeswarm.serve.runner import PackedRunner, build_runners, split_groups
 from moeswarm.serve.scheduler import Slot, plan_step
-from moeswarm.serve.sequence import Checkpoint, Sequence, apart
+from moeswarm.serve.sequence import Sequence, apart
 from moeswarm.serve.stats import EngineStats, StepRecord
 from moeswarm.serve.tally import Tally
 from moeswarm.swarm import Swarm
@@ -68,8 +67,7 @@ class Engine:
         self.runner, self.reference_runner = build_runners(swarm, reference, config.max_batch, config.groups,
                                                            self.stats.record_routing)
         self.packed = isinstance(self.runner, PackedRunner)
-        self.prefix_cache = PrefixCache(config.cache_slots)
-        self.suffix_history = SuffixHistory()  # --draft suffix looks in the recent requests too
+        self.admission = Admission(swarm, codec, config, self.runner, self.reference_runner, self.metrics, self.packed)
         self.group_policy = GroupPolicy()  # --groups 0: one or two batches in flight, by measurement
         self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
         # --check-local: every step's logits against the reference's (bit for bit; a lossy wire: the gate's thresholds)
@@ -81,8 +79,7 @@ class Engine:
         self._queue: deque[tuple[Job, Tally]] = deque()
         self._active: list[Sequence] = []
         self._tallies: dict[int, Tally] = {}  # id(sequence) -> its request's figures
-        # id(sequence) -> (first layer call, last layer call, the sequence before that step), per step
-        self._checkpoints: dict[int, list[tuple[int, int, Checkpoint]]] = {}
+        self.rollback = Rollback()  # what each sequence was before each step, to undo a liar's steps
         self._wake = threading.Condition()
         self._stopping = False
         self._health_due = 0.0
@@ -177,56 +174,16 @@ class Engine:
                 job, tally = self._queue.popleft()
                 if job.cancelled.is_set():
                     continue
-                if self._sibling(job, prefilling=True) is not None:
+                if self.admission.waits(job, self._active):
                     waiting.append((job, tally))  # the same prompt is being prefilled: take its cache next step
                     continue
-                sequence = self._start(job)
+                sequence = self.admission.start(job, self._active)
                 self._active.append(sequence)
                 self._tallies[id(sequence)] = tally
                 tally.tokens = sequence.output  # the same list: it grows as the sequence does
             self._queue.extendleft(reversed(waiting))
             self.metrics.queue_depth.set(len(self._queue))
         self.metrics.active.set(len(self._active))
-
-    def _sibling(self, job: Job, prefilling: bool) -> Sequence | None:
-        """An active packed sequence with `job`'s very prompt (n > 1, or the same prompt sent twice):
-        one still prefilling it (prefilling=True), or one whose cache holds it all."""
-        if not self.packed or job.logprobs is not None or job.prompt_logprobs is not None or job.params.penalised:
-            return None
-        for sequence in self._active:
-            if sequence.job.prompt == job.prompt and not sequence.scored:
-                if prefilling == bool(sequence.prefill_left):
-                    return sequence
-        return None
-
-    def _shared_prompt(self, job: Job) -> tuple[int, tuple] | None:
-        """(reused length, caches) copied from a sibling that has the whole prompt cached: every
-        position but the last prompt token's, which is fed again for the first token's logits."""
-        sibling = self._sibling(job, prefilling=False)
-        if sibling is None or len(job.prompt) < 2:
-            return None
-        reused = len(job.prompt) - 1
-        reference = sibling.reference.cache.copy(reused) if sibling.reference is not None else None
-        return reused, (sibling.stepper.cache.copy(reused), reference)
-
-    def _start(self, job: Job) -> Sequence:
-        speculate = self.config.speculate if job.speculate is None else min(job.speculate, self.config.speculate)
-        # log-probabilities are those of a plain forward of the whole prompt: no prefix reused
-        scored = job.logprobs is not None or job.prompt_logprobs is not None or job.params.penalised
-        reused, caches = (0, None) if scored else self._shared_prompt(job) or self.prefix_cache.take(job.prompt)
-        stepper = self.runner.stepper()
-        reference = self.reference_runner.stepper() if self.reference_runner is not None else None
-        if caches is not None:
-            for taker, cache in zip((stepper, reference), caches):
-                if taker is not None:
-                    taker.cache = cache
-                    taker.crop(reused)
-        (self.metrics.prefix_hits if reused else self.metrics.prefix_misses).inc()
-        self.metrics.prompt_tokens.inc(len(job.prompt))
-        self.metrics.cached_prompt_tokens.inc(reused)
-        drafter = make_drafter(self.config.draft, self.swarm.model, self.swarm.local_store, self.suffix_history) \
-            if speculate else None
-        return Sequence(job, stepper, self.codec, speculate, reused, reference, drafter)
 
     def _step(self) -> None:
         started = time.monotonic()
@@ -264,8 +221,7 @@ class Engine:
         outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
         forward = time.perf_counter() - forward
         last_call = self.swarm.layer_call_number()
-        for sequence, point in points:
-            self._checkpoints.setdefault(id(sequence), []).append((first_call, last_call, point))
+        self.rollback.record(points, first_call, last_call)
         if not self.config.groups and all(s.output for s, _, _ in work):  # decode steps teach the policy
             self.group_policy.record(len(groups), forward, sum(_tokens(feed) for _, feed, _ in work))
         for sequence, _, _ in work:
@@ -296,7 +252,7 @@ class Engine:
             self._roll_back(taints)
         for sequence in [s for s in self._active if s.done]:
             self._remove(sequence)
-            self.prefix_cache.put(sequence.context[: sequence.stepper.length],
+            self.admission.prefix_cache.put(sequence.context[: sequence.stepper.length],
                                   (sequence.stepper.cache, sequence.reference.cache if sequence.reference else None))
         self.metrics.active.set(len(self._active))
         if failed_worker:
@@ -341,24 +297,14 @@ class Engine:
     def _remove(self, sequence: Sequence) -> None:
         self._active.remove(sequence)
         self._tallies.pop(id(sequence), None)
-        self._checkpoints.pop(id(sequence), None)
+        self.rollback.forget(sequence)
 
     def _roll_back(self, taints: list) -> None:
-        """A holder was banned: every running sequence whose steps used its unchecked answers goes back
-        to before its first such step (dispatch/taint.py) and computes them again; the prefix cache,
-        which may hold such steps' keys and values, is emptied."""
-        self.prefix_cache.clear()
-        for sequence in list(self._active):
-            points = self._checkpoints.get(id(sequence), [])
-            hit = next((i for i, (low, high, _) in enumerate(points) if any(t.hits(low, high) for t in taints)), None)
-            if hit is None:
-                continue
-            point = points[hit][2]
-            del points[hit:]
+        """A holder was banned: the sequences that used its unchecked answers go back (serve/rollback.py)."""
+        self.admission.prefix_cache.clear()  # it may hold such steps' keys and values
+        for sequence, error in self.rollback.apply(self._active, taints):
             self.metrics.rolled_back.inc()
-            try:
-                sequence.restore(point)
-            except ValueError as error:
+            if error is not None:
                 self._fail(sequence, MoeSwarmError(f"a worker was caught lying after serving this request: {error}"))
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
