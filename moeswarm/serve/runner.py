@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from moeswarm.generation.ragged import Item, PackedStepper, forward_packed, install, supports_ragged
 from moeswarm.generation.stepper import Stepper
-from moeswarm.model.backend import attach
+from moeswarm.model.backend import attach, set_overlap
 from moeswarm.serve.batcher import StepBatcher
 from moeswarm.serve.eager import EagerExperts
 from moeswarm.serve.turns import TakingTurns
@@ -49,6 +49,7 @@ def build_runners(swarm, reference: PreTrainedModel | None, max_batch: int, grou
         return runner, None
     reference_batcher = StepBatcher(EagerExperts(reference))
     attach(reference, reference_batcher)
+    set_overlap(reference, False)  # no trip to overlap; and the shared expert then runs where its block calls it
     return runner, ThreadedRunner(reference, reference_batcher, max_batch)
 
 
