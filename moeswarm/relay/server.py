@@ -1,7 +1,7 @@
 """The relay: splices a backbone's connection to a worker's outbound one, for workers behind NAT.
 
 A worker that cannot be dialled keeps idle connections open to the relay, registered under its
-name (net/relay_worker.py). A backbone connects to the relay and names the worker; the relay takes
+name (relay/worker.py). A backbone connects to the relay and names the worker; the relay takes
 one of that worker's idle connections, tells the worker ("P") and from then on copies bytes both
 ways without reading them. TLS with the swarm key runs end to end through the pipe
 (transport/relay.py), so the relay sees only ciphertext, its sizes and its timing; a byte it
@@ -12,9 +12,9 @@ names per host, idle connections and pipes per name, the time a handshake may ta
 backbone waits for an idle connection, and the time a pipe may carry nothing. The relay never
 learns the swarm key.
 
-Names are bound. A keyed relay (`authority`: the swarm's certificate, net/member_cert.py)
+Names are bound. A keyed relay (`authority`: the swarm's certificate, transport/member_cert.py)
 registers a name only for the member whose certificate names it, proven by a signed challenge
-(net/relay_protocol.py): a peer without that member's key cannot register it at all. A name in
+(relay/protocol.py): a peer without that member's key cannot register it at all. A name in
 use (idle connections or pipes) is bound to its owner (the member; unkeyed, the peer's host), so
 nobody else can add connections under it while it is held; the owner's newest registration
 replaces its oldest idle one when the name is full (a restarted worker is not locked out by its
@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass, field
 
 from moeswarm.errors import printable
-from moeswarm.net.member_cert import Authority, CertError
-from moeswarm.net.relay_protocol import (CHALLENGE, CHALLENGE_BYTES, KEEPALIVE, OK, PAIRED, REQUEST_HEAD, ROLE_WORKER,
+from moeswarm.transport.member_cert import Authority, CertError
+from moeswarm.relay.protocol import (CHALLENGE, CHALLENGE_BYTES, KEEPALIVE, OK, PAIRED, REQUEST_HEAD, ROLE_WORKER,
                                          SIGNATURE_BYTES, RelayError, challenge_bytes, encode_error, parse_name,
                                          parse_proof_length, parse_request_head)
 

@@ -1,6 +1,6 @@
 """Discovery on hivemind's DHT (the one Petals uses): where workers announce themselves and backbones look.
 
-The DHT carries announcements only (net/discovery_record.py): who holds which experts of which
+The DHT carries announcements only (discovery/record.py): who holds which experts of which
 model, where to dial them, with an expiry. Requests never travel over it: the hot path stays on
 moeswarm's own TCP protocol (libp2p's daemon adds milliseconds per message).
 
@@ -10,7 +10,7 @@ node is opened, so `--workers` works without it.
     peers "new"                      start a new swarm: this node is its first peer
     peers /ip4/H/tcp/P/p2p/ID,...    join the swarm those peers are in
 
-With a swarm key, the node is keyed (`authority`): hivemind runs net/discovery_sign.py's validator
+With a swarm key, the node is keyed (`authority`): hivemind runs discovery/sign.py's validator
 on every record this node stores or reads, records are signed by this process's member key
 (`identity`), and `fetch` checks them again, revocation list included. Without one, any DHT peer
 can pose as a worker: `open` warns once, and `fetch` still bounds what one host can add.
@@ -26,8 +26,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from moeswarm.errors import MoeSwarmError, one_line, printable
-from moeswarm.net.discovery_record import Announcement, RecordError, announcement_key, parse_record
-from moeswarm.net.member_cert import Authority, Identity
+from moeswarm.discovery.record import Announcement, RecordError, announcement_key, parse_record
+from moeswarm.transport.member_cert import Authority, Identity
 
 log = logging.getLogger("moeswarm.discovery")
 
@@ -74,14 +74,14 @@ class SwarmDht:
              identity: Identity | None = None) -> "SwarmDht":
         """Start a node; join `peers` (none: start a new swarm). MoeSwarmError when that fails.
 
-        authority: the swarm's certificate (net/member_cert.py), for a keyed swarm; None: unkeyed (warned once).
+        authority: the swarm's certificate (transport/member_cert.py), for a keyed swarm; None: unkeyed (warned once).
         identity: this process's member key, to sign the records it stores (a worker's)."""
         global _warned
         try:
-            from moeswarm.net.discovery_dht import WatchedDHT
+            from moeswarm.discovery.dht_process import WatchedDHT
             validators = []
             if authority is not None:
-                from moeswarm.net.discovery_sign import MemberValidator
+                from moeswarm.discovery.sign import MemberValidator
                 validators = [MemberValidator(authority)]
         except ImportError as error:
             missing = "is not installed" if (error.name or "").split(".")[0] == "hivemind" else f"cannot load ({error})"
@@ -117,7 +117,7 @@ class SwarmDht:
         if self.authority is not None:
             if self.identity is None:
                 raise MoeSwarmError("a keyed DHT node stores only signed records: open it with this member's identity")
-            from moeswarm.net.discovery_sign import member_subkey, sign_record
+            from moeswarm.discovery.sign import member_subkey, sign_record
 
             subkey = member_subkey(self.identity.member_id, record.address)
             value = sign_record(self.identity, key, subkey, value, expiration_time)
@@ -136,7 +136,7 @@ class SwarmDht:
         entries are skipped (each cause logged once, escaped); withdrawn ones (online false) are left
         out. Keyed: an entry counts only when signed by a member of the swarm under its own subkey,
         not revoked, at most MAX_PER_MEMBER per member; several members may claim one address (only
-        the worker's HELLO tells which is right: net/discovery_follow.py tries them in turn).
+        the worker's HELLO tells which is right: discovery/follow.py tries them in turn).
         Unkeyed: one claim per address, at most MAX_PER_HOST per host."""
         found = self._node.get(announcement_key(fingerprint), latest=True)
         entries = found.value if found is not None else {}
@@ -180,7 +180,7 @@ class SwarmDht:
             if isinstance(value, dict) and {"body", "cert", "sig"} <= value.keys():
                 raise RecordError("a signed record of a keyed swarm: give --swarm-key to read it")
             return "", parse_record(subkey, value, fingerprint)
-        from moeswarm.net.discovery_sign import key_id, open_record
+        from moeswarm.discovery.sign import key_id, open_record
 
         signer, body = open_record(self.authority, key_id(announcement_key(fingerprint)), subkey, value,
                                    getattr(entry, "expiration_time", 0.0))

@@ -1,9 +1,9 @@
 """The seeder: serves byte ranges of one model file to joining workers (`moeswarm seed`).
 
-A worker that is to host some experts fetches just their byte ranges (net/seed_fetch.py) from a
+A worker that is to host some experts fetches just their byte ranges (slices/fetch.py) from a
 peer that has the file. The seeder trusts nobody and is trusted by nobody: with a swarm key it
 talks only to peers holding the same key (mutual TLS, transport/tls.py); what it sends is checked
-against the owner's manifest by the fetcher. Every request is bounded (net/seed_protocol.py): at
+against the owner's manifest by the fetcher. Every request is bounded (slices/protocol.py): at
 most MAX_REQUEST bytes, inside the file; a bad one gets a one-line ERR! and the connection closes,
 the seeder goes on serving. A connection reads one request at a time, so it holds at most one
 range in memory; one that sends nothing, or takes nothing, for IDLE_TIMEOUT_S is closed. File
@@ -28,7 +28,7 @@ import functools
 import time
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, printable
-from moeswarm.net.seed_protocol import DATA, MAX_REQUEST, REQUEST, RESPONSE, decode_request, encode_error
+from moeswarm.slices.protocol import DATA, MAX_REQUEST, REQUEST, RESPONSE, decode_request, encode_error
 from moeswarm.worker.admission import ConnectionTable, CountedLog, StreamProtocol, handshake, loop_errors, peer_host
 
 log = logging.getLogger("moeswarm.seed")

@@ -6,7 +6,7 @@ would live on as orphans; and a SIGTERM to the DHT process (multiprocessing's ex
 one) would orphan p2pd. Here the forked process watches its parent and, when it is gone or on
 SIGTERM, kills its own children (p2pd) and exits.
 
-This module imports hivemind: import it only where `--swarm` is used (net/discovery.py does).
+This module imports hivemind: import it only where `--swarm` is used (discovery/dht.py does).
 """
 
 from __future__ import annotations

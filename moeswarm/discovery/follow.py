@@ -25,8 +25,8 @@ from typing import Protocol
 
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.ids import ExpertId, LayerId
-from moeswarm.net.discovery import SwarmDht
-from moeswarm.net.discovery_record import Announcement
+from moeswarm.discovery.dht import SwarmDht
+from moeswarm.discovery.record import Announcement
 from moeswarm.placement.table import describe_gaps
 
 log = logging.getLogger("moeswarm.discovery")
@@ -46,7 +46,7 @@ class DiscoveryOptions:
     poll_s: how often the announcements are read again.
     report: called with a line while waiting (None: logged).
     swarm_key: the `--swarm-key` file (the swarm key or a member file): only records signed by the
-        swarm's members count (net/discovery_sign.py); None: an unkeyed swarm.
+        swarm's members count (discovery/sign.py); None: an unkeyed swarm.
     """
 
     peers: tuple[str, ...]

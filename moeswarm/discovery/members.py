@@ -1,7 +1,7 @@
 """A backbone's members as discovery sees them: connect a worker that announced itself, drop one that left.
 
-`Members` sits between the follower (net/discovery_follow.py, on its own thread) and the
-dispatcher: `join` dials an announced worker (direct or through its relay, net/path.py), checks
+`Members` sits between the follower (discovery/follow.py, on its own thread) and the
+dispatcher: `join` dials an announced worker (direct or through its relay, transport/path.py), checks
 its HELLO against the model and against its own announcement, and queues the connected link
 into the dispatcher; `leave` queues a holder out. The dispatcher applies both between layer calls.
 `follow_swarm` builds a backbone's dispatcher this way (swarm.py's `open_swarm(discovery=...)`).
@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.errors import WorkerError
 from moeswarm.ids import ExpertId, LayerId, WorkerId, format_ids
-from moeswarm.net.discovery import SwarmDht
-from moeswarm.net.discovery_follow import DiscoveryOptions, Follower
-from moeswarm.net.discovery_record import Announcement
-from moeswarm.net.path import worker_link
+from moeswarm.discovery.dht import SwarmDht
+from moeswarm.discovery.follow import DiscoveryOptions, Follower
+from moeswarm.discovery.record import Announcement
+from moeswarm.transport.path import worker_link
 from moeswarm.placement.table import build_table, missing
 from moeswarm.transport.link import WorkerLink
 
@@ -68,7 +68,7 @@ class Members:
         except BaseException:
             link.close()
             raise
-        with self._lock:  # joins run in parallel (net/discovery_follow.py)
+        with self._lock:  # joins run in parallel (discovery/follow.py)
             paths = dict(self.dispatcher.accounting.paths)  # a new dict: the forward's thread may be reading the old one
             paths[link.address] = kind
             self.dispatcher.accounting.paths = paths
@@ -103,7 +103,7 @@ class Following:
 
 def open_dht(options: DiscoveryOptions) -> Following:
     """Join the swarm as a client (before the backbone loads: a bad peer fails fast, the DHT process forks small)."""
-    from moeswarm.net.member_cert import Authority
+    from moeswarm.transport.member_cert import Authority
 
     authority = Authority.load(options.swarm_key) if options.swarm_key else None
     return Following(SwarmDht.open(options.peers, client=True, authority=authority))

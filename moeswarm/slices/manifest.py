@@ -30,7 +30,7 @@ from moeswarm.weights.gguf_slice import expert_layer
 FORMAT = "moeswarm-manifest/1"
 FINGERPRINT_SAMPLE = 1 << 16  # bytes at each end of the data region that the fingerprint reads (gguf_file.py)
 DEFAULT_CHUNK = 4 << 20
-MAX_CHUNK = 16 << 20  # the most a seeder sends for one request (net/seed.py)
+MAX_CHUNK = 16 << 20  # the most a seeder sends for one request (slices/seed.py)
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_FILE_SIZE = 1 << 44  # 16 TiB: beyond any model file, and beyond what a sparse partial file may claim
 

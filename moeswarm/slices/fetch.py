@@ -1,8 +1,8 @@
 """`moeswarm fetch-slice`: fetch only some experts' byte ranges from a seeder, check them, write a slice.
 
-The pieces a slice needs (net/manifest.py: the header, the fingerprint's samples, the experts'
+The pieces a slice needs (slices/manifest.py: the header, the fingerprint's samples, the experts'
 blocks, and with --with-backbone every other tensor) are asked for on one connection, a few in
-flight at once (net/seed_protocol.py), and each is checked against the owner's manifest on
+flight at once (slices/protocol.py), and each is checked against the owner's manifest on
 arrival: a seeder that sends other bytes is caught at its first wrong piece, named in one line.
 
 Checked pieces are written at their own offsets into OUT.partial, a sparse file as long as the
@@ -27,8 +27,8 @@ from pathlib import Path
 
 from moeswarm.errors import MoeSwarmError, printable
 from moeswarm.ids import parse_address
-from moeswarm.net.manifest import Manifest, Piece
-from moeswarm.net.seed_protocol import DATA, ERROR, MAX_ERROR, RESPONSE, encode_request
+from moeswarm.slices.manifest import Manifest, Piece
+from moeswarm.slices.protocol import DATA, ERROR, MAX_ERROR, RESPONSE, encode_request
 from moeswarm.progress import progress
 from moeswarm.weights.gguf_slice import write_slice
 

@@ -17,9 +17,9 @@ import time
 import torch
 
 from moeswarm.errors import MoeSwarmError
-from moeswarm.net.discovery import STORE_TIMEOUT_S, SwarmDht
-from moeswarm.net.discovery_record import Announcement
-from moeswarm.net.path import canonical_address
+from moeswarm.discovery.dht import STORE_TIMEOUT_S, SwarmDht
+from moeswarm.discovery.record import Announcement
+from moeswarm.transport.path import canonical_address
 
 log = logging.getLogger("moeswarm.discovery")
 

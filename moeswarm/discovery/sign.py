@@ -1,6 +1,6 @@
 """Signed announcements: with a swarm key, every DHT record is signed by its member and checked by every node.
 
-A keyed worker stores its announcement (net/discovery_record.py) under the subkey
+A keyed worker stores its announcement (discovery/record.py) under the subkey
 `MEMBER_ID@ADDRESS` as
 
     {"body": msgpack of the announcement, "cert": the member's certificate (DER), "sig": Ed25519 signature}
@@ -17,7 +17,7 @@ and the model of the DHT key, and the record expires before the certificate does
   old record with a later expiry), so a forged `online: false` removes no worker;
 - a keyed node stores nothing else: everything on a keyed swarm's DHT is a member's record.
 
-The revocation list (net/member_cert.py) is applied by readers, not by the validator: hivemind
+The revocation list (transport/member_cert.py) is applied by readers, not by the validator: hivemind
 drops a node's whole answer when one of its entries fails validation, and nodes whose lists
 differ for a while must not make each other's honest records vanish.
 
@@ -33,8 +33,8 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
 from moeswarm.errors import printable
-from moeswarm.net.discovery_record import RecordError, announcement_key
-from moeswarm.net.member_cert import MEMBER_ID_HEX, Authority, CertError, Identity, MemberCert
+from moeswarm.discovery.record import RecordError, announcement_key
+from moeswarm.transport.member_cert import MEMBER_ID_HEX, Authority, CertError, Identity, MemberCert
 
 log = logging.getLogger("moeswarm.discovery")
 

@@ -7,8 +7,8 @@ NAME, a serial, 90 days by default) signed by the swarm key, and the swarm's cer
 file works as `--swarm-key` wherever the swarm key does (TLS verifies the member certificate
 against the swarm's), without giving the member the power to certify anyone.
 
-A member signs what it publishes: its DHT announcements (net/discovery_sign.py) and its relay
-registrations (net/relay_protocol.py). Readers check the certificate against the swarm's, the
+A member signs what it publishes: its DHT announcements (discovery/sign.py) and its relay
+registrations (relay/protocol.py). Readers check the certificate against the swarm's, the
 signature against the certificate, and the certificate against the revocation list.
 
 Revocation: `moeswarm keygen --revoke NAME.pem --swarm-key swarm.key` appends the certificate's

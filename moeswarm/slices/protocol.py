@@ -18,7 +18,7 @@ REQUEST = struct.Struct(">4sQI")
 RESPONSE = struct.Struct(">4sI")
 REQUEST_MAGIC = b"MSR1"
 DATA, ERROR = b"DATA", b"ERR!"
-MAX_REQUEST = 16 << 20  # net/manifest.py MAX_CHUNK: one piece per request
+MAX_REQUEST = 16 << 20  # slices/manifest.py MAX_CHUNK: one piece per request
 MAX_ERROR = 1024
 
 

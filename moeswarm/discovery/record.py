@@ -46,7 +46,7 @@ class Capacity:
 class Announcement:
     """One worker's record.
 
-    address: how backbones reach it (a `--workers` entry: HOST:PORT, or a relay form, net/path.py).
+    address: how backbones reach it (a `--workers` entry: HOST:PORT, or a relay form, transport/path.py).
     held: {MoE layer: experts held in it, ascending}.
     throughput: tokens per second through every held layer, measured by the worker at start (0: unmeasured).
     online: False in the record a worker leaves when it shuts down cleanly (dropped at once).
@@ -134,7 +134,7 @@ def _held(raw: object, num_experts: int) -> dict[int, tuple[int, ...]]:
 
 
 def _check_address(address: str) -> None:
-    from moeswarm.net.path import canonical_address  # the path policy owns the address forms
+    from moeswarm.transport.path import canonical_address  # the path policy owns the address forms
 
     try:
         canonical = canonical_address(address)

@@ -1,13 +1,13 @@
 """A worker's side of a relay: idle outbound connections, registered under the worker's name.
 
 A worker behind NAT cannot be dialled, so it dials out: `RelayAttachment` keeps `pool`
-connections open to the relay, each registered under the worker's name (net/relay_protocol.py).
+connections open to the relay, each registered under the worker's name (relay/protocol.py).
 When a backbone takes one (the relay sends "P"), the connection is handed to the worker's server
 as if it had been accepted: TLS server side with the swarm key, then the moeswarm protocol, end to
 end with the backbone through the relay. A new idle connection replaces it at once.
 
-At a keyed relay the registration proves the worker's member key (net/relay_protocol.py): the
-relay's challenge is signed with `identity` (net/member_cert.py), whose certificate must name the
+At a keyed relay the registration proves the worker's member key (relay/protocol.py): the
+relay's challenge is signed with `identity` (transport/member_cert.py), whose certificate must name the
 registered name.
 
 A connection that fails (relay down, refused, silent past the keepalive) is opened again after a
@@ -23,12 +23,12 @@ import socket
 from typing import TYPE_CHECKING
 
 from moeswarm.errors import printable
-from moeswarm.net.relay_protocol import (CHALLENGE, CHALLENGE_BYTES, ERROR, KEEPALIVE, OK, PAIRED, ROLE_WORKER,
+from moeswarm.relay.protocol import (CHALLENGE, CHALLENGE_BYTES, ERROR, KEEPALIVE, OK, PAIRED, ROLE_WORKER,
                                          RelayError, challenge_bytes, encode_proof, encode_request, error_text,
                                          parse_error_length)
 
 if TYPE_CHECKING:
-    from moeswarm.net.member_cert import Identity
+    from moeswarm.transport.member_cert import Identity
     from moeswarm.worker.server import WorkerServer
 
 log = logging.getLogger("moeswarm.worker")
@@ -44,7 +44,7 @@ def relay_identity(key_file: str | None, name: str | None) -> tuple[str, Identit
     without a key, `name` or a random one, unproven."""
     if not key_file:
         return name or f"w-{secrets.token_hex(6)}", None
-    from moeswarm.net.member_cert import Identity
+    from moeswarm.transport.member_cert import Identity
 
     identity = Identity.load(key_file, name=name or f"w-{secrets.token_hex(6)}")
     return name or identity.name, identity

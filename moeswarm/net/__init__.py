@@ -1,1 +1,0 @@
-"""Peer-to-peer networking: discovery of workers, relays for workers behind NAT, and path choice."""
