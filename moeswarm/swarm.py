@@ -24,8 +24,8 @@ from moeswarm.model.backend import attach, set_overlap
 from moeswarm.model.experts import experts_modules, num_experts_of
 from moeswarm.model.loading import load_backbone
 from moeswarm.model.source import ModelSource
-from moeswarm.net.discovery_members import Following, check_holder, follow_swarm, open_dht
-from moeswarm.net.path import worker_link
+from moeswarm.discovery.members import Following, check_holder, follow_swarm, open_dht
+from moeswarm.transport.path import worker_link
 from moeswarm.placement.profile import RoutingStats
 from moeswarm.placement.table import build_table
 from moeswarm.swarm_config import SwarmConfig
@@ -203,7 +203,7 @@ def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, fo
     local = hold_local(source, local_experts, list(experts_modules(model)), num_experts, hidden_size)
     if local is not None:
         links.append(LocalLink(local, model.config.model_type))
-    chosen = [worker_link(spec, tls=config.tls) for spec in workers]  # (path kind, link): net/path.py's policy
+    chosen = [worker_link(spec, tls=config.tls) for spec in workers]  # (path kind, link): transport/path.py's policy
     remote: list[WorkerLink] = [link for _, link in chosen]
     links += [wrap_link(i, link) for i, link in enumerate(remote)] if wrap_link else remote
     layers = list(experts_modules(model))

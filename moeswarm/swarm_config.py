@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from moeswarm.dispatch.health import REPLY_TIMEOUT_S
-from moeswarm.net.discovery_follow import DiscoveryOptions
+from moeswarm.discovery.follow import DiscoveryOptions
 from moeswarm.wire.config import EXACT, WireConfig
 
 

@@ -22,9 +22,9 @@ from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import spawn_worker, stop
 from moeswarm.model.loading import load_local
 from moeswarm.model.source import open_source
-from moeswarm.net.discovery import SwarmDht
-from moeswarm.net.discovery_follow import DiscoveryOptions, membership_diff
-from moeswarm.net.discovery_record import Announcement, Capacity, RecordError, announcement_key, parse_record
+from moeswarm.discovery.dht import SwarmDht
+from moeswarm.discovery.follow import DiscoveryOptions, membership_diff
+from moeswarm.discovery.record import Announcement, Capacity, RecordError, announcement_key, parse_record
 from moeswarm.swarm import open_swarm
 
 WAIT_S = 120.0  # bounds on waits that take seconds on an idle machine (a worker's start: as conftest's workers)

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from moeswarm.bench.fetch_slice import make_random_gguf
-from moeswarm.net.manifest import ManifestError, build_manifest, load_manifest, write_manifest
-from moeswarm.net.seed import Seeder
-from moeswarm.net.seed_fetch import FetchError, fetch_slice
-from moeswarm.net.seed_protocol import RESPONSE, encode_request
+from moeswarm.slices.manifest import ManifestError, build_manifest, load_manifest, write_manifest
+from moeswarm.slices.seed import Seeder
+from moeswarm.slices.fetch import FetchError, fetch_slice
+from moeswarm.slices.protocol import RESPONSE, encode_request
 from moeswarm.transport.tls import client_context, server_context, write_swarm_key
 from moeswarm.wan import LinkProfile, WanProxy
 from moeswarm.weights.gguf_slice import write_slice

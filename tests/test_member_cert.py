@@ -8,7 +8,7 @@ import pytest
 
 from moeswarm.cli import main
 from moeswarm.errors import MoeSwarmError
-from moeswarm.net.member_cert import Authority, CertError, Identity, issue, read_revoked
+from moeswarm.transport.member_cert import Authority, CertError, Identity, issue, read_revoked
 from moeswarm.transport.tls import write_swarm_key
 
 

@@ -26,10 +26,10 @@ from moeswarm.generation.loop import generate
 from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import spawn_worker, stop, wait_listening
 from moeswarm.model.loading import load_local
-from moeswarm.net.path import choose_path, parse_worker, probe
-from moeswarm.net.relay_protocol import (MAGIC, RelayError, encode_request, parse_relay_address,
+from moeswarm.transport.path import choose_path, parse_worker, probe
+from moeswarm.relay.protocol import (MAGIC, RelayError, encode_request, parse_relay_address,
                                          parse_request_head)
-from moeswarm.net.relay_server import CHUNK, RelayLimits, RelayServer
+from moeswarm.relay.server import CHUNK, RelayLimits, RelayServer
 from moeswarm.swarm import open_swarm
 from moeswarm.transport.relay import RelayLink
 from moeswarm.transport.tls import client_context, write_swarm_key

@@ -19,11 +19,11 @@ import threading
 
 import pytest
 
-from moeswarm.net.member_cert import Authority, Identity, revoke, write_member
-from moeswarm.net.relay_protocol import (CHALLENGE, CHALLENGE_BYTES, ERROR, OK, RelayError, challenge_bytes,
+from moeswarm.transport.member_cert import Authority, Identity, revoke, write_member
+from moeswarm.relay.protocol import (CHALLENGE, CHALLENGE_BYTES, ERROR, OK, RelayError, challenge_bytes,
                                          encode_proof, encode_request)
-from moeswarm.net.relay_server import RelayLimits, RelayServer
-from moeswarm.net.relay_worker import RelayAttachment
+from moeswarm.relay.server import RelayLimits, RelayServer
+from moeswarm.relay.worker import RelayAttachment
 from moeswarm.transport.tls import write_swarm_key
 
 

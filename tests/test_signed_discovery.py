@@ -20,11 +20,11 @@ pytest.importorskip("hivemind")
 from hivemind.dht.validation import DHTRecord  # noqa: E402
 from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
 
-from moeswarm.net.discovery import MAX_PER_HOST, SwarmDht  # noqa: E402
-from moeswarm.net.discovery_announce import Announcer  # noqa: E402
-from moeswarm.net.discovery_record import Announcement, Capacity, RecordError, announcement_key  # noqa: E402
-from moeswarm.net.discovery_sign import MemberValidator, key_id, member_subkey, open_record, sign_record  # noqa: E402
-from moeswarm.net.member_cert import Authority, Identity, revoke, write_member  # noqa: E402
+from moeswarm.discovery.dht import MAX_PER_HOST, SwarmDht  # noqa: E402
+from moeswarm.discovery.announce import Announcer  # noqa: E402
+from moeswarm.discovery.record import Announcement, Capacity, RecordError, announcement_key  # noqa: E402
+from moeswarm.discovery.sign import MemberValidator, key_id, member_subkey, open_record, sign_record  # noqa: E402
+from moeswarm.transport.member_cert import Authority, Identity, revoke, write_member  # noqa: E402
 from moeswarm.transport.tls import write_swarm_key  # noqa: E402
 
 FINGERPRINT = "f" * 16
@@ -130,7 +130,7 @@ def test_an_unkeyed_reader_of_a_keyed_swarm_is_told_to_give_the_key(keyed, caplo
 
 
 def test_an_unkeyed_swarm_warns_once(keyed, monkeypatch, capsys):
-    from moeswarm.net import discovery
+    from moeswarm.discovery import dht as discovery
 
     meeting, _, _ = keyed
     monkeypatch.setattr(discovery, "_warned", False)
@@ -146,7 +146,7 @@ def test_a_member_claiming_another_workers_address_does_not_keep_it_out(keys, ke
     """A certified member may announce any address; when two members claim one, the backbone
     follows the claim the worker's own HELLO confirms (here a stand-in for Members checks it)."""
     from moeswarm.errors import WorkerError
-    from moeswarm.net.discovery_follow import Follower
+    from moeswarm.discovery.follow import Follower
 
     swarm, files = keys
     meeting, _, reader = keyed
@@ -252,7 +252,7 @@ def test_a_keyed_swarm_uses_the_signed_worker_and_never_the_forged_one(qwen2_moe
     from moeswarm.local_workers import spawn_worker, stop
     from moeswarm.model.loading import load_local
     from moeswarm.model.source import open_source
-    from moeswarm.net.discovery_follow import DiscoveryOptions
+    from moeswarm.discovery.follow import DiscoveryOptions
     from moeswarm.swarm import open_swarm
     from moeswarm.transport.tls import client_context
 

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from moeswarm.net.manifest import MAX_FILE_SIZE, ManifestError, load_manifest
-from moeswarm.net.seed import Seeder
-from moeswarm.net.seed_fetch import RECORD_HEADER, FetchError, fetch_slice
-from moeswarm.net.seed_protocol import REQUEST, RESPONSE, decode_request
+from moeswarm.slices.manifest import MAX_FILE_SIZE, ManifestError, load_manifest
+from moeswarm.slices.seed import Seeder
+from moeswarm.slices.fetch import RECORD_HEADER, FetchError, fetch_slice
+from moeswarm.slices.protocol import REQUEST, RESPONSE, decode_request
 from test_fetch_slice import EXPERTS, WAIT_S, _same, files, loop, seeding  # noqa: F401  (fixtures)
 
 

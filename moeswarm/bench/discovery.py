@@ -18,8 +18,8 @@ from moeswarm.generation.stepper import Stepper
 from moeswarm.local_workers import spawn_worker, split_experts, stop
 from moeswarm.model.experts import num_experts_in_config
 from moeswarm.model.source import open_source
-from moeswarm.net.discovery import SwarmDht
-from moeswarm.net.discovery_follow import DiscoveryOptions
+from moeswarm.discovery.dht import SwarmDht
+from moeswarm.discovery.follow import DiscoveryOptions
 from moeswarm.swarm import Swarm, open_swarm
 
 STEP_PAUSE_S = 0.02  # between decode steps: the backbone is busy but not spinning

@@ -1,4 +1,4 @@
-"""`--swarm PEERS`: finding workers on the DHT (net/discovery.py) instead of a `--workers` list.
+"""`--swarm PEERS`: finding workers on the DHT (discovery/dht.py) instead of a `--workers` list.
 
 A worker announces itself (`moeswarm worker --swarm new` starts a swarm and prints the multiaddr
 others join by); a backbone (`generate`, `serve`) joins as a client, waits until the announced
@@ -13,12 +13,12 @@ import sys
 
 from moeswarm.commands._types import port, seconds
 
-DEFAULT_TTL_S = 30.0  # net/discovery_announce.py's default, restated so `--help` imports no torch
+DEFAULT_TTL_S = 30.0  # discovery/announce.py's default, restated so `--help` imports no torch
 
 
 def swarm_peers(text: str) -> list[str]:
     """argparse type of `--swarm`: [] for "new", else the peers' multiaddrs."""
-    from moeswarm.net.discovery import parse_peers
+    from moeswarm.discovery.dht import parse_peers
 
     try:
         return parse_peers(text)
@@ -65,7 +65,7 @@ def discovery_options(args: argparse.Namespace, report=None):
     """The backbone's DiscoveryOptions for `--swarm`, or None with `--workers`."""
     if args.swarm is None:
         return None
-    from moeswarm.net.discovery_follow import DiscoveryOptions
+    from moeswarm.discovery.follow import DiscoveryOptions
 
     return DiscoveryOptions(tuple(args.swarm), args.swarm_wait, report=report or _stderr(args),
                             swarm_key=getattr(args, "swarm_key", None))
@@ -83,8 +83,8 @@ def open_worker_dht(args: argparse.Namespace):
     """The worker's DHT node for `--swarm` (None without it); its address line printed for `--swarm new`."""
     if args.swarm is None:
         return None
-    from moeswarm.net.discovery import SwarmDht
-    from moeswarm.net.discovery_announce import announce_address
+    from moeswarm.discovery.dht import SwarmDht
+    from moeswarm.discovery.announce import announce_address
 
     announce_address(args.host, 1, args.announce_host)  # refuse 0.0.0.0 without --announce-host, before loading
     dht = SwarmDht.open(args.swarm, host=args.host, port=args.dht_port, **keyed_dht(args.swarm_key))
@@ -94,10 +94,10 @@ def open_worker_dht(args: argparse.Namespace):
 
 
 def keyed_dht(key_file: str | None) -> dict:
-    """SwarmDht.open's authority and identity for `--swarm-key` (net/member_cert.py): {} without one."""
+    """SwarmDht.open's authority and identity for `--swarm-key` (transport/member_cert.py): {} without one."""
     if not key_file:
         return {}
-    from moeswarm.net.member_cert import Authority, Identity
+    from moeswarm.transport.member_cert import Authority, Identity
 
     return {"authority": Authority.load(key_file), "identity": Identity.load(key_file)}
 
@@ -105,7 +105,7 @@ def keyed_dht(key_file: str | None) -> dict:
 def throughput(store, source) -> float:
     """Tokens per second through every held layer, measured now (before the server takes requests:
     the store runs one call at a time)."""
-    from moeswarm.net.discovery_announce import measure_throughput
+    from moeswarm.discovery.announce import measure_throughput
 
     return measure_throughput(store, getattr(source.config, "num_experts_per_tok", None) or 1)
 
@@ -114,8 +114,8 @@ def announcer(args: argparse.Namespace, dht, server, source, port: int, tokens_p
               relay_route: str | None = None):
     """The worker's Announcer (not started) for the server listening on `port`; with a relay route the
     record offers both paths (HOST:PORT+relay://RELAY:PORT/NAME: backbones probe the direct one first)."""
-    from moeswarm.net.discovery_announce import Announcer, announce_address
-    from moeswarm.net.discovery_record import Announcement, Capacity
+    from moeswarm.discovery.announce import Announcer, announce_address
+    from moeswarm.discovery.record import Announcement, Capacity
 
     store, limits = server.store, server.limits
     address = announce_address(args.host, port, args.announce_host)

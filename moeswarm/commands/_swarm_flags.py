@@ -21,7 +21,7 @@ from moeswarm.wire.config import COMBINE_MODES, PRESETS
 
 def workers_list(text: str) -> list[str]:
     """argparse type of `--workers`: HOST:PORT, relay://RELAY:PORT/NAME, or both joined by + (docs/network.md)."""
-    from moeswarm.net.path import parse_worker
+    from moeswarm.transport.path import parse_worker
 
     workers = [w.strip() for w in text.split(",") if w.strip()]
     try:

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.net.discovery import SwarmDht
+    from moeswarm.discovery.dht import SwarmDht
 
     dht = SwarmDht.open(args.swarm or [], host=args.host, port=args.port, **keyed_dht(args.swarm_key))
     try:

@@ -1,4 +1,4 @@
-"""`moeswarm fetch-slice`: fetch some experts' bytes from a seeder into a slice file (net/seed_fetch.py)."""
+"""`moeswarm fetch-slice`: fetch some experts' bytes from a seeder into a slice file (slices/fetch.py)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from moeswarm.errors import MoeSwarmError
     from moeswarm.ids import format_ids
-    from moeswarm.net.manifest import load_manifest
-    from moeswarm.net.seed_fetch import fetch_slice
+    from moeswarm.slices.manifest import load_manifest
+    from moeswarm.slices.fetch import fetch_slice
 
     quiet_progress(args)
     out = Path(args.out)

@@ -1,4 +1,4 @@
-"""`moeswarm keygen`: make a swarm key, certify a member with it, or revoke a member (net/member_cert.py).
+"""`moeswarm keygen`: make a swarm key, certify a member with it, or revoke a member (transport/member_cert.py).
 
     moeswarm keygen -o swarm.key                                          the swarm key (keep it with the admin)
     moeswarm keygen --member gpu-1 --swarm-key swarm.key -o gpu-1.pem     a member file for one worker or backbone
@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.errors import MoeSwarmError
-    from moeswarm.net import member_cert
+    from moeswarm.transport import member_cert
 
     if args.member is not None or args.revoke is not None:
         if args.member is not None and args.revoke is not None:
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         raise MoeSwarmError("give -o FILE to write")
     if args.member is not None:
-        from moeswarm.net.relay_protocol import RelayError, check_name
+        from moeswarm.relay.protocol import RelayError, check_name
 
         try:
             check_name(args.member)

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.errors import MoeSwarmError
-    from moeswarm.net.manifest import build_manifest, write_manifest
+    from moeswarm.slices.manifest import build_manifest, write_manifest
 
     quiet_progress(args)
     out = Path(args.out)

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 def probe(address: str, fingerprint: str, count: int, tls=None) -> dict:
     """One worker's HELLO answer and `count` PING round trips; {"ok": False, "error"} when it fails."""
     from moeswarm.errors import MoeSwarmError, one_line
-    from moeswarm.net.path import worker_link
+    from moeswarm.transport.path import worker_link
 
     try:
         link = worker_link(address, tls=tls)[1]  # HOST:PORT, relay://RELAY:PORT/NAME or both (docs/network.md)

@@ -14,7 +14,7 @@ STATUS_EVERY_S = 60.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from moeswarm.net.relay_server import RelayLimits
+    from moeswarm.relay.server import RelayLimits
 
     d = RelayLimits()
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.net.member_cert import Authority
-    from moeswarm.net.relay_server import RelayLimits, RelayServer
+    from moeswarm.transport.member_cert import Authority
+    from moeswarm.relay.server import RelayLimits, RelayServer
     from moeswarm.worker.listen import check_can_listen, raise_open_files_limit
 
     authority = Authority.load(args.swarm_key) if args.swarm_key else None

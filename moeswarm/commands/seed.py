@@ -1,4 +1,4 @@
-"""`moeswarm seed`: serve byte ranges of a model file to workers fetching their slice (net/seed.py)."""
+"""`moeswarm seed`: serve byte ranges of a model file to workers fetching their slice (slices/seed.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.net.seed import Seeder
+    from moeswarm.slices.seed import Seeder
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     seeder = Seeder(args.model, server_tls(args.swarm_key, args.host))

@@ -101,7 +101,7 @@ def _relay_address(text: str) -> tuple[str, int]:
 
 
 def _relay_name(text: str) -> str:
-    from moeswarm.net.relay_protocol import RelayError, check_name
+    from moeswarm.relay.protocol import RelayError, check_name
 
     try:
         return check_name(text)
@@ -128,7 +128,7 @@ def limits_from(args: argparse.Namespace):
 async def _attach_relay(args: argparse.Namespace, server, serving: asyncio.Task) -> tuple[asyncio.Task, str]:
     """Register at the relay: (the task keeping the pool, the route relay://HOST:PORT/NAME). RelayError, and
     the server closed, when the first registration fails."""
-    from moeswarm.net.relay_worker import RelayAttachment, relay_identity
+    from moeswarm.relay.worker import RelayAttachment, relay_identity
 
     if not args.swarm_key:
         print("moeswarm worker: warning: --relay without --swarm-key: the relay, and anyone on its paths, can read and "

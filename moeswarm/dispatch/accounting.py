@@ -22,7 +22,7 @@ class LayerCall:
 @dataclass
 class Accounting:
     calls: list[LayerCall] = field(default_factory=list)
-    paths: dict[str, str] = field(default_factory=dict)  # worker address -> "direct" or "relay" (net/path.py)
+    paths: dict[str, str] = field(default_factory=dict)  # worker address -> "direct" or "relay" (transport/path.py)
 
     def record(self, call: LayerCall) -> None:
         self.calls.append(call)

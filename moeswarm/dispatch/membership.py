@@ -1,6 +1,6 @@
 """Holders joining and leaving while a model runs: requested from any thread, applied between layer calls.
 
-Discovery (net/discovery_follow.py) finds workers arriving and going on its own thread; the
+Discovery (discovery/follow.py) finds workers arriving and going on its own thread; the
 forward runs on another. A change is queued here and the dispatcher applies the queue at the start
 of its next layer call (or when asked, before anything runs), so no layer call ever sees its
 holders change under it. Holder indices stay stable: a holder that leaves stays in the lists as a

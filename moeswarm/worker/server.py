@@ -123,7 +123,7 @@ class WorkerServer:
         return self._server.sockets[0].getsockname()[:2]
 
     async def serve_socket(self, sock: socket.socket) -> None:
-        """Serve a connection this worker opened itself (a relay's pipe, net/relay_worker.py) as if
+        """Serve a connection this worker opened itself (a relay's pipe, relay/worker.py) as if
         it had accepted it: TLS server side with the swarm key, then the same session as any other.
         Returns once the session is started (after the TLS handshake); raises if the handshake fails."""
         loop = asyncio.get_running_loop()
