@@ -18,7 +18,7 @@ import torch
 
 from moeswarm.errors import MoeSwarmError
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_swarm
+from moeswarm.tools.local_workers import local_swarm
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.progress import progress

@@ -4,7 +4,7 @@
 For each family: pick its causal-LM model type (the family's own, or its `*_text` sub-config for
 multimodal wrappers), build a tiny random config (the family's own key names for expert count,
 top-k and sizes: hidden 32, <= 3 layers, 8 experts, top-2, vocab 260), write it with
-`moeswarm.model.tiny.make_tiny_model`, serve experts 0-3 and 4-7 from two in-process workers
+`moeswarm.tools.tiny.make_tiny_model`, serve experts 0-3 and 4-7 from two in-process workers
 (`WorkerServer` on asyncio loops in background threads, real TCP on 127.0.0.1) and check that
 the swarm's logits are `torch.equal` to eager's over a prefill of 10 tokens + 8 greedy decode
 steps, as tests/test_families.py does with worker processes.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeswarm.local_workers import local_workers, split_experts
-from moeswarm.model.tiny import make_tiny_model
+from moeswarm.tools.local_workers import local_workers, split_experts
+from moeswarm.tools.tiny import make_tiny_model
 
 torch.set_num_threads(1)  # several processes share the CI machine's cores
 

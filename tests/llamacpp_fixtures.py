@@ -5,7 +5,7 @@ install. Test modules import it as `llamacpp_fixtures` (pytest puts tests/ on sy
 rootdir-relative test files without __init__.py).
 
 The converter and quantizer wrappers live in the package, for `moeswarm bench real` too
-(moeswarm/bench/llamacpp_convert.py): `convert_hf` runs llama.cpp's `convert_hf_to_gguf.py`,
+(moeswarm/tools/bench/llamacpp_convert.py): `convert_hf` runs llama.cpp's `convert_hf_to_gguf.py`,
 `quantize` its quantizer, `bpe_tokenizer` makes a tokenizer the converter accepts.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from moeswarm.errors import MoeSwarmError
 
-from moeswarm.bench.llamacpp_convert import (LLAMA_CPP_PYTHON, QUANT_TYPES, bpe_tokenizer, convert_hf, convert_hf_many,
+from moeswarm.tools.bench.llamacpp_convert import (LLAMA_CPP_PYTHON, QUANT_TYPES, bpe_tokenizer, convert_hf, convert_hf_many,
                                               quantize)
 
 
@@ -38,10 +38,10 @@ def require_llama_cpp(test_file: str):
 
 @contextlib.contextmanager
 def _without_extra_buffer_types():
-    """Load models without llama.cpp's CPU "extra buffer types" (moeswarm.bench.worker_real_llamacpp)."""
+    """Load models without llama.cpp's CPU "extra buffer types" (moeswarm.tools.bench.worker_real_llamacpp)."""
     import llama_cpp.llama_cpp as low
 
-    from moeswarm.bench.worker_real_llamacpp import plain_cpu_buffers
+    from moeswarm.tools.bench.worker_real_llamacpp import plain_cpu_buffers
 
     default = low.llama_model_default_params
     low.llama_model_default_params = plain_cpu_buffers(default)
@@ -73,7 +73,7 @@ FIXTURE_TYPES = ("F32", "F16", "Q8_0", "Q4_K_M")
 
 def make_fixture_model(family: str, out: str | Path, seed: int = 0, **overrides) -> Path:
     """A tiny random HF model whose rows fit K-quants (hidden 256) and whose tokenizer llama.cpp reads."""
-    from moeswarm.model.tiny import make_tiny_model
+    from moeswarm.tools.tiny import make_tiny_model
 
     shape = {**FIXTURE_SHAPE, **overrides}
     path = make_tiny_model(family, out, seed, **shape)

@@ -18,11 +18,11 @@ import pytest
 import torch
 from test_cli import exact_traffic, frame_size, routed_calls
 
-from moeswarm.bench.wan_scenarios import FANOUT_RTT_S, PETALS_BANDWIDTH_BPS, PETALS_RTT_S, SPECULATE, load_prompts
+from moeswarm.tools.bench.wan_scenarios import FANOUT_RTT_S, PETALS_BANDWIDTH_BPS, PETALS_RTT_S, SPECULATE, load_prompts
 from moeswarm.generation.loop import generate
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.loading import load_local
-from moeswarm.model.tiny import make_tiny_model
+from moeswarm.tools.tiny import make_tiny_model
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.wire.messages import Dispatch, Result
 
@@ -181,7 +181,7 @@ def test_limit_line(wan_result):
 
 def test_report_renders(wan_result, tmp_path):
     pytest.importorskip("matplotlib")
-    from moeswarm.bench.report import tables, write_report
+    from moeswarm.tools.bench.report import tables, write_report
 
     page = write_report(wan_result, docs=tmp_path)
 

@@ -22,7 +22,7 @@ import torch
 from moeswarm.dispatch.plan import plan_layer
 from moeswarm.generation.loop import generate
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_workers
+from moeswarm.tools.local_workers import local_workers
 from moeswarm.model.experts import experts_modules
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec

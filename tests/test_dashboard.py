@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from moeswarm.local_workers import local_workers, split_experts
+from moeswarm.tools.local_workers import local_workers, split_experts
 from moeswarm.model.source import open_source
-from moeswarm.serve.process import ServeProcess
+from moeswarm.tools.serve_process import ServeProcess
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),

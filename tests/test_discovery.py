@@ -19,7 +19,7 @@ import torch
 from moeswarm.cli import main
 from moeswarm.dispatch.membership import LEFT_CAUSE
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import spawn_worker, stop
+from moeswarm.tools.local_workers import spawn_worker, stop
 from moeswarm.model.loading import load_local
 from moeswarm.model.source import open_source
 from moeswarm.discovery.dht import SwarmDht

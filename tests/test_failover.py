@@ -16,7 +16,7 @@ import pytest
 from moeswarm.dispatch.errors import ExpertsUnavailable
 from moeswarm.generation.loop import generate
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import replicated_split, spawn_worker, split_experts, stop, wait_listening
+from moeswarm.tools.local_workers import replicated_split, spawn_worker, split_experts, stop, wait_listening
 from moeswarm.model.loading import load_local
 from moeswarm.swarm import open_swarm
 

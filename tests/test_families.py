@@ -1,6 +1,6 @@
 """One runner for every family: experts on 2 worker processes over TCP, logits torch.equal to eager.
 
-Adding a family is adding a line to moeswarm.model.tiny.FAMILIES.
+Adding a family is adding a line to moeswarm.tools.tiny.FAMILIES.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_swarm, split_experts
+from moeswarm.tools.local_workers import local_swarm, split_experts
 from moeswarm.model.loading import load_local
-from moeswarm.model.tiny import FAMILIES, make_tiny_model
+from moeswarm.tools.tiny import FAMILIES, make_tiny_model
 
 DECODE_STEPS = 8
 

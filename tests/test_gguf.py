@@ -22,7 +22,7 @@ import torch
 
 from moeswarm.errors import ModelError
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_workers, split_experts
+from moeswarm.tools.local_workers import local_workers, split_experts
 from moeswarm.model.loading import load_experts, load_local
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.swarm import open_swarm

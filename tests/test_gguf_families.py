@@ -306,7 +306,7 @@ def test_generate_check_local_through_worker_processes_on_slice_files(family, fa
     import json
 
     from moeswarm.cli import main
-    from moeswarm.local_workers import local_workers
+    from moeswarm.tools.local_workers import local_workers
 
     whole = str(family_files(family)["Q8_0"])
     low, high = str(tmp_path / "low.gguf"), str(tmp_path / "high.gguf")

@@ -1,7 +1,7 @@
 """`moeswarm info` on model directories and GGUF files, and `moeswarm ping` against real workers.
 
 Every number is checked against what the model is: the tiny qwen2_moe's config (tests/conftest.py,
-moeswarm/model/tiny.py), and the bundled model's GGUF files whose tensors are counted here
+moeswarm/tools/tiny.py), and the bundled model's GGUF files whose tensors are counted here
 independently, through gguf's own reader.
 """
 

@@ -20,7 +20,7 @@ from moeswarm.cli import main
 from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.errors import MoeSwarmError
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import stop, wait_listening
+from moeswarm.tools.local_workers import stop, wait_listening
 from moeswarm.model.calibrate import count_routing
 from moeswarm.model.loading import load_local
 from moeswarm.placement.chooser import choose_for_call, choose_owners

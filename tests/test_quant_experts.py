@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from llamacpp_fixtures import make_fixture_ggufs
 from moeswarm.errors import ModelError
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_workers
+from moeswarm.tools.local_workers import local_workers
 from moeswarm.model.experts import experts_modules
 from moeswarm.model.loading import load_experts, load_local
 from moeswarm.model.source import open_source

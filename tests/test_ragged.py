@@ -15,9 +15,9 @@ import torch
 from moeswarm.generation.ragged import Item, PackedStepper, forward_packed, install, supports_ragged
 from moeswarm.generation.sequence_cache import SequenceCache
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_swarm, split_experts
+from moeswarm.tools.local_workers import local_swarm, split_experts
 from moeswarm.model.loading import load_local
-from moeswarm.model.tiny import FAMILIES
+from moeswarm.tools.tiny import FAMILIES
 
 # Families whose layers keep a state packing cannot hold: multi-head latent attention caches a
 # latent (DeepSeek), recurrent and linear-attention layers (Jamba, Qwen3-Next, ZAYA); the engine

@@ -24,7 +24,7 @@ import pytest
 from moeswarm.errors import WorkerError
 from moeswarm.generation.loop import generate
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import spawn_worker, stop, wait_listening
+from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
 from moeswarm.model.loading import load_local
 from moeswarm.transport.path import choose_path, parse_worker, probe
 from moeswarm.relay.protocol import (MAGIC, RelayError, encode_request, parse_relay_address,

@@ -252,7 +252,7 @@ def test_a_member_worker_through_a_keyed_relay_process_is_exact(qwen2_moe, membe
 
     from moeswarm.generation.loop import generate
     from moeswarm.generation.stepper import Stepper
-    from moeswarm.local_workers import spawn_worker, stop, wait_listening
+    from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
     from moeswarm.model.loading import load_local
     from moeswarm.swarm import open_swarm
     from moeswarm.transport.tls import client_context

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from moeswarm.bench.lying import LyingLink, generate_with_rollback, greedy
+from moeswarm.tools.bench.lying import LyingLink, generate_with_rollback, greedy
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_workers
+from moeswarm.tools.local_workers import local_workers
 from moeswarm.model.loading import load_local
 from moeswarm.swarm import open_swarm
 

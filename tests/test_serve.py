@@ -21,10 +21,10 @@ import pytest
 from moeswarm.bundled import TRAINED
 from moeswarm.generation.loop import generate
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_workers, spawn_worker, split_experts, stop, wait_listening
+from moeswarm.tools.local_workers import local_workers, spawn_worker, split_experts, stop, wait_listening
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
-from moeswarm.serve.process import ServeProcess
+from moeswarm.tools.serve_process import ServeProcess
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")

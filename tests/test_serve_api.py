@@ -28,11 +28,11 @@ import torch
 from moeswarm.bundled import TRAINED
 from moeswarm.generation.sampling import SamplingParams, log_probs, penalize
 from moeswarm.generation.stepper import Stepper
-from moeswarm.local_workers import local_workers, split_experts
+from moeswarm.tools.local_workers import local_workers, split_experts
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.serve.grammar import Grammars
-from moeswarm.serve.process import ServeProcess
+from moeswarm.tools.serve_process import ServeProcess
 
 PROMPT = "def add(a, b):\n"
 MAX_BATCH, MAX_QUEUE, MAX_CONNECTIONS = 4, 4, 12

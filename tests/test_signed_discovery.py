@@ -249,7 +249,7 @@ def test_a_keyed_swarm_uses_the_signed_worker_and_never_the_forged_one(qwen2_moe
     import torch
 
     from moeswarm.generation.stepper import Stepper
-    from moeswarm.local_workers import spawn_worker, stop
+    from moeswarm.tools.local_workers import spawn_worker, stop
     from moeswarm.model.loading import load_local
     from moeswarm.model.source import open_source
     from moeswarm.discovery.follow import DiscoveryOptions

@@ -194,10 +194,10 @@ def test_a_ban_reports_every_call_that_used_the_liars_unchecked_answers(holders)
 def test_a_lying_link_to_a_real_worker_is_caught_in_a_generation(qwen2_moe):
     """Real worker processes of the tiny model: one link lies (zeros); checks at 100 %: the
     generation stays bit-identical to local, the liar is banned, the honest links are not."""
-    from moeswarm.bench.lying import LyingLink
+    from moeswarm.tools.bench.lying import LyingLink
     from moeswarm.generation.loop import generate
     from moeswarm.generation.stepper import Stepper
-    from moeswarm.local_workers import local_workers
+    from moeswarm.tools.local_workers import local_workers
     from moeswarm.model.loading import load_local
     from moeswarm.swarm import open_swarm
 

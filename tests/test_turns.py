@@ -8,7 +8,7 @@ import threading
 import torch
 
 from moeswarm.generation.sampling import SamplingParams
-from moeswarm.local_workers import local_swarm
+from moeswarm.tools.local_workers import local_swarm
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.serve.engine import Engine, EngineConfig

@@ -15,11 +15,11 @@ import sys
 
 import pytest
 
-from moeswarm.wan.channel import Channel
-from moeswarm.wan.control import ControlServer, execute
-from moeswarm.wan.link import LinkProfile, format_bandwidth, parse_bandwidth, parse_duration
-from moeswarm.wan.measure import MeasureServer, measure_rtt, measure_throughput
-from moeswarm.wan.proxy import WanProxy
+from moeswarm.tools.wan.channel import Channel
+from moeswarm.tools.wan.control import ControlServer, execute
+from moeswarm.tools.wan.link import LinkProfile, format_bandwidth, parse_bandwidth, parse_duration
+from moeswarm.tools.wan.measure import MeasureServer, measure_rtt, measure_throughput
+from moeswarm.tools.wan.proxy import WanProxy
 
 LOOPBACK = ("127.0.0.1", 0)
 

@@ -485,9 +485,9 @@ def test_worker_rss_stays_bounded_under_unread_floods(tmp_path):
     RESULT (over 150 MB in 5 s); with it, its RSS grows by little, and what it grew is given back
     once the connections close.
     """
-    from moeswarm.bench.worker_process import spawn_worker
+    from moeswarm.tools.bench.worker_process import spawn_worker
     from moeswarm.model.source import open_source
-    from moeswarm.model.tiny import make_tiny_model
+    from moeswarm.tools.tiny import make_tiny_model
 
     model = make_tiny_model("qwen2_moe", tmp_path / "qwen2_moe")
     fingerprint = open_source(model).fingerprint

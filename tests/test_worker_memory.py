@@ -28,7 +28,7 @@ SMALL_VOCAB, LARGE_VOCAB = 1000, 60_000
 
 def vocabulary(size: int) -> tuple[list[str], list[str]]:
     """(tokens, merges) of a byte-level BPE: the 256 byte symbols, then pairs of them, then an end token."""
-    from moeswarm.model.tiny import BYTE_TO_UNICODE
+    from moeswarm.tools.tiny import BYTE_TO_UNICODE
 
     symbols = [BYTE_TO_UNICODE[b] for b in range(256)]
     pairs = [(a, b) for a in symbols for b in symbols][: size - 256 - 1]

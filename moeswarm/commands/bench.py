@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--serve-threads", type=int, default=1, help="torch threads of the serve process")
     serve.add_argument("--json", action="store_true", help=JSON_HELP)
     serve.add_argument("--report", action="store_true", help="write docs/serve.md and its plot under docs/serve/")
-    from moeswarm.bench.worker_real_shapes import DEFAULT_MODELS, DEFAULT_TYPES, QUANT_TYPES, SHAPES
+    from moeswarm.tools.bench.worker_real_shapes import DEFAULT_MODELS, DEFAULT_TYPES, QUANT_TYPES, SHAPES
 
     real = sub.add_parser("worker", help="one worker at real models' expert dimensions: start-up, RSS against hosted "
                                          "quantized bytes, expert compute per token vs llama.cpp (docs/bench-worker.md)")
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument("--quick", action="store_true", help="a tiny layer (d 256, 8 experts), for smoke tests")
     real.add_argument("--json", action="store_true", help="print {meta, rows} as JSON")
     add_quiet(real)
-    from moeswarm.bench.real_shapes import DEFAULT_SHAPES, SHAPES as MODEL_SHAPES
+    from moeswarm.tools.bench.real_shapes import DEFAULT_SHAPES, SHAPES as MODEL_SHAPES
 
     whole = sub.add_parser("real", help="whole random models at real dimensions (OLMoE-1B-7B, Qwen3-30B-A3B) against "
                                         "llama.cpp on the same Q4_K_M file: local, 2 workers on loopback and at "
@@ -155,16 +155,16 @@ def run(args: argparse.Namespace) -> int:
     quiet_progress(args)
 
     if args.bench == "loopback":
-        from moeswarm.bench.loopback import run_loopback
+        from moeswarm.tools.bench.loopback import run_loopback
 
         result = run_loopback(args.model or str(demo_model()), args.workers, args.steps, args.repeats)
         _print(result, args.json)
     elif args.bench == "ping":
-        from moeswarm.bench.ping_load import run_ping_under_load
+        from moeswarm.tools.bench.ping_load import run_ping_under_load
 
         _print(run_ping_under_load(args.model or str(demo_model()), args.prefill_tokens), args.json)
     elif args.bench == "memory":
-        from moeswarm.bench.memory import MEMORY_MODEL, make_memory_model, run_memory, run_worker_memory
+        from moeswarm.tools.bench.memory import MEMORY_MODEL, make_memory_model, run_memory, run_worker_memory
         from moeswarm.model.source import open_source
         from moeswarm.model.experts import num_experts_in_config
 
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                 result["workers"].append(run_worker_memory(path, experts))
         _print(result, args.json)
     elif args.bench == "bytes":
-        from moeswarm.bench.wire_bytes import (ALL_CONFIGS, MATCHED_CONFIGS, make_synthetic_model, model_bytes,
+        from moeswarm.tools.bench.wire_bytes import (ALL_CONFIGS, MATCHED_CONFIGS, make_synthetic_model, model_bytes,
                                                synthetic_layer_bytes)
         from moeswarm.bundled import PYMOE
 
@@ -197,24 +197,24 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "serve":
         _run_serve(args, args.model or str(demo_model()))
     elif args.bench == "fuzz":
-        from moeswarm.bench.fuzz import run_fuzz
+        from moeswarm.tools.bench.fuzz import run_fuzz
 
         _print(run_fuzz(args.cases, args.seed, args.model, progress=_fuzz_progress), args.json)
     elif args.bench == "flood":
         if args.handshakes is not None:
-            from moeswarm.bench.handshake_flood import run_handshake_flood
+            from moeswarm.tools.bench.handshake_flood import run_handshake_flood
 
             _print(run_handshake_flood(args.handshakes), args.json)
         elif args.amplification:
-            from moeswarm.bench.amplification import run_amplification
+            from moeswarm.tools.bench.amplification import run_amplification
 
             _print(run_amplification(args.connections, args.tokens, args.top_k, args.hold), args.json)
         else:
-            from moeswarm.bench.flood import run_flood
+            from moeswarm.tools.bench.flood import run_flood
 
             _print(run_flood(args.half_open, args.flooders, args.samples), args.json)
     elif args.bench == "faults":
-        from moeswarm.bench.faults import print_report, run_faults
+        from moeswarm.tools.bench.faults import print_report, run_faults
 
         result = run_faults(args.model or str(demo_model()), args.generations, tuple(args.parts.split(",")), args.seed,
                             args.liar_trials)
@@ -224,26 +224,26 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "real":
         _run_real(args)
     elif args.bench == "relay":
-        from moeswarm.bench.relay import report_lines, run_relay_bench
+        from moeswarm.tools.bench.relay import report_lines, run_relay_bench
 
         result = run_relay_bench(args.model or str(demo_model()), args.rtt_ms, args.steps, args.repeats)
         print(json.dumps(result)) if args.json else print("\n".join(report_lines(result)))
     elif args.bench == "discovery":
-        from moeswarm.bench.discovery import run_discovery
+        from moeswarm.tools.bench.discovery import run_discovery
 
         _print(run_discovery(args.model or str(demo_model()), args.rounds, args.ttl, args.poll), args.json)
     elif args.bench == "federation":
-        from moeswarm.bench.federation import report_lines as federation_lines, run_federation
+        from moeswarm.tools.bench.federation import report_lines as federation_lines, run_federation
 
         result = run_federation(args.model or str(demo_model()), args.new_tokens, wire=args.wire)
         print(json.dumps(result)) if args.json else print("\n".join(federation_lines(result)))
     elif args.bench == "drafters":
-        from moeswarm.bench.drafters import run_drafters_bench, table_lines as drafter_lines
+        from moeswarm.tools.bench.drafters import run_drafters_bench, table_lines as drafter_lines
 
         result = run_drafters_bench()
         print(json.dumps(result)) if args.json else print("\n".join(drafter_lines(result)))
     elif args.bench == "fetch-slice":
-        from moeswarm.bench.fetch_slice import report_lines as fetch_lines, run_fetch_bench
+        from moeswarm.tools.bench.fetch_slice import report_lines as fetch_lines, run_fetch_bench
 
         result = run_fetch_bench(args.size_mb)
         print(json.dumps(result)) if args.json else print("\n".join(fetch_lines(result)))
@@ -251,8 +251,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_wan(args: argparse.Namespace, model: str) -> None:
-    from moeswarm.bench.report import print_tables, write_report
-    from moeswarm.bench.wan_scenarios import run_wan
+    from moeswarm.tools.bench.report import print_tables, write_report
+    from moeswarm.tools.bench.wan_scenarios import run_wan
 
     result = run_wan(model, quick=args.quick, scenarios=args.scenarios)
     flags = [f"--model {args.model}" if args.model else "", "--quick" if args.quick else "", "--report" if args.report else "",
@@ -271,7 +271,7 @@ def _run_wan(args: argparse.Namespace, model: str) -> None:
 def _run_serve(args: argparse.Namespace, model: str) -> None:
     import sys
 
-    from moeswarm.bench.serve_load import run_serve_bench, table_lines
+    from moeswarm.tools.bench.serve_load import run_serve_bench, table_lines
 
     def show(row: dict) -> None:
         if sys.stderr.isatty() and not args.quiet:
@@ -280,24 +280,24 @@ def _run_serve(args: argparse.Namespace, model: str) -> None:
 
     workers = args.workers or 4
     if model == "real":
-        from moeswarm.bench.real_build import DEFAULT_CACHE, model_file
-        from moeswarm.bench.real_shapes import SHAPES
+        from moeswarm.tools.bench.real_build import DEFAULT_CACHE, model_file
+        from moeswarm.tools.bench.real_shapes import SHAPES
 
         model, workers = str(model_file(SHAPES["olmoe"], DEFAULT_CACHE)), args.workers or 2
     command = "moeswarm bench " + " ".join(sys.argv[sys.argv.index("serve"):]) if "serve" in sys.argv else "moeswarm bench serve"
     result = run_serve_bench(model, args.quick, args.max_tokens, show, args.clients, args.speculate, args.serve_threads,
                              args.groups, workers, command)
     if args.report:
-        from moeswarm.bench.serve_report import write_serve_report
+        from moeswarm.tools.bench.serve_report import write_serve_report
 
         write_serve_report(result)
     print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
 
 
 def _run_worker(args: argparse.Namespace) -> None:
-    from moeswarm.bench.worker_real import run_bench_worker
-    from moeswarm.bench.worker_real_gguf import DEFAULT_CACHE
-    from moeswarm.bench.worker_real_report import table_lines
+    from moeswarm.tools.bench.worker_real import run_bench_worker
+    from moeswarm.tools.bench.worker_real_gguf import DEFAULT_CACHE
+    from moeswarm.tools.bench.worker_real_report import table_lines
 
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else DEFAULT_CACHE
     result = run_bench_worker(args.models, args.types, cache, args.threads, args.quick)
@@ -305,11 +305,11 @@ def _run_worker(args: argparse.Namespace) -> None:
 
 
 def _run_real(args: argparse.Namespace) -> None:
-    from moeswarm.bench.real_build import DEFAULT_CACHE
-    from moeswarm.bench.real_measure import run_bench_real
-    from moeswarm.bench.real_report import table_lines, write_report
+    from moeswarm.tools.bench.real_build import DEFAULT_CACHE
+    from moeswarm.tools.bench.real_measure import run_bench_real
+    from moeswarm.tools.bench.real_report import table_lines, write_report
 
-    from moeswarm.bench.real_shapes import DEFAULT_SHAPES
+    from moeswarm.tools.bench.real_shapes import DEFAULT_SHAPES
     from moeswarm.errors import MoeSwarmError
 
     if args.quick and args.shapes:
@@ -372,6 +372,6 @@ def _table(rows: list[dict]) -> None:
 
 def _scenarios(text: str) -> tuple[str, ...]:
     """argparse type of `bench wan --scenarios`: names of its scenarios, comma-separated."""
-    from moeswarm.bench.wan_scenarios import scenario_names
+    from moeswarm.tools.bench.wan_scenarios import scenario_names
 
     return _names(*scenario_names())(text)

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.errors import MoeSwarmError
     from moeswarm.generation.run import GenerationRequest, check_request, run_generation, summary_lines
     from moeswarm.generation.sampling import SamplingParams
-    from moeswarm.local_workers import local_swarm, split_experts
+    from moeswarm.tools.local_workers import local_swarm, split_experts
     from moeswarm.model.experts import num_experts_in_config
     from moeswarm.model.source import open_source
     from moeswarm.ids import format_ids

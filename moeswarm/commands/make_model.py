@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.errors import MoeSwarmError
-    from moeswarm.model.tiny import EXTRA_FAMILIES, FAMILIES, make_tiny_model
+    from moeswarm.tools.tiny import EXTRA_FAMILIES, FAMILIES, make_tiny_model
 
     if args.family not in FAMILIES and args.family not in EXTRA_FAMILIES:
         raise MoeSwarmError(f"unknown family {args.family!r}; known: {', '.join(sorted({**FAMILIES, **EXTRA_FAMILIES}))}")

@@ -42,13 +42,13 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def _duration(text: str) -> float:
-    from moeswarm.wan.link import parse_duration
+    from moeswarm.tools.wan.link import parse_duration
 
     return parse_duration(text)
 
 
 def _bandwidth(text: str) -> float | None:
-    from moeswarm.wan.link import parse_bandwidth
+    from moeswarm.tools.wan.link import parse_bandwidth
 
     return None if text.lower() in ("off", "none", "unlimited") else parse_bandwidth(text)
 
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.wan.link import LinkProfile
+    from moeswarm.tools.wan.link import LinkProfile
 
     if args.selftest:
         rtt = _duration(SELFTEST_RTT) if args.rtt is None else args.rtt
@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(profile, args: argparse.Namespace) -> int:
-    from moeswarm.wan.control import ControlServer
-    from moeswarm.wan.proxy import WanProxy
+    from moeswarm.tools.wan.control import ControlServer
+    from moeswarm.tools.wan.proxy import WanProxy
 
     proxy = WanProxy(args.listen, args.upstream, profile, seed=args.seed, **_spin(args))
     control = ControlServer(proxy, args.control) if args.control else None
@@ -131,7 +131,7 @@ def _fmt(address: tuple[str, int]) -> str:
 
 
 def _selftest(profile, args: argparse.Namespace) -> int:
-    from moeswarm.wan.measure import run_selftest
+    from moeswarm.tools.wan.measure import run_selftest
 
     result = asyncio.run(run_selftest(profile, rounds=args.rounds, n_bytes=args.bytes, seed=args.seed or 0, **_spin(args)))
     if args.json:

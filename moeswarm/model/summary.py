@@ -78,7 +78,7 @@ def split_suggestion(num_experts: int, workers: int, expert_bytes: int, stored_e
     expert_bytes: routed-expert bytes stored in the file, which holds `stored_experts` experts
     per layer (all of them, or a slice file's).
     """
-    from moeswarm.local_workers import split_experts
+    from moeswarm.tools.local_workers import split_experts
 
     workers = max(1, min(workers, num_experts))
     sets = split_experts(num_experts, workers)

@@ -364,7 +364,7 @@ class WorkerServer:
     def compute(self, frame: Frame, sized: bool = False) -> Frame:
         """DISPATCH in, RESULT or ERROR out: decoding, experts and encoding, on the compute thread.
 
-        Also the fuzzer's oracle (moeswarm/bench/fuzz.py): the same checks and maths, run locally.
+        Also the fuzzer's oracle (moeswarm/tools/bench/fuzz.py): the same checks and maths, run locally.
         sized: the frame's declared sizes were checked against the limits already (`_handle` does).
         """
         decoded = self._decode(frame, sized=sized)

@@ -1,0 +1,55 @@
+"""Loopback overhead: remote experts on local worker processes against a local eager run.
+
+Both runs decode the same greedy tokens from the same prompt, alternating repetitions so that
+machine noise hits both alike. The overhead per MoE layer round trip is the step-time difference
+divided by the number of MoE layers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from moeswarm.generation.stepper import Stepper
+from moeswarm.tools.local_workers import local_swarm
+from moeswarm.model.loading import load_local
+from moeswarm.progress import progress
+
+
+def decode_seconds(stepper_factory, prompt: list[int], steps: int) -> float:
+    """Mean seconds per decode step (one token per forward) after a prefill."""
+    stepper = stepper_factory()
+    logits = stepper.forward(prompt)
+    token = int(logits[-1].argmax())
+    start = time.perf_counter()
+    for _ in range(steps):
+        token = int(stepper.forward([token])[-1].argmax())
+    return (time.perf_counter() - start) / steps
+
+
+def run_loopback(model: str, workers: int = 2, steps: int = 32, repeats: int = 3, prompt: list[int] | None = None) -> dict:
+    prompt = prompt or [5, 17, 42, 8, 99, 23, 11, 60]
+    local_model = load_local(model)
+    with local_swarm(model, workers) as swarm:
+        pings = [swarm.ping(0) for _ in range(200)]
+        local_runs, remote_runs = [], []
+        for _ in progress(range(repeats), desc=f"loopback, {steps} decode steps local and remote", unit="repeat"):
+            local_runs.append(decode_seconds(lambda: Stepper(local_model), prompt, steps))
+            swarm.reset_accounting()
+            remote_runs.append(decode_seconds(lambda: Stepper(swarm.model), prompt, steps))
+        layer_call = swarm.accounting()["seconds_per_layer_call_mean"]
+    local_s, remote_s = statistics.median(local_runs), statistics.median(remote_runs)
+    layers = len(swarm.moe_layers)
+    return {
+        "model": model,
+        "workers": workers,
+        "moe_layers": layers,
+        "decode_steps": steps,
+        "repeats": repeats,
+        "local_tokens_per_s": 1 / local_s,
+        "remote_tokens_per_s": 1 / remote_s,
+        "remote_over_local": local_s / remote_s,
+        "overhead_per_layer_round_trip_us": 1e6 * (remote_s - local_s) / layers,
+        "layer_call_us_mean": 1e6 * layer_call,
+        "ping_rtt_us_p50": 1e6 * statistics.median(pings),
+    }
