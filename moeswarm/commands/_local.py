@@ -43,6 +43,25 @@ def add_local_experts(parser: argparse.ArgumentParser) -> None:
                         help="the routing profile that ranks the experts for --local-experts N|P%% (moeswarm profile)")
 
 
+SHIPPED_PROFILE = "routing_profile.json"  # a model directory's own routing profile (the bundled model has one)
+
+
+def use_shipped_profile(args: argparse.Namespace, source) -> None:
+    """--local-experts N|P% without --profile: the profile shipped beside the model (DIR/routing_profile.json,
+    or FILE.routing_profile.json beside a GGUF file) when it is a profile of this very model."""
+    from pathlib import Path
+
+    from moeswarm.placement.profile import read_json
+
+    spec = args.local_experts
+    if spec is None or spec.path is not None or args.profile is not None:
+        return
+    path = Path(source.path)
+    shipped = path / SHIPPED_PROFILE if path.is_dir() else path.with_name(f"{path.stem}.{SHIPPED_PROFILE}")
+    if shipped.is_file() and getattr(read_json(shipped), "get", lambda _: None)("model") == source.fingerprint:
+        args.profile = str(shipped)
+
+
 def resolve(args: argparse.Namespace, source) -> dict[int, tuple[int, ...]] | None:
     """{layer: experts} to hold locally, or None: checked against the model (layers, experts)."""
     from moeswarm.errors import MoeSwarmError
@@ -55,6 +74,7 @@ def resolve(args: argparse.Namespace, source) -> dict[int, tuple[int, ...]] | No
         if args.profile is not None:
             raise MoeSwarmError("--profile ranks experts for --local-experts N|P%: give --local-experts too")
         return None
+    use_shipped_profile(args, source)
     num_experts = num_experts_in_config(source.config)
     layers = list(experts_modules(empty_model(source)))
     if spec.path is not None:

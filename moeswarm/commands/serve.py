@@ -70,25 +70,6 @@ def _add_http_flags(parser: argparse.ArgumentParser) -> None:
         help="a request's body must arrive within this after its headers")
 
 
-SHIPPED_PROFILE = "routing_profile.json"  # a model directory's own routing profile (the bundled model has one)
-
-
-def _use_shipped_profile(args: argparse.Namespace, source) -> None:
-    """--local-experts N|P% without --profile: the profile shipped beside the model (DIR/routing_profile.json,
-    or FILE.routing_profile.json beside a GGUF file) when it is a profile of this very model."""
-    from pathlib import Path
-
-    from moeswarm.placement.profile import read_json
-
-    spec = args.local_experts
-    if spec is None or spec.path is not None or args.profile is not None:
-        return
-    path = Path(source.path)
-    shipped = path / SHIPPED_PROFILE if path.is_dir() else path.with_name(f"{path.stem}.{SHIPPED_PROFILE}")
-    if shipped.is_file() and getattr(read_json(shipped), "get", lambda _: None)("model") == source.fingerprint:
-        args.profile = str(shipped)
-
-
 def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
     """MOESWARM_<FLAG> gives a flag's default; argparse converts it with the flag's own type."""
     for action in parser._actions:
@@ -149,7 +130,6 @@ def run(args: argparse.Namespace) -> int:
         state.loading = f"failed: {message}"
         server.should_exit = True
 
-    _use_shipped_profile(args, source)
     swarm = swarm_config(args, source, report=lambda line: setattr(state, "loading", line))
     listener = config.bind_socket()  # --port 0: the port the system gave, said before anything else is
     print(f"moeswarm serve: listening on http://{args.host}:{listener.getsockname()[1]}", flush=True)
