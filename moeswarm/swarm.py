@@ -180,6 +180,8 @@ def open_swarm(model_path, workers: Sequence[str], config: SwarmConfig | None = 
     as fast as `load_local`, dispatch/in_process.py).
     wrap_link: (index in `workers`, link) -> the link to use (fault injection in benchmarks).
     """
+    if config is not None and not isinstance(config, SwarmConfig):
+        raise TypeError(f"open_swarm's third argument is a SwarmConfig, not {type(config).__name__} (wire=... for a wire)")
     config = replace(config or SwarmConfig(), **overrides)
     if config.discovery is not None and workers:
         raise MoeSwarmError("give the workers either as a list (--workers) or through the swarm (--swarm), not both")

@@ -24,7 +24,7 @@ PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5, 77, 120, 33]
 )
 def test_reduced_wire_stays_close(qwen2_moe, qwen2_workers, mode, dispatch, combine, min_cosine):
     local = Stepper(load_local(qwen2_moe)).forward(PROMPT)
-    with open_swarm(qwen2_moe, qwen2_workers, WireConfig(mode, dispatch, combine)) as swarm:
+    with open_swarm(qwen2_moe, qwen2_workers, wire=WireConfig(mode, dispatch, combine)) as swarm:
         remote = Stepper(swarm.model).forward(PROMPT)
         summary = swarm.accounting()
     cosine = torch.nn.functional.cosine_similarity(remote, local, dim=-1)
@@ -36,7 +36,7 @@ def test_reduced_wire_stays_close(qwen2_moe, qwen2_workers, mode, dispatch, comb
 def test_partial_sends_fewer_bytes_back_than_exact(qwen2_moe, qwen2_workers):
     inbound = {}
     for mode in ("exact", "partial"):
-        with open_swarm(qwen2_moe, qwen2_workers, WireConfig(mode)) as swarm:
+        with open_swarm(qwen2_moe, qwen2_workers, wire=WireConfig(mode)) as swarm:
             Stepper(swarm.model).forward(PROMPT)
             inbound[mode] = swarm.accounting()["bytes_in"]
     assert inbound["partial"] < inbound["exact"]
