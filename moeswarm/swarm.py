@@ -82,8 +82,12 @@ class Swarm:
         """Totals since the last reset: round trips, bytes, per-worker round-trip times."""
         return self._dispatcher.accounting.summary()
 
-    def layer_calls(self) -> list[LayerCall]:
-        return list(self._dispatcher.accounting.calls)
+    def layer_calls(self, since: int = 0) -> list[LayerCall]:
+        """The layer calls accounted since the last reset, from the `since`-th on."""
+        return self._dispatcher.accounting.calls[since:]
+
+    def layer_calls_accounted(self) -> int:
+        return len(self._dispatcher.accounting.calls)
 
     def resilience(self) -> dict:
         """Counts of takedowns, failovers, readmissions, hedges, spot checks and bans so far."""

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "Q4_K_M file of `moeswarm bench real` (built and cached on first use), on 2 workers")
     serve.add_argument("--groups", type=_counts, default=(0,),
                        help="batches in flight to run, comma-separated (0: the server's own choice; default 0)")
-    serve.add_argument("--workers", type=int, default=None, help="worker processes (default: 4; 2 for --model real)")
+    serve.add_argument("--workers", type=positive, default=None, help="worker processes (default: 4; 2 for --model real)")
     serve.add_argument("--quick", action="store_true", help="1, 2 and 4 clients and 12 tokens each, for smoke tests")
     serve.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: 32, --quick 12)")
     serve.add_argument("--clients", type=_counts, default=None, help="comma-separated client counts (default: 1,2,4,8,16)")

@@ -20,6 +20,7 @@ H = key/value heads, D = head size, V = vocabulary.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
@@ -180,6 +181,11 @@ class Item:
     keep: str = "all"  # which logits come back: "all" rows, the "last" row (a prompt chunk)
 
 
+@functools.cache
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
 @torch.inference_mode()
 def forward_packed(model: PreTrainedModel, items: list[Item]) -> list[torch.Tensor]:
     """Every item's logits, in float32, from one forward: [n, V] for a token list (or [1, V] with
@@ -207,7 +213,7 @@ def forward_packed(model: PreTrainedModel, items: list[Item]) -> list[torch.Tens
     positions = [segment.past + i for segment in segments for i in range(segment.end - segment.start)]
     layout = Layout(segments)
     options = {}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters and len(kept) < len(ids):
+    if _takes_logits_to_keep(type(model)) and len(kept) < len(ids):
         options["logits_to_keep"] = torch.tensor(kept, dtype=torch.long)
     out = model(input_ids=torch.tensor([ids], dtype=torch.long), position_ids=torch.tensor([positions]),
                 past_key_values=RaggedCache(layout), attention_mask=layout, use_cache=True, **options)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from moeswarm.errors import MoeSwarmError
 from moeswarm.generation.check import LocalCheck
 from moeswarm.generation.draft_names import DEFAULT_DRAFT
+from moeswarm.generation.loop import GenerationResult
 from moeswarm.generation.prompt import check_context, prompt_tokens
 from moeswarm.generation.sampling import SamplingParams, make_generator
 from moeswarm.model.loading import load_local
@@ -69,7 +70,9 @@ def run_generation(swarm: Swarm, request: GenerationRequest) -> dict:
         raise MoeSwarmError(outcome.failure)
     if request.stream:
         sys.stdout.write("\n")
-    result = _Result(tally, outcome.finish_reason, engine.check)
+    result = GenerationResult(prompt, list(tally.tokens), tally.steps, tally.drafted, tally.accepted, tally.branches,
+                              tally.drafted_all, tally.seconds, tally.draft_seconds, tally.prefill_seconds,
+                              outcome.finish_reason, engine.check)
     accounting = swarm.accounting()
     return {
         "model": str(swarm.source.path),
@@ -145,23 +148,6 @@ class _Outcome:
     @property
     def text(self) -> str:
         return "".join(self.pieces)
-
-
-class _Result:
-    """The figures `run_generation` reports, from the engine's tally and check."""
-
-    def __init__(self, tally, finish_reason: str | None, check: LocalCheck | None):
-        self.tokens, self.finish_reason, self.check = list(tally.tokens), finish_reason, check
-        self.steps, self.branches, self.drafted_all = tally.steps, tally.branches, tally.drafted_all
-        self.drafted, self.accepted = tally.drafted, tally.accepted
-        self.seconds, self.draft_seconds, self.prefill_seconds = tally.seconds, tally.draft_seconds, tally.prefill_seconds
-        self.bit_identical = None if check is None else check.bit_identical
-        self.tokens_match = None if check is None else check.tokens_match
-        self.first_mismatch = None if check is None else check.first_mismatch
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
 def _check_report(check: LocalCheck | None) -> dict:

@@ -30,7 +30,7 @@ class Admission:
     def start(self, job: Job, active: list[Sequence]) -> Sequence:
         config = self.config
         speculate = config.speculate if job.speculate is None else min(job.speculate, config.speculate)
-        reused, caches = (0, None) if _scored(job) else self._shared_prompt(job, active) or self.prefix_cache.take(job.prompt)
+        reused, caches = (0, None) if job.plain_forwards else self._shared_prompt(job, active) or self.prefix_cache.take(job.prompt)
         stepper = self.runner.stepper()
         reference = self.reference_runner.stepper() if self.reference_runner is not None else None
         if caches is not None:
@@ -48,7 +48,7 @@ class Admission:
     def _sibling(self, job: Job, active: list[Sequence], prefilling: bool) -> Sequence | None:
         """An active sequence with `job`'s very prompt: one still prefilling it (prefilling=True), or
         one whose cache holds it all."""
-        if not self.packed or _scored(job):
+        if not self.packed or job.plain_forwards:
             return None
         for sequence in active:
             if sequence.job.prompt == job.prompt and not sequence.scored and prefilling == bool(sequence.prefill_left):
@@ -65,7 +65,3 @@ class Admission:
         reference = sibling.reference.cache.copy(reused) if sibling.reference is not None else None
         return reused, (sibling.stepper.cache.copy(reused), reference)
 
-
-def _scored(job: Job) -> bool:
-    """Log-probabilities (or penalties) asked: the values of a plain forward of the whole prompt."""
-    return job.logprobs is not None or job.prompt_logprobs is not None or job.params.penalised

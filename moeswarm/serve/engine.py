@@ -214,8 +214,8 @@ class Engine:
         groups = apart(groups, [s.scored for s, _, _ in work], self.config.max_batch)  # log-probabilities: own forwards
         if not self.config.keep_accounting:
             self.swarm.reset_accounting()  # a server's accounting stays one step long
-        seen = len(self.swarm.layer_calls()) if self.config.keep_accounting else 0
-        points = [(s, s.checkpoint()) for s, _, _ in work]
+        seen = self.swarm.layer_calls_accounted() if self.config.keep_accounting else 0
+        points = [(s, s.checkpoint()) for s, _, _ in work] if self.swarm.remote else []  # only remote holders are banned
         first_call = self.swarm.layer_call_number() + 1
         forward = time.perf_counter()
         outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
@@ -229,7 +229,7 @@ class Engine:
             tally.seconds += forward
             if not sequence.output:  # a prompt chunk (its first token comes from this step's logits)
                 tally.prefill_seconds += forward
-        calls, waiting_s = self.swarm.layer_calls()[seen:], self.runner.waiting_s
+        calls, waiting_s = self.swarm.layer_calls(seen), self.runner.waiting_s
         self.groups_in_flight = len(groups)
         if self.reference_runner is not None:
             expected = self.reference_runner.run([(s.reference, feed, keep) for s, feed, keep in work], groups)
@@ -261,7 +261,7 @@ class Engine:
     def _keep(self, sequence: Sequence) -> str:
         """Which of its feed's logits a sequence needs (called before it feeds): a prompt chunk's last
         row only, unless every row is compared (--check-local) or scored (prompt log-probabilities)."""
-        if not sequence.prefill_left or self.reference is not None or getattr(sequence.job, "prompt_logprobs", None) is not None:
+        if not sequence.prefill_left or self.reference is not None or sequence.job.prompt_logprobs is not None:
             return "all"
         return "last"
 

@@ -85,3 +85,9 @@ class Job:
     constraint: object | None = None  # a grammar.Constraint: masks the logits before each token is chosen
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def plain_forwards(self) -> bool:
+        """Log-probabilities or penalties asked: no drafts and no reused prefix, so its values are
+        those of a plain forward of the prompt, then one token a step."""
+        return self.logprobs is not None or self.prompt_logprobs is not None or self.params.penalised

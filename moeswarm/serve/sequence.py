@@ -73,7 +73,7 @@ class Sequence:
         self.drafted = self.accepted = 0  # the kept branch's drafts, and how many of them were accepted
         self.prompt_scores = [TokenLogprob(job.prompt[0], None)] if job.prompt else []  # the prompt scored so far (echo)
         self.chunk: tuple[int, int] | None = None  # the prompt chunk this step feeds: (start, length)
-        if job.logprobs is not None or job.prompt_logprobs is not None or job.params.penalised:
+        if job.plain_forwards:
             self.max_drafts = self.draft_len = 0
             if cached_tokens:  # a plain forward of the whole prompt, as the reference computes it
                 for taker in (stepper, reference):
