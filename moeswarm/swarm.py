@@ -67,6 +67,11 @@ class Swarm:
         return not held_whole and any(link.address != LOCAL_ADDRESS for link in self._dispatcher.links)
 
     @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer."""
+        return num_experts_of(self.model)
+
+    @property
     def workers(self) -> list[str]:
         """The holders' addresses ("local" for experts held in this process)."""
         return [link.address for link in self._dispatcher.links]
@@ -175,7 +180,8 @@ class Swarm:
 
 
 def open_swarm(model_path, workers: Sequence[str], config: SwarmConfig | None = None, *,
-               wrap_link: Callable[[int, WorkerLink], WorkerLink] | None = None, **overrides) -> Swarm:
+               wrap_link: Callable[[int, WorkerLink], WorkerLink] | None = None, layers: range | None = None,
+               ends: bool = True, **overrides) -> Swarm:
     """Load the backbone of `model_path`, connect to `workers` (HOST:PORT), and attach the hook.
 
     config: how to reach and trust the holders (swarm_config.py); `overrides` replace its fields
@@ -183,6 +189,8 @@ def open_swarm(model_path, workers: Sequence[str], config: SwarmConfig | None = 
     experts, every expert is held in this process (the local mode: the whole model in one process,
     as fast as `load_local`, dispatch/in_process.py).
     wrap_link: (index in `workers`, link) -> the link to use (fault injection in benchmarks).
+    layers, ends: hold only these decoder layers (None: all), and without `ends` no embeddings, final
+    norm or head: a stage of a chain (stages/); only those layers' experts are placed and covered.
     """
     if config is not None and not isinstance(config, SwarmConfig):
         raise TypeError(f"open_swarm's third argument is a SwarmConfig, not {type(config).__name__} (wire=... for a wire)")
@@ -192,27 +200,28 @@ def open_swarm(model_path, workers: Sequence[str], config: SwarmConfig | None = 
     # before the backbone: a bad peer fails fast
     following = open_dht(config.discovery) if config.discovery is not None else None
     try:
-        return _open(model_path, workers, config, wrap_link, following)
+        return _open(model_path, workers, config, wrap_link, following, layers, ends)
     except BaseException:
         if following is not None:
             following.close()
         raise
 
 
-def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, following) -> Swarm:
-    model, source = load_backbone(model_path)
+def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, following, span: range | None,
+          ends: bool) -> Swarm:
+    model, source = load_backbone(model_path, span, ends)
     num_experts, hidden_size = num_experts_of(model), model.config.hidden_size
     local_experts = config.local_experts
     if config.discovery is None and not workers and not local_experts:
         local_experts = range(num_experts)  # the local mode: every expert in this process
+    layers = [layer for layer in experts_modules(model) if span is None or layer in span]
     links: list[WorkerLink] = []
-    local = hold_local(source, local_experts, list(experts_modules(model)), num_experts, hidden_size)
+    local = hold_local(source, local_experts, layers, num_experts, hidden_size) if layers else None
     if local is not None:
         links.append(LocalLink(local, model.config.model_type))
     chosen = [worker_link(spec, tls=config.tls) for spec in workers]  # (path kind, link): transport/path.py's policy
     remote: list[WorkerLink] = [link for _, link in chosen]
     links += [wrap_link(i, link) for i, link in enumerate(remote)] if wrap_link else remote
-    layers = list(experts_modules(model))
     policy = DeadlinePolicy(cap_s=config.reply_timeout_s, hedge=config.hedge)
     spot_checks = SpotCheckPolicy(config.spot_check, config.spot_check_seed)
     wire, fanout = config.wire, config.fanout
