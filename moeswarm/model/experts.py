@@ -20,6 +20,12 @@ _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
+def layer_index(name: str) -> int | None:
+    """The decoder layer a qualified parameter or module name is inside (None: outside every layer)."""
+    match = _LAYER_INDEX.search(f".{name}.")
+    return int(match.group(1)) if match else None
+
+
 def is_experts_module(module: torch.nn.Module) -> bool:
     return hasattr(module, "_is_expert_parallel") and hasattr(module, "is_concatenated")
 

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from moeswarm.errors import ModelError
 from moeswarm.ids import ExpertId, LayerId, format_ids
-from moeswarm.model.experts import expert_parameter_names, experts_modules
+from moeswarm.model.experts import expert_parameter_names, experts_modules, layer_index
 from moeswarm.model.hosted import HostedLayer
 from moeswarm.model.skeleton import meta_model, shrink_experts
 from moeswarm.model.source import ModelSource, as_source
@@ -43,17 +43,34 @@ def load_local(path_or_source: PathOrSource) -> PreTrainedModel:
         return source.load_reference()
 
 
-def load_backbone(path_or_source: PathOrSource) -> tuple[PreTrainedModel, ModelSource]:
-    """The model without its routed experts: their parameters stay on meta and are never read."""
+def load_backbone(path_or_source: PathOrSource, layers: range | None = None, ends: bool = True,
+                  ) -> tuple[PreTrainedModel, ModelSource]:
+    """The model without its routed experts: their parameters stay on meta and are never read.
+
+    layers: only these decoder layers' trunks (None: every layer); ends: the embeddings, final
+    norm and head too (a stage of a chain holds neither: stages/)."""
     source = as_source(path_or_source)
     model = meta_model(source.config)
-    skip = expert_parameter_names(model)
+    skip = expert_parameter_names(model) | _outside(model, layers, ends)
     with status(f"loading the backbone from {source.path}"):
         source.load_backbone(model, skip)
     left_on_meta = sorted(n for n, p in model.named_parameters() if p.is_meta and n not in skip)
     if left_on_meta:
         raise ModelError(f"{source.path}: the checkpoint lacks backbone tensors {left_on_meta[:5]}")
     return model, source
+
+
+def _outside(model: PreTrainedModel, layers: range | None, ends: bool) -> set[str]:
+    """Parameter names outside `layers` (decoder layer indices) and, without `ends`, outside every layer."""
+    skip = set()
+    for name, _ in model.named_parameters():
+        layer = layer_index(name)
+        if layer is None:
+            if not ends:
+                skip.add(name)
+        elif layers is not None and layer not in layers:
+            skip.add(name)
+    return skip
 
 
 def load_experts(path_or_source: PathOrSource, experts: Sequence[int] | None = None, layers: tuple[int, int] | None = None,

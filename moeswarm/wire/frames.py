@@ -43,6 +43,8 @@ class Opcode(IntEnum):
     ERROR = 4
     PING = 5
     PONG = 6
+    STEP = 7  # a stage's rows: gateway -> first stage, stage -> next stage (docs/stages.md)
+    STEP_RESULT = 8  # the hidden states after a chain's last stage, to the gateway
 
 
 @dataclass(frozen=True)
