@@ -44,6 +44,7 @@ class Swarm:
         self._dispatcher = dispatcher
         self._in_process = dict(in_process or {})  # {layer: backend} for the layers held whole in this process
         self._following = following  # --swarm: the DHT node and the thread following joins and leaves
+        self._closers: list[Callable[[], None]] = []
 
     def __enter__(self) -> "Swarm":
         return self
@@ -173,7 +174,13 @@ class Swarm:
         """The addresses of the holders in the swarm now (`workers` also lists those that left)."""
         return [link.address for link in self._dispatcher.members()]
 
+    def close_with(self, closer: Callable[[], None]) -> None:
+        """Call `closer` when the swarm closes (what a gateway's chain of stages holds open: stages/)."""
+        self._closers.append(closer)
+
     def close(self) -> None:
+        for closer in self._closers:
+            closer()
         if self._following is not None:
             self._following.close()
         self._dispatcher.close()
