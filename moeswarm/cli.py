@@ -27,6 +27,7 @@ from moeswarm import __version__  # noqa: E402
 COMMANDS: dict[str, str] = {
     "demo": "run a generation on the bundled model with local workers and report the accounting",
     "worker": "serve a slice of a model's routed experts over TCP",
+    "stage": "serve a span of a model's decoder layers to gateways (an island: its own workers, one WAN trip per stage)",
     "generate": "generate text with a backbone whose experts live on remote workers",
     "serve": "an OpenAI-compatible HTTP gateway: concurrent requests share every MoE round trip",
     "gate": "argmax/cosine gate of a wire configuration (combine mode, codecs) against exact local",

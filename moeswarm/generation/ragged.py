@@ -34,7 +34,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from moeswarm.generation.sequence_cache import SequenceCache
 
 RAGGED = "moeswarm_ragged"
-_INNER = "_moeswarm_inner_attention"  # set on each config: the implementation a plain forward keeps using
+_INNER = "_moeswarm_inner_attention"
+JOURNAL = "_moeswarm_journal"  # set on a gateway's model: the journal its sequence caches record in  # set on each config: the implementation a plain forward keeps using
 _LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Attention that caches something other than the keys and values it attends to: multi-head latent
 # attention (DeepSeek V2/V3, GLM-4 Lite) caches a compressed latent and expands it after the cache.
@@ -156,7 +157,8 @@ def supports_ragged(model: PreTrainedModel) -> bool:
     if not set(getattr(config, "layer_types", None) or ["full_attention"]) <= _LAYER_TYPES:
         return False
     attentions = [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
-    return bool(attentions) and all("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(m).forward)
+    chained = any(getattr(m, "takes_layout", False) for m in model.modules())  # layers held by stages (stages/)
+    return bool(attentions or chained) and all("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(m).forward)
                                     and not any(hasattr(m, name) for name in _CACHES_OTHER_THAN_KEYS)
                                     for m in attentions)
 
@@ -242,7 +244,8 @@ class PackedStepper:
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
-        self._cache = SequenceCache()
+        self.journal = getattr(model, JOURNAL, None)  # a gateway's: its stages mirror every cache (stages/)
+        self._cache = SequenceCache(self.journal)
 
     @property
     def cache(self) -> SequenceCache:
@@ -250,7 +253,7 @@ class PackedStepper:
 
     @cache.setter
     def cache(self, cache: SequenceCache | None) -> None:
-        self._cache = cache if cache is not None else SequenceCache()  # None: start afresh, as Stepper does
+        self._cache = cache if cache is not None else SequenceCache(self.journal)  # None: start afresh, as Stepper does
 
     @property
     def length(self) -> int:

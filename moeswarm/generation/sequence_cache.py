@@ -16,14 +16,17 @@ class SequenceCache:
     """One sequence's keys and values, per attention layer, in buffers that grow by doubling.
 
     Alternative rows (branches) of a step keep their new entries aside (`pending`) until one row
-    is kept."""
+    is kept. With a `journal` (generation/cache_journal.py), every keep, crop, copy and close is
+    recorded under this cache's `id`, for the stages that hold this sequence's other layers."""
 
-    def __init__(self):
+    def __init__(self, journal=None):
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [1, H, capacity, D]
         self.values: dict[int, torch.Tensor] = {}
         self.lengths: dict[int, int] = {}
         self.pending: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> row -> ([1, H, m, D] x2)
         self.rows = 1  # rows fed since the last keep_row
+        self.journal = journal
+        self.id = journal.open(self) if journal is not None else None
 
     @property
     def length(self) -> int:
@@ -72,6 +75,8 @@ class SequenceCache:
     @torch.inference_mode()
     def keep_row(self, row: int) -> None:
         """Commit branch `row`'s pending entries; drop the other rows'."""
+        if self.journal is not None and (self.pending or self.rows > 1):
+            self.journal.record(("keep", self.id, row))
         for layer, held in self.pending.items():
             if row in held:
                 self._commit(layer, *held[row])
@@ -80,7 +85,9 @@ class SequenceCache:
 
     def copy(self, length: int) -> "SequenceCache":
         """A cache of its own holding this one's first `length` committed positions (no branches)."""
-        twin = SequenceCache()
+        twin = SequenceCache(self.journal)
+        if self.journal is not None:
+            self.journal.record(("copy", twin.id, self.id, length))
         for layer in self.lengths:
             keep = min(length, self.lengths[layer])
             twin._commit(layer, self.keys[layer][:, :, :keep].clone(), self.values[layer][:, :, :keep].clone())
@@ -89,6 +96,8 @@ class SequenceCache:
     def crop(self, length: int) -> None:
         if self.pending:
             raise ValueError("crop with branches pending: keep one row first")
+        if self.journal is not None and length < self.length:
+            self.journal.record(("crop", self.id, length))
         for layer in self.lengths:
             self.lengths[layer] = min(self.lengths[layer], length)
 
