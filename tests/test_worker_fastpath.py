@@ -128,7 +128,7 @@ def test_unpack_decodes_every_raw_codec_exactly_as_the_codec_does():
 
 
 def test_a_failure_outside_the_experts_is_answered_internal_and_the_worker_goes_on():
-    """compute answers every request itself; should the work fail anyway (a bug), the client gets an
+    """Computation answers every request itself; should the work fail anyway (a bug), the client gets an
     ERROR "internal" for that request instead of waiting for its deadline, and the connection stays usable."""
     from moeswarm.wire.messages import ErrorReply
 
@@ -139,14 +139,14 @@ def test_a_failure_outside_the_experts_is_answered_internal_and_the_worker_goes_
             calls.append(frame.request_id)
             raise RuntimeError("boom")
 
-        server.compute = broken
+        server.computation.one = broken
         sock = greeted(address)
         send_frame(sock, request(tokens=1).to_frame(5))
         reply = recv(sock)
         assert (reply.opcode, reply.request_id) == (Opcode.ERROR, 5)
         assert ErrorReply.from_frame(reply) == ErrorReply("internal", "RuntimeError: boom")
         assert calls == [5]
-        del server.compute  # the class's own compute again
+        del server.computation.one  # the class's own again
         sent = request(tokens=2, seed=4)
         send_frame(sock, sent.to_frame(6))
         expect_result(sock, sent, 6)

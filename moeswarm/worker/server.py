@@ -1,10 +1,10 @@
 """The worker's asyncio TCP server: one persistent connection per backbone.
 
-The event loop reads frames (worker/framing.py) and answers PING and HELLO at once; the experts
-run on the compute runner's thread (runner.py), which also decodes each DISPATCH's tensors,
-encodes its RESULT and, on a plain TCP connection with nothing ahead of it, sends it itself
-(session.py): a one-token layer call wakes the loop once, for its request, not again for its
-reply. So a PING is answered while experts compute, also on the connection whose DISPATCH is
+The event loop reads frames (worker/framing.py) and answers PING and HELLO at once
+(worker/requests.py); the experts run on the compute runner's thread (runner.py), which also
+decodes each DISPATCH's tensors and encodes its RESULT (compute.py) and, on a plain TCP
+connection with nothing ahead of it, sends it itself (session.py): a one-token layer call wakes
+the loop once, for its request, not again for its reply. So a PING is answered while experts compute, also on the connection whose DISPATCH is
 running: a PONG may overtake a RESULT (replies carry their request id). RESULTs of one
 connection leave in the order of its DISPATCHes.
 
@@ -38,24 +38,20 @@ import functools
 import logging
 import socket
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from moeswarm.errors import MoeSwarmError, ProtocolError, printable
+from moeswarm.errors import printable
 from moeswarm.wire.codecs import CODECS
-from moeswarm.wire.config import CombineMode
-from moeswarm.wire.frames import Frame, Opcode
-from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerInfo
-from moeswarm.wire.stream import decode_frame
+from moeswarm.wire.messages import ErrorReply, WorkerInfo
 from moeswarm.worker.admission import (ConnectionTable, CountedLog, Slot, StreamProtocol, handshake, loop_errors,
                                        peer_host)
-from moeswarm.worker.framing import FrameFault, Idle, Incoming, read_frame
-from moeswarm.worker.limits import (ByteBudget, WorkerLimits, check_dispatch_size, check_reply_size, declared_shapes,
-                                    reply_bound)
-from moeswarm.worker.replies import AwaitRoom, check_reply_bytes, reply_room, watch_replies
+from moeswarm.worker.compute import Computation
+from moeswarm.worker.framing import FrameFault, Idle, read_frame
+from moeswarm.worker.limits import ByteBudget, WorkerLimits
 from moeswarm.worker.memory import release_freed_memory
-from moeswarm.worker.merge import merge, merge_key, partners, split
-from moeswarm.worker.runner import CANCELLED, DECLINED, ComputeRunner, WorkerBusy
+from moeswarm.worker.replies import AwaitRoom, watch_replies
+from moeswarm.worker.requests import Requests
+from moeswarm.worker.runner import ComputeRunner
 from moeswarm.worker.session import Session
 
 if TYPE_CHECKING:
@@ -77,18 +73,19 @@ class WorkerServer:
     def __init__(self, store: ExpertStore, fingerprint: str, model_type: str, limits: WorkerLimits | None = None,
                  tls: ssl.SSLContext | None = None, top_k: int | None = None):
         self.store = store
-        self.model_top_k = top_k
         self.tls = tls  # the swarm key's context (transport/tls.py); None: plain TCP
         self.fingerprint = fingerprint
         self.info = WorkerInfo(fingerprint, model_type, store.num_experts, store.hidden_size, store.held,
                                tuple(sorted(CODECS)))
         self.limits = limits or WorkerLimits()
         self.budget = ByteBudget(self.limits.max_buffered_bytes)
+        self.computation = Computation(store, self.limits, top_k)  # the compute thread's side
         # DISPATCHes of one layer from several connections may run as one expert call (worker/merge.py)
         self.runner = ComputeRunner(self.limits.queue_limit, owner_limit=self.limits.queue_per_connection,
-                                    batch_work=self.compute_batch, batch_cost=self.limits.max_tokens)
+                                    batch_work=self.computation.batch, batch_cost=self.limits.max_tokens)
         self._server: asyncio.base_events.Server | None = None
         self._sessions: dict[asyncio.Task, Session] = {}
+        self.requests = Requests(self.info, self.limits, self.budget, self.runner, self.computation, self._sessions)
         self._handshakes: dict[asyncio.Task, asyncio.StreamWriter] = {}  # accepted, TLS handshake under way
         self.table = ConnectionTable(self.limits.max_connections, self.limits.max_connections_per_peer,
                                      self.limits.evict_after_s)
@@ -96,8 +93,16 @@ class WorkerServer:
         self.failures = CountedLog(log, "connections failed before a session began")  # accept, TLS handshake
         self._watch: asyncio.Task | None = None
         self._closing = False
-        self.merged_calls = 0  # expert calls that served several connections' DISPATCHes at once
-        self.merged_requests = 0  # the DISPATCHes they served
+
+    @property
+    def merged_calls(self) -> int:
+        """Expert calls that served several connections' DISPATCHes at once."""
+        return self.computation.merged_calls
+
+    @property
+    def merged_requests(self) -> int:
+        """The DISPATCHes those merged calls served."""
+        return self.computation.merged_requests
 
     @property
     def connections(self) -> int:
@@ -257,7 +262,7 @@ class WorkerServer:
         if incoming is None:  # clean end of stream
             return False
         session.held_bytes_peak = max(session.held_bytes_peak, incoming.reserved)
-        reply = self._handle(session, incoming)
+        reply = self.requests.handle(session, incoming)
         if type(reply) is AwaitRoom:  # the connection's unsent replies leave no room for this one yet
             try:
                 await session.wait_for_room(limits.idle_timeout_s, need=reply.owed)
@@ -277,198 +282,6 @@ class WorkerServer:
             except asyncio.TimeoutError:
                 return self._fail(session, 0, "timeout", f"replies not read for {limits.idle_timeout_s:g} s: closing")
         return True
-
-    def _handle(self, session: Session, incoming: Incoming) -> Frame | AwaitRoom | None:
-        """The immediate reply to one frame, None when a DISPATCH went to the runner, or AwaitRoom
-        when it may go once the connection's unsent replies leave room for its RESULT.
-
-        The frame's budget reservation is given back here, or when its DISPATCH is done.
-        """
-        header, rid = incoming.header, incoming.header.request_id
-        handed_over = False
-        try:
-            if incoming.body is None:
-                raise WorkerBusy(self.budget.held, self.budget.limit, "bytes of requests held")
-            frame = decode_frame(header, incoming.body)
-            if frame.opcode == Opcode.PING:
-                return Frame(Opcode.PONG, rid)
-            if frame.opcode == Opcode.HELLO:
-                return self._hello(session, frame)
-            if frame.opcode == Opcode.DISPATCH:
-                if not session.greeted:
-                    raise ProtocolError("DISPATCH before HELLO: send HELLO with the model fingerprint first")
-                shapes = declared_shapes(frame.meta)
-                check_dispatch_size(frame.meta, self.limits, shapes, self.model_top_k)
-                # The RESULT's size, counted before the request is queued: a bound from the declared
-                # shapes, never over what one connection may hold (a larger exact size is refused
-                # on the compute thread before any expert runs).
-                owed = min(reply_bound(frame.meta, self.store.hidden_size, self.store.num_experts, shapes),
-                           self.limits.max_unsent_bytes)
-                unsent = session.unsent
-                if unsent and unsent + owed > self.limits.max_unsent_bytes:
-                    handed_over = True  # the body stays reserved while it waits
-                    return AwaitRoom(owed, functools.partial(self._submit, session, incoming, frame, shapes, owed))
-                handed_over = True
-                return self._submit(session, incoming, frame, shapes, owed)
-            raise ProtocolError(f"unexpected opcode {frame.opcode.name} from a client")
-        except WorkerBusy as busy:
-            log.info("request %d refused: %s", rid, busy)
-            return ErrorReply("busy", str(busy)).to_frame(rid)
-        except MoeSwarmError as error:
-            log.info("request %d refused: %s", rid, printable(str(error)))
-            return ErrorReply("bad_request", str(error)).to_frame(rid)
-        finally:
-            if not handed_over:
-                self.budget.give(incoming.reserved)
-
-    def _submit(self, session: Session, incoming: Incoming, frame: Frame, shapes: dict, owed: int) -> Frame | None:
-        """Queue a DISPATCH whose RESULT (`owed` bytes at most) fits the connection's bound; None once
-        queued, else the ERROR that answers it (its body's reservation is then given back)."""
-        rid = incoming.header.request_id
-        try:
-            reply_room(self._sessions.values(), session, owed, self.limits.max_reply_bytes)
-            shape = shapes.get("x")
-            cost = shape[0] if shape else 1  # tokens: the compute thread is shared by them
-            session.owe(owed)
-            session.held_bytes_peak = max(session.held_bytes_peak, owed)
-            try:
-                self.runner.submit(session, functools.partial(self.compute, frame, True), cost, merge_key(frame.meta),
-                                   frame, done=functools.partial(self._done, session, incoming.reserved, owed, rid))
-            except BaseException:
-                session.owe(-owed)
-                raise
-            session.slot.last_active = time.monotonic()  # a queued DISPATCH is activity; a refused one is not
-            return None
-        except WorkerBusy as busy:
-            self.budget.give(incoming.reserved)
-            log.info("request %d refused: %s", rid, busy)
-            return ErrorReply("busy", str(busy)).to_frame(rid)
-        except BaseException:
-            self.budget.give(incoming.reserved)
-            raise
-
-    def _hello(self, session: Session, frame: Frame) -> Frame:
-        first = not session.greeted  # only the first HELLO is activity: another one renews nothing
-        session.greeted = False
-        hello = Hello.from_frame(frame)
-        if hello.fingerprint != self.fingerprint:
-            raise ProtocolError(
-                f"model fingerprint mismatch: this worker serves {self.info.model_type} model "
-                f"{self.fingerprint}, the backbone runs {hello.fingerprint}"
-            )
-        session.greeted = session.slot.greeted = True
-        if first:
-            session.slot.last_active = time.monotonic()
-        return self.info.to_frame(frame.request_id)
-
-    def compute(self, frame: Frame, sized: bool = False) -> Frame:
-        """DISPATCH in, RESULT or ERROR out: decoding, experts and encoding, on the compute thread.
-
-        Also the fuzzer's oracle (moeswarm/tools/bench/fuzz.py): the same checks and maths, run locally.
-        sized: the frame's declared sizes were checked against the limits already (`_handle` does).
-        """
-        decoded = self._decode(frame, sized=sized)
-        if isinstance(decoded, Frame):
-            return decoded
-        return self._answer(frame.request_id, *decoded, self.store.run)
-
-    def compute_batch(self, frames: list[Frame]) -> list[Frame | object]:
-        """The runner's batch_work: frames[0]'s DISPATCH and those of other connections that may run
-        in one expert call with it (worker/merge.py: same layer and mode, disjoint experts), each
-        answered exactly as `compute` would have; DECLINED for the others (they wait their turn)."""
-        lead = self._decode(frames[0], sized=True)  # every frame the runner holds passed check_dispatch_size
-        if isinstance(lead, Frame):
-            return [lead] + [DECLINED] * (len(frames) - 1)
-        requests = [(0, lead)]
-        for position, frame in enumerate(frames[1:], 1):
-            decoded = self._decode(frame, quiet=True, sized=True)
-            if not isinstance(decoded, Frame):  # a bad one is declined: it gets its ERROR in its turn
-                requests.append((position, decoded))
-        chosen = [requests[i] for i in partners([request for _, (request, _) in requests])]
-        replies: list[Frame | object] = [DECLINED] * len(frames)
-        results = self._merged([request for _, (request, _) in chosen]) if len(chosen) > 1 else None
-        if results is None:
-            replies[0] = self._answer(frames[0].request_id, *lead, self.store.run)
-            return replies
-        for (position, decoded), result in zip(chosen, results):
-            replies[position] = self._answer(frames[position].request_id, *decoded, lambda _request, r=result: r)
-        return replies
-
-    def _merged(self, requests: list[Dispatch]) -> list[Result] | None:
-        """Each request's Result from one expert call; None when the merged call is refused (one of
-        them asks for what this worker does not serve): then the lead runs alone, the others in their turn."""
-        merged, plan = merge(requests)
-        try:
-            results = split(self.store.run(merged), plan)
-        except MoeSwarmError:
-            return None
-        self.merged_calls += 1
-        self.merged_requests += len(requests)
-        return results
-
-    def _decode(self, frame: Frame, quiet: bool = False, sized: bool = False) -> tuple[Dispatch, int] | Frame:
-        """(the DISPATCH in `frame`, its routed pairs S), or the ERROR frame that answers it (not logged
-        when `quiet`). sized: its declared sizes were checked against the limits already (on the loop,
-        before queueing)."""
-        try:
-            if not sized:
-                check_dispatch_size(frame.meta, self.limits, model_top_k=self.model_top_k)
-            request = Dispatch.from_frame(frame)
-            return request, check_reply_bytes(request, self.store.hidden_size, self.store.num_experts,
-                                              self.limits.max_unsent_bytes)
-        except MoeSwarmError as error:
-            if quiet:
-                return ErrorReply("bad_request", str(error)).to_frame(frame.request_id)
-            log.info("request %d refused: %s", frame.request_id, printable(str(error)))
-            return ErrorReply("bad_request", str(error)).to_frame(frame.request_id)
-        except Exception as error:  # a bug on our side: report it and keep serving
-            log.exception("request %d failed", frame.request_id)
-            return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(frame.request_id)
-
-    def _answer(self, rid: int, request: Dispatch, routed: int, run: Callable[[Dispatch], Result]) -> Frame:
-        """RESULT (or ERROR) frame for `request` (`routed`: its S), whose Result `run` gives."""
-        try:
-            result = run(request)
-            check_reply_size(routed, request.hidden.shape[0], self.store.hidden_size,
-                             request.mode == CombineMode.EXACT, result.outputs)
-            return result.to_frame(rid)
-        except MoeSwarmError as error:
-            log.info("request %d refused: %s", rid, printable(str(error)))
-            return ErrorReply("bad_request", str(error)).to_frame(rid)
-        except Exception as error:  # a bug on our side: report it and keep serving
-            log.exception("request %d failed", rid)
-            return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(rid)
-
-    def _done(self, session: Session, reserved: int, owed: int, rid: int, reply: Frame | None,
-              error: BaseException | None) -> None:
-        """A DISPATCH's outcome (on the compute thread; on the loop for one dropped unrun): its RESULT
-        leaves from here when nothing is ahead of it, else the loop sends it in turn."""
-        self.budget.give(reserved)  # the request's body is no longer held
-        if error is CANCELLED:
-            session.owe(-owed)
-            return
-        if error is not None:  # a bug on our side (compute answers every request itself): say so, keep serving
-            log.error("request %d failed: %s", rid, printable(repr(error)))
-            reply = ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(rid)
-        if not session.write_now(reply, owed):
-            try:
-                session.loop.call_soon_threadsafe(self._reply_in_turn, session, reply)
-            except RuntimeError:  # the loop is closed: the worker is stopping
-                pass
-
-    def _reply_in_turn(self, session: Session, reply: Frame) -> None:
-        if not session.closed:
-            session.track(asyncio.create_task(self._send_reply(session, reply)))
-
-    async def _send_reply(self, session: Session, reply: Frame) -> None:
-        try:
-            await session.send(reply, self.limits.idle_timeout_s, queued=True)
-        except asyncio.TimeoutError:
-            log.warning("closing connection from %s: replies not read for %g s", session.peer,
-                        self.limits.idle_timeout_s)
-            session.writer.transport.abort()
-        except (ConnectionError, OSError) as error:
-            log.info("reply to %s lost: %s", session.peer, printable(str(error)))
 
     def _fail(self, session: Session, rid: int, code: str, message: str) -> bool:
         """Answer a framing error or a timeout; the connection closes after it (returns False)."""

@@ -2,7 +2,7 @@
 
 The worker serves half the experts of a tiny random qwen2_moe (made in a temporary directory)
 or of `--model`. The fuzzer loads the same experts in its own process: every RESULT the worker
-sends for a fuzzed frame is compared with what the same frame gives here (`WorkerServer.compute`
+sends for a fuzzed frame is compared with what the same frame gives here (worker/compute.py's `Computation`
 over a local store: same checks, same kernels, so the same bytes), and after each batch of cases
 a valid DISPATCH must still get the right RESULT.
 
@@ -45,20 +45,20 @@ class Oracle:
     def __init__(self, model: str, experts: Sequence[int], limits: WorkerLimits):
         from moeswarm.model.loading import load_experts
         from moeswarm.worker.limits import model_top_k
-        from moeswarm.worker.server import WorkerServer
+        from moeswarm.worker.compute import Computation
         from moeswarm.worker.store import ExpertStore
 
         hosted, source, num_experts = load_experts(model, list(experts))
         self.store = ExpertStore(hosted, num_experts, source.config.hidden_size)
         self.fingerprint = source.fingerprint
         top_k = model_top_k(source.config)  # a worker caps top-k at its model's, as `moeswarm worker` does
-        self.server = WorkerServer(self.store, source.fingerprint, source.config.model_type, limits, top_k=top_k)
+        self.computation = Computation(self.store, limits, top_k)
         layers = tuple(self.store.held)
         self.shape = Shape(self.store.hidden_size, num_experts, layers, tuple(self.store.held[layers[0]]),
                            limits.max_tokens, min(limits.max_top_k, top_k or limits.max_top_k))
 
     def answer(self, frame: Frame) -> Frame:
-        return self.server.compute(frame)
+        return self.computation.one(frame)
 
 
 def run_fuzz(cases: int = 2000, seed: int = 0, model: str | None = None, batch: int = BATCH,

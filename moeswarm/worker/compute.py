@@ -1,0 +1,120 @@
+"""A DISPATCH on the compute thread: decode it, run the experts, encode the RESULT (or the ERROR).
+
+Everything here runs on the compute runner's thread (worker/runner.py), one call at a time: the
+store is never entered twice at once. Every request gets a reply frame from here, never an
+exception: "bad_request" for what the protocol or this worker refuses, "internal" for a bug on
+this side (logged with its traceback; the worker goes on serving).
+
+DISPATCHes of one layer from several connections may run as one expert call (`batch`,
+worker/merge.py decides which may merge and keeps the bits); each is answered exactly as `one`
+would have answered it alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from moeswarm.errors import MoeSwarmError, printable
+from moeswarm.wire.config import CombineMode
+from moeswarm.wire.frames import Frame
+from moeswarm.wire.messages import Dispatch, ErrorReply, Result
+from moeswarm.worker.limits import WorkerLimits, check_dispatch_size, check_reply_size
+from moeswarm.worker.merge import merge, partners, split
+from moeswarm.worker.replies import check_reply_bytes
+from moeswarm.worker.runner import DECLINED
+
+if TYPE_CHECKING:
+    from moeswarm.worker.store import ExpertStore
+
+log = logging.getLogger("moeswarm.worker")
+
+
+class Computation:
+    """DISPATCH frames in, RESULT or ERROR frames out, with `store`'s experts under `limits`.
+
+    model_top_k: the model's router top-k: no DISPATCH may ask for more (None: only the limit's).
+    """
+
+    def __init__(self, store: ExpertStore, limits: WorkerLimits, model_top_k: int | None = None):
+        self.store = store
+        self.limits = limits
+        self.model_top_k = model_top_k
+        self.merged_calls = 0  # expert calls that served several connections' DISPATCHes at once
+        self.merged_requests = 0  # the DISPATCHes they served
+
+    def one(self, frame: Frame, sized: bool = False) -> Frame:
+        """The reply to one DISPATCH frame: decoding, experts and encoding.
+
+        sized: the frame's declared sizes were checked against the limits already (on the event
+        loop, before it was queued: worker/requests.py)."""
+        decoded = self._decode(frame, sized=sized)
+        if isinstance(decoded, Frame):
+            return decoded
+        return self._answer(frame.request_id, *decoded, self.store.run)
+
+    def batch(self, frames: list[Frame]) -> list[Frame | object]:
+        """The runner's batch_work: frames[0]'s DISPATCH and those of other connections that may run
+        in one expert call with it (same layer and mode, disjoint experts), each answered exactly as
+        `one` would have; DECLINED for the others (they wait their turn)."""
+        lead = self._decode(frames[0], sized=True)  # every frame the runner holds passed check_dispatch_size
+        if isinstance(lead, Frame):
+            return [lead] + [DECLINED] * (len(frames) - 1)
+        requests = [(0, lead)]
+        for position, frame in enumerate(frames[1:], 1):
+            decoded = self._decode(frame, quiet=True, sized=True)
+            if not isinstance(decoded, Frame):  # a bad one is declined: it gets its ERROR in its turn
+                requests.append((position, decoded))
+        chosen = [requests[i] for i in partners([request for _, (request, _) in requests])]
+        replies: list[Frame | object] = [DECLINED] * len(frames)
+        results = self._merged([request for _, (request, _) in chosen]) if len(chosen) > 1 else None
+        if results is None:
+            replies[0] = self._answer(frames[0].request_id, *lead, self.store.run)
+            return replies
+        for (position, decoded), result in zip(chosen, results):
+            replies[position] = self._answer(frames[position].request_id, *decoded, lambda _request, r=result: r)
+        return replies
+
+    def _merged(self, requests: list[Dispatch]) -> list[Result] | None:
+        """Each request's Result from one expert call; None when the merged call is refused (one of
+        them asks for what this worker does not serve): then the lead runs alone, the others in their turn."""
+        merged, plan = merge(requests)
+        try:
+            results = split(self.store.run(merged), plan)
+        except MoeSwarmError:
+            return None
+        self.merged_calls += 1
+        self.merged_requests += len(requests)
+        return results
+
+    def _decode(self, frame: Frame, quiet: bool = False, sized: bool = False) -> tuple[Dispatch, int] | Frame:
+        """(the DISPATCH in `frame`, its routed pairs S), or the ERROR frame that answers it (not logged
+        when `quiet`)."""
+        try:
+            if not sized:
+                check_dispatch_size(frame.meta, self.limits, model_top_k=self.model_top_k)
+            request = Dispatch.from_frame(frame)
+            return request, check_reply_bytes(request, self.store.hidden_size, self.store.num_experts,
+                                              self.limits.max_unsent_bytes)
+        except MoeSwarmError as error:
+            if not quiet:
+                log.info("request %d refused: %s", frame.request_id, printable(str(error)))
+            return ErrorReply("bad_request", str(error)).to_frame(frame.request_id)
+        except Exception as error:  # a bug on our side: report it and keep serving
+            log.exception("request %d failed", frame.request_id)
+            return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(frame.request_id)
+
+    def _answer(self, rid: int, request: Dispatch, routed: int, run: Callable[[Dispatch], Result]) -> Frame:
+        """RESULT (or ERROR) frame for `request` (`routed`: its S), whose Result `run` gives."""
+        try:
+            result = run(request)
+            check_reply_size(routed, request.hidden.shape[0], self.store.hidden_size,
+                             request.mode == CombineMode.EXACT, result.outputs)
+            return result.to_frame(rid)
+        except MoeSwarmError as error:
+            log.info("request %d refused: %s", rid, printable(str(error)))
+            return ErrorReply("bad_request", str(error)).to_frame(rid)
+        except Exception as error:  # a bug on our side: report it and keep serving
+            log.exception("request %d failed", rid)
+            return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(rid)
