@@ -21,7 +21,7 @@ from moeswarm.dispatch.taint import Taint
 from moeswarm.errors import MoeSwarmError
 from moeswarm.ids import WorkerId
 from moeswarm.model.backend import attach, set_overlap
-from moeswarm.model.experts import experts_modules, num_experts_of
+from moeswarm.model.experts import experts_modules, num_experts_in_config, num_experts_of
 from moeswarm.model.loading import load_backbone
 from moeswarm.model.source import ModelSource
 from moeswarm.discovery.members import Following, check_holder, follow_swarm, open_dht
@@ -69,8 +69,8 @@ class Swarm:
 
     @property
     def num_experts(self) -> int:
-        """Routed experts per MoE layer."""
-        return num_experts_of(self.model)
+        """Routed experts per MoE layer (read from the config: a gateway over stages holds no experts module)."""
+        return num_experts_in_config(self.model.config.get_text_config())
 
     @property
     def workers(self) -> list[str]:
@@ -232,13 +232,15 @@ def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, fo
     policy = DeadlinePolicy(cap_s=config.reply_timeout_s, hedge=config.hedge)
     spot_checks = SpotCheckPolicy(config.spot_check, config.spot_check_seed)
     wire, fanout = config.wire, config.fanout
+    referee = Referee(source, num_experts, hidden_size)  # settles two holders' dispute itself
     if following is None:
-        dispatcher = connect(links, source.fingerprint, num_experts, hidden_size, layers, wire, fanout, policy, spot_checks)
+        dispatcher = connect(links, source.fingerprint, num_experts, hidden_size, layers, wire, fanout, policy, spot_checks,
+                             referee)
     else:
         dispatcher = follow_swarm(following, config.discovery, links, source.fingerprint, num_experts, hidden_size,
-                                  layers, config.tls, wire=wire, fanout=fanout, policy=policy, spot_checks=spot_checks)
+                                  layers, config.tls, wire=wire, fanout=fanout, policy=policy, spot_checks=spot_checks,
+                                  referee=referee)
     dispatcher.routing = RoutingStats(num_experts, source.fingerprint, model.config.model_type)
-    dispatcher.referee = Referee(source, num_experts, hidden_size)  # settles two holders' dispute itself
     dispatcher.accounting.paths = {link.address: kind for kind, link in chosen}
     whole = local.whole_layers() if local is not None else {}  # layers held whole here: no dispatch at all
     in_process = InProcess(whole, dispatcher.routing, dispatcher.accounting)
@@ -249,14 +251,14 @@ def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, fo
 
 def connect(links: Sequence[WorkerLink], fingerprint: str, num_experts: int, hidden_size: int, layers: Sequence[int],
             wire: WireConfig = EXACT, fanout: str = "star", policy: DeadlinePolicy | None = None,
-            spot_checks: SpotCheckPolicy | None = None) -> Dispatcher:
+            spot_checks: SpotCheckPolicy | None = None, referee: Referee | None = None) -> Dispatcher:
     """Connect every link, place the experts they announce, and check `layers` are covered."""
     try:
         for link in links:
             link.connect(fingerprint)
             check_holder(link, num_experts, hidden_size, layers)
         table = build_table({WorkerId(i): link.info.held for i, link in enumerate(links)}, num_experts)
-        dispatcher = Dispatcher(links, table, wire, fanout, policy=policy, spot_checks=spot_checks)
+        dispatcher = Dispatcher(links, table, wire, fanout, policy=policy, spot_checks=spot_checks, referee=referee)
         dispatcher.check_covers(layers)
     except BaseException:
         for link in links:

@@ -402,7 +402,7 @@ def test_a_failed_share_goes_to_a_replica_within_the_same_call():
 def test_replicas_share_the_load_by_expert_id():
     links = [FakeLink("a", list(range(E))), FakeLink("b", list(range(E)))]
     dispatcher = Dispatcher(links, build_table({i: link.info.held for i, link in enumerate(links)}, E))
-    assert dispatcher._owner(0).tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert dispatcher.owners.of(0).tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
 
 
 def test_deadline_is_a_multiple_of_the_recent_p99_between_floor_and_cap():
@@ -437,16 +437,17 @@ def test_holders_that_left_are_pruned_so_a_long_run_does_not_grow():
     """Workers come and go 300 times: tombstones stay while young (indices stable), then are
     dropped with their links; the lists stay bounded and every call stays exact."""
     from moeswarm.dispatch.dispatcher import PRUNE_AT
+    from moeswarm.dispatch.membership import Change
 
     dispatcher, links = _dispatcher()
     dispatcher.prune_after_s = 3600.0  # only the count bound prunes at first
     for round_ in range(300):
         visitor = FakeLink(f"visitor-{round_}", list(range(E)))
-        dispatcher.add_link(visitor)
+        dispatcher.change_members(Change.join(visitor))
         hidden, index, weights = _routing(4, 900 + round_)
         assert torch.equal(dispatcher.combine(dispatcher.dispatch(round_ % 2, hidden, index, weights)),
                            reference(hidden, index, weights))
-        dispatcher.remove_link(visitor)
+        dispatcher.change_members(Change.leave(visitor))
         dispatcher.apply_membership()
         assert len(dispatcher.links) <= 2 + PRUNE_AT and len(dispatcher.gone) < PRUNE_AT
     assert dispatcher.stats.pruned >= 300 - PRUNE_AT

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 
 from moeswarm.dispatch.dispatcher import Dispatcher
+from moeswarm.dispatch.membership import Change
 from moeswarm.errors import WorkerError
 from moeswarm.ids import ExpertId, LayerId, WorkerId, format_ids
 from moeswarm.discovery.dht import SwarmDht
@@ -73,13 +74,13 @@ class Members:
             paths[link.address] = kind
             self.dispatcher.accounting.paths = paths
             self._links[record.address] = link
-        self.dispatcher.add_link(link)
+        self.dispatcher.change_members(Change.join(link))
 
     def leave(self, address: str) -> None:
         with self._lock:
             link = self._links.pop(address, None)
         if link is not None:
-            self.dispatcher.remove_link(link)
+            self.dispatcher.change_members(Change.leave(link))
 
     def gaps(self) -> dict[LayerId, list[ExpertId]]:
         """Apply the queued joins and leaves, then {layer: experts nobody holds}. Only while no forward
