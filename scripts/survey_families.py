@@ -5,7 +5,7 @@ For each family: pick its causal-LM model type (the family's own, or its `*_text
 multimodal wrappers), build a tiny random config (the family's own key names for expert count,
 top-k and sizes: hidden 32, <= 3 layers, 8 experts, top-2, vocab 260), write it with
 `moeswarm.tools.tiny.make_tiny_model`, serve experts 0-3 and 4-7 from two in-process workers
-(`WorkerServer` on asyncio loops in background threads, real TCP on 127.0.0.1) and check that
+(`open_worker` nodes on asyncio loops in background threads, real TCP on 127.0.0.1) and check that
 the swarm's logits are `torch.equal` to eager's over a prefill of 10 tokens + 8 greedy decode
 steps, as tests/test_families.py does with worker processes.
 
@@ -137,27 +137,31 @@ def family_keys(model_type: str) -> tuple[dict, str]:
 
 @contextlib.contextmanager
 def thread_workers(path: str, expert_sets: list[list[int]]):
-    """One WorkerServer per expert set, each on its own asyncio loop in a daemon thread."""
+    """One worker node per expert set, each on its own asyncio loop in a daemon thread."""
     from moeswarm.model.loading import load_experts
-    from moeswarm.worker.server import WorkerServer
+    from moeswarm.worker.node import WorkerConfig, open_worker
     from moeswarm.worker.store import ExpertStore
 
-    loops, servers, addresses = [], [], []
+    def loader(experts):
+        def load():
+            hosted, source, num_experts = load_experts(path, experts)
+            return ExpertStore(hosted, num_experts, source.config.hidden_size), source
+        return load
+
+    loops, nodes, addresses = [], [], []
     try:
         for experts in expert_sets:
-            hosted, source, num_experts = load_experts(path, experts)
-            store = ExpertStore(hosted, num_experts, source.config.hidden_size)
-            server = WorkerServer(store, source.fingerprint, source.config.model_type)
+            node = open_worker(WorkerConfig(), loader(experts))
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, daemon=True).start()
             loops.append(loop)
-            host, port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", 0), loop).result(30)
-            servers.append(server)
+            host, port = asyncio.run_coroutine_threadsafe(node.start(), loop).result(30)
+            nodes.append(node)
             addresses.append(f"{host}:{port}")
         yield addresses
     finally:
-        for loop, server in zip(loops, servers):
-            asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        for loop, node in zip(loops, nodes):
+            asyncio.run_coroutine_threadsafe(node.stop(), loop).result(10)
         for loop in loops:
             loop.call_soon_threadsafe(loop.stop)
 

@@ -79,20 +79,6 @@ def _stderr(args: argparse.Namespace):
     return report
 
 
-def open_worker_dht(args: argparse.Namespace):
-    """The worker's DHT node for `--swarm` (None without it); its address line printed for `--swarm new`."""
-    if args.swarm is None:
-        return None
-    from moeswarm.discovery.dht import SwarmDht
-    from moeswarm.discovery.announce import announce_address
-
-    announce_address(args.host, 1, args.announce_host)  # refuse 0.0.0.0 without --announce-host, before loading
-    dht = SwarmDht.open(args.swarm, host=args.host, port=args.dht_port, **keyed_dht(args.swarm_key))
-    if not args.swarm:
-        print(f"moeswarm worker: started a new swarm; join it with --swarm {','.join(dht.addresses())}", flush=True)
-    return dht
-
-
 def keyed_dht(key_file: str | None) -> dict:
     """SwarmDht.open's authority and identity for `--swarm-key` (transport/member_cert.py): {} without one."""
     if not key_file:
@@ -100,27 +86,3 @@ def keyed_dht(key_file: str | None) -> dict:
     from moeswarm.transport.member_cert import Authority, Identity
 
     return {"authority": Authority.load(key_file), "identity": Identity.load(key_file)}
-
-
-def throughput(store, source) -> float:
-    """Tokens per second through every held layer, measured now (before the server takes requests:
-    the store runs one call at a time)."""
-    from moeswarm.discovery.announce import measure_throughput
-
-    return measure_throughput(store, getattr(source.config, "num_experts_per_tok", None) or 1)
-
-
-def announcer(args: argparse.Namespace, dht, server, source, port: int, tokens_per_s: float,
-              relay_route: str | None = None):
-    """The worker's Announcer (not started) for the server listening on `port`; with a relay route the
-    record offers both paths (HOST:PORT+relay://RELAY:PORT/NAME: backbones probe the direct one first)."""
-    from moeswarm.discovery.announce import Announcer, announce_address
-    from moeswarm.discovery.record import Announcement, Capacity
-
-    store, limits = server.store, server.limits
-    address = announce_address(args.host, port, args.announce_host)
-    record = Announcement(f"{address}+{relay_route}" if relay_route else address, source.fingerprint,
-                          source.config.model_type, store.num_experts, store.hidden_size, store.held,
-                          tls=server.tls is not None, capacity=Capacity(limits.max_connections, limits.max_tokens),
-                          throughput=tokens_per_s)
-    return Announcer(dht, record, args.announce_ttl)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import logging
 import signal
@@ -124,30 +125,6 @@ def limits_from(args: argparse.Namespace):
     )
 
 
-
-async def _attach_relay(args: argparse.Namespace, server, serving: asyncio.Task) -> tuple[asyncio.Task, str]:
-    """Register at the relay: (the task keeping the pool, the route relay://HOST:PORT/NAME). RelayError, and
-    the server closed, when the first registration fails."""
-    from moeswarm.relay.worker import RelayAttachment, relay_identity
-
-    if not args.swarm_key:
-        print("moeswarm worker: warning: --relay without --swarm-key: the relay, and anyone on its paths, can read and "
-              "alter the hidden states, and any backbone that knows the name can use this worker", file=sys.stderr,
-              flush=True)
-    name, identity = relay_identity(args.swarm_key, args.relay_name)  # a keyed relay asks for the member key
-    attachment = RelayAttachment(server, args.relay, name, args.relay_pool, identity)
-    relaying = asyncio.create_task(attachment.run())
-    try:
-        await attachment.wait_registered(timeout_s=15.0)
-    except BaseException:
-        relaying.cancel()
-        serving.cancel()
-        await asyncio.gather(relaying, serving, return_exceptions=True)
-        raise
-    print(f"moeswarm worker: reachable through {attachment.route}", flush=True)
-    return relaying, attachment.route
-
-
 def expert_list(text: str) -> list[int]:
     """argparse type for an expert list such as 0-3,9,17-20."""
     try:
@@ -166,65 +143,56 @@ def _range(what: str):
     return parse
 
 
+def config_from(args: argparse.Namespace):
+    """The WorkerConfig the flags ask for (the TLS context made here: it may warn about plain TCP)."""
+    from moeswarm.worker.node import WorkerConfig
+
+    return WorkerConfig(host=args.host, port=args.port, limits=limits_from(args),
+                        tls=server_tls(args.swarm_key, args.host), swarm_key=args.swarm_key, relay=args.relay,
+                        relay_name=args.relay_name, relay_pool=args.relay_pool,
+                        swarm=None if args.swarm is None else tuple(args.swarm), announce_host=args.announce_host,
+                        announce_ttl_s=args.announce_ttl, dht_port=args.dht_port)
+
+
 def run(args: argparse.Namespace) -> int:
     from moeswarm.commands._setup import quiet_progress
 
     quiet_progress(args)
-    from moeswarm.worker.listen import check_can_listen, raise_open_files_limit
-
-    check_can_listen(args.host, args.port)  # a busy port is found now, before torch and the experts load
-    tls = server_tls(args.swarm_key, args.host)
-    limits = limits_from(args)
-    raise_open_files_limit(limits.max_connections)
-    from moeswarm.commands import _swarm
-
-    dht = _swarm.open_worker_dht(args)  # --swarm: before the experts load (a bad peer fails fast, the DHT forks small)
-
-    from moeswarm.commands._setup import set_threads
-    from moeswarm.commands._hosting import load_hosted
-    from moeswarm.worker.server import WorkerServer
-
-    set_threads(args.threads)
+    if args.relay and not args.swarm_key:
+        print("moeswarm worker: warning: --relay without --swarm-key: the relay, and anyone on its paths, can read and "
+              "alter the hidden states, and any backbone that knows the name can use this worker", file=sys.stderr,
+              flush=True)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    store, source = load_hosted(args)  # --experts (one list or per layer), --layers, or --plan
-    gc.freeze()  # the model's objects live as long as the worker: the collector no longer walks them per DISPATCH
-    from moeswarm.worker.memory import serve_large_from_mmap
+    from moeswarm.worker.node import open_worker
 
-    serve_large_from_mmap()  # after loading: a flood's large buffers go back to the system when freed
-    from moeswarm.worker.limits import model_top_k
-
-    server = WorkerServer(store, source.fingerprint, source.config.model_type, limits, tls,
-                          top_k=model_top_k(source.config))
-    tokens_per_s = _swarm.throughput(store, source) if dht is not None else 0.0
-
-    async def main() -> None:
-        host, port = await server.start(args.host, args.port)
-        print(f"moeswarm worker: listening on {host}:{port} model {source.config.model_type} "
-              f"{source.fingerprint} {store.describe()}", flush=True)
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        serving = asyncio.create_task(server.serve_forever())
-        relaying, route = await _attach_relay(args, server, serving) if args.relay else (None, None)
-        announcing = _swarm.announcer(args, dht, server, source, port, tokens_per_s, route) if dht is not None else None
-        if announcing is not None:
-            await loop.run_in_executor(None, announcing.start)
-            print(f"moeswarm worker: announced on the swarm as {announcing.record.address} "
-                  f"({tokens_per_s:.0f} tokens/s measured)", flush=True)
-        await stop.wait()
-        if announcing is not None:
-            await loop.run_in_executor(None, announcing.stop)  # withdrawn: backbones drop it at their next look
-        serving.cancel()
-        if relaying is not None:
-            relaying.cancel()
-
-    try:
-        asyncio.run(main())
-    finally:
-        if dht is not None:
-            dht.close()
-    print(f"moeswarm worker: stopped; {server.merged_requests} DISPATCHes of several backbones ran in "
-          f"{server.merged_calls} merged expert calls", flush=True)
+    with open_worker(config_from(args), functools.partial(_load, args), report=_say) as node:
+        asyncio.run(_until_signalled(node))
+    _say(f"stopped; {node.server.merged_requests} DISPATCHes of several backbones ran in "
+         f"{node.server.merged_calls} merged expert calls")
     return 0
 
+
+def _load(args: argparse.Namespace):
+    """The experts `--experts` (one list or per layer), `--layers` or `--plan` ask for, and their source."""
+    from moeswarm.commands._hosting import load_hosted
+    from moeswarm.commands._setup import set_threads
+    from moeswarm.worker.memory import serve_large_from_mmap
+
+    set_threads(args.threads)
+    store, source = load_hosted(args)
+    gc.freeze()  # the model's objects live as long as the worker: the collector no longer walks them per DISPATCH
+    serve_large_from_mmap()  # after loading: a flood's large buffers go back to the system when freed
+    return store, source
+
+
+async def _until_signalled(node) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await node.serve(stop)
+
+
+def _say(line: str) -> None:
+    print(f"moeswarm worker: {line}", flush=True)
