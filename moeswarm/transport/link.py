@@ -1,7 +1,8 @@
 """The worker link interface: what the dispatcher needs from any expert holder.
 
-A link is one way to reach a holder of experts: a TCP connection to a worker process
-(transport/tcp.py), the backbone's own process (transport/local.py), and later TLS or a relay.
+A link is one way to reach a holder of experts: a TCP connection to a worker process, plain or
+with TLS (transport/tcp.py), the same through a relay (transport/relay.py), or the backbone's own
+process (transport/local.py).
 The dispatcher and the fan-out see only this interface, so where an expert runs is a placement
 decision, not a code path.
 
