@@ -24,14 +24,15 @@ from moeswarm.model.backend import attach, set_overlap
 from moeswarm.model.experts import experts_modules, num_experts_in_config, num_experts_of
 from moeswarm.model.loading import load_backbone
 from moeswarm.model.source import ModelSource
-from moeswarm.discovery.members import Following, check_holder, follow_swarm, open_dht
+from moeswarm.discovery.members import Following, Members, open_dht
 from moeswarm.transport.path import worker_link
 from moeswarm.placement.profile import RoutingStats
 from moeswarm.placement.table import build_table
 from moeswarm.swarm_config import SwarmConfig
+from moeswarm.swarm_members import MemberLinks, check_holder
 from moeswarm.transport.link import WorkerLink
 from moeswarm.transport.local import LOCAL_ADDRESS, LocalLink, hold_local
-from moeswarm.wire.config import EXACT, WireConfig
+from moeswarm.wire.config import WireConfig
 from moeswarm.worker.store import ExpertStore
 
 
@@ -229,19 +230,18 @@ def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, fo
     chosen = [worker_link(spec, tls=config.tls) for spec in workers]  # (path kind, link): transport/path.py's policy
     remote: list[WorkerLink] = [link for _, link in chosen]
     links += [wrap_link(i, link) for i, link in enumerate(remote)] if wrap_link else remote
-    policy = DeadlinePolicy(cap_s=config.reply_timeout_s, hedge=config.hedge)
-    spot_checks = SpotCheckPolicy(config.spot_check, config.spot_check_seed)
-    wire, fanout = config.wire, config.fanout
-    referee = Referee(source, num_experts, hidden_size)  # settles two holders' dispute itself
+    options = {  # what the dispatcher is built with, either way
+        "wire": config.wire, "fanout": config.fanout,
+        "policy": DeadlinePolicy(cap_s=config.reply_timeout_s, hedge=config.hedge),
+        "spot_checks": SpotCheckPolicy(config.spot_check, config.spot_check_seed),
+        "referee": Referee(source, num_experts, hidden_size),  # settles two holders' dispute itself
+        "routing": RoutingStats(num_experts, source.fingerprint, model.config.model_type),
+        "paths": {link.address: kind for kind, link in chosen},
+    }
     if following is None:
-        dispatcher = connect(links, source.fingerprint, num_experts, hidden_size, layers, wire, fanout, policy, spot_checks,
-                             referee)
+        dispatcher = connect(links, source.fingerprint, num_experts, hidden_size, layers, **options)
     else:
-        dispatcher = follow_swarm(following, config.discovery, links, source.fingerprint, num_experts, hidden_size,
-                                  layers, config.tls, wire=wire, fanout=fanout, policy=policy, spot_checks=spot_checks,
-                                  referee=referee)
-    dispatcher.routing = RoutingStats(num_experts, source.fingerprint, model.config.model_type)
-    dispatcher.accounting.paths = {link.address: kind for kind, link in chosen}
+        dispatcher = _follow(following, config, links, source.fingerprint, num_experts, hidden_size, layers, options)
     whole = local.whole_layers() if local is not None else {}  # layers held whole here: no dispatch at all
     in_process = InProcess(whole, dispatcher.routing, dispatcher.accounting)
     backends = {layer: in_process for layer in whole}
@@ -250,18 +250,52 @@ def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, fo
 
 
 def connect(links: Sequence[WorkerLink], fingerprint: str, num_experts: int, hidden_size: int, layers: Sequence[int],
-            wire: WireConfig = EXACT, fanout: str = "star", policy: DeadlinePolicy | None = None,
-            spot_checks: SpotCheckPolicy | None = None, referee: Referee | None = None) -> Dispatcher:
-    """Connect every link, place the experts they announce, and check `layers` are covered."""
+            **dispatcher_options) -> Dispatcher:
+    """Connect every link, place the experts they announce, and check `layers` are covered.
+
+    dispatcher_options: the Dispatcher's wire, fanout, policy, spot_checks, referee, routing and paths."""
     try:
         for link in links:
             link.connect(fingerprint)
             check_holder(link, num_experts, hidden_size, layers)
         table = build_table({WorkerId(i): link.info.held for i, link in enumerate(links)}, num_experts)
-        dispatcher = Dispatcher(links, table, wire, fanout, policy=policy, spot_checks=spot_checks, referee=referee)
+        dispatcher = Dispatcher(links, table, **dispatcher_options)
         dispatcher.check_covers(layers)
     except BaseException:
         for link in links:
             link.close()
         raise
     return dispatcher
+
+
+def _follow(following: Following, config: SwarmConfig, links: Sequence[WorkerLink], fingerprint: str, num_experts: int,
+            hidden_size: int, layers: Sequence[int], dispatcher_options: dict) -> Dispatcher:
+    """A dispatcher over `links` (held in this process, if any) and the workers announced on the swarm:
+    discovery's join and leave events reach it through `MemberLinks`; waits until they cover every
+    MoE layer, then discovery keeps following on its thread."""
+    dispatcher = None
+    try:
+        for link in links:
+            link.connect(fingerprint)
+        held = {WorkerId(i): link.info.held for i, link in enumerate(links)}
+        dispatcher = Dispatcher(links, build_table(held, num_experts), **dispatcher_options)
+        sink = MemberLinks(dispatcher, fingerprint, num_experts, hidden_size, layers, config.tls)
+        members = Members(sink, num_experts, layers, _merged(link.info.held for link in links))
+        following.follow(config.discovery, fingerprint, members, config.tls is not None)
+        dispatcher.apply_membership()  # no forward runs yet: the members joined so far are holders now
+    except BaseException:
+        if dispatcher is not None:
+            dispatcher.close()  # links joined in the last round, too
+        for link in links:
+            link.close()
+        raise
+    return dispatcher
+
+
+def _merged(helds) -> dict[int, tuple[int, ...]]:
+    """{layer: experts} over several holders' {layer: experts}."""
+    merged: dict[int, set[int]] = {}
+    for held in helds:
+        for layer, experts in held.items():
+            merged.setdefault(layer, set()).update(experts)
+    return {layer: tuple(sorted(experts)) for layer, experts in merged.items()}

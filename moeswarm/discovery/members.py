@@ -1,92 +1,82 @@
-"""A backbone's members as discovery sees them: connect a worker that announced itself, drop one that left.
+"""A backbone's members as discovery sees them: events out, nothing else touched.
 
-`Members` sits between the follower (discovery/follow.py, on its own thread) and the
-dispatcher: `join` dials an announced worker (direct or through its relay, transport/path.py), checks
-its HELLO against the model and against its own announcement, and queues the connected link
-into the dispatcher; `leave` queues a holder out. The dispatcher applies both between layer calls.
-`follow_swarm` builds a backbone's dispatcher this way (swarm.py's `open_swarm(discovery=...)`).
+`Members` sits between the follower (discovery/follow.py, on its own thread) and whoever uses
+the swarm: `join` emits a `Joined` event (plain data: the announced address and the experts its
+record claims), `leave` a `Left`. The sink they go to (swarm_members.py, given by swarm.py) dials
+the worker, checks its HELLO and hands it to the dispatcher; a sink that raises `WorkerError`
+refuses the join (the follower retries with backoff). Members keeps only what it needs to follow:
+the addresses joined and what they hold, and so which experts nobody holds yet (`gaps`).
 """
 
 from __future__ import annotations
 
-import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
-from moeswarm.dispatch.dispatcher import Dispatcher
-from moeswarm.dispatch.membership import Change
-from moeswarm.errors import WorkerError
-from moeswarm.ids import ExpertId, LayerId, WorkerId, format_ids
 from moeswarm.discovery.dht import SwarmDht
 from moeswarm.discovery.follow import DiscoveryOptions, Follower
 from moeswarm.discovery.record import Announcement
-from moeswarm.transport.path import worker_link
+from moeswarm.ids import ExpertId, LayerId, WorkerId
 from moeswarm.placement.table import build_table, missing
-from moeswarm.transport.link import WorkerLink
-
-JOIN_TIMEOUT_S = 5.0  # connect and HELLO of an announced worker: an address that does not answer costs no more
 
 
-def check_holder(link: WorkerLink, num_experts: int, hidden_size: int, layers: Sequence[int]) -> None:
-    """WorkerError unless the connected `link`'s HELLO fits the model: its experts and width, its layers."""
-    info = link.info
-    if info.num_experts != num_experts or info.hidden_size != hidden_size:
-        raise WorkerError(link.address, f"announces {info.num_experts} experts of width {info.hidden_size}, "
-                                        f"the model has {num_experts} of width {hidden_size}")
-    strays = sorted(set(info.held) - set(layers))
-    if strays:
-        raise WorkerError(link.address, f"announces experts of layers {strays[:8]}, which are not MoE layers "
-                                        f"of this model (MoE layers: {format_ids(sorted(layers))})")
+@dataclass(frozen=True)
+class Joined:
+    """A worker announced on the swarm: its address as announced, and the experts its record claims."""
+
+    address: str
+    held: Mapping[int, tuple[int, ...]]  # {MoE layer: experts, ascending}
+
+
+@dataclass(frozen=True)
+class Left:
+    """A member's record is gone (expired, or withdrawn on a clean exit)."""
+
+    address: str
+
+
+Event = Joined | Left
 
 
 class Members:
-    """The dispatcher's remote holders, keyed by announced address."""
+    """The workers joined from the swarm, keyed by announced address; each change is an event to `sink`."""
 
-    def __init__(self, dispatcher: Dispatcher, fingerprint: str, num_experts: int, hidden_size: int,
-                 layers: Sequence[int], tls: ssl.SSLContext | None):
-        self.dispatcher = dispatcher
-        self.fingerprint = fingerprint
+    def __init__(self, sink: Callable[[Event], None], num_experts: int, layers: Sequence[int],
+                 held_here: Mapping[int, tuple[int, ...]] | None = None):
+        """sink: applies each event (thread-safe: joins run in parallel); raises WorkerError to refuse a join.
+        held_here: {layer: experts} held in this process, which count toward cover."""
+        self.sink = sink
         self.num_experts = num_experts
-        self.hidden_size = hidden_size
         self.layers = list(layers)
-        self.tls = tls
+        self.held_here = dict(held_here or {})
         self._lock = threading.Lock()
-        self._links: dict[str, WorkerLink] = {}  # announced address -> its link (joined, maybe not yet applied)
+        self._joined: dict[str, dict[int, tuple[int, ...]]] = {}  # announced address -> experts it holds
 
     def current(self) -> dict[str, dict[int, tuple[int, ...]]]:
-        """{address: experts its HELLO announced} of every member that has not left."""
+        """{address: experts its record (checked against its HELLO) announced} of every member that has not left."""
         with self._lock:
-            return {address: dict(link.info.held) for address, link in self._links.items()}
+            return dict(self._joined)
 
     def join(self, record: Announcement) -> None:
-        """Connect the worker `record` announces and queue it in; WorkerError (link closed) if it does not fit."""
-        kind, link = worker_link(record.address, tls=self.tls)
-        try:
-            link.connect(self.fingerprint, JOIN_TIMEOUT_S)
-            check_holder(link, self.num_experts, self.hidden_size, self.layers)
-            if link.info.held != record.held:
-                raise WorkerError(link.address, "its HELLO announces other experts than its DHT record")
-        except BaseException:
-            link.close()
-            raise
-        with self._lock:  # joins run in parallel (discovery/follow.py)
-            paths = dict(self.dispatcher.accounting.paths)  # a new dict: the forward's thread may be reading the old one
-            paths[link.address] = kind
-            self.dispatcher.accounting.paths = paths
-            self._links[record.address] = link
-        self.dispatcher.change_members(Change.join(link))
+        """Emit `record`'s worker joining; WorkerError (nothing joined) when the sink refuses it."""
+        held = {int(layer): tuple(experts) for layer, experts in record.held.items()}
+        self.sink(Joined(record.address, held))
+        with self._lock:
+            self._joined[record.address] = held
 
     def leave(self, address: str) -> None:
         with self._lock:
-            link = self._links.pop(address, None)
-        if link is not None:
-            self.dispatcher.change_members(Change.leave(link))
+            if self._joined.pop(address, None) is None:
+                return
+        self.sink(Left(address))
 
     def gaps(self) -> dict[LayerId, list[ExpertId]]:
-        """Apply the queued joins and leaves, then {layer: experts nobody holds}. Only while no forward
-        runs (waiting for cover at start): during a forward the dispatcher applies them itself."""
-        self.dispatcher.apply_membership()
-        return missing(self.dispatcher.table, self.layers)
+        """{layer: experts} of the model's MoE layers that neither a member nor this process holds."""
+        held = {WorkerId(i + 1): experts for i, experts in enumerate(self.current().values())}
+        if self.held_here:
+            held[WorkerId(0)] = self.held_here
+        return missing(build_table(held, self.num_experts), self.layers)
 
 
 class Following:
@@ -94,6 +84,14 @@ class Following:
 
     def __init__(self, dht: SwarmDht, follower: Follower | None = None):
         self.dht = dht
+        self.follower = follower
+
+    def follow(self, options: DiscoveryOptions, fingerprint: str, members: Members, tls: bool) -> None:
+        """Join announced workers (through `members`' events) until they cover every MoE layer
+        (MoeSwarmError after `options.wait_s`), then keep following joins and leaves on a thread."""
+        follower = Follower(self.dht, fingerprint, members, tls, options.poll_s)
+        follower.wait_for_cover(options.wait_s, options.report)
+        follower.start()
         self.follower = follower
 
     def close(self) -> None:
@@ -108,32 +106,3 @@ def open_dht(options: DiscoveryOptions) -> Following:
 
     authority = Authority.load(options.swarm_key) if options.swarm_key else None
     return Following(SwarmDht.open(options.peers, client=True, authority=authority))
-
-
-def follow_swarm(following: Following, options: DiscoveryOptions, links: Sequence[WorkerLink], fingerprint: str,
-                 num_experts: int, hidden_size: int, layers: Sequence[int], tls: ssl.SSLContext | None,
-                 **dispatcher_options) -> Dispatcher:
-    """A dispatcher over `links` (held in this process, if any) and the workers announced on the swarm:
-    waits until they cover every MoE layer, then keeps following joins and leaves on a thread.
-
-    dispatcher_options: the Dispatcher's wire, fanout, policy and spot_checks.
-    """
-    dispatcher = None
-    try:
-        for link in links:
-            link.connect(fingerprint)
-        held = {WorkerId(i): link.info.held for i, link in enumerate(links)}
-        dispatcher = Dispatcher(links, build_table(held, num_experts), **dispatcher_options)
-        members = Members(dispatcher, fingerprint, num_experts, hidden_size, layers, tls)
-        follower = Follower(following.dht, fingerprint, members, tls is not None, options.poll_s)
-        follower.wait_for_cover(options.wait_s, options.report)
-    except BaseException:
-        if dispatcher is not None:
-            dispatcher.apply_membership()  # links joined in the last round, too
-            dispatcher.close()
-        for link in links:
-            link.close()
-        raise
-    follower.start()
-    following.follower = follower
-    return dispatcher
