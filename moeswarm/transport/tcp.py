@@ -27,6 +27,7 @@ import numpy as np
 from moeswarm.errors import MoeSwarmError, ProtocolError, WorkerError
 from moeswarm.ids import WorkerAddress, parse_address
 from moeswarm.transport.link import Pending, Reply
+from moeswarm.transport.tls import PeerRefused, refusal_hint
 from moeswarm.wire.codecs import get_codec
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import HEADER_SIZE, Frame, Header, Opcode, parse_header
@@ -36,6 +37,7 @@ from moeswarm.wire.stream import StreamClosed, decode_frame, send_frame
 CONNECT_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = 30.0
 HELLO_PAYLOAD_LIMIT = 0  # a HELLO answer is all metadata: no payload bytes are accepted
+CLOSED_BY_WORKER = "connection closed by the worker (is it down?)"
 
 
 class TcpLink:
@@ -64,12 +66,20 @@ class TcpLink:
                 sock = self.tls.wrap_socket(sock)  # the handshake, within the connect timeout
             except OSError as error:  # ssl.SSLError included
                 sock.close()
+                if isinstance(error, PeerRefused):  # it holds the key, but this process refuses it
+                    raise WorkerError(self.address, f"TLS handshake failed ({error})") from None
                 raise WorkerError(self.address, f"TLS handshake failed ({error}): does the worker hold the same "
                                                 "--swarm-key?") from None
         sock.settimeout(CONNECT_TIMEOUT_S)  # what a send may block for, set once; replies are awaited with select
         self._sock, self._waiting, self._early, self._dropped, self._inbox = sock, {}, {}, set(), Inbox()
         pending = self._send(Hello(fingerprint).to_frame(self._new_id()), HELLO_PAYLOAD_LIMIT)
-        frame, _ = self._receive(pending.request_id, time.monotonic() + (timeout_s or HELLO_TIMEOUT_S))
+        try:
+            frame, _ = self._receive(pending.request_id, time.monotonic() + (timeout_s or HELLO_TIMEOUT_S))
+        except WorkerError as error:
+            if self.tls is None or error.cause != CLOSED_BY_WORKER:
+                raise
+            raise WorkerError(self.address, f"connection closed by the worker after the TLS handshake "
+                                            f"({refusal_hint(self.tls)})") from None
         try:
             info = WorkerInfo.from_frame(frame)
         except ProtocolError as error:
@@ -228,7 +238,7 @@ class TcpLink:
             raise WorkerError(self.address, "no reply before the deadline (worker stalled or overloaded?)") from None
         except StreamClosed:
             self.close()
-            raise WorkerError(self.address, "connection closed by the worker (is it down?)") from None
+            raise WorkerError(self.address, CLOSED_BY_WORKER) from None
         except ProtocolError as error:
             self.close()
             raise WorkerError(self.address, f"bad reply: {error}") from None

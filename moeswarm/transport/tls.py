@@ -6,6 +6,12 @@ presents that certificate and trusts no other, so a peer without the file fails 
 and receives nothing of the moeswarm protocol, not even an ERROR frame; and nobody on the path
 can read or alter the hidden states. Host names are not checked: the pinned certificate is the
 identity, as in a pre-shared key.
+
+A member file (`moeswarm keygen --member`, transport/member_cert.py) works the same way: its
+certificate is signed by the swarm key, which both sides trust. Its holder can be revoked: every
+handshake also checks the peer's member certificate against the revocation list beside this
+process's own key file (FILE.revoked, re-read when it changes), and a revoked peer's handshake
+fails (`PeerRefused`, naming the member) before a byte of the moeswarm protocol crosses.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import ssl
 from pathlib import Path
 
 from moeswarm.errors import MoeSwarmError
+from moeswarm.transport.member_cert import Authority, CertError
 
 SUBJECT = "moeswarm swarm"
 VALID_DAYS = 3650
@@ -61,11 +68,75 @@ def client_context(key_file: str | os.PathLike) -> ssl.SSLContext:
     return _context(ssl.PROTOCOL_TLS_CLIENT, key_file)
 
 
+class PeerRefused(ssl.SSLCertVerificationError):
+    """A peer whose certificate TLS accepted but the swarm does not: a revoked member (or any
+    member while the revocation list cannot be read). `reason` says which, in one line."""
+
+    def __init__(self, why: str):
+        super().__init__(f"peer refused: {why}")
+        self.reason = why
+
+    def __str__(self) -> str:
+        return self.args[0]  # ssl.SSLError would print the args tuple
+
+
+class _CheckedSocket(ssl.SSLSocket):
+    """A blocking TLS socket (the backbone's links, probes, fetch-slice) that checks its peer."""
+
+    def do_handshake(self, block: bool = False) -> None:
+        super().do_handshake(block)
+        check_peer(self)
+
+
+class _CheckedObject(ssl.SSLObject):
+    """asyncio's TLS (workers, the seeder) through an SSLObject that checks its peer."""
+
+    def do_handshake(self) -> None:
+        super().do_handshake()
+        check_peer(self)
+
+
+class SwarmContext(ssl.SSLContext):
+    """An SSLContext whose every connection checks the peer's member certificate after the handshake."""
+
+    sslsocket_class = _CheckedSocket
+    sslobject_class = _CheckedObject
+    authority: Authority
+    member: str | None  # this process's own member certificate ("'NAME' (serial HEX)"); None: the swarm key
+
+
+def refusal_hint(context: ssl.SSLContext) -> str:
+    """Why a worker may close a TLS link before answering HELLO. TLS 1.3 completes the client's
+    handshake before the server has checked the client's certificate, so a worker that refuses a
+    revoked member can only close the connection: this names the member it may have refused."""
+    member = getattr(context, "member", None)
+    if member is None:
+        return "is it down?"
+    return f"is it down, or has this member, {member}, been revoked?"
+
+
+def check_peer(connection: ssl.SSLSocket | ssl.SSLObject) -> None:
+    """PeerRefused unless the peer holds the swarm key itself or a member certificate not revoked.
+
+    TLS has already verified the chain to the swarm's certificate and the dates; this adds what
+    OpenSSL cannot know: the swarm's revocation list (transport/member_cert.py)."""
+    authority = connection.context.authority
+    der = connection.getpeercert(binary_form=True)
+    if der is None:  # no certificate at all: CERT_REQUIRED has already failed the handshake
+        raise PeerRefused("the peer sent no certificate")
+    if der == authority.certificate_der:
+        return  # the swarm key's holder: the authority itself, which no list revokes
+    try:
+        authority.check(der)
+    except CertError as error:
+        raise PeerRefused(str(error)) from None
+
+
 def _context(protocol: int, key_file: str | os.PathLike) -> ssl.SSLContext:
     key_file = Path(key_file)
     if not key_file.is_file():
         raise MoeSwarmError(f"swarm key {key_file} not found: make one with `moeswarm keygen -o {key_file}`")
-    context = ssl.SSLContext(protocol)
+    context = SwarmContext(protocol)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
     context.check_hostname = False  # the pinned certificate is the identity, not a host name
     context.verify_mode = ssl.CERT_REQUIRED
@@ -74,4 +145,19 @@ def _context(protocol: int, key_file: str | os.PathLike) -> ssl.SSLContext:
         context.load_verify_locations(key_file)
     except (ssl.SSLError, ValueError) as error:
         raise MoeSwarmError(f"swarm key {key_file} is not a key and certificate made by `moeswarm keygen` ({error})") from None
+    context.authority = Authority.load(key_file)  # the swarm's certificate, and FILE.revoked beside the key
+    context.member = _own_member(key_file, context.authority)
     return context
+
+
+def _own_member(key_file: Path, authority: Authority) -> str | None:
+    """This process's member certificate as a refusal names it; None for the swarm key itself."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    own = x509.load_pem_x509_certificates(key_file.read_bytes())[0]  # load_cert_chain took the first one
+    try:
+        member = authority.check(own.public_bytes(serialization.Encoding.DER), revocation=False)
+    except CertError:
+        return None  # the swarm's own certificate: not a member's
+    return f"{member.name!r} (serial {member.serial:x})"
