@@ -19,7 +19,8 @@ import torch
 from test_cli import exact_traffic, frame_size, routed_calls
 
 from moeswarm.tools.bench.wan_scenarios import FANOUT_RTT_S, PETALS_BANDWIDTH_BPS, PETALS_RTT_S, SPECULATE, load_prompts
-from moeswarm.generation.loop import generate
+from moeswarm.generation.run import generate
+from moeswarm.serve.whole_model import WholeModel
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.loading import load_local
 from moeswarm.tools.tiny import make_tiny_model
@@ -56,7 +57,7 @@ def local(wan_model) -> dict:
     prompts = load_prompts(codec, min(128, room))
     prompt = prompts["non_repetitive"]
 
-    greedy = routed_calls(model, lambda: generate(Stepper(model), prompt, 1 + QUICK_STEPS))[MOE_LAYERS:]  # after the prefill
+    greedy = routed_calls(model, lambda: generate(WholeModel(model), prompt, 1 + QUICK_STEPS))[MOE_LAYERS:]  # after the prefill
 
     def verify_steps(width: int) -> None:  # the fan-out scenario's wide forwards, at a fixed context
         stepper = Stepper(model)
@@ -66,7 +67,7 @@ def local(wan_model) -> dict:
             stepper.crop(len(prompt))
 
     wide = routed_calls(model, lambda: verify_steps(QUICK_WIDTHS[1]))[MOE_LAYERS:]
-    generations = {(kind, speculate): generate(Stepper(model), ids, QUICK_NEW_TOKENS, speculate, eos_token_id=codec.eos_token_id)
+    generations = {(kind, speculate): generate(WholeModel(model), ids, QUICK_NEW_TOKENS, speculate, codec=codec, draft="ngram")
                    for kind, ids in prompts.items() for speculate in (0, SPECULATE)}
     return {"codec": codec, "prompts": prompts, "decode": exact_traffic(greedy, FOUR_WORKERS),
             "fanout": {1: exact_traffic(greedy, FOUR_WORKERS), QUICK_WIDTHS[1]: exact_traffic(wide, FOUR_WORKERS)},

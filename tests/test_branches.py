@@ -6,10 +6,11 @@ import torch
 
 from moeswarm.generation.branches import choose, rows_of
 from moeswarm.generation.draft import propose, propose_many
-from moeswarm.generation.loop import generate
+from moeswarm.generation.run import generate
 from moeswarm.generation.sampling import SamplingParams, make_generator
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.loading import load_local
+from moeswarm.serve.whole_model import WholeModel
 
 PROMPT = [5, 17, 23, 42, 8, 99, 3, 61]
 GREEDY = SamplingParams()
@@ -67,12 +68,12 @@ def test_a_kept_branch_continues_as_if_fed_alone(qwen2_moe):
 
 
 def test_greedy_ngram_branches_keep_the_plain_output_exactly(qwen2_moe):
-    """Repetitive prompt: n-gram branches from several occurrences; the tokens are plain decode's and
-    every forward is torch.equal to a reference fed the same rows."""
+    """Repetitive prompt: n-gram branches from several occurrences, through the engine; the tokens are
+    plain decode's and every forward is torch.equal to a reference fed the same rows."""
     model = load_local(qwen2_moe)
     prompt = PROMPT + [5, 17, 40] + PROMPT[:4] + [5, 17]
-    plain = generate(Stepper(model), prompt, 10)
-    result = generate(Stepper(model), prompt, 10, 4, reference=Stepper(load_local(qwen2_moe)))
+    plain = generate(WholeModel(model), prompt, 10)
+    result = generate(WholeModel(model), prompt, 10, 4, reference=load_local(qwen2_moe), draft="ngram")
     assert result.tokens == plain.tokens
     assert (result.bit_identical, result.tokens_match) == (True, True)
     assert result.branches > result.steps and result.drafted_all > result.drafted

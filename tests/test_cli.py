@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from moeswarm.dispatch.plan import plan_layer
-from moeswarm.generation.loop import generate
-from moeswarm.generation.stepper import Stepper
+from moeswarm.generation.run import generate
+from moeswarm.serve.whole_model import WholeModel
 from moeswarm.tools.local_workers import local_workers
 from moeswarm.model.experts import experts_modules
 from moeswarm.model.loading import load_local
@@ -99,8 +99,8 @@ def local_generation(model_dir: str, prompt: str, max_new_tokens: int, speculate
     codec = load_text_codec(model_dir, model.config.vocab_size)
     prompt_ids = codec.encode(prompt)
     out = {}
-    calls = routed_calls(model, lambda: out.update(result=generate(Stepper(model), prompt_ids, max_new_tokens, speculate,
-                                                                     eos_token_id=codec.eos_token_id)))
+    calls = routed_calls(model, lambda: out.update(result=generate(WholeModel(model), prompt_ids, max_new_tokens, speculate,
+                                                                     codec=codec, draft="ngram")))
     return prompt_ids, out["result"], calls, codec
 
 
@@ -153,7 +153,7 @@ def test_generate_check_local_is_bit_identical(qwen2_moe, qwen2_workers, plain_l
 
 def test_speculation_keeps_greedy_tokens_and_saves_round_trips(qwen2_moe, qwen2_workers, plain_local):
     plain = _generate(qwen2_moe, qwen2_workers)
-    fast = _generate(qwen2_moe, qwen2_workers, "--speculate", "4", "--draft", "ngram", "--check-local")  # as the library loop drafts
+    fast = _generate(qwen2_moe, qwen2_workers, "--speculate", "4", "--draft", "ngram", "--check-local")  # as local_generation drafts
     _, local, calls, _ = local_generation(qwen2_moe, PROMPT, MAX_NEW_TOKENS, speculate=4)
 
     assert fast["tokens"] == plain["tokens"] == local.tokens == plain_local[1].tokens
@@ -243,6 +243,15 @@ def _generate_here(capsys, model: str, workers: list[str], *extra: str) -> tuple
     return status, json.loads(capsys.readouterr().out)
 
 
+def _summary_here(capsys, model: str, workers: list[str], *extra: str) -> list[str]:
+    """`moeswarm generate ...` (text, not --json) run in this process: its printed lines."""
+    from moeswarm.cli import main
+
+    main(["generate", "--model", model, "--workers", ",".join(workers), "--max-new-tokens", str(MAX_NEW_TOKENS),
+          "--threads", "1", *extra])
+    return capsys.readouterr().out.splitlines()
+
+
 def test_generate_sampling_is_seeded_checked_and_stops(qwen2_moe, qwen2_workers, tmp_path, capsys):
     """Sampling with a seed repeats itself and stays bit-identical to local; a stop string cuts the text."""
     sampled = ("--temperature", "0.8", "--top-k", "20", "--top-p", "0.95", "--seed", "5", "--speculate", "3")
@@ -276,7 +285,6 @@ def test_generate_reads_the_prompt_from_stdin(qwen2_moe, qwen2_workers, plain_lo
 def test_generate_lossy_check_local_follows_the_gates_thresholds(qwen2_moe, qwen2_workers, monkeypatch, capsys):
     """Under a lossy wire --check-local reports argmax agreement and cosine; the exit status is the gate's verdict."""
     from moeswarm import gate
-    from moeswarm.generation.run import summary_lines
 
     status, report = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--check-local", "--wire", "wan")
     thresholds = gate.GateConfig()
@@ -287,10 +295,12 @@ def test_generate_lossy_check_local_follows_the_gates_thresholds(qwen2_moe, qwen
     assert report["check_passed"] is (report["argmax_agreement"] >= thresholds.min_argmax_agreement
                                       and report["cosine_mean"] >= thresholds.min_cosine_mean)
     assert report["check_passed"] and status == 0  # int8 both ways keeps the tiny model close
-    assert summary_lines(report)[-1].startswith(f"close to local (lossy wire, gate check over {report['positions_checked']} positions)")
+    lines = _summary_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--check-local", "--wire", "wan")
+    assert lines[-1].startswith(f"close to local (lossy wire, gate check over {report['positions_checked']} positions)")
 
     monkeypatch.setattr(gate, "GateConfig", lambda: thresholds.__class__(min_cosine_mean=1.01))  # a gate nothing passes
     status, report = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--check-local", "--combine", "partial")
     assert (report["check"], report["wire_dispatch"], report["min_cosine_mean"]) == ("gate", "lossless", 1.01)
     assert (report["check_passed"], status) == (False, 1)
-    assert summary_lines(report)[-1].endswith("FAILED")
+    lines = _summary_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--check-local", "--combine", "partial")
+    assert lines[-1].endswith("FAILED")

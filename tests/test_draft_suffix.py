@@ -8,7 +8,8 @@ from moeswarm.tools.bench.drafters import edited, replay
 from moeswarm.bundled import TRAINED
 from moeswarm.generation.draft_suffix import SuffixDrafter, SuffixHistory
 from moeswarm.generation.drafters import NgramDrafter
-from moeswarm.generation.run import GenerationRequest, run_generation
+from moeswarm.generation.request import GenerationRequest
+from moeswarm.generation.run import run_generation
 from moeswarm.swarm import open_swarm
 
 
@@ -60,13 +61,13 @@ def local_swarm_trained():
 
 def test_suffix_drafts_keep_the_greedy_output_bit_identical_and_replay_counts_the_steps(local_swarm_trained):
     prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return"
-    plain = run_generation(local_swarm_trained, GenerationRequest(prompt, max_new_tokens=24))
+    plain = run_generation(local_swarm_trained, GenerationRequest(prompt, max_new_tokens=24)).result
     report = run_generation(local_swarm_trained, GenerationRequest(prompt, max_new_tokens=24, speculate=8,
-                                                                   check_local=True, draft="suffix"))
-    assert report["bit_identical"] is True and report["tokens"] == plain["tokens"]
-    assert report["steps"] < len(report["tokens"]) - 1  # drafts were accepted
-    if report["finish_reason"] == "length":  # the bench's replay counts the same verify steps
+                                                                   check_local=True, draft="suffix")).result
+    assert report.bit_identical is True and report.tokens == plain.tokens
+    assert report.steps < len(report.tokens) - 1  # drafts were accepted
+    if report.finish_reason == "length":  # the bench's replay counts the same verify steps
         from moeswarm.model.tokenizer import load_text_codec
 
         codec = load_text_codec(TRAINED, local_swarm_trained.model.config.vocab_size)
-        assert replay(SuffixDrafter(), codec.encode(prompt), report["tokens"])[1] == report["steps"]
+        assert replay(SuffixDrafter(), codec.encode(prompt), report.tokens)[1] == report.steps

@@ -14,30 +14,14 @@ import time
 import pytest
 
 from moeswarm.dispatch.errors import ExpertsUnavailable
-from moeswarm.generation.loop import generate
-from moeswarm.generation.stepper import Stepper
+from moeswarm.generation.run import generate
+from moeswarm.tools.bench.injector import Injector
 from moeswarm.tools.local_workers import replicated_split, spawn_worker, split_experts, stop, wait_listening
 from moeswarm.model.loading import load_local
 from moeswarm.swarm import open_swarm
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]  # "Hello, " in the tiny byte-level vocabulary
 NEW_TOKENS = 10
-
-
-class AtCall:
-    """Stands between the model and the dispatcher; runs `action` before the n-th layer call."""
-
-    def __init__(self, inner, n: int, action):
-        self.inner, self.n, self.action, self.calls = inner, n, action, 0
-
-    def dispatch(self, layer, hidden, top_k_index, top_k_weights):
-        self.calls += 1
-        if self.calls == self.n:
-            self.action()
-        return self.inner.dispatch(layer, hidden, top_k_index, top_k_weights)
-
-    def combine(self, handle):
-        return self.inner.combine(handle)
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +48,15 @@ def workers(qwen2_moe):
 
 
 def _generate(swarm, reference):
-    return generate(Stepper(swarm.model), PROMPT, NEW_TOKENS, 0, Stepper(reference))
+    return generate(swarm, PROMPT, NEW_TOKENS, 0, reference)
 
 
 def test_worker_killed_mid_generation_fails_over_then_is_readmitted(qwen2_moe, workers, reference):
     processes, addresses = workers(replicated_split(8, 2))  # both hold all 8 experts
-    with open_swarm(qwen2_moe, addresses) as swarm:
-        swarm.interpose(lambda d: AtCall(d, 7, lambda: processes[0].kill()))  # prefill is calls 1-3: step 2
+    injector = Injector()
+    with open_swarm(qwen2_moe, addresses, wrap_link=injector.watch) as swarm:
+        injector.swarm = swarm
+        injector.arm(7, lambda: processes[0].kill())  # prefill is calls 1-3: step 2
         result = _generate(swarm, reference)
         assert result.bit_identical is True and len(result.tokens) == NEW_TOKENS
         stats = swarm.resilience()
@@ -109,8 +95,10 @@ def test_without_a_replica_the_error_names_worker_layer_and_experts(qwen2_moe, w
 
 def test_stalled_worker_misses_its_deadline_and_its_share_moves(qwen2_moe, workers, reference):
     processes, addresses = workers(replicated_split(8, 2))
-    with open_swarm(qwen2_moe, addresses, reply_timeout_s=1.0, hedge=False) as swarm:
-        swarm.interpose(lambda d: AtCall(d, 10, lambda: os.kill(processes[1].pid, signal.SIGSTOP)))
+    injector = Injector()
+    with open_swarm(qwen2_moe, addresses, reply_timeout_s=1.0, hedge=False, wrap_link=injector.watch) as swarm:
+        injector.swarm = swarm
+        injector.arm(10, lambda: os.kill(processes[1].pid, signal.SIGSTOP))
         started = time.monotonic()
         result = _generate(swarm, reference)
         elapsed = time.monotonic() - started

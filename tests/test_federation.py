@@ -186,8 +186,7 @@ def test_worker_merges_queued_dispatches_of_several_backbones_and_keeps_the_bits
 def test_two_backbones_at_once_each_bit_identical_to_local(qwen2_moe, qwen2_workers):
     """Two backbones (two swarms, each on its own thread) generate against the same two worker
     processes at the same time; each is compared with its own local eager model step by step."""
-    from moeswarm.generation.loop import generate
-    from moeswarm.generation.stepper import Stepper
+    from moeswarm.generation.run import generate
     from moeswarm.model.loading import load_local
     from moeswarm.swarm import open_swarm
 
@@ -196,7 +195,7 @@ def test_two_backbones_at_once_each_bit_identical_to_local(qwen2_moe, qwen2_work
 
     def backbone(number: int, swarm, reference) -> None:
         try:
-            results[number] = generate(Stepper(swarm.model), prompts[number], 12, 0, Stepper(reference))
+            results[number] = generate(swarm, prompts[number], 12, 0, reference)
         except BaseException as error:  # reported by the main thread
             failures.append(error)
 

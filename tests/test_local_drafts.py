@@ -13,8 +13,8 @@ import torch
 
 from moeswarm.generation.draft_local import LocalDrafter, LocalExperts, next_draft_length, renormalise
 from moeswarm.generation.drafters import BothDrafter, NgramDrafter, make_drafter
-from moeswarm.generation.loop import generate
-from moeswarm.generation.stepper import Stepper
+from moeswarm.generation.run import generate
+from moeswarm.serve.whole_model import WholeModel
 from moeswarm.model.loading import load_experts, load_local
 from moeswarm.model.source import open_source
 from moeswarm.swarm import open_swarm
@@ -97,7 +97,7 @@ def _store(model: str, experts_by_layer: dict[int, list[int]]) -> ExpertStore:
 @pytest.fixture(scope="module")
 def eager(qwen2_moe):
     """The non-speculative greedy output of local eager."""
-    return generate(Stepper(load_local(qwen2_moe)), PROMPT, NEW_TOKENS).tokens
+    return generate(WholeModel(load_local(qwen2_moe)), PROMPT, NEW_TOKENS).tokens
 
 
 def test_local_drafts_with_every_expert_are_the_model_itself(qwen2_moe, qwen2_workers, eager):
@@ -107,7 +107,7 @@ def test_local_drafts_with_every_expert_are_the_model_itself(qwen2_moe, qwen2_wo
         everything = _store(qwen2_moe, {layer: list(range(8)) for layer in swarm.moe_layers})
         assert LocalExperts(everything).held.keys() == set(swarm.moe_layers)
         swarm.reset_accounting()
-        result = generate(Stepper(swarm.model), PROMPT, NEW_TOKENS, 3, drafter=LocalDrafter(swarm.model, everything))
+        result = generate(swarm, PROMPT, NEW_TOKENS, 3, drafter=lambda: LocalDrafter(swarm.model, everything))
         calls = swarm.layer_calls()
 
     assert result.tokens == eager
@@ -123,10 +123,8 @@ def test_greedy_output_and_verified_logits_are_exact_whatever_drafts(qwen2_moe, 
     verified forward torch.equal to local eager."""
     with open_swarm(qwen2_moe, qwen2_workers, local_experts={0: [1, 6], 1: [2, 5]}) as swarm:
         assert swarm.local_held() == {0: (1, 6), 1: (2, 5)}
-        drafter = make_drafter(draft, swarm.model, swarm.local_store)
-        result = generate(Stepper(swarm.model), PROMPT + PROMPT[:3], NEW_TOKENS, 4,
-                          reference=Stepper(load_local(qwen2_moe)), drafter=drafter)
-        plain = generate(Stepper(swarm.model), PROMPT + PROMPT[:3], NEW_TOKENS)
+        result = generate(swarm, PROMPT + PROMPT[:3], NEW_TOKENS, 4, reference=load_local(qwen2_moe), draft=draft)
+        plain = generate(swarm, PROMPT + PROMPT[:3], NEW_TOKENS)
 
     assert result.tokens == plain.tokens
     assert (result.bit_identical, result.tokens_match) == (True, True)
@@ -141,8 +139,8 @@ def test_sampled_local_drafts_are_verified_exactly_and_repeat_with_the_seed(qwen
 
     sampling = SamplingParams(temperature=0.9, seed=7)
     with open_swarm(qwen2_moe, qwen2_workers, local_experts={0: [1, 6], 2: [0, 4]}) as swarm:
-        runs = [generate(Stepper(swarm.model), PROMPT, NEW_TOKENS, 3, reference=Stepper(load_local(qwen2_moe)),
-                         sampling=sampling, drafter=make_drafter("local", swarm.model, swarm.local_store)) for _ in range(2)]
+        runs = [generate(swarm, PROMPT, NEW_TOKENS, 3, reference=load_local(qwen2_moe),
+                         sampling=sampling, draft="local") for _ in range(2)]
 
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == NEW_TOKENS
     assert all((r.bit_identical, r.tokens_match) == (True, True) for r in runs)
@@ -220,7 +218,7 @@ def test_serve_drafts_locally_with_the_same_tokens_and_exact_logits(qwen2_moe, q
                 assert done.acquire(timeout=120)
         finally:
             engine.stop()
-        alone = generate(Stepper(load_local(qwen2_moe)), prompts[1], NEW_TOKENS).tokens
+        alone = generate(WholeModel(load_local(qwen2_moe)), prompts[1], NEW_TOKENS).tokens
 
     assert tokens == [eager, alone]
     assert ends == [Finished("length", len(p), NEW_TOKENS, 0) for p in prompts]

@@ -22,8 +22,7 @@ import time
 import pytest
 
 from moeswarm.errors import WorkerError
-from moeswarm.generation.loop import generate
-from moeswarm.generation.stepper import Stepper
+from moeswarm.generation.run import generate
 from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
 from moeswarm.model.loading import load_local
 from moeswarm.transport.path import choose_path, parse_worker, probe
@@ -167,7 +166,7 @@ def test_a_relay_that_alters_a_byte_fails_the_link_and_the_results_stay_exact(qw
             assert probe(direct, 2.0, client_context(other_key)) is False  # not with another swarm's key
             with open_swarm(qwen2_moe, [route, direct], tls=tls, reply_timeout_s=10.0) as swarm:
                 assert swarm.accounting()["worker_paths"] == {route: "relay", direct: "direct"}
-                result = generate(Stepper(swarm.model), PROMPT, NEW_TOKENS, 0, Stepper(reference))
+                result = generate(swarm, PROMPT, NEW_TOKENS, 0, reference)
                 stats = swarm.resilience()
             # A backbone without the key gets nothing through the relay either (it flips no more bytes).
             with pytest.raises(WorkerError, match="TLS handshake failed"):
@@ -243,7 +242,7 @@ def test_a_worker_that_cannot_be_dialled_is_reached_through_the_relay(qwen2_moe,
         assert kind == "relay" and isinstance(link, RelayLink)
         with open_swarm(qwen2_moe, [f"{direct}+{route}"], tls=tls) as swarm:
             assert swarm.workers == [route] and swarm.accounting()["worker_paths"] == {route: "relay"}
-            result = generate(Stepper(swarm.model), PROMPT, NEW_TOKENS, 0, Stepper(reference))
+            result = generate(swarm, PROMPT, NEW_TOKENS, 0, reference)
         assert result.bit_identical is True and len(result.tokens) == NEW_TOKENS
     finally:
         stop([p for p in (worker, relay) if p is not None])

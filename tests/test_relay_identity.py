@@ -250,8 +250,7 @@ def test_a_member_worker_through_a_keyed_relay_process_is_exact(qwen2_moe, membe
     import subprocess
     import sys
 
-    from moeswarm.generation.loop import generate
-    from moeswarm.generation.stepper import Stepper
+    from moeswarm.generation.run import generate
     from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
     from moeswarm.model.loading import load_local
     from moeswarm.swarm import open_swarm
@@ -270,7 +269,7 @@ def test_a_member_worker_through_a_keyed_relay_process_is_exact(qwen2_moe, membe
         wait_listening(worker)
         assert worker.stdout.readline().strip() == f"moeswarm worker: reachable through relay://{where}/gpu-1"
         with open_swarm(qwen2_moe, [f"relay://{where}/gpu-1"], tls=client_context(files["gpu-2"])) as swarm:
-            result = generate(Stepper(swarm.model), [72, 101, 108, 108, 111], 3, 0, Stepper(load_local(qwen2_moe)))
+            result = generate(swarm, [72, 101, 108, 108, 111], 3, 0, load_local(qwen2_moe))
         assert result.bit_identical is True and len(result.tokens) == 3
     finally:
         relay.terminate()

@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from moeswarm.bundled import TRAINED
-from moeswarm.generation.loop import generate
-from moeswarm.generation.stepper import Stepper
+from moeswarm.generation.run import generate
+from moeswarm.serve.whole_model import WholeModel
 from moeswarm.tools.local_workers import local_workers, spawn_worker, split_experts, stop, wait_listening
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
@@ -74,7 +74,7 @@ def alone(chat_model):
     codec = load_text_codec(chat_model, model.config.vocab_size)
 
     def run(prompt: str, max_tokens: int) -> str:
-        result = generate(Stepper(model), codec.encode(prompt), max_tokens, eos_token_id=codec.eos_token_id)
+        result = generate(WholeModel(model), codec.encode(prompt), max_tokens, codec=codec)
         return codec.decode([t for t in result.tokens if t != codec.eos_token_id])
 
     return run

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from moeswarm.errors import WorkerError
-from moeswarm.generation.loop import generate
+from moeswarm.generation.run import generate
+from moeswarm.serve.whole_model import WholeModel
 from moeswarm.generation.sampling import SamplingParams
-from moeswarm.generation.stepper import Stepper
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.serve.batcher import StepBatcher
@@ -158,7 +158,7 @@ def local_reference(qwen2_moe):
 
 
 def _alone(reference, prompt, max_tokens) -> list[int]:
-    return generate(Stepper(reference), prompt, max_tokens).tokens
+    return generate(WholeModel(reference), prompt, max_tokens).tokens
 
 
 class Collector:

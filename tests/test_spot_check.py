@@ -195,8 +195,7 @@ def test_a_lying_link_to_a_real_worker_is_caught_in_a_generation(qwen2_moe):
     """Real worker processes of the tiny model: one link lies (zeros); checks at 100 %: the
     generation stays bit-identical to local, the liar is banned, the honest links are not."""
     from moeswarm.tools.bench.lying import LyingLink
-    from moeswarm.generation.loop import generate
-    from moeswarm.generation.stepper import Stepper
+    from moeswarm.generation.run import generate
     from moeswarm.tools.local_workers import local_workers
     from moeswarm.model.loading import load_local
     from moeswarm.swarm import open_swarm
@@ -204,7 +203,7 @@ def test_a_lying_link_to_a_real_worker_is_caught_in_a_generation(qwen2_moe):
     with local_workers(qwen2_moe, [list(range(8))] * 2) as addresses, open_swarm(
             qwen2_moe, [addresses[0], *addresses], spot_check=1.0, spot_check_seed=7,
             wrap_link=lambda i, link: LyingLink(link) if i == 0 else link) as swarm:
-        result = generate(Stepper(swarm.model), [72, 105, 33], 6, 0, Stepper(load_local(qwen2_moe)))
+        result = generate(swarm, [72, 105, 33], 6, 0, load_local(qwen2_moe))
         assert result.bit_identical is True
         assert [s["banned"] for s in swarm.standing()] == [True, False, False]
         assert swarm.resilience()["bans"] == 1

@@ -38,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.bundled import DEMO_PROMPT, demo_model
     from moeswarm.commands._setup import set_threads
     from moeswarm.errors import MoeSwarmError
-    from moeswarm.generation.run import GenerationRequest, check_request, run_generation, summary_lines
+    from moeswarm.commands._generation_text import stream_text, summary_lines
+    from moeswarm.generation.request import GenerationRequest
+    from moeswarm.generation.run import check_request, run_generation
     from moeswarm.generation.sampling import SamplingParams
     from moeswarm.tools.local_workers import local_swarm, split_experts
     from moeswarm.model.experts import num_experts_in_config
@@ -58,8 +60,7 @@ def run(args: argparse.Namespace) -> int:
     temperature = args.temperature if args.temperature is not None else (BUNDLED_SAMPLING["temperature"] if bundled else 0.0)
     sampling = SamplingParams(temperature, BUNDLED_SAMPLING["top_p"] if temperature else 1.0, 0,
                               args.seed if args.seed is not None else BUNDLED_SAMPLING["seed"])
-    request = GenerationRequest(prompt, None, args.max_new_tokens, args.speculate, True, stream=not args.json,
-                                sampling=sampling)
+    request = GenerationRequest(prompt, None, args.max_new_tokens, args.speculate, True, sampling=sampling)
     check_request(source, request)  # before any worker starts
     expert_sets = split_experts(num_experts_in_config(config), args.workers)
     if not args.json:
@@ -73,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
     with local_swarm(model, expert_sets) as swarm:
         if not args.json:
             print(prompt, end="", flush=True)
-        report = run_generation(swarm, request)
+        report = run_generation(swarm, request, on_event=None if args.json else stream_text)
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report.to_json()))
     else:
+        print()  # after the streamed text
         print("\n".join(summary_lines(report)))
-    return 0 if report["bit_identical"] else 1
+    return 0 if report.result.bit_identical else 1

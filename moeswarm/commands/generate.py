@@ -49,32 +49,30 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_progress(args)
     check_workers_or_swarm(args)
+    from moeswarm.commands._generation_text import stream_text, summary_lines
     from moeswarm.commands._setup import set_backbone_threads
-    from moeswarm.generation.run import GenerationRequest, check_request, run_generation, summary_lines
+    from moeswarm.generation.request import GenerationRequest
+    from moeswarm.generation.run import check_request, run_generation
     from moeswarm.generation.sampling import SamplingParams
     from moeswarm.model.source import open_source
     from moeswarm.swarm import open_swarm
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
-                                args.check_local, stream=not args.json, sampling=sampling, stops=tuple(args.stop),
-                                draft=args.draft)
+                                args.check_local, sampling=sampling, stops=tuple(args.stop), draft=args.draft)
     source = open_source(args.model, args.backbone_dtype)
     check_request(source, request)  # before the backbone loads or a worker is reached
     config = swarm_config(args, source)
     check_draft_flags(args.draft, args.speculate, config.local_experts is not None)
     set_backbone_threads(args.threads)
     with open_swarm(source, args.workers or [], config) as swarm:
-        report = run_generation(swarm, request)
-        report["worker_paths"] = swarm.accounting()["worker_paths"]  # "direct" or "relay" per worker
-        report["routing"] = swarm.routing_stats().summary()
-        report["trip_share"] = swarm.accounting()["trip_share"]  # (token, layer) pairs that went to a remote holder
-        report["local_experts"] = {str(layer): list(experts) for layer, experts in swarm.local_held().items()}
+        report = run_generation(swarm, request, on_event=None if args.json else stream_text)
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report.to_json()))
     else:
+        print()  # after the streamed text
         print("\n".join(summary_lines(report)))
-    return 0 if report["check_passed"] is not False else 1
+    return 0 if report.check_passed is not False else 1
 
 
 def _ids(text: str) -> list[int]:

@@ -16,8 +16,9 @@ from moeswarm.serve.sequence import Sequence
 
 
 class Admission:
-    def __init__(self, swarm, codec, config, runner, reference_runner, metrics, packed: bool):
+    def __init__(self, swarm, codec, config, runner, reference_runner, metrics, packed: bool, drafter=None):
         self.swarm, self.codec, self.config, self.metrics = swarm, codec, config, metrics
+        self.drafter = drafter  # makes a sequence's drafter (None: config.draft's)
         self.runner, self.reference_runner = runner, reference_runner
         self.packed = packed  # caches can be copied (generation/sequence_cache.py)
         self.prefix_cache = PrefixCache(config.cache_slots)
@@ -41,8 +42,10 @@ class Admission:
         (self.metrics.prefix_hits if reused else self.metrics.prefix_misses).inc()
         self.metrics.prompt_tokens.inc(len(job.prompt))
         self.metrics.cached_prompt_tokens.inc(reused)
-        drafter = make_drafter(config.draft, self.swarm.model, self.swarm.local_store, self.suffix_history) \
-            if speculate else None
+        drafter = None
+        if speculate:
+            drafter = self.drafter() if self.drafter is not None else \
+                make_drafter(config.draft, self.swarm.model, self.swarm.local_store, self.suffix_history)
         return Sequence(job, stepper, self.codec, speculate, reused, reference, drafter)
 
     def _sibling(self, job: Job, active: list[Sequence], prefilling: bool) -> Sequence | None:

@@ -39,9 +39,8 @@ class _Call:
 class StepBatcher:
     """Stands between the model's MoE layers and a dispatcher (`Swarm.interpose(StepBatcher)`)."""
 
-    def __init__(self, inner: ExpertsBackend, on_routing=None):
+    def __init__(self, inner: ExpertsBackend):
         self.inner = inner
-        self.on_routing = on_routing  # called with (layer, top_k_index [T, k]) for every batched layer call
         self._lock = threading.Condition()
         self._running = 0  # forwards of this step that have not ended
         self._waiting: list[_Call] = []
@@ -121,7 +120,5 @@ class StepBatcher:
         hidden = torch.cat([c.hidden for c in calls])  # [T, d]
         index = torch.cat([c.top_k_index for c in calls])  # [T, k]
         weights = torch.cat([c.top_k_weights for c in calls])  # [T, k]
-        if self.on_routing is not None:
-            self.on_routing(calls[0].layer, index)
         out = self.inner.combine(self.inner.dispatch(calls[0].layer, hidden, index, weights))  # [T, d]
         return list(torch.split(out, [c.hidden.shape[0] for c in calls]))

@@ -71,7 +71,7 @@ def dashboard_data(state) -> dict:
         "layers": layers,
         "num_experts": stats.num_experts,
         "replicas": replicas,
-        "heat": stats.heat(layers),
+        "heat": stats.heat(layers, swarm.routing_stats().counts),
         "routing": swarm.routing_stats().summary(),  # live counts per (layer, expert) and most frequent pairs
         "recent": stats.recent(),
         "totals": dict(stats.totals),

@@ -13,10 +13,10 @@ same sequences in the same groups, and every logit row is compared bit for bit.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ import torch
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.generation.check import LocalCheck
 from moeswarm.generation.draft_names import DEFAULT_DRAFT, check_draft_flags
-from moeswarm.model.experts import num_experts_of
+from moeswarm.generation.drafters import Drafter
 from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.job import Failed, Job
 from moeswarm.serve.admission import Admission
@@ -36,10 +36,8 @@ from moeswarm.serve.scheduler import Slot, plan_step
 from moeswarm.serve.sequence import Sequence, apart
 from moeswarm.serve.stats import EngineStats, StepRecord
 from moeswarm.serve.tally import Tally
+from moeswarm.serve.whole_model import WholeModel
 from moeswarm.swarm import Swarm
-
-
-SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -57,17 +55,22 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, swarm: Swarm, codec: TextCodec, config: EngineConfig, metrics: ServeMetrics | None = None,
-                 reference: torch.nn.Module | None = None):
-        check_draft_flags(config.draft, config.speculate, swarm.local_store is not None)
+    def __init__(self, swarm: Swarm | WholeModel, codec: TextCodec, config: EngineConfig,
+                 metrics: ServeMetrics | None = None, reference: torch.nn.Module | None = None,
+                 drafter: Callable[[], Drafter] | None = None):
+        """swarm: where the forwards run (a WholeModel: a model computing its own experts here);
+        reference: a local eager model every step is compared with (--check-local);
+        drafter: makes each sequence's drafter (default: config.draft's, over the swarm's local experts)."""
+        if drafter is None:
+            check_draft_flags(config.draft, config.speculate, swarm.local_store is not None)
         self.swarm, self.codec, self.config = swarm, codec, config
         self.metrics = metrics or ServeMetrics()
-        self.stats = EngineStats(num_experts_of(swarm.model))
+        self.stats = EngineStats(swarm.num_experts)
         self.reference = reference
-        self.runner, self.reference_runner = build_runners(swarm, reference, config.max_batch, config.groups,
-                                                           self.stats.record_routing)
+        self.runner, self.reference_runner = build_runners(swarm, reference, config.max_batch, config.groups)
         self.packed = isinstance(self.runner, PackedRunner)
-        self.admission = Admission(swarm, codec, config, self.runner, self.reference_runner, self.metrics, self.packed)
+        self.admission = Admission(swarm, codec, config, self.runner, self.reference_runner, self.metrics, self.packed,
+                                   drafter)
         self.group_policy = GroupPolicy()  # --groups 0: one or two batches in flight, by measurement
         self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
         # --check-local: every step's logits against the reference's (bit for bit; a lossy wire: the gate's thresholds)
@@ -88,9 +91,7 @@ class Engine:
     # -- called from other threads -----------------------------------------------------------
 
     def start(self) -> None:
-        # A step's forwards take turns on the GIL at every torch op; a thread back from one waits
-        # for the holder's switch interval (5 ms by default) before it may run again.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        """Step in the engine's own thread (serve: commands/serve.py sets the interpreter's switch interval)."""
         self._thread.start()
 
     def stop(self) -> None:
@@ -311,9 +312,9 @@ class Engine:
         self._remove(sequence)
         self.metrics.failed_sequences.inc()
         if isinstance(error, MoeSwarmError):
-            sequence.job.emit(Failed(one_line(error), 503))
+            sequence.job.emit(Failed(one_line(error), 503, error))
         else:
-            sequence.job.emit(Failed(f"internal error: {one_line(error)}", 500))
+            sequence.job.emit(Failed(f"internal error: {one_line(error)}", 500, error))
 
     def _compare(self, work: list, outputs: list, expected: list) -> None:
         for (sequence, _, _), got, want in zip(work, outputs, expected):

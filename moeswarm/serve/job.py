@@ -55,6 +55,7 @@ class Finished:
 class Failed:
     message: str  # one line, safe to print
     status: int = 503  # the HTTP status the caller should answer with
+    cause: BaseException | None = field(default=None, compare=False)  # what failed the step (generate raises it)
 
 
 @dataclass(frozen=True)

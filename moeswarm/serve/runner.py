@@ -25,32 +25,39 @@ from moeswarm.model.backend import attach, set_overlap
 from moeswarm.serve.batcher import StepBatcher
 from moeswarm.serve.eager import EagerExperts
 from moeswarm.serve.turns import TakingTurns
+from moeswarm.serve.whole_model import WholeModel
+from moeswarm.swarm import Swarm
 
 Feed = list[int] | list[list[int]]
 
 
-def build_runners(swarm, reference: PreTrainedModel | None, max_batch: int, groups: int, on_routing=None):
+def build_runners(backbone: Swarm | WholeModel, reference: PreTrainedModel | None, max_batch: int, groups: int):
     """(runner, reference runner or None): packed where both models' layers allow, else a thread per
-    sequence. The swarm's MoE layers go through the runner's meeting point (`swarm.interpose`). A
-    packed reference computes each group's rows with its own experts, as loaded (one forward per
-    group already holds the rows every dispatch holds); threaded, its forwards meet at their own
-    StepBatcher over the family's eager experts."""
-    if supports_ragged(swarm.model) and (reference is None or supports_ragged(reference)):
-        install(swarm.model)
-        turns = swarm.interpose(lambda dispatcher: TakingTurns(dispatcher, on_routing))
-        runner = PackedRunner(swarm.model, turns, max(2, groups, max_batch))  # a thread per group a step may have
-        if reference is None:
-            return runner, None
-        install(reference)
-        return runner, PackedRunner(reference, None)
-    batcher = swarm.interpose(lambda dispatcher: StepBatcher(dispatcher, on_routing))
-    runner = ThreadedRunner(swarm.model, batcher, max_batch)
-    if reference is None:
-        return runner, None
-    reference_batcher = StepBatcher(EagerExperts(reference))
-    attach(reference, reference_batcher)
-    set_overlap(reference, False)  # no trip to overlap; and the shared expert then runs where its block calls it
-    return runner, ThreadedRunner(reference, reference_batcher, max_batch)
+    sequence. A swarm's MoE layers go through the runner's meeting point (`swarm.interpose`); a
+    model that computes its own experts (a WholeModel's, the reference) runs as `local_runner`."""
+    packed = supports_ragged(backbone.model) and (reference is None or supports_ragged(reference))
+    reference_runner = local_runner(reference, packed, max_batch) if reference is not None else None
+    if isinstance(backbone, WholeModel):
+        return local_runner(backbone.model, packed, max_batch), reference_runner
+    if packed:
+        install(backbone.model)
+        turns = backbone.interpose(TakingTurns)
+        return PackedRunner(backbone.model, turns, max(2, groups, max_batch)), reference_runner  # a thread per group
+    batcher = backbone.interpose(StepBatcher)
+    return ThreadedRunner(backbone.model, batcher, max_batch), reference_runner
+
+
+def local_runner(model: PreTrainedModel, packed: bool, max_batch: int):
+    """The runner of a model computing its own experts. Packed: each group's rows through its experts
+    as loaded (one forward per group already holds the rows every dispatch holds); threaded: its
+    forwards meet at their own StepBatcher over the family's eager experts."""
+    if packed:
+        install(model)
+        return PackedRunner(model, None)
+    batcher = StepBatcher(EagerExperts(model))
+    attach(model, batcher)
+    set_overlap(model, False)  # no trip to overlap; and the shared expert then runs where its block calls it
+    return ThreadedRunner(model, batcher, max_batch)
 
 
 def split_groups(tokens: list[int], groups: int) -> list[list[int]]:

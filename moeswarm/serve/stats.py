@@ -33,18 +33,7 @@ class EngineStats:
         self._steps: deque[StepRecord] = deque()
         self._rtt: dict[str, deque[float]] = {}
         self._calls: dict[str, int] = {}
-        self.expert_use: dict[int, torch.Tensor] = {}  # layer -> [E] routed (token, slot) pairs since start
         self.totals = {"steps": 0, "generated": 0, "fed": 0, "drafted": 0, "accepted": 0}
-
-    def record_routing(self, layer: int, top_k_index: torch.Tensor) -> None:
-        """top_k_index [T, k]: the experts a layer call routed to (-1: none)."""
-        chosen = top_k_index[top_k_index >= 0].flatten()
-        counts = torch.bincount(chosen, minlength=self.num_experts)[: self.num_experts]
-        with self._lock:
-            if layer in self.expert_use:
-                self.expert_use[layer] += counts
-            else:
-                self.expert_use[layer] = counts.clone()
 
     def record_step(self, step: StepRecord, worker_seconds: list[dict[str, float]]) -> None:
         with self._lock:
@@ -82,10 +71,10 @@ class EngineStats:
         return {w: {"calls": calls[w], "rtt_ms_p50": 1000 * _quantile(v, 0.5), "rtt_ms_p99": 1000 * _quantile(v, 0.99)}
                 for w, v in samples.items()}
 
-    def heat(self, layers: list[int]) -> list[list[int]]:
-        with self._lock:
-            return [self.expert_use[layer].tolist() if layer in self.expert_use else [0] * self.num_experts
-                    for layer in layers]
+    def heat(self, layers: list[int], counts: dict[int, torch.Tensor]) -> list[list[int]]:
+        """Per layer, how often each expert was chosen; counts: {layer: [E] int64} (the swarm's routing
+        statistics, counted as its dispatcher routes: the engine does not count them again)."""
+        return [counts[layer].tolist() if layer in counts else [0] * self.num_experts for layer in layers]
 
 
 def _quantile(ordered: list[float], q: float) -> float:

@@ -25,9 +25,8 @@ from moeswarm.model.experts_backend import ExpertsBackend
 class TakingTurns:
     """Stands between the model's MoE layers and a dispatcher (`Swarm.interpose`)."""
 
-    def __init__(self, inner: ExpertsBackend, on_routing=None):
+    def __init__(self, inner: ExpertsBackend):
         self.inner = inner
-        self.on_routing = on_routing  # called with (layer, top_k_index [T, k]) for every layer call
         self._lock = threading.Condition()
         self._order: list[int] = []  # the groups still running, in turn order
         self._turn: int | None = None
@@ -64,8 +63,6 @@ class TakingTurns:
 
     def dispatch(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """hidden [T, d], top_k_index [T, k] long, top_k_weights [T, k]: sent now; the turn passes on."""
-        if self.on_routing is not None:
-            self.on_routing(layer, top_k_index)
         handle = self.inner.dispatch(layer, hidden, top_k_index, top_k_weights)
         self._pass_turn()
         return handle

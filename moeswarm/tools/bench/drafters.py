@@ -62,8 +62,8 @@ def edited(text: str) -> str | None:
 
 
 def run_drafters_bench(model: str | None = None, progress=None) -> dict:
-    from moeswarm.generation.loop import generate
-    from moeswarm.generation.stepper import Stepper
+    from moeswarm.generation.run import generate
+    from moeswarm.serve.whole_model import WholeModel
     from moeswarm.model.loading import load_local
     from moeswarm.model.tokenizer import load_text_codec
 
@@ -74,7 +74,7 @@ def run_drafters_bench(model: str | None = None, progress=None) -> dict:
     held_out, editing = [], []
     for text in texts:
         prompt = codec.encode(text)[:96]
-        output = generate(Stepper(reference), prompt, NEW_TOKENS, eos_token_id=codec.eos_token_id).tokens
+        output = generate(WholeModel(reference), prompt, NEW_TOKENS, codec=codec).tokens
         held_out.append((prompt, output))
         changed = edited(text)
         if changed is not None:

@@ -22,11 +22,11 @@ import signal
 import statistics
 import time
 
+from moeswarm.tools.bench.injector import Injector
 from moeswarm.tools.bench.lying import check_cost, detection_trials, liar_trials
 from moeswarm.tools.bench.wan_links import wan_links
 from moeswarm.errors import MoeSwarmError, one_line
-from moeswarm.generation.loop import generate
-from moeswarm.generation.stepper import Stepper
+from moeswarm.generation.run import generate
 from moeswarm.tools.local_workers import replicated_split, spawn_worker, stop, wait_listening
 from moeswarm.model.experts import num_experts_in_config
 from moeswarm.model.loading import load_local
@@ -38,26 +38,6 @@ FAULTS = ("none", "reset", "stall-short", "stall-long", "close-after", "slow-lin
 WEIGHTS = (2, 2, 2, 2, 2, 2, 1)  # a SIGKILL costs a worker restart (seconds of model loading): drawn half as often
 LINK = LinkProfile(rtt_s=0.002)
 RECOVERY_TIMEOUT_S = 90.0
-
-
-class Injector:
-    """Between the model and the dispatcher: runs the armed fault before the armed layer call."""
-
-    def __init__(self, inner):
-        self.inner, self.calls, self.armed = inner, 0, None
-
-    def arm(self, at_call: int, action) -> None:
-        self.calls, self.armed = 0, (at_call, action)
-
-    def dispatch(self, layer, hidden, top_k_index, top_k_weights):
-        self.calls += 1
-        if self.armed and self.calls == self.armed[0]:
-            action, self.armed = self.armed[1], None
-            action()
-        return self.inner.dispatch(layer, hidden, top_k_index, top_k_weights)
-
-    def combine(self, handle):
-        return self.inner.combine(handle)
 
 
 class Cluster:
@@ -96,8 +76,10 @@ def run_generations(model: str, generations: int, new_tokens: int = 8, seed: int
     cluster = Cluster(model, replicated_split(num_experts_in_config(source.config), 2))
     rows = []
     try:
-        with wan_links(cluster.addresses, LINK, seed) as links, open_swarm(model, links.addresses) as swarm:
-            injector = swarm.interpose(Injector)
+        injector = Injector()
+        with wan_links(cluster.addresses, LINK, seed) as links, \
+                open_swarm(model, links.addresses, wrap_link=injector.watch) as swarm:
+            injector.swarm = swarm
             layers = len(swarm.moe_layers)
             for generation in range(generations):
                 kind = FAULTS[generation] if generation < len(FAULTS) else rng.choices(FAULTS, WEIGHTS)[0]
@@ -109,7 +91,7 @@ def run_generations(model: str, generations: int, new_tokens: int = 8, seed: int
                 before = swarm.resilience()
                 started = time.perf_counter()
                 try:
-                    result = generate(Stepper(swarm.model), prompt, new_tokens, 0, Stepper(reference))
+                    result = generate(swarm, prompt, new_tokens, 0, reference)
                     completed, identical, error = len(result.tokens) == new_tokens, result.bit_identical is True, None
                 except MoeSwarmError as failure:
                     completed, identical, error = False, False, one_line(failure)
@@ -195,13 +177,15 @@ def run_tail(model: str, layer_calls: int = 400, every: int = 20, stall_s: float
     out = []
     try:
         for hedge in (False, True):
-            with wan_links(cluster.addresses, LINK, seed) as links, open_swarm(model, links.addresses, hedge=hedge) as swarm:
-                stall = lambda: links._call(_run(links.proxies[0].stall, stall_s))  # noqa: E731
-                stalls = swarm.interpose(lambda d: _EveryNth(d, every, stall_s, stall))
+            stalls = _EveryNth(every, stall_s)
+            with wan_links(cluster.addresses, LINK, seed) as links, \
+                    open_swarm(model, links.addresses, hedge=hedge, wrap_link=stalls.watch) as swarm:
+                stalls.swarm = swarm
+                stalls.action = lambda: links._call(_run(links.proxies[0].stall, stall_s))
                 rng = random.Random(seed)
                 swarm.reset_accounting()
                 while len(swarm.layer_calls()) < layer_calls:
-                    generate(Stepper(swarm.model), [rng.randrange(vocab) for _ in range(4)], 16)
+                    generate(swarm, [rng.randrange(vocab) for _ in range(4)], 16)
                 ms = sorted(1000 * c.seconds for c in swarm.layer_calls()[:layer_calls])
                 pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
                 out.append({"hedging": hedge, "layer_calls": len(ms), "stalls": stalls.stalls, "p50_ms": pick(0.5),
@@ -218,11 +202,16 @@ class _EveryNth(Injector):
     calls made while the link is stalled do not count, so with or without hedging the link stalls
     once per `every` calls that it could have served."""
 
-    def __init__(self, inner, every: int, stall_s: float, action):
-        super().__init__(inner)
-        self.every, self.stall_s, self.action, self.stalls, self._stalled_until = every, stall_s, action, 0, 0.0
+    def __init__(self, every: int, stall_s: float):
+        super().__init__()
+        self.every, self.stall_s, self.action, self.stalls, self._stalled_until = every, stall_s, None, 0, 0.0
+        self.calls, self._seen = 0, 0  # layer calls counted, and the last one seen (a call may send to both links)
 
-    def dispatch(self, layer, hidden, top_k_index, top_k_weights):
+    def before_request(self) -> None:
+        call = self.swarm.layer_call_number()
+        if call == self._seen:
+            return
+        self._seen = call
         now = time.monotonic()
         if now >= self._stalled_until:
             self.calls += 1
@@ -230,7 +219,6 @@ class _EveryNth(Injector):
                 self.stalls += 1
                 self._stalled_until = now + self.stall_s
                 self.action()
-        return self.inner.dispatch(layer, hidden, top_k_index, top_k_weights)
 
 
 def run_spot_checks(model: str, trials: int = 10, max_steps: int = 200, seed: int = 0) -> dict:

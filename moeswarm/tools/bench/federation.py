@@ -20,8 +20,7 @@ from contextlib import ExitStack
 from moeswarm.tools.bench.wan_links import wan_links
 from moeswarm.bundled import PROMPTS
 from moeswarm.errors import MoeSwarmError
-from moeswarm.generation.loop import generate
-from moeswarm.generation.stepper import Stepper
+from moeswarm.generation.run import generate
 from moeswarm.tools.local_workers import spawn_worker, split_experts, stop, wait_listening
 from moeswarm.model.experts import num_experts_in_config
 from moeswarm.model.source import open_source
@@ -65,7 +64,7 @@ def _run(model: str, expert_sets: list[list[int]], prompts: list[list[int]], new
                 start.wait()
                 began = time.perf_counter()
                 try:
-                    result = generate(Stepper(swarms[number].model), prompts[number], new_tokens)
+                    result = generate(swarms[number], prompts[number], new_tokens)
                     tokens[number] = len(result.tokens)
                 except Exception as error:  # reported below, with the others' figures
                     failures.append(f"backbone {number}: {error}")

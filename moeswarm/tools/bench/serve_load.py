@@ -150,15 +150,15 @@ def _prompts(model: str, count: int) -> list[str]:
 
 def _alone(model: str, prompts: list[str], max_tokens: int) -> list[str]:
     """Each prompt's greedy text run alone on the local eager model (what `generate --check-local` equals)."""
-    from moeswarm.generation.loop import generate
-    from moeswarm.generation.stepper import Stepper
+    from moeswarm.generation.run import generate
+    from moeswarm.serve.whole_model import WholeModel
     from moeswarm.model.loading import load_local
 
     reference = load_local(model)
     codec = load_text_codec(model, reference.config.vocab_size)
     texts = []
     for prompt in prompts:
-        tokens = generate(Stepper(reference), codec.encode(prompt), max_tokens, eos_token_id=codec.eos_token_id).tokens
+        tokens = generate(WholeModel(reference), codec.encode(prompt), max_tokens, codec=codec).tokens
         texts.append(codec.decode([t for t in tokens if t != codec.eos_token_id]))
     return texts
 

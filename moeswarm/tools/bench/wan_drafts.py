@@ -28,9 +28,8 @@ import time
 
 from moeswarm.tools.bench.wan_context import WanContext
 from moeswarm.bundled import PROMPTS
-from moeswarm.generation.drafters import make_drafter
-from moeswarm.generation.loop import GenerationResult, generate
-from moeswarm.generation.stepper import Stepper
+from moeswarm.generation.result import GenerationResult
+from moeswarm.generation.run import generate
 from moeswarm.model.experts import experts_modules
 from moeswarm.placement.profile import hot_sets
 from moeswarm.progress import progress
@@ -61,11 +60,10 @@ def measured_prompts(context: WanContext) -> dict[str, list[int]]:
     return {p["id"]: context.codec.encode(p["text"])[:limit] for p in chosen}
 
 
-def _run(swarm: Swarm, prompt: list[int], new_tokens: int, drafter: str, eos: int | None) -> GenerationResult:
+def _run(swarm: Swarm, prompt: list[int], new_tokens: int, drafter: str, codec) -> GenerationResult:
     if drafter == "none":
-        return generate(Stepper(swarm.model), prompt, new_tokens, eos_token_id=eos)
-    return generate(Stepper(swarm.model), prompt, new_tokens, DRAFT_CAP, eos_token_id=eos,
-                    drafter=make_drafter(drafter, swarm.model, swarm.local_store))
+        return generate(swarm, prompt, new_tokens, codec=codec)
+    return generate(swarm, prompt, new_tokens, DRAFT_CAP, codec=codec, draft=drafter)
 
 
 def _totals(results: list[GenerationResult]) -> dict:
@@ -81,7 +79,7 @@ def _totals(results: list[GenerationResult]) -> dict:
             "decode_tokens_per_s": decode_tokens / decode_s, "ms_per_token": 1e3 * decode_s / decode_tokens}
 
 
-def _compare(swarms: dict[str, Swarm], prompts: dict[str, list[int]], new_tokens: int, eos: int | None,
+def _compare(swarms: dict[str, Swarm], prompts: dict[str, list[int]], new_tokens: int, codec,
              desc: str) -> dict[str, list[GenerationResult]]:
     """{config: results per prompt}; config "baseline" runs plain decode on the swarm with no local experts."""
     configs = ["baseline", *DRAFTERS]
@@ -89,7 +87,7 @@ def _compare(swarms: dict[str, Swarm], prompts: dict[str, list[int]], new_tokens
     for i, prompt in enumerate(progress(list(prompts.values()), desc=desc, unit="prompt")):
         for config in configs[:: 1 if i % 2 == 0 else -1]:
             swarm = swarms["none" if config == "baseline" else "local"]
-            out[config].append(_run(swarm, prompt, new_tokens, "none" if config == "baseline" else config, eos))
+            out[config].append(_run(swarm, prompt, new_tokens, "none" if config == "baseline" else config, codec))
     return out
 
 
@@ -100,16 +98,15 @@ def run_drafts(context: WanContext) -> list[dict]:
     prompts = measured_prompts(context)
     stats, calibration_prompts = calibration_profile(dataclasses.replace(context, prompts={**context.prompts, **prompts}))
     held = hot_sets(stats, list(experts_modules(context.local_model)), LOCAL_PERCENT / 100)
-    eos = context.codec.eos_token_id
     load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M %Z")
     swarms: dict[str, Swarm] = {}
     try:
         swarms["none"] = open_swarm(context.model, context.links.addresses)
         swarms["local"] = open_swarm(context.model, context.links.addresses, local_experts=held)
         context.links.set_all(rtt_s=DRAFTS_RTT_S, bandwidth_bps=None)
-        measured = _compare(swarms, prompts, context.new_tokens, eos, "drafts scenario, 80 ms")
+        measured = _compare(swarms, prompts, context.new_tokens, context.codec, "drafts scenario, 80 ms")
         context.links.set_all(rtt_s=TOKEN_TIME_RTT_S, bandwidth_bps=None)
-        token_time = _compare(swarms, {"non_repetitive": context.prompts["non_repetitive"]}, context.new_tokens, eos,
+        token_time = _compare(swarms, {"non_repetitive": context.prompts["non_repetitive"]}, context.new_tokens, context.codec,
                               "drafts scenario, 100 ms")
         moe_layers = len(swarms["local"].moe_layers)
     finally:

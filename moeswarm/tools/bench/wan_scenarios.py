@@ -30,7 +30,7 @@ import torch
 from moeswarm.tools.bench.wan_context import WanContext
 from moeswarm.tools.bench.wan_links import wan_links
 from moeswarm.bundled import PROMPTS
-from moeswarm.generation.loop import generate
+from moeswarm.generation.run import generate
 from moeswarm.generation.stepper import Stepper
 from moeswarm.tools.local_workers import local_workers, split_experts
 from moeswarm.model.experts import num_experts_of
@@ -148,7 +148,7 @@ def fanout(swarms: dict[str, Swarm], links, prompt: list[int], steps: int, width
     return rows
 
 
-def speculation(swarm: Swarm, links, prompts: dict[str, list[int]], new_tokens: int, steps: int, eos: int | None) -> list[dict]:
+def speculation(swarm: Swarm, links, prompts: dict[str, list[int]], new_tokens: int, steps: int, codec) -> list[dict]:
     """Plain greedy vs n-gram prompt lookup at SPECULATION_RTT_S, and the verify step's cost."""
     links.set_all(rtt_s=SPECULATION_RTT_S, bandwidth_bps=None)
     swarm.configure(EXACT)
@@ -161,7 +161,7 @@ def speculation(swarm: Swarm, links, prompts: dict[str, list[int]], new_tokens: 
         results = {}
         for speculate in (0, SPECULATE):
             swarm.reset_accounting()
-            result = generate(Stepper(swarm.model), prompt, new_tokens, speculate, eos_token_id=eos)
+            result = generate(swarm, prompt, new_tokens, speculate, codec=codec, draft="ngram")
             decode_s = result.seconds - result.prefill_seconds
             calls = swarm.layer_calls()[len(swarm.moe_layers):]
             results[speculate] = result
@@ -256,7 +256,7 @@ def run_wan(model: str, quick: bool = False, scenarios: Collection[str] | None =
             if "fanout" in chosen:
                 rows += fanout(swarms, links, prompts["non_repetitive"], steps, widths)
             if "speculation" in chosen:
-                rows += speculation(swarms["star"], links, prompts, new_tokens, steps, codec.eos_token_id)
+                rows += speculation(swarms["star"], links, prompts, new_tokens, steps, codec)
             context = WanContext(model, local_model, codec, prompts, addresses, links, steps, repeats, new_tokens, quick)
             for name in chosen:
                 if name in SCENARIOS:
