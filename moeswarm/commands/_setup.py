@@ -6,6 +6,7 @@ Nothing here imports torch or transformers at module level: `moeswarm --help` lo
 from __future__ import annotations
 
 import os
+import sys
 
 
 def quiet_transformers() -> None:
@@ -37,6 +38,16 @@ def set_backbone_threads(threads: int | None) -> int:
     threads do not spin: OMP_WAIT_POLICY=PASSIVE (cli.py), and the kernels' pool sleeps after ~50 us.
     """
     return set_threads(threads if threads is not None else _cores())
+
+
+SWITCH_INTERVAL_S = 0.0005
+
+
+def set_switch_interval() -> None:
+    """For `serve`, at its entry: a step's forwards (a thread per group, or per sequence) take turns on
+    the GIL at every torch op, and a thread back from one waits for the holder's switch interval
+    (5 ms by default) before it may run again. It is the whole process's setting, so only a command sets it."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def _cores() -> int:

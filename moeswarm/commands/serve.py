@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from moeswarm.commands._setup import set_backbone_threads
+    from moeswarm.commands._setup import set_backbone_threads, set_switch_interval
     from moeswarm.errors import MoeSwarmError
     from moeswarm.model.source import open_source
     from moeswarm.serve.api import ServeState, create_app
@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     check_can_listen(args.host, args.port)
     set_backbone_threads(args.threads)
+    set_switch_interval()
     engine = EngineConfig(context, args.max_batch, args.speculate, args.prefill_chunk, args.step_tokens, args.cache_slots,
                           draft=args.draft, groups=args.groups)
     state = ServeState(args.model_name or _model_name(source.path), args.api_key, default_max_tokens=args.max_tokens,
