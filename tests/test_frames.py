@@ -87,6 +87,22 @@ def test_hello_answer_golden_bytes_and_round_trip():
     assert WorkerInfo.from_frame(_reparse(frame)) == info
 
 
+def test_hello_answer_with_its_reply_bound_golden_bytes():
+    """The worker's reply bound (--max-unsent-bytes) travels as an optional last field; absent, it is None."""
+    info = WorkerInfo("hf-abc", "qwen2_moe", 8, 32, {0: (0, 2, 3), 1: (5,)}, ("f32",), 32 << 20)
+    frame = info.to_frame(1)
+    assert frame.to_bytes()[HEADER_SIZE:].hex() == (
+        "88a870726f746f636f6c02ab66696e6765727072696e74a66866""2d616263"
+        "aa6d6f64656c5f74797065a97177656e325f6d6f65ab6e756d5f65787065727473"
+        "08ab68696464656e5f73697a6520a468656c6492920093000203920191" "05a6636f6465637391a3663332"
+        "b06d61785f726573756c745f6279746573ce02000000"
+    )
+    assert WorkerInfo.from_frame(_reparse(frame)) == info
+    for bad in (0, -1, "32M", True):
+        with pytest.raises(ProtocolError, match="HELLO 'max_result_bytes' must be a positive integer"):
+            WorkerInfo.from_frame(Frame(Opcode.HELLO, 1, {**frame.meta, "max_result_bytes": bad}))
+
+
 @pytest.mark.parametrize(
     "held, message",
     [

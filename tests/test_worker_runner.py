@@ -154,13 +154,13 @@ def _computing(store: FakeStore) -> None:
 
 
 def test_hello_answers_what_the_worker_holds():
-    with serving(FakeStore(gated=False)) as (_, address):
+    with serving(FakeStore(gated=False), max_unsent_bytes=5 << 20) as (_, address):
         sock = _connect(address)
         send_frame(sock, Hello(FINGERPRINT).to_frame(7))
         reply = _recv(sock)
         assert (reply.opcode, reply.request_id) == (Opcode.HELLO, 7)
         assert WorkerInfo.from_frame(reply) == WorkerInfo(FINGERPRINT, "fake", 4, HIDDEN, {0: (0, 1, 2, 3)},
-                                                          tuple(sorted(CODECS)))
+                                                          tuple(sorted(CODECS)), 5 << 20)  # its reply bound
 
 
 def test_dispatch_before_hello_and_wrong_fingerprint_are_refused():

@@ -54,6 +54,9 @@ class WorkerInfo:
 
     held: {MoE layer: experts held in that layer, ascending}. Any set per layer, not only
     ranges; on the wire a list of [layer, [experts...]] pairs (msgpack map keys must be strings).
+    max_result_bytes: the largest RESULT the worker sends (its --max-unsent-bytes): a DISPATCH
+    whose RESULT would be larger is refused, so the backbone splits it. Optional on the wire
+    (absent from older workers, and from a link in the backbone's own process: None).
     """
 
     fingerprint: str
@@ -62,6 +65,7 @@ class WorkerInfo:
     hidden_size: int
     held: dict[int, tuple[int, ...]]
     codecs: tuple[str, ...]
+    max_result_bytes: int | None = None
 
     def to_frame(self, request_id: int) -> Frame:
         meta = {
@@ -70,6 +74,8 @@ class WorkerInfo:
             "held": [[layer, list(experts)] for layer, experts in sorted(self.held.items())],
             "codecs": list(self.codecs),
         }
+        if self.max_result_bytes is not None:
+            meta["max_result_bytes"] = self.max_result_bytes
         return Frame(Opcode.HELLO, request_id, meta)
 
     @classmethod
@@ -94,8 +100,11 @@ class WorkerInfo:
                                     f"got {experts!r:.80}")
             held[layer] = tuple(experts)
         codecs = field(m, "codecs", list)
+        bound = m.get("max_result_bytes")
+        if bound is not None and not (_is_int(bound) and bound > 0):
+            raise ProtocolError(f"HELLO 'max_result_bytes' must be a positive integer, got {bound!r:.40}")
         return cls(field(m, "fingerprint", str), field(m, "model_type", str), num_experts, hidden_size, held,
-                   tuple(str(c) for c in codecs))
+                   tuple(str(c) for c in codecs), bound)
 
 
 @dataclass(frozen=True)

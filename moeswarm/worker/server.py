@@ -75,9 +75,9 @@ class WorkerServer:
         self.store = store
         self.tls = tls  # the swarm key's context (transport/tls.py); None: plain TCP
         self.fingerprint = fingerprint
-        self.info = WorkerInfo(fingerprint, model_type, store.num_experts, store.hidden_size, store.held,
-                               tuple(sorted(CODECS)))
         self.limits = limits or WorkerLimits()
+        self.info = WorkerInfo(fingerprint, model_type, store.num_experts, store.hidden_size, store.held,
+                               tuple(sorted(CODECS)), self.limits.max_unsent_bytes)  # the backbone splits by it
         self.budget = ByteBudget(self.limits.max_buffered_bytes)
         self.computation = Computation(store, self.limits, top_k)  # the compute thread's side
         # DISPATCHes of one layer from several connections may run as one expert call (worker/merge.py)
