@@ -18,13 +18,13 @@ clients together at most the worker's reply budget (plus SMALL_FRAME_BYTES per c
 
 from __future__ import annotations
 
-import functools
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moeswarm.errors import MoeSwarmError, ProtocolError
 from moeswarm.wire.frames import DEFAULT_MAX_PAYLOAD_BYTES
+from moeswarm.wire.result_size import DEFAULT_MAX_RESULT_BYTES, reply_bytes
 
 if TYPE_CHECKING:  # no torch import: the worker's flags take their defaults from here
     import torch
@@ -48,7 +48,7 @@ class WorkerLimits:
     hello_timeout_s: float = 10.0  # from accept to a successful HELLO
     frame_timeout_s: float = 30.0  # a frame's header and body, once its first byte arrived
     idle_timeout_s: float = 600.0  # a greeted connection with no new frame (or no reply taken) for this long
-    max_unsent_bytes: int = 32 << 20  # replies of one connection not yet taken by its client: reading pauses beyond
+    max_unsent_bytes: int = DEFAULT_MAX_RESULT_BYTES  # replies of one connection not yet taken by its client: reading pauses beyond
     max_reply_bytes: int = 128 << 20  # replies computing or not yet taken, over all connections: "busy" beyond
     max_connections_per_peer: int = 64  # open connections from one IP address
     evict_after_s: float = 5.0  # at a connection limit, one quiet this long (no HELLO or DISPATCH) makes room
@@ -139,26 +139,6 @@ def check_dispatch_size(meta: dict[str, Any], limits: WorkerLimits,
         if name != "x" and len(shape) > 1 and shape[1] > limits.max_top_k:
             raise ProtocolError(f"DISPATCH tensor {name!r} has top-k {shape[1]}, over the limit of {limits.max_top_k} "
                                 "(worker flag --max-top-k)")
-
-
-RESULT_META_BYTES = 256  # a RESULT's header and metadata besides its expert lists (layer, mode, descriptor)
-PER_EXPERT_META_BYTES = 18  # an expert id and its row count in msgpack: at most 9 bytes each
-
-
-def reply_bytes(rows: int, hidden: int, combine: Any, experts: int) -> int:
-    """A RESULT's size on the wire: `rows` x `hidden` values in the combine codec (exact), plus a
-    bound on its metadata for `experts` listed experts (0 in partial mode). Unknown codecs count as
-    f32, the largest float codec (the request is refused when decoded anyway)."""
-    codec = _codecs().get(combine) if isinstance(combine, str) else None
-    payload = codec.nbytes((rows, hidden)) if codec is not None else rows * hidden * 4
-    return payload + RESULT_META_BYTES + PER_EXPERT_META_BYTES * experts
-
-
-@functools.cache
-def _codecs() -> dict:
-    from moeswarm.wire.codecs import CODECS  # here: the flags' defaults come from this module, which loads no torch
-
-    return CODECS
 
 
 def reply_bound(meta: dict[str, Any], hidden: int, num_experts: int,
