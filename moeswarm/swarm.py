@@ -85,6 +85,10 @@ class Swarm:
     def reset_accounting(self) -> None:
         self._dispatcher.accounting.reset()
 
+    def set_decoding(self, decoding: bool) -> None:
+        """Whether the layer calls from now on are a decode step's (the accounting's decode figures)."""
+        self._dispatcher.accounting.decoding = decoding
+
     def accounting(self) -> dict:
         """Totals since the last reset: round trips, bytes, per-worker round-trip times."""
         return self._dispatcher.accounting.summary()

@@ -219,8 +219,9 @@ def test_missing_experts_are_named():
 
 def test_accounting_summary_is_exact():
     accounting = Accounting()
-    accounting.record(LayerCall(0, 4, 400, 800, 1, 0.002, {"a": 0.001, "b": 0.003}))
-    accounting.record(LayerCall(1, 1, 100, 300, 1, 0.004, {"a": 0.002}))
+    accounting.record(LayerCall(0, 4, 400, 800, 1, 0.002, {"a": 0.001, "b": 0.003}))  # a prompt's
+    accounting.decoding = True
+    accounting.record(LayerCall(1, 1, 100, 300, 1, 0.004, {"a": 0.002}))  # a decode step's
     summary = accounting.summary()
     assert summary["layer_calls"] == 2 and summary["round_trips"] == 2
     assert (summary["bytes_out"], summary["bytes_in"]) == (500, 1100)
@@ -228,6 +229,18 @@ def test_accounting_summary_is_exact():
     assert summary["decode_bytes_out_per_token_layer"] == 100.0 and summary["decode_bytes_in_per_token_layer"] == 300.0
     assert summary["seconds_per_layer_call_mean"] == pytest.approx(0.003)
     assert summary["worker_rtt_ms_mean"] == pytest.approx({"a": 1.5, "b": 3.0})
+
+
+def test_accounting_counts_decode_by_step_not_by_rows():
+    """A decode step of two sequences makes 2-row calls, a 1-token prompt 1-row calls: the step decides."""
+    accounting = Accounting()
+    accounting.record(LayerCall(0, 1, 90, 90, 1, 0.001, {}))  # a 1-token prompt
+    accounting.decoding = True
+    accounting.record(LayerCall(0, 1, 100, 300, 1, 0.001, {}))  # one sequence decoding
+    accounting.record(LayerCall(0, 2, 300, 500, 1, 0.001, {}))  # two, batched
+    summary = accounting.summary()
+    assert [call.decode for call in accounting.calls] == [False, True, True]
+    assert (summary["decode_bytes_out_per_token_layer"], summary["decode_bytes_in_per_token_layer"]) == (400 / 3, 800 / 3)
 
 
 # -- fake workers over real TCP: honest, or answering what a test tells them to ----------------

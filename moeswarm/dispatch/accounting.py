@@ -4,7 +4,7 @@ what went wrong on the way (failovers, hedges, spot checks)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -17,22 +17,24 @@ class LayerCall:
     seconds: float
     worker_seconds: dict[str, float]
     remote_tokens: int | None = None  # rows that went to a remote holder (None: not counted)
+    decode: bool = False  # made by a decode step (every sequence of the step past its prompt), whatever its rows
 
 
 @dataclass
 class Accounting:
     calls: list[LayerCall] = field(default_factory=list)
     paths: dict[str, str] = field(default_factory=dict)  # worker address -> "direct" or "relay" (transport/path.py)
+    decoding: bool = False  # the calls recorded now are a decode step's (the engine says so before each step)
 
     def record(self, call: LayerCall) -> None:
-        self.calls.append(call)
+        self.calls.append(replace(call, decode=True) if self.decoding else call)
 
     def reset(self) -> None:
         self.calls.clear()
 
     def summary(self) -> dict:
         token_layers = sum(c.tokens for c in self.calls)
-        decode = [c for c in self.calls if c.tokens == 1]
+        decode = [c for c in self.calls if c.decode]  # by step: a batched or verify step's calls carry many rows
         rtts: dict[str, list[float]] = defaultdict(list)
         for call in self.calls:
             for worker, seconds in call.worker_seconds.items():
@@ -45,8 +47,8 @@ class Accounting:
             "bytes_in": sum(c.bytes_in for c in self.calls),
             "bytes_out_per_token_layer": _ratio(sum(c.bytes_out for c in self.calls), token_layers),
             "bytes_in_per_token_layer": _ratio(sum(c.bytes_in for c in self.calls), token_layers),
-            "decode_bytes_out_per_token_layer": _ratio(sum(c.bytes_out for c in decode), len(decode)),
-            "decode_bytes_in_per_token_layer": _ratio(sum(c.bytes_in for c in decode), len(decode)),
+            "decode_bytes_out_per_token_layer": _ratio(sum(c.bytes_out for c in decode), sum(c.tokens for c in decode)),
+            "decode_bytes_in_per_token_layer": _ratio(sum(c.bytes_in for c in decode), sum(c.tokens for c in decode)),
             "seconds_per_layer_call_mean": _ratio(sum(c.seconds for c in self.calls), len(self.calls)),
             "worker_rtt_ms_mean": {w: 1000 * sum(v) / len(v) for w, v in sorted(rtts.items())},
             "worker_paths": dict(sorted(self.paths.items())),
