@@ -46,11 +46,14 @@ class RawCodec:
         return math.prod(shape) * self.wire_dtype.itemsize
 
     def encode(self, tensor: torch.Tensor) -> memoryview:
-        tensor = tensor.detach()
-        if self.wire_dtype == torch.float16 and tensor.is_floating_point() and tensor.dtype != torch.float16:
-            limit = torch.finfo(torch.float16).max
-            tensor = torch.where(torch.isfinite(tensor), tensor.clamp(-limit, limit), tensor)
-        wire = tensor.to(self.wire_dtype).contiguous()
+        wire = tensor.detach()
+        if wire.dtype != self.wire_dtype:  # a tensor already in its wire dtype (lossless) goes as it is
+            if self.wire_dtype == torch.float16 and wire.is_floating_point():
+                limit = torch.finfo(torch.float16).max
+                wire = torch.where(torch.isfinite(wire), wire.clamp(-limit, limit), wire)
+            wire = wire.to(self.wire_dtype)
+        if not wire.is_contiguous():
+            wire = wire.contiguous()
         # bf16 has no numpy dtype: reinterpret as int16 (same bytes) to hand the buffer out.
         view = wire.view(torch.int16) if self.wire_dtype == torch.bfloat16 else wire
         return memoryview(view.numpy()).cast("B")

@@ -24,6 +24,8 @@ from moeswarm.wire.frames import VERSION, Frame, Opcode
 PROTOCOL_VERSION = VERSION
 MAX_LAYERS = 1 << 12  # far above any model's MoE layers: a bound on what a HELLO may list
 MAX_EXPERTS = 1 << 16
+_U8_IDS = np.arange(256, dtype=np.int64)  # a u8 expert id on the wire -> its id (255: -1, another worker's)
+_U8_IDS[255] = -1
 
 
 def field(meta: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -146,12 +148,12 @@ class Dispatch:
             raise ProtocolError(f"unknown combine mode {mode!r} (known: {', '.join(COMBINE_MODES)})")
         mode = CombineMode(mode)
         descriptors = field(m, "tensors", list)
-        tensors = wire_tensors.unpack(descriptors, frame.payload)
+        tensors = wire_tensors.unpack(descriptors, frame.payload, raw="ids")  # ids: a numpy view of their bytes
         for name in ("x", "ids", "w"):
             if name not in tensors:
                 raise ProtocolError(f"DISPATCH lacks tensor {name!r}")
         hidden, index, weights = tensors["x"], tensors["ids"], tensors["w"]
-        if hidden.dim() != 2 or index.dim() != 2 or index.shape != weights.shape or index.shape[0] != hidden.shape[0]:
+        if hidden.dim() != 2 or index.ndim != 2 or index.shape != weights.shape or index.shape[0] != hidden.shape[0]:
             raise ProtocolError(
                 f"DISPATCH shapes do not match: x {list(hidden.shape)} (want [T, d]), "
                 f"ids {list(index.shape)} and w {list(weights.shape)} (want [T, k])"
@@ -161,9 +163,8 @@ class Dispatch:
         if codec_of["ids"] not in INTEGER_CODECS or dtype_of["ids"] != codec_of["ids"]:
             raise ProtocolError(f"expert ids must be integers in their own codec (u8, i16, i32 or i64), "
                                 f"got dtype {dtype_of['ids']!r} in codec {codec_of['ids']!r}")
-        ids = index.numpy().astype(np.int64)  # [T, k]: the bookkeeping in numpy, a few us where torch's takes ~10
-        if codec_of["ids"] == "u8":
-            ids[ids == 255] = -1
+        # [T, k] int64, a new array: the bookkeeping runs in numpy (a few us where torch's takes ~10)
+        ids = _U8_IDS.take(index) if codec_of["ids"] == "u8" else index.astype(np.int64)
         index = torch.from_numpy(ids)
         wire_dispatch = codec_of["x"]
         for name in ("x", "w"):
@@ -234,15 +235,19 @@ class ErrorReply:
         return cls(str(frame.meta.get("code", "error")), str(frame.meta.get("message", "(no message)")))
 
 
-def _compact_ids(index: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """Expert ids in the smallest integer codec that holds them (u8 maps -1 to 255)."""
+def _compact_ids(index: torch.Tensor) -> tuple[np.ndarray, str]:
+    """Expert ids in the smallest integer codec that holds them (u8 maps -1 to 255), as numpy."""
     ids = index.numpy()
-    largest = int(ids.max()) if ids.size else 0
+    if not ids.size:
+        return ids.astype(np.uint8), "u8"
+    largest = int(ids.max())
     if largest < 255:
-        return torch.from_numpy(np.where(ids < 0, 255, ids).astype(np.uint8)), "u8"
+        if int(ids.min()) >= -1:
+            return ids.astype(np.uint8), "u8"  # the cast wraps -1 to 255: one numpy call, not three
+        return np.where(ids < 0, 255, ids).astype(np.uint8), "u8"
     if largest < 32767:
-        return torch.from_numpy(ids.astype(np.int16)), "i16"
-    return torch.from_numpy(ids.astype(np.int32)), "i32"
+        return ids.astype(np.int16), "i16"
+    return ids.astype(np.int32), "i32"
 
 
 def _is_int(value: Any) -> bool:

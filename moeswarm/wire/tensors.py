@@ -22,20 +22,31 @@ _RAW_NUMPY = {torch.float32: np.dtype("<f4"), torch.float16: np.dtype("<f2"), to
               torch.uint8: np.dtype("u1"), torch.int16: np.dtype("<i2"), torch.int32: np.dtype("<i4"),
               torch.int64: np.dtype("<i8")}  # a raw codec's wire dtype -> its little-endian numpy dtype
 MAX_TENSORS = 8  # a message carries at most 3
+_MAX_DIM = 1 << 31
 
 
-def pack(tensors: list[tuple[str, torch.Tensor, str]]) -> tuple[list[Descriptor], list[memoryview]]:
-    """[(name, tensor, codec)] -> (descriptors, payload buffers)."""
+def pack(tensors: list[tuple[str, torch.Tensor | np.ndarray, str]]) -> tuple[list[Descriptor], list[memoryview]]:
+    """[(name, tensor, codec)] -> (descriptors, payload buffers).
+
+    A numpy array stands for an integer tensor already in its codec's dtype (expert ids compacted
+    in numpy): its bytes go as they are, without a round trip through torch."""
     descriptors, buffers = [], []
     for name, tensor, codec_name in tensors:
+        if isinstance(tensor, np.ndarray):
+            descriptors.append([name, codec_name, codec_name, list(tensor.shape)])
+            buffers.append(memoryview(np.ascontiguousarray(tensor, _RAW_NUMPY[DTYPES[codec_name]])).cast("B"))
+            continue
         codec = get_codec(codec_name)
         descriptors.append([name, codec_name, DTYPE_NAMES[tensor.dtype], list(tensor.shape)])
         buffers.append(codec.encode(tensor))
     return descriptors, buffers
 
 
-def unpack(descriptors: Any, payload: memoryview | bytes) -> dict[str, torch.Tensor]:
-    """Decode a frame's tensors; raise ProtocolError naming the first field that does not fit."""
+def unpack(descriptors: Any, payload: memoryview | bytes, raw: str | None = None) -> dict[str, torch.Tensor | np.ndarray]:
+    """Decode a frame's tensors; raise ProtocolError naming the first field that does not fit.
+
+    raw: the name of a tensor to return as its wire bytes viewed as a read-only numpy array (when it
+    travels in a raw codec), for a caller that converts it itself (expert ids: one numpy step to int64)."""
     if not isinstance(descriptors, list):
         raise ProtocolError("metadata field 'tensors' must be a list")
     if len(descriptors) > MAX_TENSORS:
@@ -50,7 +61,11 @@ def unpack(descriptors: Any, payload: memoryview | bytes) -> dict[str, torch.Ten
                 f"tensor {name!r}: shape {list(shape)} with codec {codec.name} needs {size} bytes, "
                 f"payload has {len(payload) - offset} left"
             )
-        out[name] = _decode(codec, payload[offset : offset + size], shape, dtype)
+        data = payload[offset : offset + size]
+        if name == raw and type(codec) is RawCodec and codec.wire_dtype != torch.bfloat16:
+            out[name] = np.frombuffer(data, dtype=_RAW_NUMPY[codec.wire_dtype]).reshape(shape)
+        else:
+            out[name] = _decode(codec, data, shape, dtype)
         offset += size
     if offset != len(payload):
         raise ProtocolError(f"payload has {len(payload) - offset} bytes beyond its tensors' sizes")
@@ -82,9 +97,9 @@ def _check_descriptor(index: int, desc: Any, seen: set[str]):
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise ProtocolError(f"tensor {name!r:.80}: unknown dtype {dtype_name!r:.80} (known: {', '.join(DTYPES)})")
     if (
-        not isinstance(shape, list)
+        type(shape) is not list
         or len(shape) > MAX_RANK
-        or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 31 for n in shape)
+        or not all(type(n) is int and 0 <= n < _MAX_DIM for n in shape)  # type(): a bool is no dimension
     ):
         raise ProtocolError(f"tensor {name!r}: bad shape {shape!r:.200}")
     if 0 in shape:
