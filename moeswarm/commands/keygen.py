@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "member under this name) with --swarm-key, written to -o")
     parser.add_argument("--revoke", default=None, metavar="MEMBER_FILE",
                         help="revoke this member file's certificate: its serial is added to SWARM_KEY.revoked, which "
-                             "backbones, DHT nodes and relays read beside their own --swarm-key file")
+                             "workers, backbones, DHT nodes and relays read beside their own --swarm-key file")
     parser.add_argument("--swarm-key", default=None, metavar="FILE", help="the swarm key, for --member and --revoke")
     parser.add_argument("--days", type=seconds, default=None,
                         help="days a member certificate is valid (default 90)")
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.revoke is not None:
         path, name, serial = member_cert.revoke(args.swarm_key, args.revoke)
         print(f"revoked member {name} (serial {serial:x}) in {path}: copy it beside the --swarm-key file of every "
-              "backbone, DHT node and relay of this swarm (as FILE.revoked)")
+              "worker, backbone, DHT node and relay of this swarm (as FILE.revoked)")
         return 0
     if not args.out:
         raise MoeSwarmError("give -o FILE to write")

@@ -9,13 +9,14 @@ against the swarm's), without giving the member the power to certify anyone.
 
 A member signs what it publishes: its DHT announcements (discovery/sign.py) and its relay
 registrations (relay/protocol.py). Readers check the certificate against the swarm's, the
-signature against the certificate, and the certificate against the revocation list.
+signature against the certificate, and the certificate against the revocation list. Every TLS
+handshake checks the peer's certificate against the list too (transport/tls.py).
 
 Revocation: `moeswarm keygen --revoke NAME.pem --swarm-key swarm.key` appends the certificate's
 serial to `swarm.key.revoked`. A process given `--swarm-key FILE` reads `FILE.revoked` beside it
-(when present) and re-reads it when it changes: copy the list beside the key of every backbone,
-DHT node and relay. A revoked member's records and relay registrations are refused from then on;
-a certificate that nobody revoked still ends at its expiry.
+(when present) and re-reads it when it changes: copy the list beside the key of every worker,
+backbone, DHT node and relay. A revoked member's records, relay registrations and TLS handshakes
+are refused from then on; a certificate that nobody revoked still ends at its expiry.
 
 A process given the swarm key itself (it holds the authority's private key) certifies itself at
 start (`Identity.load` of a swarm key): it needs no member file, and cannot be revoked.
