@@ -128,8 +128,8 @@ class Dispatcher:
         flight.start(shares, chain=self.fanout == "chain")
         if flight.error is not None:
             flight.abort()
-        remote = sum(1 for share in shares if share.worker not in self.pool.trusted)  # a local holder makes no trip
-        round_trips = remote if self.fanout == "chain" else min(remote, 1)
+        remote = [n for worker, n in flight.pieces if worker not in self.pool.trusted]  # a local holder makes no trip
+        round_trips = sum(remote) if self.fanout == "chain" else max(remote, default=0)  # a cut share's pieces go in turn
         self._flights.add(flight)
         return Handle(layer, hidden, top_k_index, flight, round_trips, started, self.call_number)
 

@@ -3,6 +3,9 @@
 Parts and attempts are dispatch/parts.py's. The loop waits for whichever reply comes first and
 reacts:
 
+- a share whose RESULT would be over its holder's reply bound goes as pieces, each sent when the
+  one before it is answered (dispatch/chunks.py; exact mode cuts between experts, so the sum stays
+  bit-identical);
 - a good reply completes its part (a hedged twin still in flight is forgotten) and goes to
   verification (dispatch/verify.py): the plausibility gate, maybe a spot check (the same rows
   sent to another holder, compared when it answers);
@@ -28,6 +31,7 @@ from collections import deque
 import torch
 
 from moeswarm.dispatch.checks import result_problem
+from moeswarm.dispatch.chunks import ReplyTooLarge, cut_share
 from moeswarm.dispatch.errors import ExpertsUnavailable
 from moeswarm.dispatch.parts import CHECK, SERVE, Attempt, Part
 from moeswarm.dispatch.plan import WorkerShare, replan_share, share_experts
@@ -57,6 +61,7 @@ class Flight:
         self.bytes_out = self.bytes_in = 0
         self.error: WorkerError | None = None
         self.probed: set[int] = set()  # holders probed as a last resort in this call
+        self.pieces: list[tuple[int, int]] = []  # (holder, DISPATCHes) per planned share: more than 1 when cut
 
     def request(self, share: WorkerShare) -> Dispatch:
         """The DISPATCH of `share`'s rows: hidden [T_w, d] and its routing, in this call's wire."""
@@ -67,19 +72,50 @@ class Flight:
     # -- sending ---------------------------------------------------------------------------
 
     def start(self, shares: list[WorkerShare], chain: bool) -> None:
-        """Encode every share first (a codec that refuses its input sends nothing), then send."""
+        """Encode every share first (a codec that refuses its input sends nothing), then send.
+
+        A share whose RESULT would be over its holder's reply bound goes as pieces, one after
+        another (dispatch/chunks.py); `self.pieces` counts them per share, in plan order."""
         for share in shares:
             self.pool.ready(share.worker)
-        parts = [Part(share, self.request(share)) for share in shares]
+        parts = self._parts(shares)
+        if self.error is not None:
+            return
+        self.pieces = [(share.worker, sum(1 for p in parts if p.share.worker == share.worker)) for share in shares]
         prepared = [(part, part.share.worker, self.pool.links[part.share.worker].prepare(part.request)) for part in parts]
         self.parts += parts
         self.queued.extend(prepared)
         self._send_queued(chain)
 
+    def _parts(self, shares: list[WorkerShare], tried: set[int] = frozenset()) -> list[Part]:
+        """A part per share, or per piece of a share cut to its holder's reply bound (each piece after
+        the one before it); [] with `self.error` set when a share cannot be cut exactly."""
+        combine = self.wire.combine_codec or lossless_codec(self.hidden.dtype)
+        parts = []
+        for share in shares:
+            bound = self.pool.reply_bound(share.worker)
+            try:
+                pieces = cut_share(share, self.wire.mode, self.hidden.shape[1], combine, self.pool.table.num_experts, bound)
+            except ReplyTooLarge as error:
+                self.error = WorkerError(self.pool.address_of(share.worker),
+                                         f"layer {self.layer}: {error}, over the {bound} bytes it sends at once "
+                                         "(worker flag --max-unsent-bytes)")
+                return []
+            before = None
+            for piece in pieces:
+                before = Part(piece, self.request(piece), tried=set(tried), after=before)
+                parts.append(before)
+        return parts
+
     def _send_queued(self, chain: bool) -> None:
+        held = []  # pieces whose piece before is still on its way: a worker holds one such RESULT at a time
         while self.queued and not (chain and self.open):
             part, worker, prepared = self.queued.popleft()
+            if part.after is not None and not part.after.done:
+                held.append((part, worker, prepared))
+                continue
             self.send(part, worker, prepared)
+        self.queued.extendleft(reversed(held))
 
     def send(self, part: Part, worker: int, prepared: object | None = None, hedge: bool = False) -> None:
         """Send `part` to `worker` (prepared: its encoded request, if it was); a failure fails the holder."""
@@ -207,12 +243,17 @@ class Flight:
         if lacking:
             self.error = ExpertsUnavailable(self.pool.address_of(worker), cause, self.layer, lacking)
             return
+        pieces = self._parts(replan_share(part.share, owner), part.tried)
+        if self.error is not None:
+            return
         part.replaced = True
         self.pool.stats.failovers += 1
-        for share in replan_share(part.share, owner):
-            piece = Part(share, self.request(share), tried=set(part.tried))
+        for piece in pieces:
             self.parts.append(piece)
-            self.send(piece, share.worker)
+            if piece.after is None:
+                self.send(piece, piece.share.worker)
+            else:
+                self.queued.append((piece, piece.share.worker, None))
 
     def cancel(self, part: Part) -> None:
         """Forget `part`'s open attempts (their replies are dropped when they come)."""

@@ -1,7 +1,7 @@
 """The pieces of a layer call in flight: parts of the step's rows, and attempts to get them answered.
 
 A `Part` is rows of the step for one holder (a share of the plan, a piece of one after a failover,
-or a chunk of one sized to the holder's reply bound); an `Attempt` is a part sent to one holder.
+or a piece of one cut to the holder's reply bound); an `Attempt` is a part sent to one holder.
 A part serves the call (SERVE) or recomputes a served part's rows to check it (CHECK).
 """
 
@@ -29,6 +29,7 @@ class Part:
     replaced: bool = False  # its rows were handed to other parts
     verifiers: list["Part"] = field(default_factory=list)  # role SERVE: open spot-check parts
     confirmed: bool = False  # role SERVE: a spot check computed the same answer
+    after: "Part | None" = None  # a piece of a cut share (dispatch/chunks.py): sent once the piece before it is done
 
     @property
     def done(self) -> bool:

@@ -32,6 +32,7 @@ from moeswarm.placement.table import PlacementTable, build_table, missing
 from moeswarm.transport.fanout import ready
 from moeswarm.transport.link import WorkerLink
 from moeswarm.transport.local import LOCAL_ADDRESS
+from moeswarm.wire.result_size import DEFAULT_MAX_RESULT_BYTES
 
 PRUNE_AFTER_S = 600.0  # how long a holder that left stays a tombstone
 PRUNE_AT = 64  # ... unless this many tombstones accumulate first
@@ -57,6 +58,14 @@ class HolderPool:
 
     def usable(self, worker: int) -> bool:
         return self.holders[worker].usable
+
+    def reply_bound(self, worker: int) -> int | None:
+        """The largest RESULT `worker` sends (its HELLO's `max_result_bytes`; a worker that does not say
+        has the default bound); None for a holder in this process, which has none."""
+        if worker in self.trusted:
+            return None
+        bound = getattr(self.links[worker].info, "max_result_bytes", None)
+        return DEFAULT_MAX_RESULT_BYTES if bound is None else bound
 
     # -- choosing --------------------------------------------------------------------------
 
