@@ -1,8 +1,9 @@
 """A backbone following the swarm: wait until the announced workers cover the model, then keep up.
 
 Every `poll_s` the follower reads the model's announcements from the DHT and compares them with
-the members it has (`membership_diff`, a pure function): a worker that announced itself is dialled
-and joins; a member whose record is gone (expired, or withdrawn on a clean exit) leaves. A member
+the members it has (`membership_diff`, a pure function): a worker that announced itself joins (an
+event, discovery/members.py; the swarm dials and checks it); a member whose record is gone
+(expired, or withdrawn on a clean exit) leaves. A member
 that stops answering while its record lives is the dispatcher's business (failover, probes with
 backoff) until the record expires. A worker that cannot be joined (unreachable, wrong model, a
 HELLO that contradicts its record) is retried with backoff, and said once per cause.
