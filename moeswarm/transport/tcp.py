@@ -1,8 +1,11 @@
-"""A worker process reached over one persistent TCP connection (blocking sockets).
+"""A worker process reached over one persistent TCP connection, from the backbone's own thread.
 
-Blocking, on purpose: the model's forward is synchronous, and sending every worker its frame
+No event loop, on purpose: the model's forward is synchronous, and sending every worker its frame
 before reading any reply already gives a parallel star (replies wait in the kernel's buffers);
-no event loop or thread hop sits on the per-layer hot path.
+no event loop or thread hop sits on the per-layer hot path. A plain socket is non-blocking and
+awaited with select: each recv and send is one system call (a socket with a timeout polls before
+each), and a reply's body, which follows its header in the same write, is taken without a second
+select.
 
 Replies are matched by request id: a worker answers PING at once even while it computes, so a
 PONG may overtake a RESULT. Any failure that leaves the stream out of step (timeout, broken frame,
@@ -36,6 +39,7 @@ from moeswarm.wire.stream import StreamClosed, decode_frame, send_frame
 
 CONNECT_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = 30.0
+SEND_TIMEOUT_S = CONNECT_TIMEOUT_S  # the most a send waits for the worker to take its bytes
 HELLO_PAYLOAD_LIMIT = 0  # a HELLO answer is all metadata: no payload bytes are accepted
 CLOSED_BY_WORKER = "connection closed by the worker (is it down?)"
 
@@ -70,7 +74,12 @@ class TcpLink:
                     raise WorkerError(self.address, f"TLS handshake failed ({error})") from None
                 raise WorkerError(self.address, f"TLS handshake failed ({error}): does the worker hold the same "
                                                 "--swarm-key?") from None
-        sock.settimeout(CONNECT_TIMEOUT_S)  # what a send may block for, set once; replies are awaited with select
+        if isinstance(sock, ssl.SSLSocket):
+            sock.settimeout(CONNECT_TIMEOUT_S)  # what a send may block for, set once; replies are awaited with select
+        else:
+            # Non-blocking: a socket with a timeout polls before every recv and send (two system calls
+            # each); replies are awaited with select anyway, and a send waits for room within SEND_TIMEOUT_S.
+            sock.setblocking(False)
         self._sock, self._waiting, self._early, self._dropped, self._inbox = sock, {}, {}, set(), Inbox()
         pending = self._send(Hello(fingerprint).to_frame(self._new_id()), HELLO_PAYLOAD_LIMIT)
         try:
@@ -126,7 +135,7 @@ class TcpLink:
         one is refused from its header, before anything is allocated or read)."""
         sock = self._require()
         try:
-            sent = send_frame(sock, frame)  # the socket's timeout is set once, in connect
+            sent = send_frame(sock, frame, time.monotonic() + SEND_TIMEOUT_S)  # a TLS socket's timeout: set in connect
         except OSError as error:
             self.close()
             raise WorkerError(self.address, f"connection lost while sending ({error})") from None
@@ -213,6 +222,8 @@ class TcpLink:
         with self._reading():
             sock = self._require()
             while (got := self._inbox.next_frame(self._limit())) is None:
+                if self._inbox.receive_now(sock):  # the body that follows a header is usually there already
+                    continue
                 left = deadline - time.monotonic()
                 if left <= 0 or not (self.buffered() or select.select([sock], [], [], left)[0]):
                     raise socket.timeout
@@ -221,9 +232,14 @@ class TcpLink:
 
     def _pump_once(self) -> None:
         with self._reading():
-            self._inbox.receive(self._require())
-            while (got := self._inbox.next_frame(self._limit())) is not None:
-                self._keep(*got)
+            sock = self._require()
+            self._inbox.receive(sock)
+            while True:
+                got = self._inbox.next_frame(self._limit())
+                if got is not None:
+                    self._keep(*got)
+                elif not self._inbox.receive_now(sock):  # the frame's body, when it is there already
+                    return
 
     def _limit(self) -> int:
         return max(self._waiting.values(), default=0)
@@ -267,7 +283,34 @@ class Inbox:
         else:
             need = self._header.body_len - self._got
             view = memoryview(self._body)[self._got : self._got + min(need, self.CHUNK)]
-        got = sock.recv_into(view) if need else 0
+        try:
+            got = sock.recv_into(view) if need else 0
+        except BlockingIOError:  # readable, yet nothing to take (a plain socket is non-blocking): look again
+            return
+        self._count(need, got)
+
+    def receive_now(self, sock: socket.socket) -> bool:
+        """With a header read and its body due: take what of the body has arrived, without waiting
+        (one non-blocking recv; a TLS socket only what it holds decrypted). False when nothing was
+        there: a frame's body follows its header in the same write, so after a header this mostly
+        saves a select and a pass of the caller's loop."""
+        if self._header is None or self._got >= self._header.body_len:
+            return False
+        need = self._header.body_len - self._got
+        view = memoryview(self._body)[self._got : self._got + min(need, self.CHUNK)]
+        if isinstance(sock, ssl.SSLSocket):
+            if not sock.pending():
+                return False
+            got = sock.recv_into(view)
+        else:
+            try:
+                got = sock.recv_into(view)  # non-blocking (connect): what is there now
+            except BlockingIOError:
+                return False
+        self._count(need, got)
+        return True
+
+    def _count(self, need: int, got: int) -> None:
         if need and not got:
             expected = HEADER_SIZE + (self._header.body_len if self._header is not None else 0)
             done = self._got + (HEADER_SIZE if self._header is not None else 0)

@@ -12,6 +12,7 @@ bytes as their own (`sendmsg` / `writelines`).
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import time
@@ -46,21 +47,34 @@ def decode_frame(header: Header, body: bytes | bytearray | memoryview) -> Frame:
 # -- blocking sockets (the backbone's side) ---------------------------------------------------
 
 
-def send_frame(sock: socket.socket, frame: Frame) -> int:
-    """Write a frame with `sendmsg`, no payload copies (one joined write over TLS); return the bytes written."""
+def send_frame(sock: socket.socket, frame: Frame, deadline: float | None = None) -> int:
+    """Write a frame with `sendmsg`, no payload copies (one joined write over TLS); return the bytes written.
+
+    On a non-blocking socket a full send buffer is waited on until `deadline` (time.monotonic();
+    None: no limit), then socket.timeout."""
     buffers = [memoryview(b).cast("B") for b in frame.encode()]
     total = sum(b.nbytes for b in buffers)
     if isinstance(sock, ssl.SSLSocket):  # TLS has no sendmsg: one write (encryption copies the bytes anyway)
         sock.sendall(b"".join(buffers))
         return total
     while buffers:
-        sent = sock.sendmsg(buffers)
+        try:
+            sent = sock.sendmsg(buffers)
+        except BlockingIOError:  # non-blocking, and the peer has not taken enough yet
+            _wait_writable(sock, deadline)
+            continue
         while buffers and sent >= buffers[0].nbytes:
             sent -= buffers[0].nbytes
             buffers.pop(0)
         if sent:
             buffers[0] = buffers[0][sent:]
     return total
+
+
+def _wait_writable(sock: socket.socket, deadline: float | None) -> None:
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left <= 0 or not select.select([], [sock], [], left)[1]:
+        raise socket.timeout("timed out sending a frame: the peer takes no bytes")
 
 
 def recv_frame(sock: socket.socket, deadline: float | None = None,
