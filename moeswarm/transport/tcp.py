@@ -42,6 +42,7 @@ HELLO_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = CONNECT_TIMEOUT_S  # the most a send waits for the worker to take its bytes
 HELLO_PAYLOAD_LIMIT = 0  # a HELLO answer is all metadata: no payload bytes are accepted
 CLOSED_BY_WORKER = "connection closed by the worker (is it down?)"
+LOST_WHILE_READING = "connection lost while reading"
 
 
 class TcpLink:
@@ -85,8 +86,8 @@ class TcpLink:
         try:
             frame, _ = self._receive(pending.request_id, time.monotonic() + (timeout_s or HELLO_TIMEOUT_S))
         except WorkerError as error:
-            if self.tls is None or error.cause != CLOSED_BY_WORKER:
-                raise
+            if self.tls is None or not error.cause.startswith((CLOSED_BY_WORKER, LOST_WHILE_READING)):
+                raise  # a refused member sees a close, or a reset when its HELLO was still unread
             raise WorkerError(self.address, f"connection closed by the worker after the TLS handshake "
                                             f"({refusal_hint(self.tls)})") from None
         try:
@@ -260,7 +261,7 @@ class TcpLink:
             raise WorkerError(self.address, f"bad reply: {error}") from None
         except OSError as error:
             self.close()
-            raise WorkerError(self.address, f"connection lost while reading ({error})") from None
+            raise WorkerError(self.address, f"{LOST_WHILE_READING} ({error})") from None
 
 
 class Inbox:
