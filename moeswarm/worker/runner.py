@@ -64,7 +64,7 @@ class Job(Generic[T]):
 
     work: Callable[[], T]
     owner: Hashable
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None  # None with `done`: nothing to resolve on a loop
     future: asyncio.Future[T] | None
     start: float = 0.0
     cost: float = 1.0
@@ -180,7 +180,7 @@ class ComputeRunner:
         Raises WorkerBusy when `owner_limit` of `owner`'s jobs are waiting already, or when
         `queue_limit` jobs are waiting and `owner` has one of them.
         """
-        loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop() if done is None else None  # only a future needs it (3.11 asks getpid())
         with self._ready:
             if self._stopping:
                 raise MoeSwarmError("worker is shutting down")
