@@ -4,7 +4,7 @@ what went wrong on the way (failovers, hedges, spot checks)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -27,7 +27,9 @@ class Accounting:
     decoding: bool = False  # the calls recorded now are a decode step's (the engine says so before each step)
 
     def record(self, call: LayerCall) -> None:
-        self.calls.append(replace(call, decode=True) if self.decoding else call)
+        if self.decoding:
+            call.decode = True  # stamped here, where the step is known (a copy per call would cost more than the rest)
+        self.calls.append(call)
 
     def reset(self) -> None:
         self.calls.clear()

@@ -158,9 +158,16 @@ def supports_ragged(model: PreTrainedModel) -> bool:
         return False
     attentions = [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
     chained = any(getattr(m, "takes_layout", False) for m in model.modules())  # layers held by stages (stages/)
-    return bool(attentions or chained) and all("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(m).forward)
+    return bool(attentions or chained) and all(_through_the_interface(type(m))
                                     and not any(hasattr(m, name) for name in _CACHES_OTHER_THAN_KEYS)
                                     for m in attentions)
+
+
+@functools.cache
+def _through_the_interface(attention: type) -> bool:
+    """Whether an attention class calls transformers' attention interface (its source read once:
+    `generate` builds an engine per call)."""
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(attention.forward)
 
 
 def install(model: PreTrainedModel) -> None:
