@@ -116,14 +116,15 @@ def _generate(model: str, workers: list[str], *extra: str) -> dict:
 
 
 def _check_traffic(report: dict, traffic: list[LayerTraffic], round_trips: int) -> None:
-    decode = [t for t in traffic if t.tokens == 1]
+    decode = traffic[MOE_LAYERS:]  # every step after the prompt's (one forward): decode is counted by step
     token_layers = sum(t.tokens for t in traffic)
     assert report["round_trips"] == round_trips
     assert (report["bytes_out"], report["bytes_in"]) == (sum(t.bytes_out for t in traffic), sum(t.bytes_in for t in traffic))
     assert report["bytes_out_per_token_layer"] == report["bytes_out"] / token_layers
     assert report["bytes_in_per_token_layer"] == report["bytes_in"] / token_layers
-    assert report["decode_bytes_out_per_token_layer"] == sum(t.bytes_out for t in decode) / len(decode)
-    assert report["decode_bytes_in_per_token_layer"] == sum(t.bytes_in for t in decode) / len(decode)
+    decode_token_layers = sum(t.tokens for t in decode)
+    assert report["decode_bytes_out_per_token_layer"] == sum(t.bytes_out for t in decode) / decode_token_layers
+    assert report["decode_bytes_in_per_token_layer"] == sum(t.bytes_in for t in decode) / decode_token_layers
 
 
 @pytest.fixture(scope="module")

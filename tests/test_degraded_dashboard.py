@@ -14,7 +14,7 @@ from moeswarm.swarm import Swarm
 
 
 def _state(swarm: Swarm) -> SimpleNamespace:
-    stats = SimpleNamespace(workers=lambda: {}, num_experts=8, heat=lambda layers: [], recent=lambda: [], totals={})
+    stats = SimpleNamespace(workers=lambda: {}, num_experts=8, heat=lambda layers, counts: [], recent=lambda: [], totals={})
     engine = SimpleNamespace(swarm=swarm, stats=stats, problems=[], active=0, queue_depth=0)
     return SimpleNamespace(engine=engine, model_id="m", history=SimpleNamespace(series=lambda: []))
 

@@ -219,7 +219,11 @@ class Engine:
         points = [(s, s.checkpoint()) for s, _, _ in work] if self.swarm.remote else []  # only remote holders are banned
         first_call = self.swarm.layer_call_number() + 1
         forward = time.perf_counter()
-        outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
+        self.swarm.set_decoding(not any(s.prefill_left for s, _, _ in work))  # the accounting counts decode by step
+        try:
+            outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
+        finally:
+            self.swarm.set_decoding(False)
         forward = time.perf_counter() - forward
         last_call = self.swarm.layer_call_number()
         self.rollback.record(points, first_call, last_call)

@@ -33,6 +33,9 @@ class WholeModel:
     def reset_accounting(self) -> None:
         pass
 
+    def set_decoding(self, decoding: bool) -> None:
+        pass
+
     def layer_calls_accounted(self) -> int:
         return 0
 
