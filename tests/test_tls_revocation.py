@@ -66,7 +66,9 @@ def worker(qwen2_moe, members):
 
 
 def _generate(model: str, address: str, key_file, *flags: str) -> subprocess.CompletedProcess:
-    return _moeswarm("generate", "--model", model, "--workers", address, "--prompt", "def f(x):",
+    # one thread, as the worker computes: on the tiny model two threads choose other matmul kernels
+    # for the local reference (logits 1e-6 apart at prefill), with or without TLS
+    return _moeswarm("generate", "--model", model, "--workers", address, "--prompt", "def f(x):", "--threads", "1",
                      "--max-new-tokens", "4", "--swarm-key", str(key_file), *flags, timeout=180)
 
 
