@@ -37,9 +37,9 @@ def cut_share(share: WorkerShare, mode: CombineMode, width: int, combine: str, n
     """`share` as pieces (same worker, tokens still indexing the step) whose RESULTs fit in `bound`
     bytes; [share] when it fits already or there is no bound. width: the hidden size d;
     combine: the RESULT's codec name."""
-    if bound is None:
-        return [share]
     index = share.top_k_index.numpy()  # [T_w, k]
+    if bound is None or reply_bytes(index.size, width, combine, min(index.size, num_experts)) <= bound:
+        return [share]  # T_w x k rows fit (a decode step's always do): no need to count them
     if mode != CombineMode.EXACT:
         per_piece = _most_rows(lambda rows: reply_bytes(rows, width, combine, 0), bound)
         tokens = index.shape[0]

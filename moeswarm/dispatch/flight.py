@@ -81,7 +81,11 @@ class Flight:
         parts = self._parts(shares)
         if self.error is not None:
             return
-        self.pieces = [(share.worker, sum(1 for p in parts if p.share.worker == share.worker)) for share in shares]
+        for part in parts:  # a share's pieces are consecutive; its first comes after none
+            if part.after is None:
+                self.pieces.append((part.share.worker, 0))
+            worker, count = self.pieces[-1]
+            self.pieces[-1] = (worker, count + 1)
         prepared = [(part, part.share.worker, self.pool.links[part.share.worker].prepare(part.request)) for part in parts]
         self.parts += parts
         self.queued.extend(prepared)
