@@ -4,9 +4,9 @@ Discovery (discovery/follow.py) finds workers arriving and going on its own thre
 (swarm_members.py) turns each of its events into a `Change` and hands it to the dispatcher's one
 method for it (`Dispatcher.change_members`); the forward runs on another thread. A change is
 queued here and the dispatcher applies the queue at the start of its next layer call (or when
-asked, before anything runs), so no layer call ever sees its holders change under it. Holder indices stay stable: a holder that leaves stays in the lists as a
-tombstone (never usable again), so whatever is keyed by index stays valid, and a worker that comes
-back is a new holder.
+asked, before anything runs), so no layer call ever sees its holders change under it. A holder
+that leaves stays in the pool as a tombstone (never usable again) until it is pruned, between
+layer calls (dispatch/pool.py); a worker that comes back is a new holder.
 """
 
 from __future__ import annotations
