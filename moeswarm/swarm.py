@@ -80,7 +80,7 @@ class Swarm:
 
     def configure(self, wire: WireConfig) -> None:
         """Use `wire` for the next layers' dispatches."""
-        self._dispatcher.wire = wire
+        self._dispatcher.configure(wire)
 
     def reset_accounting(self) -> None:
         self._dispatcher.accounting.reset()

@@ -112,6 +112,10 @@ class Dispatcher:
     def reply_timeout_s(self) -> float:
         return self.policy.cap_s
 
+    def configure(self, wire: WireConfig) -> None:
+        """Use `wire` from the next layer call on (a call in flight keeps its own)."""
+        self.wire = wire
+
     def dispatch(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Handle:
         """Plan and send layer `layer`'s rows. hidden [T, d], top_k_index [T, k] long, top_k_weights [T, k]."""
         started = time.perf_counter()
