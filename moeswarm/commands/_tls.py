@@ -12,7 +12,8 @@ ENV = "MOESWARM_SWARM_KEY"
 
 def add_swarm_key(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swarm-key", default=os.environ.get(ENV), metavar="FILE",
-                        help=f"swarm key from `moeswarm keygen`: mutual TLS with the peers holding the same file "
+                        help=f"swarm key or member file from `moeswarm keygen`: mutual TLS with the swarm's other "
+                             f"members; FILE.revoked beside it lists revoked members, whose handshakes fail "
                              f"(default: ${ENV}; none: plain TCP)")
 
 
