@@ -10,8 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 
-from moeswarm.commands._setup import add_quiet
+from moeswarm.bundled import DEMO_PROMPT, demo_model
+from moeswarm.commands._generation_text import stream_text, summary_lines
+from moeswarm.commands._setup import add_quiet, quiet_progress, set_threads
 from moeswarm.commands._types import non_negative, positive, prompt_text, seed, temperature
+from moeswarm.errors import MoeSwarmError
+from moeswarm.generation.request import GenerationRequest
+from moeswarm.generation.run import check_request, run_generation
+from moeswarm.generation.sampling import SamplingParams
+from moeswarm.ids import format_ids
+from moeswarm.model.experts import num_experts_in_config
+from moeswarm.model.source import open_source
+from moeswarm.tools.local_workers import local_swarm, split_experts
 
 BUNDLED_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "seed": 2}  # reads like Python on the bundled model
 
@@ -32,21 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.commands._setup import quiet_progress
-
     quiet_progress(args)
-    from moeswarm.bundled import DEMO_PROMPT, demo_model
-    from moeswarm.commands._setup import set_threads
-    from moeswarm.errors import MoeSwarmError
-    from moeswarm.commands._generation_text import stream_text, summary_lines
-    from moeswarm.generation.request import GenerationRequest
-    from moeswarm.generation.run import check_request, run_generation
-    from moeswarm.generation.sampling import SamplingParams
-    from moeswarm.tools.local_workers import local_swarm, split_experts
-    from moeswarm.model.experts import num_experts_in_config
-    from moeswarm.model.source import open_source
-    from moeswarm.ids import format_ids
-
     if args.workers < 2:
         raise MoeSwarmError("the demo runs at least 2 workers")
     # The backbone shares this machine with the workers: one thread each, or idle OpenMP

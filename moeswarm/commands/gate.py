@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from moeswarm.commands._setup import add_quiet
-from moeswarm.wire.config import COMBINE_MODES
+from moeswarm.bundled import PROMPTS, demo_model
+from moeswarm.commands._setup import add_quiet, quiet_progress, set_threads
+from moeswarm.gate import GateConfig, load_prompts, run_gate, run_gates
+from moeswarm.wire.codecs import FLOAT_CODECS
+from moeswarm.wire.config import COMBINE_MODES, WireConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,12 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.bundled import PROMPTS, demo_model
-    from moeswarm.commands._setup import quiet_progress, set_threads
-    from moeswarm.gate import GateConfig, load_prompts, run_gate, run_gates
-    from moeswarm.wire.codecs import FLOAT_CODECS
-    from moeswarm.wire.config import WireConfig
-
     wire = WireConfig(args.combine, args.wire_dispatch, args.wire_combine)  # checked before anything loads
     set_threads(1)
     quiet_progress(args)
