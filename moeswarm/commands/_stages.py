@@ -24,15 +24,20 @@ def add_stages(parser: argparse.ArgumentParser) -> None:
                              "once per stage (docs/stages.md)")
 
 
-def open_backbone(source, args: argparse.Namespace, config):
-    """The Swarm generate and serve run: a gateway over `--stages`, or the backbone of `open_swarm`."""
-    from moeswarm.swarm import open_swarm
-
-    if not getattr(args, "stages", None):
-        return open_swarm(source, args.workers or [], config)
-    if args.workers or args.swarm is not None or config.local_experts is not None:
+def check_stages(args: argparse.Namespace, config) -> None:
+    """With --stages, no holders of this process's own (MoeSwarmError: one line)."""
+    if args.stages and (args.workers or args.swarm is not None or config.local_experts is not None):
         raise MoeSwarmError("with --stages the experts are the stages' own: give --workers, --swarm or "
                             "--local-experts to each `moeswarm stage` instead")
+
+
+def open_backbone(source, args: argparse.Namespace, config):
+    """The Swarm generate runs: a gateway over `--stages`, or the backbone of `open_swarm`."""
+    check_stages(args, config)
+    if not args.stages:
+        from moeswarm.swarm import open_swarm
+
+        return open_swarm(source, args.workers or [], config)
     from moeswarm.stages.gateway import open_gateway
 
     return open_gateway(source, args.stages, config)

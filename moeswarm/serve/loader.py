@@ -20,6 +20,8 @@ from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.serve.api import ServeState
 from moeswarm.serve.chat import set_chat_template
 from moeswarm.serve.engine import Engine, EngineConfig
+from moeswarm.stages.client import StageError
+from moeswarm.stages.gateway import open_gateway
 from moeswarm.swarm import open_swarm
 from moeswarm.swarm_config import SwarmConfig
 
@@ -34,6 +36,7 @@ class Backend:
     engine: EngineConfig
     check_local: bool = False
     chat_template: str | None = None  # serve --chat-template's text: replaces the model's own
+    stages: Sequence[str] = ()  # --stages: a gateway over these stages (stages/), no workers of its own
 
 
 def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -> None:
@@ -45,12 +48,13 @@ def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -
         state.vocab_size = backend.source.config.vocab_size
         state.context = backend.engine.context
         while True:
-            _wait_for_workers(state, backend.workers)
+            _wait_for_workers(state, backend.stages or backend.workers)
             state.loading = "loading the backbone and connecting to the workers"
             try:
-                swarm = open_swarm(backend.source, backend.workers, backend.swarm)
+                swarm = open_gateway(backend.source, list(backend.stages), backend.swarm) if backend.stages \
+                    else open_swarm(backend.source, backend.workers, backend.swarm)
                 break
-            except WorkerError as error:  # a worker that is still starting, or one that went away again
+            except (WorkerError, StageError) as error:  # a holder still starting, or one that went away again
                 state.loading = f"waiting for workers: {one_line(error)}"
                 time.sleep(RETRY_S)
         reference = load_local(backend.source) if backend.check_local else None
@@ -58,7 +62,7 @@ def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -
         engine.start()
         state.engine = engine
         holders = f"{len(swarm.workers)} workers" if backend.workers or backend.swarm.discovery is not None \
-            else "local mode: every expert in this process"
+            else f"{len(backend.stages)} stages" if backend.stages else "local mode: every expert in this process"
         print(f"moeswarm serve: ready ({swarm.model.config.model_type}, {holders}, "
               f"{len(swarm.moe_layers)} MoE layers, context {backend.engine.context})", file=sys.stderr, flush=True)
     except MoeSwarmError as error:

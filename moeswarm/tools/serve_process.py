@@ -25,7 +25,8 @@ class ServeProcess:
     def __init__(self, model: str, workers: Sequence[str], *flags: str, env: dict | None = None, threads: int = 1):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "moeswarm.cli", "serve", "--model", str(model), "--workers", ",".join(workers),
+        holders = ["--workers", ",".join(workers)] if workers else []  # none: local mode, or --stages in flags
+        command = [sys.executable, "-m", "moeswarm.cli", "serve", "--model", str(model), *holders,
                    "--port", str(self.port), "--threads", str(threads), "--log-level", "warning", *flags]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         env={**os.environ, **(env or {})})

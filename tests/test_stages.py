@@ -1,0 +1,206 @@
+"""Stages (issue: islands): a gateway over a chain of `moeswarm stage` processes is bit-identical
+to the whole model run locally, through prompts, decode steps, draft branches, copies and crops;
+bad input to a stage gets one ERROR line and the stage keeps serving."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from openai import OpenAI
+
+from moeswarm.errors import ProtocolError
+from moeswarm.generation.cache_journal import Journal
+from moeswarm.generation.ragged import PackedStepper, install
+from moeswarm.generation.sequence_cache import SequenceCache
+from moeswarm.model.loading import load_local
+from moeswarm.stages.caches import CacheLimits, StageCaches
+from moeswarm.stages.gateway import open_gateway
+from moeswarm.stages.protocol import Segment, Step
+from moeswarm.tools.local_stages import local_stages
+from moeswarm.tools.local_workers import local_workers
+from moeswarm.tools.serve_process import ServeProcess
+from moeswarm.wire.frames import Frame, Opcode
+from moeswarm.wire.stream import recv_frame, send_frame
+
+MODEL = "models/pymoe/hf"  # 6 decoder layers, 32 experts
+# Bits depend on how many threads split a sum: the stages compute with as many as the gateway's local reference.
+THREADS = 2
+
+
+@pytest.fixture(scope="module")
+def two_stages():
+    with local_stages(MODEL, ["0-2", "3-5"], threads=THREADS) as addresses:
+        yield addresses
+
+
+def _generate(*flags: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "generate", "--model", MODEL, "--prompt", "def main(",
+                           "--json", "--check-local", "--threads", str(THREADS), *flags], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stderr[-2000:], done.stdout[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_generate_through_two_stage_processes_is_bit_identical(two_stages):
+    report = _generate("--stages", ",".join(two_stages), "--max-new-tokens", "16", "--speculate", "4")
+    assert report["bit_identical"] is True and report["positions_checked"] >= 18
+
+
+@pytest.fixture
+def stage_threads():
+    """This process computes the reference with the stages' thread count (conftest sets 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_branches_copies_and_crops_are_replayed_by_every_stage(two_stages, stage_threads):
+    reference = load_local(MODEL)
+    install(reference)
+    with open_gateway(MODEL, two_stages) as gateway:
+        install(gateway.model)
+        got, want = PackedStepper(gateway.model), PackedStepper(reference)
+        assert torch.equal(got.forward([5, 6, 7, 8, 9]), want.forward([5, 6, 7, 8, 9]))
+        assert torch.equal(got.forward_rows([[1, 2], [3, 4], [5, 6]]), want.forward_rows([[1, 2], [3, 4], [5, 6]]))
+        got.keep_row(2), want.keep_row(2)
+        got.crop(6), want.crop(6)  # the second drafted token rejected
+        assert torch.equal(got.forward([11, 12]), want.forward([11, 12]))
+        twin_got, twin_want = PackedStepper(gateway.model), PackedStepper(reference)
+        twin_got.cache, twin_want.cache = got.cache.copy(4), want.cache.copy(4)  # a sibling sharing the prompt
+        assert torch.equal(twin_got.forward([40]), twin_want.forward([40]))
+        assert torch.equal(got.forward([13]), want.forward([13]))  # the original is untouched by its copy
+
+
+def test_a_stage_with_its_own_workers_stays_exact():
+    with local_workers(MODEL, [list(range(16)), list(range(16, 32))], extra_args=["--layers", "0-3"]) as workers, \
+            local_stages(MODEL, ["0-3", "4-5"], workers=[workers, []], threads=THREADS) as stages:
+        report = _generate("--stages", ",".join(stages), "--max-new-tokens", "8")
+    assert report["bit_identical"] is True
+
+
+def test_serve_over_stages_answers_the_openai_client_with_the_local_text(two_stages):
+    local = _generate("--max-new-tokens", "10")
+    with ServeProcess(MODEL, [], "--stages", ",".join(two_stages), "--check-local", threads=THREADS) as serve:
+        serve.wait_ready()
+        client = OpenAI(base_url=f"{serve.url}/v1", api_key="none")
+        answer = client.completions.create(model="pymoe", prompt="def main(", max_tokens=10, temperature=0)
+        metrics = serve.metrics()
+    assert answer.choices[0].text == local["text"]
+    assert metrics["moeswarm_check_local_mismatched_logits_total"] == 0
+    assert metrics["moeswarm_check_local_logits_total"] >= 10
+
+
+def test_generate_refuses_stages_with_workers_of_its_own(two_stages):
+    done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "generate", "--model", MODEL, "--prompt", "x",
+                           "--stages", two_stages[0], "--workers", "127.0.0.1:1"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "with --stages the experts are the stages' own" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def _hello(address: str, session: str = "s1") -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    from moeswarm.model.source import open_source
+
+    send_frame(sock, Frame(Opcode.HELLO, 0, {"role": "gateway", "session": session,
+                                            "fingerprint": open_source(MODEL).fingerprint}))
+    reply, _ = recv_frame(sock, time.monotonic() + 30)
+    assert reply.opcode == Opcode.HELLO and reply.meta["layers"] == [0, 2]
+    return sock
+
+
+def _step(segments, hidden, records=(), step=1, session="s1") -> Frame:
+    return Step(session, step, (), tuple(records), tuple(segments), hidden).to_frame()
+
+
+def test_bad_steps_get_one_error_line_and_the_stage_keeps_serving(two_stages):
+    sock = _hello(two_stages[0])
+    hidden = torch.randn(3, 128)
+    cases = [
+        (_step([Segment(1, None, 0, 3, 5)], hidden), "is not held here"),  # a sequence this stage never saw
+        (_step([Segment(2, None, 0, 2, 0)], hidden), "segments cover 2 of the step's 3 rows"),
+        (_step([Segment(3, None, 0, 3, 0)], torch.randn(3, 64)), "hidden states must be"),
+        (Frame(Opcode.STEP, 9, {"session": "s1", "step": 9, "route": "x", "records": [], "segments": [],
+                                "tensors": []}), "'route'"),
+        (_step([Segment(4, None, 0, 3, 0)], hidden, records=[["drop", 4]]), "cache record 0"),
+        (Frame(Opcode.DISPATCH, 10, {}), "a stage does not take DISPATCH"),
+    ]
+    for frame, expected in cases:
+        send_frame(sock, frame)
+        reply, _ = recv_frame(sock, time.monotonic() + 60)
+        assert reply.opcode == Opcode.ERROR and expected in reply.meta["message"], reply.meta
+        assert "\n" not in reply.meta["message"]
+    send_frame(sock, Frame(Opcode.PING, 11))
+    assert recv_frame(sock, time.monotonic() + 30)[0].opcode == Opcode.PONG
+    send_frame(sock, _step([Segment(5, None, 0, 3, 0)], hidden, step=12))  # a good one: the last stage of no route
+    reply, _ = recv_frame(sock, time.monotonic() + 60)
+    assert reply.opcode == Opcode.STEP_RESULT and reply.request_id == 12
+    sock.close()
+
+
+def test_a_wrong_model_is_refused_at_hello(two_stages):
+    host, port = two_stages[0].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        send_frame(sock, Frame(Opcode.HELLO, 0, {"role": "gateway", "session": "x", "fingerprint": "hf-other"}))
+        reply, _ = recv_frame(sock, time.monotonic() + 30)
+    assert reply.opcode == Opcode.ERROR and "another model" in reply.meta["message"]
+
+
+def test_step_metadata_fuzz_raises_only_protocol_errors():
+    """Random metadata and payloads: a Step or a ProtocolError, never anything else."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import given, settings, strategies as st
+
+    values = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=8),
+                          lambda inner: st.lists(inner, max_size=6), max_leaves=20)
+    keys = st.sampled_from(["session", "step", "route", "records", "segments", "tensors"])
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.dictionaries(keys, values), st.binary(max_size=64))
+    def check(meta, payload):
+        try:
+            Step.from_frame(Frame(Opcode.STEP, 1, meta, payload), 4, 16)
+        except ProtocolError:
+            pass
+
+    check()
+
+
+def test_stage_caches_expire_evict_and_replay_records():
+    clock = [0.0]
+    caches = StageCaches(CacheLimits(max_sequences=2, max_bytes=1 << 30, ttl_s=10), clock=lambda: clock[0])
+    first = caches.take("s", (Segment(1, None, 0, 2, 0),))[0]
+    first.append(0, torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), None)
+    caches.apply("s", (("copy", 2, 1, 1),))
+    assert len(caches) == 2 and caches.take("s", (Segment(2, None, 0, 1, 1),))[0].length == 1
+    caches.take("s", (Segment(3, None, 0, 1, 0),))  # a third: the least recently used (1) makes room
+    with pytest.raises(ProtocolError, match="is not held here"):
+        caches.take("s", (Segment(1, None, 0, 1, 2),))
+    clock[0] = 11.0
+    caches.settle("s", ())
+    assert len(caches) == 0  # idle past the ttl
+
+
+def test_journal_records_what_the_stages_must_replay():
+    journal = Journal()
+    cache = SequenceCache(journal)
+    empty = torch.zeros(1, 0, 3, 0)
+    cache.append(0, empty, empty, None)
+    cache.append(0, torch.zeros(1, 0, 2, 0), torch.zeros(1, 0, 2, 0), 1)
+    cache.keep_row(1)
+    cache.crop(4)
+    twin = cache.copy(2)
+    seq, twin_seq = cache.id, twin.id
+    del twin
+    import gc
+
+    gc.collect()
+    assert journal.drain() == [("keep", seq, 1), ("crop", seq, 4), ("copy", twin_seq, seq, 2), ("close", twin_seq)]
+    assert journal.drain() == []
