@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moeswarm.commands import bench_flags as flags
+from moeswarm.commands import bench_islands
 from moeswarm.commands import bench_runs as runs
 from moeswarm.commands._setup import add_quiet, quiet_progress, set_threads
 
@@ -48,6 +49,9 @@ BENCHMARKS: dict[str, Benchmark] = {
                             "workers' merged calls (docs/federation.md)", flags.federation, runs.federation),
     "drafters": Benchmark("tokens per verify step of the model-free drafters (ngram, suffix) on held-out prompts and a "
                           "file-editing workload (docs/drafts.md)", flags.json_only, runs.drafters),
+    "islands": Benchmark("a star of remote experts against chains of 1, 2 and 4 stages (islands) over the same emulated "
+                         "WAN links at 20/50/100 ms, on the real-dimension OLMoE-shaped file (docs/bench-islands.md)",
+                         bench_islands.flags, bench_islands.run),
     "fetch-slice": Benchmark("fetch-slice throughput from a seeder on loopback and through a 100 Mbit/s emulated link "
                              "(docs/slices.md)", flags.fetch_slice, runs.fetch_slice),
 }
