@@ -6,6 +6,7 @@ import argparse
 import json
 
 from moeswarm.commands._setup import add_quiet
+from moeswarm.commands._stages import add_stages, open_backbone
 from moeswarm.commands._swarm import check_workers_or_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
 from moeswarm.commands._types import non_negative, positive, prompt_file, prompt_text, seed, stop_string, temperature, top_p
@@ -40,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run the model locally (eager) on the same tokens and compare every step: "
                              "torch.equal logits on an exact wire, the gate's argmax/cosine thresholds on a lossy one")
     add_swarm_flags(parser)
+    add_stages(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_quiet(parser)
 
@@ -55,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.generation.run import check_request, run_generation
     from moeswarm.generation.sampling import SamplingParams
     from moeswarm.model.source import open_source
-    from moeswarm.swarm import open_swarm
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     config = swarm_config(args, source)
     check_draft_flags(args.draft, args.speculate, config.local_experts is not None)
     set_backbone_threads(args.threads)
-    with open_swarm(source, args.workers or [], config) as swarm:
+    with open_backbone(source, args, config) as swarm:
         report = run_generation(swarm, request, on_event=None if args.json else stream_text)
     if args.json:
         print(json.dumps(report.to_json()))

@@ -11,6 +11,7 @@ import os
 
 from moeswarm.commands._setup import add_quiet
 from moeswarm.commands._swarm import check_workers_or_swarm
+from moeswarm.commands._stages import add_stages, check_stages
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
 from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS, check_draft_flags
 from moeswarm.commands._types import non_negative, port, positive, seconds
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "(moeswarm_check_local_mismatched_logits in /metrics)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")
     add_swarm_flags(parser)
+    add_stages(parser)
     _add_http_flags(parser)
     _defaults_from_environment(parser)
     add_quiet(parser)
@@ -132,9 +134,11 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     swarm = swarm_config(args, source, report=lambda line: setattr(state, "loading", line))
+    check_stages(args, swarm)
     listener = config.bind_socket()  # --port 0: the port the system gave, said before anything else is
     print(f"moeswarm serve: listening on http://{args.host}:{listener.getsockname()[1]}", flush=True)
-    backend = Backend(source, args.workers or [], swarm, engine, args.check_local, chat_template)
+    backend = Backend(source, args.workers or [], swarm, engine, args.check_local, chat_template,
+                      stages=tuple(args.stages or ()))
     threading.Thread(target=load, args=(state, backend, on_fatal), name="moeswarm-load", daemon=True).start()
     try:
         server.run(sockets=[listener])
