@@ -13,7 +13,8 @@ from moeswarm.wire.messages import Dispatch, ErrorReply, Hello, Result, WorkerIn
 
 def test_opcodes_are_pinned():
     assert [(o.name, o.value) for o in Opcode] == [
-        ("HELLO", 1), ("DISPATCH", 2), ("RESULT", 3), ("ERROR", 4), ("PING", 5), ("PONG", 6)]
+        ("HELLO", 1), ("DISPATCH", 2), ("RESULT", 3), ("ERROR", 4), ("PING", 5), ("PONG", 6),
+        ("STEP", 7), ("STEP_RESULT", 8)]  # 7 and 8: the stage protocol (docs/stages.md)
     assert HEADER_SIZE == 24
 
 
