@@ -34,6 +34,47 @@ class GateConfig:
     min_cosine_mean: float = 0.998
 
 
+@dataclass(frozen=True)
+class GateReport:
+    """One wire configuration judged: its figures over every position of every prompt."""
+
+    model: str
+    config: GateConfig
+    prompts: int
+    positions: int
+    argmax_agreement: float
+    cosine_min: float
+    cosine_mean: float
+    bytes_out_per_token_layer: float | None
+    bytes_in_per_token_layer: float | None
+
+    @property
+    def passed(self) -> bool:
+        return (self.argmax_agreement >= self.config.min_argmax_agreement
+                and self.cosine_mean >= self.config.min_cosine_mean)
+
+    def to_json(self, reference: str) -> dict:
+        """`moeswarm gate --json`'s object; reference: 'local' or the GGUF file both sides ran on."""
+        wire = self.config.wire
+        return {
+            "model": self.model,
+            "mode": wire.mode.value,
+            "wire_dispatch": wire.dispatch_codec or "lossless",
+            "wire_combine": wire.combine_codec or "lossless",
+            "min_argmax_agreement": self.config.min_argmax_agreement,
+            "min_cosine_mean": self.config.min_cosine_mean,
+            "prompts": self.prompts,
+            "positions": self.positions,
+            "argmax_agreement": self.argmax_agreement,
+            "cosine_min": self.cosine_min,
+            "cosine_mean": self.cosine_mean,
+            "bytes_out_per_token_layer": self.bytes_out_per_token_layer,
+            "bytes_in_per_token_layer": self.bytes_in_per_token_layer,
+            "passed": self.passed,
+            "reference": reference,
+        }
+
+
 def load_prompts(path: str | Path) -> list[str]:
     """Prompts from a JSONL file ({"text": ...} per line; "kind": "demo" lines are skipped) or plain text."""
     path = Path(path)
@@ -53,11 +94,11 @@ def load_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def run_gate(model: str, prompts: list[str], config: GateConfig, workers: int = 2) -> dict:
+def run_gate(model: str, prompts: list[str], config: GateConfig, workers: int = 2) -> GateReport:
     return run_gates(model, prompts, [config], workers)[0]
 
 
-def run_gates(model: str, prompts: list[str], configs: list[GateConfig], workers: int = 2) -> list[dict]:
+def run_gates(model: str, prompts: list[str], configs: list[GateConfig], workers: int = 2) -> list[GateReport]:
     """Gate several wire configurations with one set of workers and one local reference pass."""
     local = load_local(model)
     codec = load_text_codec(model, local.config.vocab_size)
@@ -80,21 +121,8 @@ def run_gates(model: str, prompts: list[str], configs: list[GateConfig], workers
     return reports
 
 
-def _report(model: str, config: GateConfig, cos: torch.Tensor, hits: torch.Tensor, prompts: int, accounting: dict) -> dict:
-    argmax_agreement, cosine_mean = float(hits.float().mean()), float(cos.mean())
-    return {
-        "model": model,
-        "mode": config.wire.mode.value,
-        "wire_dispatch": config.wire.dispatch_codec or "lossless",
-        "wire_combine": config.wire.combine_codec or "lossless",
-        "min_argmax_agreement": config.min_argmax_agreement,
-        "min_cosine_mean": config.min_cosine_mean,
-        "prompts": prompts,
-        "positions": int(hits.numel()),
-        "argmax_agreement": argmax_agreement,
-        "cosine_min": float(cos.min()),
-        "cosine_mean": cosine_mean,
-        "bytes_out_per_token_layer": accounting["bytes_out_per_token_layer"],
-        "bytes_in_per_token_layer": accounting["bytes_in_per_token_layer"],
-        "passed": argmax_agreement >= config.min_argmax_agreement and cosine_mean >= config.min_cosine_mean,
-    }
+def _report(model: str, config: GateConfig, cos: torch.Tensor, hits: torch.Tensor, prompts: int,
+            accounting: dict) -> GateReport:
+    """cos [P] float and hits [P] bool: every position's logit cosine and top-1 agreement."""
+    return GateReport(model, config, prompts, int(hits.numel()), float(hits.float().mean()), float(cos.min()),
+                      float(cos.mean()), accounting["bytes_out_per_token_layer"], accounting["bytes_in_per_token_layer"])

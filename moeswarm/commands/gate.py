@@ -7,7 +7,7 @@ import json
 
 from moeswarm.bundled import PROMPTS, demo_model
 from moeswarm.commands._setup import add_quiet, quiet_progress, set_threads
-from moeswarm.gate import GateConfig, load_prompts, run_gate, run_gates
+from moeswarm.gate import GateConfig, GateReport, load_prompts, run_gate, run_gates
 from moeswarm.wire.codecs import FLOAT_CODECS
 from moeswarm.wire.config import COMBINE_MODES, WireConfig
 
@@ -40,27 +40,23 @@ def run(args: argparse.Namespace) -> int:
         configs = [GateConfig(WireConfig(mode, codec, codec), args.min_argmax, args.min_cosine)
                    for mode in COMBINE_MODES for codec in FLOAT_CODECS]
         reports = run_gates(model, prompts, configs, args.workers)
-        for report in reports:
-            report["reference"] = args.reference
         if args.json:
-            print(json.dumps(reports))
+            print(json.dumps([report.to_json(args.reference) for report in reports]))
         else:
             for report in reports:
                 print(_line(report))
         return 0
     config = GateConfig(wire, args.min_argmax, args.min_cosine)
     report = run_gate(model, prompts, config, args.workers)
-    report["reference"] = args.reference
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(_line(report))
-    return 0 if report["passed"] else 1
+    print(json.dumps(report.to_json(args.reference)) if args.json else _line(report))
+    return 0 if report.passed else 1
 
 
-def _line(report: dict) -> str:
-    return (f"gate {report['mode']:<7} dispatch={report['wire_dispatch']:<9} combine={report['wire_combine']:<9} "
-            f"argmax {report['argmax_agreement']:.4f} cosine min {report['cosine_min']:.5f} "
-            f"mean {report['cosine_mean']:.6f} ({report['positions']} positions, "
-            f"{report['bytes_out_per_token_layer']:.0f}+{report['bytes_in_per_token_layer']:.0f} B/token/layer): "
-            + ("PASSED" if report["passed"] else "FAILED"))
+def _line(report: GateReport) -> str:
+    wire = report.config.wire
+    return (f"gate {wire.mode.value:<7} dispatch={wire.dispatch_codec or 'lossless':<9} "
+            f"combine={wire.combine_codec or 'lossless':<9} "
+            f"argmax {report.argmax_agreement:.4f} cosine min {report.cosine_min:.5f} "
+            f"mean {report.cosine_mean:.6f} ({report.positions} positions, "
+            f"{report.bytes_out_per_token_layer:.0f}+{report.bytes_in_per_token_layer:.0f} B/token/layer): "
+            + ("PASSED" if report.passed else "FAILED"))
