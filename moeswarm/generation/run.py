@@ -26,6 +26,7 @@ from moeswarm.model.source import ModelSource
 from moeswarm.model.tokenizer import TextCodec, load_text_codec
 from moeswarm.serve.engine import Engine, EngineConfig
 from moeswarm.serve.job import Delta, Event, Failed, Finished, Job, Rewind
+from moeswarm.serve.metrics import UnrecordedMetrics
 from moeswarm.serve.whole_model import WholeModel
 from moeswarm.swarm import Swarm
 
@@ -59,7 +60,7 @@ def generate(backbone: Swarm | WholeModel, prompt: list[int], max_new_tokens: in
     engine_config = EngineConfig(positions, max_batch=1, speculate=speculate, prefill_chunk=chunk,
                                  step_tokens=max(256, chunk), cache_slots=0, draft=draft, keep_accounting=True)
     outcome = _Outcome(on_event)
-    engine = Engine(backbone, codec, engine_config, reference=reference, drafter=drafter)
+    engine = Engine(backbone, codec, engine_config, UnrecordedMetrics(), reference, drafter)
     try:
         tally = engine.run(Job(list(prompt), max_new_tokens, sampling, outcome.take, stops=tuple(stops)))
     finally:

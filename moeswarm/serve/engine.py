@@ -29,7 +29,7 @@ from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.job import Failed, Job
 from moeswarm.serve.admission import Admission
 from moeswarm.serve.group_policy import GroupPolicy
-from moeswarm.serve.metrics import ServeMetrics
+from moeswarm.serve.metrics import ServeMetrics, UnrecordedMetrics
 from moeswarm.serve.rollback import Rollback
 from moeswarm.serve.runner import PackedRunner, build_runners, split_groups
 from moeswarm.serve.scheduler import Slot, plan_step
@@ -56,7 +56,7 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, swarm: Swarm | WholeModel, codec: TextCodec, config: EngineConfig,
-                 metrics: ServeMetrics | None = None, reference: torch.nn.Module | None = None,
+                 metrics: ServeMetrics | UnrecordedMetrics | None = None, reference: torch.nn.Module | None = None,
                  drafter: Callable[[], Drafter] | None = None):
         """swarm: where the forwards run (a WholeModel: a model computing its own experts here);
         reference: a local eager model every step is compared with (--check-local);

@@ -64,3 +64,31 @@ class ServeMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class UnrecordedMetrics:
+    """ServeMetrics' interface keeping nothing: what a lone `generate` steps with (nobody scrapes it, and
+    a step's dozen metric updates, one per layer call and worker among them, would be its only readers' cost)."""
+
+    def __getattr__(self, name: str) -> "_Unrecorded":
+        return _UNRECORDED
+
+    def observe_step(self, *args, **kwargs) -> None:
+        pass
+
+
+class _Unrecorded:
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, value: float) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+    def labels(self, *values: str) -> "_Unrecorded":
+        return self
+
+
+_UNRECORDED = _Unrecorded()
