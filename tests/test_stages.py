@@ -204,3 +204,33 @@ def test_journal_records_what_the_stages_must_replay():
     gc.collect()
     assert journal.drain() == [("keep", seq, 1), ("crop", seq, 4), ("copy", twin_seq, seq, 2), ("close", twin_seq)]
     assert journal.drain() == []
+
+
+def test_a_dead_stage_is_replaced_by_its_replica_and_the_steps_replayed_bit_identical(stage_threads):
+    from moeswarm.tools.local_stages import spawn_stage
+    from moeswarm.tools.local_workers import stop, wait_listening
+
+    processes = [spawn_stage(MODEL, span, threads=THREADS) for span in ("0-2", "3-5", "3-5")]
+    try:
+        first, second, replica = [wait_listening(p) for p in processes]
+        reference = load_local(MODEL)
+        install(reference)
+        with open_gateway(MODEL, [[first], [second, replica]]) as gateway:
+            install(gateway.model)
+            chain = gateway.model.base_model.layers[0].chain
+            got, want = PackedStepper(gateway.model), PackedStepper(reference)
+            feed = list(range(10, 30))
+            for _ in range(3):
+                out, expected = got.forward(feed), want.forward(feed)
+                assert torch.equal(out, expected)
+                feed = [int(out[-1].argmax())]
+            processes[1].kill()  # the second stage dies between two steps
+            processes[1].wait()
+            for _ in range(3):
+                out, expected = got.forward(feed), want.forward(feed)
+                assert torch.equal(out, expected)
+                feed = [int(out[-1].argmax())]
+            assert chain.failovers == 1 and chain.route == [first, replica]
+            assert chain.replayed_steps == 4 and chain.last_replay_s is not None
+    finally:
+        stop(processes)

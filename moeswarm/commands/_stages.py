@@ -19,9 +19,10 @@ def stage_route(text: str) -> list[str]:
 
 def add_stages(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=stage_route, default=None, metavar="H:P,...",
-                        help="run every decoder layer in these stages (`moeswarm stage`, listed in layer order): this "
-                             "process keeps the embeddings, head, sampling and drafts, and a step crosses the network "
-                             "once per stage (docs/stages.md)")
+                        help="run every decoder layer in these stages (`moeswarm stage`, listed in layer order; "
+                             "H:P|H2:P2: replicas of one span, the next taking over when one fails): this process keeps "
+                             "the embeddings, head, sampling and drafts, and a step crosses the network once per stage "
+                             "(docs/stages.md)")
 
 
 def check_stages(args: argparse.Namespace, config) -> None:

@@ -36,7 +36,7 @@ class Backend:
     engine: EngineConfig
     check_local: bool = False
     chat_template: str | None = None  # serve --chat-template's text: replaces the model's own
-    stages: Sequence[str] = ()  # --stages: a gateway over these stages (stages/), no workers of its own
+    stages: Sequence[Sequence[str]] = ()  # --stages: per span its replicas; a gateway over them (stages/)
 
 
 def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -> None:
@@ -48,7 +48,7 @@ def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -
         state.vocab_size = backend.source.config.vocab_size
         state.context = backend.engine.context
         while True:
-            _wait_for_workers(state, backend.stages or backend.workers)
+            _wait_for_workers(state, [replicas[0] for replicas in backend.stages] or backend.workers)
             state.loading = "loading the backbone and connecting to the workers"
             try:
                 swarm = open_gateway(backend.source, list(backend.stages), backend.swarm) if backend.stages \

@@ -9,12 +9,14 @@ HELLO), so any stage can answer an ERROR directly.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
 import ssl
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +24,8 @@ from moeswarm.errors import MoeSwarmError, ProtocolError, one_line, printable
 from moeswarm.stages.protocol import Segment, Step, parse_result
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.stream import recv_frame, send_frame
+
+log = logging.getLogger("moeswarm.gateway")
 
 CONNECT_TIMEOUT_S = 10.0
 MAX_TOKENS = 1 << 16  # the most rows a result may carry back (a step never sends more)
@@ -31,16 +35,17 @@ class StageError(MoeSwarmError):
     """A stage failed a step (its one-line reason), or a stage could not be reached."""
 
 
-def parse_route(text: str) -> list[str]:
-    """`--stages H:P,H:P,...` -> the addresses, in layer order."""
-    route = [part.strip() for part in text.split(",") if part.strip()]
-    if not route:
-        raise ValueError("give at least one stage, HOST:PORT")
-    for address in route:
+def parse_route(text: str) -> list[list[str]]:
+    """`--stages H:P,H:P|H2:P2,...` -> per position in layer order, its replicas (H:P|H2:P2: the
+    same layers twice, the second used when the first fails)."""
+    positions = [[r.strip() for r in part.split("|") if r.strip()] for part in text.split(",") if part.strip()]
+    if not positions or not all(positions):
+        raise ValueError("give at least one stage, HOST:PORT (replicas of one span joined by |)")
+    for address in (a for replicas in positions for a in replicas):
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"stage {address!r} is not HOST:PORT")
-    return route
+    return positions
 
 
 class StageLink:
@@ -49,6 +54,7 @@ class StageLink:
     def __init__(self, address: str, chain: "Chain"):
         self.address, self.chain = address, chain
         self.layers: range | None = None
+        self.dead = False  # its connection was lost
         self._sock: socket.socket | None = None
         self._send = threading.Lock()
 
@@ -92,30 +98,77 @@ class StageLink:
         try:
             while True:
                 frame, _ = recv_frame(self._sock, None, max_payload=MAX_TOKENS * self.chain.hidden_size * 4 + 4096)
-                self.chain.receive(self.address, frame)
+                self.chain.receive(self, frame)
         except (OSError, ProtocolError, ConnectionError, ValueError) as error:
-            self.chain.lost(self.address, one_line(error))
+            self.dead = True
+            self.chain.lost(self, one_line(error))
+
+    def answers_ping(self, timeout_s: float = 2.0) -> bool:
+        """Whether the stage answers a PING on a fresh connection within `timeout_s` (not stalled)."""
+        host, _, port = self.address.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+                if self.chain.tls is not None:
+                    sock = self.chain.tls.wrap_socket(sock, server_hostname=host)
+                send_frame(sock, Frame(Opcode.PING, 1))
+                reply, _ = recv_frame(sock, time.monotonic() + timeout_s, max_payload=1 << 16)
+                return reply.opcode == Opcode.PONG
+        except (OSError, ProtocolError, ssl.SSLError):
+            return False
+
+
+@dataclass(frozen=True)
+class _Logged:
+    """A step as sent: what a replay sends again."""
+
+    number: int
+    records: tuple
+    segments: tuple
+    hidden: torch.Tensor  # [T, d] entering the first stage
 
 
 class Chain:
-    """A route of stages covering decoder layers [0, num_layers) in order, for one gateway session."""
+    """A route of stages covering decoder layers [0, num_layers) in order, for one gateway session.
 
-    def __init__(self, route: list[str], fingerprint: str, hidden_size: int, num_layers: int,
-                 timeout_s: float = 120.0, tls: ssl.SSLContext | None = None):
-        self.route, self.fingerprint = list(route), fingerprint
-        self.hidden_size, self.num_layers, self.timeout_s = hidden_size, num_layers, timeout_s
-        self.session = os.urandom(8).hex()
-        self._tls = tls
-        self._links = [StageLink(address, self) for address in self.route]
+    Every step is logged as sent (its records, segments and the hidden states entering the first
+    stage). When a stage dies, stalls or loses this session's sequences, the chain takes the next
+    replica of each dead stage, opens a new session, and replays the log in order: every stage
+    recomputes every step exactly as the first time (the same rows packed the same way), so the
+    caches, and the outputs after them, are bit for bit what they were. Past `max_log_bytes` of
+    logged hidden states the log is dropped and a failed stage fails its steps instead.
+    """
+
+    def __init__(self, positions: list[list[str]], fingerprint: str, hidden_size: int, num_layers: int,
+                 timeout_s: float = 120.0, tls: ssl.SSLContext | None = None, max_log_bytes: int = 1 << 30):
+        self.positions = [list(replicas) for replicas in positions]
+        self.fingerprint, self.hidden_size, self.num_layers = fingerprint, hidden_size, num_layers
+        self.timeout_s, self.tls, self.max_log_bytes = timeout_s, tls, max_log_bytes
+        self.session = ""
+        self._choice = [0] * len(self.positions)
+        self._links: list[StageLink] = []
+        self._log: list[_Logged] | None = []  # None: over max_log_bytes, no replay
+        self._log_bytes = 0
         self._pending: dict[int, Future] = {}
         self._steps = itertools.count(1)
-        self._lock = threading.Lock()
-        self.trips = 0  # steps sent
+        self._lock = threading.Lock()  # the pending futures
+        self._sending = threading.Lock()  # the order of sends and log entries; held through a replay
+        self.generation = 0  # sessions opened
+        self.trips = 0  # steps sent, replays included
+        self.failovers = 0
+        self.replayed_steps = 0
+        self.last_replay_s: float | None = None  # from a failure's recovery to the failed step's answer
+
+    @property
+    def route(self) -> list[str]:
+        """The stages in use, in layer order."""
+        return [replicas[i] for replicas, i in zip(self.positions, self._choice)]
 
     def connect(self) -> "Chain":
+        self.session = os.urandom(8).hex()
+        self._links = [StageLink(address, self) for address in self.route]
         try:
             for link in self._links:
-                link.connect(self.session, self.fingerprint, self._tls)
+                link.connect(self.session, self.fingerprint, self.tls)
             self._check_cover()
         except BaseException:
             self.close()
@@ -138,46 +191,116 @@ class Chain:
 
     def step(self, segments: list[Segment], records: list[tuple], hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, d] through every stage: [T, d] after the model's last layer."""
-        number = next(self._steps)
-        future: Future = Future()
-        with self._lock:
-            self._pending[number] = future
-        frame = Step(self.session, number, tuple(self.route[1:]), tuple(records), tuple(segments), hidden).to_frame()
+        with self._sending:
+            logged = _Logged(next(self._steps), tuple(records), tuple(segments), hidden)
+            future = self._register(logged.number)
+            self._remember(logged)
+            generation = self.generation
+            self._send_quietly(logged)
+        recovered_at = None
         try:
-            self._links[0].send(frame)
-            self.trips += 1
-            out = future.result(self.timeout_s)
-        except TimeoutError:
-            raise StageError(f"no answer from the chain within {self.timeout_s:g} s") from None
-        except OSError as error:
-            raise StageError(f"stage {self.route[0]}: {one_line(error)}") from None
+            for attempt in range(sum(map(len, self.positions)) + 1):
+                try:
+                    out = future.result(self.timeout_s)
+                    break
+                except (StageError, TimeoutError) as error:
+                    cause = error if isinstance(error, StageError) else \
+                        StageError(f"no answer from the chain within {self.timeout_s:g} s")
+                    recovered_at = recovered_at or time.monotonic()
+                    future, generation = self._recover(generation, logged.number, cause)
+            else:
+                raise StageError(f"step {logged.number} failed after every replica was tried")
         finally:
             with self._lock:
-                self._pending.pop(number, None)
+                self._pending.pop(logged.number, None)
+        if recovered_at is not None:
+            self.last_replay_s = time.monotonic() - recovered_at
         if out.shape != hidden.shape or out.dtype != hidden.dtype:
             raise StageError(f"the chain answered {list(out.shape)} {out.dtype} for {list(hidden.shape)} {hidden.dtype}")
         return out
 
-    def receive(self, address: str, frame: Frame) -> None:
+    def _register(self, number: int) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._pending[number] = future
+        return future
+
+    def _remember(self, logged: _Logged) -> None:
+        if self._log is None:
+            return
+        self._log.append(logged)
+        self._log_bytes += logged.hidden.nbytes
+        if self._log_bytes > self.max_log_bytes:
+            log.warning("the chain's step log passed %d bytes: it is dropped, and a failed stage now fails its "
+                        "steps instead of being replayed", self.max_log_bytes)
+            self._log = None
+
+    def _send_quietly(self, logged: _Logged) -> None:
+        """Send a logged step to the first stage; a broken connection is found by the wait (recovery)."""
+        frame = Step(self.session, logged.number, tuple(self.route[1:]), logged.records, logged.segments,
+                     logged.hidden).to_frame()
+        try:
+            self._links[0].send(frame)
+            self.trips += 1
+        except OSError as error:
+            self.lost(self._links[0], one_line(error))
+
+    def _recover(self, generation: int, number: int, cause: StageError) -> tuple[Future, int]:
+        """After `cause` failed step `number` (sent in session `generation`): the next replica of every
+        dead stage, a new session, and the log replayed. Returns the step's new future and session."""
+        with self._sending:
+            if self.generation == generation:  # not yet recovered by another group's step
+                if self._log is None:
+                    raise cause
+                dead = [i for i, link in enumerate(self._links) if link.dead or not link.answers_ping()]
+                for i in dead:
+                    if self._choice[i] + 1 >= len(self.positions[i]):
+                        span = self._links[i].layers
+                        raise StageError(f"{cause}; no replica left for layers {span.start}-{span.stop - 1}") from None
+                    self._choice[i] += 1
+                for link in self._links:
+                    link.close()
+                log.warning("stage chain: %s; %s, replaying %d steps", printable(str(cause), 300),
+                            f"replaced {[self.positions[i][self._choice[i] - 1] for i in dead]}" if dead
+                            else "the same stages", len(self._log))
+                self.generation += 1
+                self.connect()
+                with self._lock:
+                    waiting = set(self._pending)
+                for logged in self._log:
+                    if logged.number in waiting:
+                        self._register(logged.number)
+                    self._send_quietly(logged)
+                self.failovers += 1
+                self.replayed_steps += len(self._log)
+            with self._lock:
+                future = self._pending.get(number) or Future()
+            return future, self.generation
+
+    def receive(self, link: StageLink, frame: Frame) -> None:
+        if link not in self._links:
+            return  # a replaced session's connection
         with self._lock:
             future = self._pending.get(frame.request_id)
         if future is None:
-            return  # an answer to a step given up on
+            return  # an answer nobody waits for (a replayed step answered before)
         if frame.opcode == Opcode.STEP_RESULT:
             try:
                 _, hidden = parse_result(frame, self.hidden_size, MAX_TOKENS)
             except ProtocolError as error:
-                _settle(future, error=StageError(f"stage {address}: bad result: {one_line(error)}"))
+                _settle(future, error=StageError(f"stage {link.address}: bad result: {one_line(error)}"))
                 return
             _settle(future, result=hidden)
         elif frame.opcode == Opcode.ERROR:
             _settle(future, error=StageError(printable(str(frame.meta.get("message", "(no message)")), 500)))
 
-    def lost(self, address: str, why: str) -> None:
+    def lost(self, link: StageLink, why: str) -> None:
+        if link not in self._links:
+            return  # closed on purpose: a replaced session's connection
         with self._lock:
             pending = list(self._pending.values())
         for future in pending:
-            _settle(future, error=StageError(f"stage {address}: connection lost: {printable(why, 200)}"))
+            _settle(future, error=StageError(f"stage {link.address}: connection lost: {printable(why, 200)}"))
 
     def close(self) -> None:
         for link in self._links:

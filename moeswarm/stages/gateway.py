@@ -49,15 +49,17 @@ class ChainCall(torch.nn.Module):
         return out[None]
 
 
-def open_gateway(model_path, stages: list[str], config: SwarmConfig | None = None) -> Swarm:
-    """The model's ends here, its decoder layers in `stages` (HOST:PORT, in layer order): a Swarm
-    whose packed forwards go through the chain."""
+def open_gateway(model_path, stages: list[str] | list[list[str]], config: SwarmConfig | None = None) -> Swarm:
+    """The model's ends here, its decoder layers in `stages` (HOST:PORT, in layer order; a list of
+    addresses at a position: replicas of that span, the next used when one fails): a Swarm whose
+    packed forwards go through the chain."""
+    positions = [[stage] if isinstance(stage, str) else list(stage) for stage in stages]
     config = config or SwarmConfig()
     swarm = open_swarm(model_path, [], config, layers=range(0))
     model = swarm.model
     try:
         num_layers = len(decoder_layers(model))
-        chain = Chain(stages, swarm.source.fingerprint, model.config.hidden_size, num_layers,
+        chain = Chain(positions, swarm.source.fingerprint, model.config.hidden_size, num_layers,
                       timeout_s=config.reply_timeout_s, tls=config.tls).connect()
     except BaseException:
         swarm.close()
