@@ -17,9 +17,9 @@ SIMULATION_SEED = 1_000_003  # not the planner's draws: the estimate must not sc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--profile", required=True, metavar="PROFILE.json",
+    parser.add_argument("--profile", metavar="PROFILE.json",
                         help="routing profile: `moeswarm profile --model M -o PROFILE.json`")
-    parser.add_argument("--workers", required=True, type=_workers, metavar="NAME:CAPACITY:RTT_MS,...",
+    parser.add_argument("--workers", type=_workers, metavar="NAME:CAPACITY:RTT_MS,...",
                         help="the workers: a name, room in experts per layer, round trip in ms, e.g. a:10:20,b:10:80")
     parser.add_argument("--replicas", type=non_negative, default=0, metavar="N",
                         help="replica budget: extra expert copies per layer beyond one of each, for the hottest")
@@ -27,6 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", default=None, metavar="PLAN.json",
                         help="write the plan: workers start from it with --plan PLAN.json --plan-worker NAME")
     parser.add_argument("--json", action="store_true", help="print the plan and its estimate as JSON")
+    islands = parser.add_argument_group("islands", "instead of --profile and --workers: place stages (docs/stages.md)")
+    islands.add_argument("--machines", metavar="MACHINES.json",
+                         help='machines and the RTT between every two: {"gateway": "a", "machines": [{"name": "a", '
+                              '"room": 0.5, "ms_per_layer": 4}, ...], "rtt_ms": {"a b": 0.3, ...}}; prints islands '
+                              "and the expected ms per token of star, islands and a layer split")
+    islands.add_argument("--layers", type=int, default=None, help="with --machines: the model's decoder layers")
+    islands.add_argument("--island-rtt", type=float, default=5.0, metavar="MS",
+                         help="with --machines: machines within this RTT of each other form an island (default 5)")
 
 
 def _workers(text: str):
@@ -45,6 +53,12 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.placement.profile import read_profile
     from moeswarm.placement.simulate import simulate
 
+    if args.machines:
+        from moeswarm.commands import plan_islands
+
+        return plan_islands.run(args)
+    if not args.profile or not args.workers:
+        raise MoeSwarmError("give --profile and --workers (experts on workers), or --machines (islands)")
     set_threads(None)
     routing = routing_from_profile(read_profile(args.profile))
     if not routing:
