@@ -81,7 +81,7 @@ def test_bad_flag_values_are_one_line():
     assert _error("worker", "--model", "x", "--port", "70000") == (
         "moeswarm worker: error: argument --port: a port is 0 to 65535, got 70000 (see moeswarm worker --help)")
     assert _error("nosuch") == (
-        "moeswarm: error: argument COMMAND: invalid choice: 'nosuch' (choose from 'demo', 'worker', 'generate', "
+        "moeswarm: error: argument COMMAND: invalid choice: 'nosuch' (choose from 'demo', 'worker', 'stage', 'generate', "
         "'serve', 'gate', 'bench', 'make-model', 'slice', 'wan', 'info', 'keygen', 'ping', 'relay', 'profile', 'plan', "
             "'dht', 'manifest', 'seed', 'fetch-slice') (see moeswarm --help)")
 
