@@ -15,6 +15,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
@@ -189,10 +190,14 @@ class Chain:
     def spans(self) -> list[range]:
         return [link.layers for link in self._links]
 
-    def step(self, segments: list[Segment], records: list[tuple], hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, d] through every stage: [T, d] after the model's last layer."""
+    def step(self, segments: list[Segment], records: Callable[[], list[tuple]], hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, d] through every stage: [T, d] after the model's last layer.
+
+        records: called as the step is sent (the gateway's journal drained), so that the records
+        every stage replays before a step are exactly those made before it was sent, whichever of
+        several groups in flight sends first."""
         with self._sending:
-            logged = _Logged(next(self._steps), tuple(records), tuple(segments), hidden)
+            logged = _Logged(next(self._steps), tuple(records()), tuple(segments), hidden)
             future = self._register(logged.number)
             self._remember(logged)
             generation = self.generation

@@ -42,7 +42,7 @@ class ChainCall(torch.nn.Module):
         if not isinstance(attention_mask, Layout):
             raise MoeSwarmError("a gateway runs packed forwards only (the layers are in the stages)")
         segments = [Segment(s.cache.id, s.row, s.start, s.end, s.past) for s in attention_mask.segments]
-        out = self.chain.step(segments, self.journal.drain(), hidden_states[0])  # [T, d]
+        out = self.chain.step(segments, self.journal.drain, hidden_states[0])  # [T, d]
         for s in attention_mask.segments:  # the positions the stages now hold, counted here
             empty = hidden_states.new_empty(1, 0, s.end - s.start, 0)  # [1, 0, n, 0]
             s.cache.append(self.cache_layer, empty, empty, s.row)
