@@ -77,11 +77,20 @@ def test_branches_copies_and_crops_are_replayed_by_every_stage(two_stages, stage
         assert torch.equal(got.forward([13]), want.forward([13]))  # the original is untouched by its copy
 
 
-def test_a_stage_with_its_own_workers_stays_exact():
-    with local_workers(MODEL, [list(range(16)), list(range(16, 32))], extra_args=["--layers", "0-3"]) as workers, \
-            local_stages(MODEL, ["0-3", "4-5"], workers=[workers, []], threads=THREADS) as stages:
-        report = _generate("--stages", ",".join(stages), "--max-new-tokens", "8")
+def test_a_stage_with_its_own_workers_and_a_swarm_key_stays_exact(tmp_path):
+    """Every link under the swarm key (gateway -> stages, stage -> stage, stage -> its workers):
+    bit-identical; a gateway without the key gets one line."""
+    key = str(tmp_path / "swarm.key")
+    subprocess.run([sys.executable, "-m", "moeswarm.cli", "keygen", "-o", key], check=True, capture_output=True)
+    keyed = ["--swarm-key", key]
+    with local_workers(MODEL, [list(range(16)), list(range(16, 32))], extra_args=["--layers", "0-3", *keyed]) as workers, \
+            local_stages(MODEL, ["0-3", "4-5"], workers=[workers, []], threads=THREADS, extra_args=keyed) as stages:
+        report = _generate("--stages", ",".join(stages), "--max-new-tokens", "8", *keyed)
+        refused = subprocess.run([sys.executable, "-m", "moeswarm.cli", "generate", "--model", MODEL, "--prompt", "x",
+                                  "--stages", ",".join(stages)], capture_output=True, text=True, timeout=120)
     assert report["bit_identical"] is True
+    assert refused.returncode == 2 and f"stage {stages[0]}: cannot connect" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_serve_over_stages_answers_the_openai_client_with_the_local_text(two_stages):
