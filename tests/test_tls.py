@@ -39,8 +39,10 @@ def test_keygen_writes_a_private_file_and_never_overwrites(keys):
 
 
 def test_generation_with_the_key_is_bit_identical(qwen2_moe, tls_workers, keys):
+    # --threads 1, as the workers: a float matrix product of some row counts (9 here) splits its sums
+    # differently on 2 threads, and the local reference computes the experts with the backbone's threads
     run = _moeswarm("generate", "--model", qwen2_moe, "--workers", ",".join(tls_workers), "--prompt", "def f(x):",
-                    "--max-new-tokens", "6", "--check-local", "--json", "--swarm-key", str(keys[0]))
+                    "--max-new-tokens", "6", "--check-local", "--json", "--swarm-key", str(keys[0]), "--threads", "1")
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["bit_identical"] is True
 

@@ -196,6 +196,9 @@ class Chain:
         records: called as the step is sent (the gateway's journal drained), so that the records
         every stage replays before a step are exactly those made before it was sent, whichever of
         several groups in flight sends first."""
+        dead = next((link for link in self._links if link.dead), None)
+        if dead is not None:  # found dead between steps: a step sent on would vanish at the stage before it
+            self._recover(self.generation, None, StageError(f"stage {dead.address}: connection lost"))
         with self._sending:
             logged = _Logged(next(self._steps), tuple(records()), tuple(segments), hidden)
             future = self._register(logged.number)
@@ -250,7 +253,7 @@ class Chain:
         except OSError as error:
             self.lost(self._links[0], one_line(error))
 
-    def _recover(self, generation: int, number: int, cause: StageError) -> tuple[Future, int]:
+    def _recover(self, generation: int, number: int | None, cause: StageError) -> tuple[Future | None, int]:
         """After `cause` failed step `number` (sent in session `generation`): the next replica of every
         dead stage, a new session, and the log replayed. Returns the step's new future and session."""
         with self._sending:
@@ -278,6 +281,8 @@ class Chain:
                     self._send_quietly(logged)
                 self.failovers += 1
                 self.replayed_steps += len(self._log)
+            if number is None:
+                return None, self.generation
             with self._lock:
                 future = self._pending.get(number) or Future()
             return future, self.generation
