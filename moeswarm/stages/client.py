@@ -196,8 +196,10 @@ class Chain:
         records: called as the step is sent (the gateway's journal drained), so that the records
         every stage replays before a step are exactly those made before it was sent, whichever of
         several groups in flight sends first."""
+        recovered_at = None
         dead = next((link for link in self._links if link.dead), None)
         if dead is not None:  # found dead between steps: a step sent on would vanish at the stage before it
+            recovered_at = time.monotonic()
             self._recover(self.generation, None, StageError(f"stage {dead.address}: connection lost"))
         with self._sending:
             logged = _Logged(next(self._steps), tuple(records()), tuple(segments), hidden)
@@ -205,7 +207,6 @@ class Chain:
             self._remember(logged)
             generation = self.generation
             self._send_quietly(logged)
-        recovered_at = None
         try:
             for attempt in range(sum(map(len, self.positions)) + 1):
                 try:

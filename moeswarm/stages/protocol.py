@@ -76,6 +76,8 @@ class Step:
     def from_frame(cls, frame: Frame, hidden_size: int, max_tokens: int) -> "Step":
         meta = frame.meta
         session, step = _session(meta), field(meta, "step", int)
+        if not 0 <= step < 1 << 63:
+            raise ProtocolError(f"metadata field 'step' must be 0 to 2**63 - 1, got {step}")
         route = field(meta, "route", list)
         if len(route) > MAX_ROUTE or not all(isinstance(a, str) and 0 < len(a) <= 300 for a in route):
             raise ProtocolError(f"metadata field 'route' must list at most {MAX_ROUTE} HOST:PORT strings")
@@ -128,7 +130,8 @@ def _segments(raw: list, tokens: int) -> tuple[Segment, ...]:
         if not (isinstance(item, list) and len(item) == 5 and all(_is_int(v) for v in item)):
             raise ProtocolError(f"segment {i} must be [seq, row, start, end, past] integers")
         seq, row, start, end, past = item
-        if start != at or end <= start or end > tokens or past < 0 or seq <= 0 or not NO_ROW <= row < MAX_SEGMENTS:
+        if start != at or end <= start or end > tokens or not 0 <= past < 1 << 40 or not 0 < seq < 1 << 63 \
+                or not NO_ROW <= row < MAX_SEGMENTS:
             raise ProtocolError(f"segment {i} {item!r:.80} does not continue the step's rows at {at} of {tokens}")
         segments.append(Segment(seq, None if row == NO_ROW else row, start, end, past))
         at = end
@@ -143,7 +146,7 @@ def _records(raw: list) -> tuple[tuple, ...]:
     records = []
     for i, item in enumerate(raw):
         if not (isinstance(item, list) and item and item[0] in RECORD_ARITY and len(item) == RECORD_ARITY[item[0]]
-                and all(_is_int(v) and v >= 0 for v in item[1:])):
+                and all(_is_int(v) and 0 <= v < 1 << 63 for v in item[1:])):
             raise ProtocolError(f"cache record {i} {item!r:.80} is not keep/crop/copy/close with its counts")
         records.append(tuple(item))
     return tuple(records)
