@@ -15,7 +15,7 @@ from moeswarm.commands._types import port, positive, seconds
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
-    parser.add_argument("--layers", required=True, metavar="A-B",
+    parser.add_argument("--layers", required=True, type=_span, metavar="A-B",
                         help="the decoder layers this stage holds, inclusive (0-based), e.g. 0-7")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=port, default=0, help="TCP port (0: pick a free one and print it)")
@@ -46,17 +46,15 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.stages.caches import CacheLimits
     from moeswarm.stages.node import open_stage
     from moeswarm.stages.server import StageLimits
-    from moeswarm.stages.span import parse_span
     from moeswarm.worker.listen import check_can_listen
 
     check_can_listen(args.host, args.port)
-    span = parse_span(args.layers, None)
     source = open_source(args.model, args.backbone_dtype)
-    span = parse_span(args.layers, source.config.num_hidden_layers)
     caches = CacheLimits(args.max_sequences, args.max_cache_mb << 20, args.sequence_ttl)
     limits = StageLimits(max_connections=args.max_connections, max_tokens=args.max_tokens, caches=caches)
     set_backbone_threads(args.threads)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    span = args.layers
     server, swarm = open_stage(source, span, args.workers or [], swarm_config(args, source), limits,
                                server_tls(args.swarm_key, args.host))
     with swarm:
@@ -68,3 +66,13 @@ def run(args: argparse.Namespace) -> int:
         server.serve_forever()
     print(f"moeswarm stage: stopped after {server.steps} steps", flush=True)
     return 0
+
+
+def _span(text: str) -> range:
+    """argparse type of `--layers`."""
+    from moeswarm.stages.span import parse_span
+
+    try:
+        return parse_span(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

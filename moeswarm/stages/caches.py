@@ -108,13 +108,12 @@ class StageCaches:
     def _evict(self, keep: set[tuple[str, int]], need: int) -> None:
         """Drop least recently used sequences not in `keep` until under the byte bound and `need`
         sequence slots are free."""
+        held = self.nbytes()
         for key in list(self._caches):
-            over = self.nbytes() > self.limits.max_bytes
-            if not over and len(self._caches) + need <= self.limits.max_sequences:
+            if held <= self.limits.max_bytes and len(self._caches) + need <= self.limits.max_sequences:
                 return
             if key not in keep:
-                del self._caches[key]
-
+                held -= _nbytes(self._caches.pop(key)[0])
 
 def _nbytes(cache: SequenceCache) -> int:
     held = sum(t.nbytes for t in cache.keys.values()) + sum(t.nbytes for t in cache.values.values())

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, one_line, printable
+from moeswarm.stages.dial import DialError, dial
 from moeswarm.stages.protocol import Segment, Step, parse_result
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.stream import recv_frame, send_frame
@@ -60,19 +61,11 @@ class StageLink:
         self._send = threading.Lock()
 
     def connect(self, session: str, fingerprint: str, tls: ssl.SSLContext | None) -> None:
-        host, _, port = self.address.rpartition(":")
+        hello = {"role": "gateway", "session": session, "fingerprint": fingerprint}
         try:
-            sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if tls is not None:
-                sock = tls.wrap_socket(sock, server_hostname=host)
-            send_frame(sock, Frame(Opcode.HELLO, 0, {"role": "gateway", "session": session, "fingerprint": fingerprint}))
-            reply, _ = recv_frame(sock, time.monotonic() + CONNECT_TIMEOUT_S, max_payload=1 << 16)
-        except (OSError, ProtocolError, ssl.SSLError) as error:
+            sock, reply = dial(self.address, hello, tls, CONNECT_TIMEOUT_S)
+        except DialError as error:
             raise StageError(f"stage {self.address}: cannot connect: {one_line(error)}") from None
-        if reply.opcode != Opcode.HELLO:
-            sock.close()
-            raise StageError(f"stage {self.address} refused the gateway: {printable(str(reply.meta.get('message')), 300)}")
         layers = reply.meta.get("layers")
         if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(v, int) for v in layers)
                 and 0 <= layers[0] <= layers[1]):
@@ -106,15 +99,14 @@ class StageLink:
 
     def answers_ping(self, timeout_s: float = 2.0) -> bool:
         """Whether the stage answers a PING on a fresh connection within `timeout_s` (not stalled)."""
-        host, _, port = self.address.rpartition(":")
         try:
-            with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
-                if self.chain.tls is not None:
-                    sock = self.chain.tls.wrap_socket(sock, server_hostname=host)
+            sock, _ = dial(self.address, {"role": "stage", "fingerprint": self.chain.fingerprint}, self.chain.tls,
+                           timeout_s)
+            with sock:
                 send_frame(sock, Frame(Opcode.PING, 1))
                 reply, _ = recv_frame(sock, time.monotonic() + timeout_s, max_payload=1 << 16)
                 return reply.opcode == Opcode.PONG
-        except (OSError, ProtocolError, ssl.SSLError):
+        except DialError:
             return False
 
 
@@ -154,7 +146,6 @@ class Chain:
         self._lock = threading.Lock()  # the pending futures
         self._sending = threading.Lock()  # the order of sends and log entries; held through a replay
         self.generation = 0  # sessions opened
-        self.trips = 0  # steps sent, replays included
         self.failovers = 0
         self.replayed_steps = 0
         self.last_replay_s: float | None = None  # from a failure's recovery to the failed step's answer
@@ -185,10 +176,6 @@ class Chain:
             at = link.layers.stop
         if at != self.num_layers:
             raise StageError(f"the stages hold layers 0-{at - 1} of the model's {self.num_layers}")
-
-    @property
-    def spans(self) -> list[range]:
-        return [link.layers for link in self._links]
 
     def step(self, segments: list[Segment], records: Callable[[], list[tuple]], hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, d] through every stage: [T, d] after the model's last layer.
@@ -250,7 +237,6 @@ class Chain:
                      logged.hidden).to_frame()
         try:
             self._links[0].send(frame)
-            self.trips += 1
         except OSError as error:
             self.lost(self._links[0], one_line(error))
 

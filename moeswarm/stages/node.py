@@ -8,7 +8,7 @@ from moeswarm.generation.ragged import install, supports_ragged
 from moeswarm.errors import MoeSwarmError
 from moeswarm.model.source import as_source
 from moeswarm.stages.server import StageLimits, StageServer
-from moeswarm.stages.span import decoder_layers, keep_span
+from moeswarm.stages.span import keep_span
 from moeswarm.swarm import Swarm, open_swarm
 from moeswarm.swarm_config import SwarmConfig
 
@@ -20,11 +20,11 @@ def open_stage(model_path, span: range, workers: list[str], config: SwarmConfig 
     the swarm, or this process), and return the stage's server (not yet listening) with its swarm
     (close it when the server stops)."""
     source = as_source(model_path)
+    total = source.config.get_text_config().num_hidden_layers
+    if span.stop > total:  # before anything loads
+        raise MoeSwarmError(f"--layers {span.start}-{span.stop - 1}: the model has decoder layers 0-{total - 1}")
     swarm = open_swarm(source, workers, config, layers=span, ends=False)
     try:
-        total = len(decoder_layers(swarm.model))
-        if span.stop > total:
-            raise MoeSwarmError(f"--layers {span.start}-{span.stop - 1}: the model has decoder layers 0-{total - 1}")
         if not supports_ragged(swarm.model):
             raise MoeSwarmError(f"{swarm.model.config.model_type}: its layers keep a state a stage cannot pack "
                                 "(recurrent or latent attention): it cannot be staged")

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, one_line, printable
 from moeswarm.stages.caches import CacheLimits, StageCaches
+from moeswarm.stages.dial import DialError, dial
 from moeswarm.stages.forward import run_span
 from moeswarm.stages.protocol import Step, error_frame, result_frame
 from moeswarm.wire.frames import Frame, Opcode
@@ -255,21 +256,11 @@ class StageServer:
             self._dial(address).send(frame)  # once more on a fresh connection
 
     def _dial(self, address: str) -> Connection:
-        host, _, port = address.rpartition(":")
+        hello = {"role": "stage", "fingerprint": self.fingerprint}
         try:
-            sock = socket.create_connection((host, int(port)), timeout=self.limits.connect_timeout_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._tls_client is not None:
-                sock = self._tls_client.wrap_socket(sock, server_hostname=host)
-            send_frame(sock, Frame(Opcode.HELLO, 0, {"role": "stage", "fingerprint": self.fingerprint}))
-            reply, _ = recv_frame(sock, time.monotonic() + self.limits.connect_timeout_s, max_payload=1 << 16)
-        except (OSError, ValueError, ProtocolError, ssl.SSLError) as error:
+            sock, _ = dial(address, hello, self._tls_client, self.limits.connect_timeout_s)
+        except DialError as error:
             raise MoeSwarmError(f"the next stage {printable(address, 80)} is unreachable: {one_line(error)}") from None
-        if reply.opcode != Opcode.HELLO:
-            sock.close()
-            raise MoeSwarmError(f"the next stage {printable(address, 80)} refused this one: "
-                                f"{printable(str(reply.meta.get('message')), 200)}")
         connection = Connection(sock, address)
         self._onward[address] = connection
         return connection
-

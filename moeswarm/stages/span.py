@@ -11,20 +11,13 @@ import torch
 from transformers import PreTrainedModel
 
 from moeswarm.errors import MoeSwarmError
+from moeswarm.ids import parse_range
 
 
-def parse_span(text: str, num_layers: int | None = None) -> range:
-    """"A-B" (inclusive, 0-based) or "A" -> range(A, B + 1), checked against the model's layers."""
-    low, _, high = text.strip().partition("-")
-    try:
-        span = range(int(low), int(high or low) + 1)
-    except ValueError:
-        raise MoeSwarmError(f"--layers {text!r}: give the first and last decoder layer, like 0-7") from None
-    if not span or span.start < 0:
-        raise MoeSwarmError(f"--layers {text!r}: the first layer must be >= 0 and not after the last")
-    if num_layers is not None and span.stop > num_layers:
-        raise MoeSwarmError(f"--layers {text!r}: the model has decoder layers 0-{num_layers - 1}")
-    return span
+def parse_span(text: str) -> range:
+    """"A-B" (inclusive, 0-based) or "A" -> range(A, B + 1); ValueError naming what is wrong."""
+    low, high = parse_range(text, "decoder layer")
+    return range(low, high + 1)
 
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:

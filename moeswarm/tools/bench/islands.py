@@ -20,6 +20,7 @@ import contextlib
 from dataclasses import asdict, dataclass
 
 from moeswarm.generation.run import generate
+from moeswarm.model.experts import num_experts_in_config
 from moeswarm.model.source import open_source
 from moeswarm.stages.gateway import open_gateway
 from moeswarm.swarm import open_swarm
@@ -54,7 +55,7 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
                 cache=DEFAULT_CACHE) -> dict:
     path = str(model_file(SHAPES["olmoe"], cache))
     source = open_source(path)
-    layers = source.config.num_hidden_layers
+    layers, experts = source.config.num_hidden_layers, num_experts_in_config(source.config)
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(PROMPT_TOKENS // 2)] * 2  # repeats: something to draft from
     rows: list[Row] = []
     with open_swarm(source, []) as local:
@@ -62,7 +63,7 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
         rows.append(_row("local", 0, 0, reference, 0, reference.tokens))
     runs = (1 + len(stage_counts)) * len(rtts_ms) * len({0, speculate})
     with progress(desc="bench islands", total=runs, unit="run") as bar:
-        with _star_workers(path) as workers, wan_links(workers, LinkProfile(rtt_s=rtts_ms[0] / 1000)) as links, \
+        with _star_workers(path, experts) as workers, wan_links(workers, LinkProfile(rtt_s=rtts_ms[0] / 1000)) as links, \
                 open_swarm(source, links.addresses) as star:
             for rtt in rtts_ms:
                 links.set_all(rtt_s=rtt / 1000)
@@ -71,7 +72,7 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
                     rows.append(_row("star", rtt, k, result, 2 * len(star.moe_layers), reference.tokens))
                     bar.update(1)
         for count in stage_counts:
-            with _islands(path, SPANS[count]) as stages, \
+            with _islands(path, SPANS[count], experts) as stages, \
                     wan_links(stages, LinkProfile(rtt_s=rtts_ms[0] / 1000)) as links, \
                     open_gateway(source, links.addresses) as gateway:
                 for rtt in rtts_ms:
@@ -109,8 +110,7 @@ def _targets(rows: list[Row]) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _star_workers(path: str):
-    num_experts = 64
+def _star_workers(path: str, num_experts: int):
     processes = [spawn_worker(path, range(0, num_experts // 2)), spawn_worker(path, range(num_experts // 2, num_experts))]
     try:
         yield [wait_listening(p) for p in processes]
@@ -119,12 +119,12 @@ def _star_workers(path: str):
 
 
 @contextlib.contextmanager
-def _islands(path: str, spans: list[str]):
+def _islands(path: str, spans: list[str], num_experts: int):
     """One worker (every expert of the span) and one stage per span; yields the stages' addresses."""
     workers, stages = [], []
     try:
         for span in spans:
-            workers.append(spawn_worker(path, range(64), extra_args=("--layers", span)))
+            workers.append(spawn_worker(path, range(num_experts), extra_args=("--layers", span)))
         worker_addresses = [wait_listening(p) for p in workers]
         for span, worker in zip(spans, worker_addresses):
             stages.append(spawn_stage(path, span, [worker]))
