@@ -4,11 +4,12 @@ the sequences' caches) to gateways; its MoE layers go to its own workers (docs/s
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 
 from moeswarm.commands._setup import add_quiet
-from moeswarm.commands._swarm import check_workers_or_swarm
+from moeswarm.commands._swarm import DEFAULT_TTL_S, check_workers_or_swarm, swarm_peers
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
 from moeswarm.commands._types import port, positive, seconds
 
@@ -30,42 +31,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--sequence-ttl", type=seconds, default=600.0, metavar="SECONDS",
                         help="a sequence untouched this long is dropped (default 600)")
     add_swarm_flags(parser)
+    add_announce(parser)
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="least severe log records printed on stderr")
     add_quiet(parser)
 
 
+def add_announce(parser: argparse.ArgumentParser) -> None:
+    """The flags of a stage's own announcement on the DHT (named as `moeswarm worker`'s, under --announce-)."""
+    group = parser.add_argument_group("announce", "announce this stage on the swarm's DHT, for gateways with "
+                                                  "--stages-swarm (docs/stages.md)")
+    group.add_argument("--announce-swarm", type=swarm_peers, default=None, metavar="PEERS",
+                       help="join the swarm at these DHT peers (comma-separated multiaddrs /ip4/HOST/tcp/PORT/p2p/ID) "
+                            "and announce this stage's layers there; 'new': start a new swarm (its multiaddr is "
+                            "printed). Signed with --swarm-key when given")
+    group.add_argument("--announce-host", default=None, metavar="HOST",
+                       help="the address gateways dial this stage at (default: --host, which must then not be 0.0.0.0)")
+    group.add_argument("--announce-ttl", type=seconds, default=DEFAULT_TTL_S, metavar="SECONDS",
+                       help=f"the announcement expires this long after each refresh (every third of it) "
+                            f"(default {DEFAULT_TTL_S:g})")
+    group.add_argument("--dht-port", type=port, default=0, metavar="PORT",
+                       help="TCP port of this stage's DHT node, on --host (0: a free one)")
+
+
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.commands._setup import quiet_progress
+    from moeswarm.commands._setup import quiet_progress, set_backbone_threads
 
     quiet_progress(args)
     check_workers_or_swarm(args)
-    from moeswarm.commands._setup import set_backbone_threads
-    from moeswarm.commands._tls import server_tls
-    from moeswarm.model.source import open_source
-    from moeswarm.stages.caches import CacheLimits
-    from moeswarm.stages.node import open_stage
-    from moeswarm.stages.server import StageLimits
-    from moeswarm.worker.listen import check_can_listen
+    from moeswarm.stages.node import open_stage_node
 
-    check_can_listen(args.host, args.port)
-    source = open_source(args.model, args.backbone_dtype)
-    caches = CacheLimits(args.max_sequences, args.max_cache_mb << 20, args.sequence_ttl)
-    limits = StageLimits(max_connections=args.max_connections, max_tokens=args.max_tokens, caches=caches)
     set_backbone_threads(args.threads)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    span = args.layers
-    server, swarm = open_stage(source, span, args.workers or [], swarm_config(args, source), limits,
-                               server_tls(args.swarm_key, args.host))
-    with swarm:
-        bound = server.listen(args.host, args.port)
-        print(f"moeswarm stage: listening on {args.host}:{bound} model {source.config.model_type} "
-              f"{source.fingerprint} layers {span.start}-{span.stop - 1}", flush=True)
+    with open_stage_node(_options(args), functools.partial(swarm_config, args), report=_say) as node:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: server.close())
-        server.serve_forever()
-    print(f"moeswarm stage: stopped after {server.steps} steps", flush=True)
+            signal.signal(sig, lambda *_: node.stop())
+        node.serve()
+    _say(f"stopped after {node.steps} steps")
     return 0
+
+
+def _options(args: argparse.Namespace):
+    """The StageOptions the flags ask for (the TLS context made here: it may warn about plain TCP)."""
+    from moeswarm.commands._tls import server_tls
+    from moeswarm.stages.caches import CacheLimits
+    from moeswarm.stages.node import StageAnnouncement, StageOptions
+    from moeswarm.stages.server import StageLimits
+
+    caches = CacheLimits(args.max_sequences, args.max_cache_mb << 20, args.sequence_ttl)
+    announce = None if args.announce_swarm is None else StageAnnouncement(
+        tuple(args.announce_swarm), args.announce_host, args.announce_ttl, args.dht_port, args.swarm_key)
+    return StageOptions(args.model, args.layers, args.host, args.port, tuple(args.workers or ()),
+                        StageLimits(max_connections=args.max_connections, max_tokens=args.max_tokens, caches=caches),
+                        server_tls(args.swarm_key, args.host), args.backbone_dtype, announce)
+
+
+def _say(line: str) -> None:
+    print(f"moeswarm stage: {line}", flush=True)
 
 
 def _span(text: str) -> range:

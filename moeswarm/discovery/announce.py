@@ -18,7 +18,7 @@ import torch
 
 from moeswarm.errors import MoeSwarmError
 from moeswarm.discovery.dht import STORE_TIMEOUT_S, SwarmDht
-from moeswarm.discovery.record import Announcement
+from moeswarm.discovery.record import WORKERS, Announcement, RecordKind
 from moeswarm.transport.path import canonical_address
 
 log = logging.getLogger("moeswarm.discovery")
@@ -28,10 +28,13 @@ BENCH_TOKENS = 16
 
 
 class Announcer:
-    def __init__(self, dht: SwarmDht, record: Announcement, ttl_s: float = DEFAULT_TTL_S):
+    """Keeps one record on the DHT: a worker's Announcement, or a record of another `kind` (a stage's)."""
+
+    def __init__(self, dht: SwarmDht, record: Announcement, ttl_s: float = DEFAULT_TTL_S, kind: RecordKind = WORKERS):
         self.dht = dht
         self.record = dataclasses.replace(record, address=canonical_address(record.address))  # as readers require it
         self.ttl_s = ttl_s
+        self.kind = kind
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh, name="moeswarm-announce", daemon=True)
 
@@ -39,14 +42,15 @@ class Announcer:
         """Store the record now (MoeSwarmError if no peer takes it), then refresh it every TTL/3."""
         # hivemind reports the answer of whichever replica answered first: a hostile node saying no
         # must not stop a worker whose record the others took, so a refusal is checked by reading back
-        if not self.dht.store(self.record, self.ttl_s) and self.record.address not in self.dht.fetch(self.record.fingerprint):
+        if (not self.dht.store(self.record, self.ttl_s, kind=self.kind)
+                and self.record.address not in self.dht.fetch(self.record.fingerprint, self.kind)):
             raise MoeSwarmError("could not announce on the swarm: no DHT peer stored the record")
         self._thread.start()
 
     def _refresh(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                if not self.dht.store(self.record, self.ttl_s):
+                if not self.dht.store(self.record, self.ttl_s, kind=self.kind):
                     log.warning("announcement refresh: no DHT peer stored the record (retrying)")
             except Exception as error:  # the DHT process may be going down; the next round tries again
                 log.warning("announcement refresh failed: %s", error)
@@ -57,7 +61,7 @@ class Announcer:
         if self._thread.is_alive():
             self._thread.join(STORE_TIMEOUT_S)  # a refresh in flight ends within its own timeout
         try:
-            self.dht.store(self.record.offline(), self.ttl_s)
+            self.dht.store(self.record.offline(), self.ttl_s, kind=self.kind)
         except Exception as error:  # it expires on its own within a TTL
             log.warning("could not withdraw the announcement: %s", error)
 

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from moeswarm.errors import MoeSwarmError, one_line, printable
-from moeswarm.discovery.record import Announcement, RecordError, announcement_key, parse_record
+from moeswarm.discovery.record import WORKERS, Announcement, RecordError, RecordKind
 from moeswarm.transport.member_cert import Authority, Identity
 
 log = logging.getLogger("moeswarm.discovery")
@@ -106,13 +106,14 @@ class SwarmDht:
         """The multiaddrs other peers can join this node by (its peer id included)."""
         return [str(m) for m in self._node.get_visible_maddrs()]
 
-    def store(self, record: Announcement, ttl_s: float, timeout_s: float = STORE_TIMEOUT_S) -> bool:
-        """Announce `record` until `ttl_s` from now (a later store replaces it); False if no peer took it.
-        TimeoutError after `timeout_s`: the DHT process may be gone (a Ctrl-C reaches the whole process
+    def store(self, record, ttl_s: float, timeout_s: float = STORE_TIMEOUT_S, kind: RecordKind = WORKERS) -> bool:
+        """Announce `record` (an Announcement, or a record of `kind`: its `address`, `fingerprint` and
+        `to_value()`) until `ttl_s` from now (a later store replaces it); False if no peer took it.
+        MoeSwarmError after `timeout_s`: the DHT process may be gone (a Ctrl-C reaches the whole process
         group), and a worker stopping must not wait on it forever."""
         from hivemind.utils import get_dht_time
 
-        key, subkey, value = announcement_key(record.fingerprint), record.address, record.to_value()
+        key, subkey, value = kind.key(record.fingerprint), record.address, record.to_value()
         expiration_time = get_dht_time() + ttl_s
         if self.authority is not None:
             if self.identity is None:
@@ -127,31 +128,33 @@ class SwarmDht:
         except TimeoutError:
             raise MoeSwarmError(f"the DHT did not answer within {timeout_s:g} s") from None
 
-    def fetch(self, fingerprint: str) -> dict[str, Announcement]:
-        """The online workers announced for model `fingerprint`, by address (the first claim of each, see `claims`)."""
-        return {address: claims[0] for address, claims in self.claims(fingerprint).items()}
+    def fetch(self, fingerprint: str, kind: RecordKind = WORKERS) -> dict[str, Announcement]:
+        """The online workers (or records of `kind`) announced for model `fingerprint`, by address (the
+        first claim of each, see `claims`)."""
+        return {address: claims[0] for address, claims in self.claims(fingerprint, kind).items()}
 
-    def claims(self, fingerprint: str) -> dict[str, list[Announcement]]:
+    def claims(self, fingerprint: str, kind: RecordKind = WORKERS) -> dict[str, list]:
         """The online announcements for model `fingerprint`, by address, in subkey order. Malformed
         entries are skipped (each cause logged once, escaped); withdrawn ones (online false) are left
         out. Keyed: an entry counts only when signed by a member of the swarm under its own subkey,
         not revoked, at most MAX_PER_MEMBER per member; several members may claim one address (only
         the worker's HELLO tells which is right: discovery/follow.py tries them in turn).
-        Unkeyed: one claim per address, at most MAX_PER_HOST per host."""
-        found = self._node.get(announcement_key(fingerprint), latest=True)
+        Unkeyed: one claim per address, at most MAX_PER_HOST per host.
+        kind: workers' announcements (Announcement), or stages' records (discovery/stage_record.py)."""
+        found = self._node.get(kind.key(fingerprint), latest=True)
         entries = found.value if found is not None else {}
         if not isinstance(entries, dict):  # someone stored a plain value under the key
             self._problem(f"the key of model {fingerprint} holds a {type(entries).__name__}, not announcements")
             return {}
         if len(entries) > MAX_RECORDS:
             self._problem(f"{len(entries)} announcements for model {fingerprint}: only the first {MAX_RECORDS} are read")
-        records: dict[str, list[Announcement]] = {}
+        records: dict[str, list] = {}
         per_member: Counter[str] = Counter()
         per_host: Counter[str] = Counter()
         ignored: list[str] = []  # why, per entry left out (a flood must not become as many log lines)
         for subkey, entry in sorted(entries.items(), key=lambda item: str(item[0]))[:MAX_RECORDS]:
             try:
-                signer, record = self._open(fingerprint, subkey, entry)
+                signer, record = self._open(fingerprint, subkey, entry, kind)
             except RecordError as error:
                 ignored.append(f"ignoring an announcement under {str(subkey)[:100]!r}: {error}")
                 continue
@@ -173,18 +176,18 @@ class SwarmDht:
                           f"{MAX_CAUSES_LOGGED} causes logged)")
         return records
 
-    def _open(self, fingerprint: str, subkey: object, entry: object) -> tuple[str, Announcement]:
+    def _open(self, fingerprint: str, subkey: object, entry: object, kind: RecordKind) -> tuple[str, object]:
         """(the signer: a member id, or "" unkeyed; the announcement) of one entry; RecordError if it does not count."""
         value = getattr(entry, "value", None)
         if self.authority is None:
             if isinstance(value, dict) and {"body", "cert", "sig"} <= value.keys():
                 raise RecordError("a signed record of a keyed swarm: give --swarm-key to read it")
-            return "", parse_record(subkey, value, fingerprint)
+            return "", kind.parse(subkey, value, fingerprint)
         from moeswarm.discovery.sign import key_id, open_record
 
-        signer, body = open_record(self.authority, key_id(announcement_key(fingerprint)), subkey, value,
+        signer, body = open_record(self.authority, key_id(kind.key(fingerprint)), subkey, value,
                                    getattr(entry, "expiration_time", 0.0))
-        return signer.member_id, parse_record(body.get("address"), body, fingerprint)
+        return signer.member_id, kind.parse(body.get("address"), body, fingerprint)
 
     def _problem(self, message: str) -> None:
         message = printable(message, 400)

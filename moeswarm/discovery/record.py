@@ -13,7 +13,7 @@ lying record costs a connection attempt, never a wrong answer.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from moeswarm.ids import MAX_EXPERT_ID, format_ids, parse_experts
@@ -83,33 +83,48 @@ def announcement_key(fingerprint: str) -> str:
     return KEY_PREFIX + fingerprint
 
 
+@dataclass(frozen=True)
+class RecordKind:
+    """What is announced under a model's key: workers (this module) or stages (discovery/stage_record.py).
+
+    key: the DHT key of a model's records of this kind, from its fingerprint.
+    parse: (subkey, value, fingerprint) -> the record; RecordError when it is not one.
+    """
+
+    key: Callable[[str], str]
+    parse: Callable[[object, object, str], object]
+
+
 def parse_record(subkey: object, value: object, fingerprint: str) -> Announcement:
     """The announcement in one DHT entry (subkey: the address it was stored under); RecordError if malformed."""
     if not isinstance(value, Mapping):
         raise RecordError(f"a {type(value).__name__}, not a map")
     if value.get("v") != RECORD_VERSION:
-        raise RecordError(f"record version {_short(value.get('v'))}, this moeswarm reads {RECORD_VERSION}")
-    address = _text(value, "address", MAX_ADDRESS)
+        raise RecordError(f"record version {quoted(value.get('v'))}, this moeswarm reads {RECORD_VERSION}")
+    address = text_field(value, "address", MAX_ADDRESS)
     if subkey != address:
-        raise RecordError(f"stored under {_short(subkey)} but names address {_short(address)}")
-    _check_address(address)
-    found = _text(value, "fingerprint", MAX_NAME)
+        raise RecordError(f"stored under {quoted(subkey)} but names address {quoted(address)}")
+    check_address(address)
+    found = text_field(value, "fingerprint", MAX_NAME)
     if found != fingerprint:
-        raise RecordError(f"fingerprint {_short(found)} under the key of {fingerprint}")
-    num_experts = _integer(value, "num_experts", 1, MAX_EXPERT_ID + 1)
-    hidden_size = _integer(value, "hidden_size", 1, MAX_HIDDEN)
+        raise RecordError(f"fingerprint {quoted(found)} under the key of {fingerprint}")
+    num_experts = int_field(value, "num_experts", 1, MAX_EXPERT_ID + 1)
+    hidden_size = int_field(value, "hidden_size", 1, MAX_HIDDEN)
     capacity = value.get("capacity")
     if not (isinstance(capacity, (list, tuple)) and len(capacity) == 2
             and all(type(c) is int and 0 < c <= MAX_COUNT for c in capacity)):
         raise RecordError("capacity is not [connections, tokens per dispatch] as two positive integers")
     throughput = value.get("throughput")
     if type(throughput) not in (int, float) or not math.isfinite(throughput) or throughput < 0:
-        raise RecordError(f"throughput {_short(throughput)} is not a finite number >= 0")
+        raise RecordError(f"throughput {quoted(throughput)} is not a finite number >= 0")
     tls, online = value.get("tls"), value.get("online")
     if type(tls) is not bool or type(online) is not bool:
         raise RecordError("tls and online must be true or false")
-    return Announcement(address, found, _text(value, "model_type", MAX_NAME), num_experts, hidden_size,
+    return Announcement(address, found, text_field(value, "model_type", MAX_NAME), num_experts, hidden_size,
                         _held(value.get("held"), num_experts), tls, Capacity(*capacity), float(throughput), online)
+
+
+WORKERS = RecordKind(announcement_key, parse_record)
 
 
 def _held(raw: object, num_experts: int) -> dict[int, tuple[int, ...]]:
@@ -133,7 +148,7 @@ def _held(raw: object, num_experts: int) -> dict[int, tuple[int, ...]]:
     return held
 
 
-def _check_address(address: str) -> None:
+def check_address(address: str) -> None:
     from moeswarm.transport.path import canonical_address  # the path policy owns the address forms
 
     try:
@@ -141,24 +156,24 @@ def _check_address(address: str) -> None:
     except ValueError as error:
         raise RecordError(str(error)) from None
     if canonical != address:  # respellings of one worker (127.1:07730) would each pass for another
-        raise RecordError(f"address {_short(address)} is not in canonical form ({_short(canonical)})")
+        raise RecordError(f"address {quoted(address)} is not in canonical form ({quoted(canonical)})")
 
 
-def _text(value: Mapping, name: str, limit: int) -> str:
+def text_field(value: Mapping, name: str, limit: int) -> str:
     text = value.get(name)
     if not isinstance(text, str) or not 0 < len(text) <= limit or not text.isprintable():
         raise RecordError(f"{name} is not printable text of 1 to {limit} characters")
     return text
 
 
-def _integer(value: Mapping, name: str, low: int, high: int) -> int:
+def int_field(value: Mapping, name: str, low: int, high: int) -> int:
     number = value.get(name)
     if type(number) is not int or not low <= number <= high:
-        raise RecordError(f"{name} {_short(number)} is not an integer in {low}-{high}")
+        raise RecordError(f"{name} {quoted(number)} is not an integer in {low}-{high}")
     return number
 
 
-def _short(value: object) -> str:
+def quoted(value: object) -> str:
     """A peer's value quoted in a message: bounded (the message is escaped where it is printed)."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

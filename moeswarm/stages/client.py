@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, one_line, printable
-from moeswarm.stages.dial import DialError, dial
+from moeswarm.stages.dial import DialError, dial, hello_layers
 from moeswarm.stages.protocol import Segment, Step, parse_result
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.stream import recv_frame, send_frame
@@ -66,12 +66,10 @@ class StageLink:
             sock, reply = dial(self.address, hello, tls, CONNECT_TIMEOUT_S)
         except DialError as error:
             raise StageError(f"stage {self.address}: cannot connect: {one_line(error)}") from None
-        layers = reply.meta.get("layers")
-        if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(v, int) for v in layers)
-                and 0 <= layers[0] <= layers[1]):
+        self.layers = hello_layers(reply)
+        if self.layers is None:
             sock.close()
             raise StageError(f"stage {self.address} answered HELLO without its layers")
-        self.layers = range(layers[0], layers[1] + 1)
         sock.settimeout(None)
         self._sock = sock
         threading.Thread(target=self._read, name=f"moeswarm-stage-{self.address}", daemon=True).start()

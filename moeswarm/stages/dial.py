@@ -30,3 +30,12 @@ def dial(address: str, hello: dict, tls: ssl.SSLContext | None, timeout_s: float
         sock.close()
         raise
     return sock, reply
+
+
+def hello_layers(reply: Frame) -> range | None:
+    """The span of decoder layers a stage's HELLO answer names (`layers: [first, last]`), or None when malformed."""
+    layers = reply.meta.get("layers")
+    if not (isinstance(layers, list) and len(layers) == 2 and all(type(v) is int for v in layers)
+            and 0 <= layers[0] <= layers[1] < 1 << 20):
+        return None
+    return range(layers[0], layers[1] + 1)

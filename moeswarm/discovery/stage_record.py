@@ -1,0 +1,92 @@
+"""What a stage announces on the DHT (`moeswarm stage --announce-swarm`), and its checks on reading.
+
+A stage record says where a span of a model's decoder layers is served: under the key
+`stage_key(fingerprint)`, one subkey per stage (its address, or `MEMBER_ID@ADDRESS` signed in a
+keyed swarm: discovery/sign.py), a small msgpack map:
+
+    {"v": 1, "address": "HOST:PORT", "fingerprint": ..., "model_type": ..., "layers": [first, last],
+     "hidden_size": d, "tls": bool, "online": bool}
+
+Records come from the network: `parse_stage_record` bounds every size and checks every type. A
+record only says where to dial: the gateway's HELLO to the stage names the layers it really
+holds, and a HELLO that contradicts the record drops it (stages/find.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from moeswarm.discovery.record import (
+    KEY_PREFIX, MAX_HIDDEN, MAX_LAYERS, MAX_NAME, RecordError, RecordKind, check_address, int_field, quoted,
+    text_field,
+)
+
+STAGE_RECORD_VERSION = 1
+STAGE_KEY_PREFIX = KEY_PREFIX + "stages/"
+MAX_STAGE_ADDRESS = 300  # HOST:PORT (a stage is dialled directly: no relay form)
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """One stage's record.
+
+    address: HOST:PORT that gateways dial (canonical: transport/path.py).
+    layers: the decoder layers it holds, a contiguous span (range, stop exclusive).
+    tls: whether it requires the swarm key; a gateway uses only stages that match its own.
+    online: False in the record a stage leaves when it stops cleanly.
+    """
+
+    address: str
+    fingerprint: str
+    model_type: str
+    layers: range
+    hidden_size: int
+    tls: bool
+    online: bool = True
+
+    def to_value(self) -> dict:
+        """The msgpack-able value stored on the DHT."""
+        return {"v": STAGE_RECORD_VERSION, "address": self.address, "fingerprint": self.fingerprint,
+                "model_type": self.model_type, "layers": [self.layers.start, self.layers.stop - 1],
+                "hidden_size": self.hidden_size, "tls": self.tls, "online": self.online}
+
+    def offline(self) -> "StageRecord":
+        return StageRecord(self.address, self.fingerprint, self.model_type, self.layers, self.hidden_size, self.tls,
+                           online=False)
+
+
+def stage_key(fingerprint: str) -> str:
+    """The DHT key under which the stages of one model announce themselves."""
+    return STAGE_KEY_PREFIX + fingerprint
+
+
+def parse_stage_record(subkey: object, value: object, fingerprint: str) -> StageRecord:
+    """The stage record in one DHT entry (subkey: the address it was stored under); RecordError if malformed."""
+    if not isinstance(value, Mapping):
+        raise RecordError(f"a {type(value).__name__}, not a map")
+    if len(value) > 16:
+        raise RecordError(f"{len(value)} fields: a stage record has 8")
+    if value.get("v") != STAGE_RECORD_VERSION:
+        raise RecordError(f"stage record version {quoted(value.get('v'))}, this moeswarm reads {STAGE_RECORD_VERSION}")
+    address = text_field(value, "address", MAX_STAGE_ADDRESS)
+    if subkey != address:
+        raise RecordError(f"stored under {quoted(subkey)} but names address {quoted(address)}")
+    if "+" in address or "://" in address:
+        raise RecordError(f"address {quoted(address)} is not HOST:PORT (a stage is dialled directly)")
+    check_address(address)
+    found = text_field(value, "fingerprint", MAX_NAME)
+    if found != fingerprint:
+        raise RecordError(f"fingerprint {quoted(found)} under the key of {fingerprint}")
+    layers = value.get("layers")
+    if not (isinstance(layers, (list, tuple)) and len(layers) == 2 and all(type(v) is int for v in layers)
+            and 0 <= layers[0] <= layers[1] < MAX_LAYERS):
+        raise RecordError(f"layers {quoted(layers)} is not [first, last] with 0 <= first <= last < {MAX_LAYERS}")
+    tls, online = value.get("tls"), value.get("online")
+    if type(tls) is not bool or type(online) is not bool:
+        raise RecordError("tls and online must be true or false")
+    return StageRecord(address, found, text_field(value, "model_type", MAX_NAME), range(layers[0], layers[1] + 1),
+                       int_field(value, "hidden_size", 1, MAX_HIDDEN), tls, online)
+
+
+STAGES = RecordKind(stage_key, parse_stage_record)

@@ -1,0 +1,176 @@
+"""The gateway finding its stages on the swarm's DHT (`generate`/`serve --stages-swarm PEERS`).
+
+Stages announce themselves (`moeswarm stage --announce-swarm`, discovery/stage_record.py). The
+gateway joins the DHT as a client, reads the stage records of its model's fingerprint, and dials
+each one it may use: its HELLO must name the span its record claims (a record only says where to
+dial), and a PING's round trip is its latency. `plan_route` (stages/route.py, pure) turns the
+stages that answered into the chain: per span in layer order, its replicas. Until they tile every
+layer the gateway reads again every `poll_s`, saying what is missing, for at most `wait_s`; then
+it gives up with the gap in one line. The route is read once, at start: the chain's replicas are
+the stages announced then.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from moeswarm.errors import MoeSwarmError, one_line, printable
+from moeswarm.stages.dial import DialError, dial, hello_layers
+from moeswarm.stages.route import Offer, RouteError, plan_route
+from moeswarm.wire.frames import Frame, Opcode
+from moeswarm.wire.stream import recv_frame, send_frame
+
+log = logging.getLogger("moeswarm.gateway")
+
+WAIT_S = 60.0
+POLL_S = 2.0
+PROBE_TIMEOUT_S = 2.0
+MAX_PROBED = 256  # stage records dialled per read; more are left out (and said so)
+PROBES_AT_ONCE = 16
+MAX_CAUSES_LOGGED = 8  # new causes of left-out records logged per read
+
+
+@dataclass(frozen=True)
+class StageSearch:
+    """How a gateway finds its stages on the swarm.
+
+    peers: multiaddrs of DHT peers to join by.
+    swarm_key: the `--swarm-key` file: only records signed by the swarm's members count, and only
+        stages that require the key are used; None: an unkeyed swarm, stages without TLS.
+    wait_s: the most to wait for announced stages that tile every layer.
+    report: called with a line while waiting (None: logged).
+    """
+
+    peers: tuple[str, ...]
+    swarm_key: str | None = None
+    wait_s: float = WAIT_S
+    poll_s: float = POLL_S
+    probe_timeout_s: float = PROBE_TIMEOUT_S
+    report: Callable[[str], None] | None = None
+
+
+def find_route(search: StageSearch, source, tls: ssl.SSLContext | None) -> list[list[str]]:
+    """The chain for model `source` (a ModelSource) from the stages announced on the swarm: per
+    position in layer order, its replicas' addresses. MoeSwarmError (one line) when the swarm cannot
+    be joined, or the stages do not tile the model within `search.wait_s`."""
+    from moeswarm.discovery.dht import SwarmDht
+
+    authority = None
+    if search.swarm_key:
+        from moeswarm.transport.member_cert import Authority
+
+        authority = Authority.load(search.swarm_key)
+    if not search.peers:
+        raise MoeSwarmError("--stages-swarm joins an existing swarm: give the multiaddr a stage, a worker or "
+                            "`moeswarm dht` printed, not 'new'")
+    dht = SwarmDht.open(search.peers, client=True, authority=authority)
+    try:
+        return _StageFinder(dht, search, source, tls).wait()
+    finally:
+        dht.close()
+
+
+class _StageFinder:
+    """Reads, dials and plans until the stages tile the model (state kept across reads: what was dialled)."""
+
+    def __init__(self, dht, search: StageSearch, source, tls: ssl.SSLContext | None):
+        config = source.config.get_text_config()
+        self.dht, self.search, self.tls = dht, search, tls
+        self.fingerprint, self.model_type = source.fingerprint, source.config.model_type
+        self.num_layers, self.hidden_size = config.num_hidden_layers, config.hidden_size
+        self.answered: dict[tuple[str, int, int], float] = {}  # (address, start, stop) -> round trip ms
+        self.said: set[str] = set()
+
+    def wait(self) -> list[list[str]]:
+        from moeswarm.discovery.stage_record import STAGES
+
+        deadline = time.monotonic() + self.search.wait_s
+        last = ""
+        while True:
+            records = list(self.dht.fetch(self.fingerprint, STAGES).values())
+            try:
+                route = plan_route(self._offers(records), self.num_layers)
+            except RouteError as error:
+                if time.monotonic() >= deadline:
+                    raise RouteError(f"--stages-swarm: {error} (after waiting {self.search.wait_s:g} s)") from None
+                if str(error) != last:
+                    last = str(error)
+                    self._report(f"waiting for stages on the swarm: {error}")
+                time.sleep(self.search.poll_s)
+                continue
+            self._report("stages found on the swarm: " + ", ".join(
+                f"layers {p.layers.start}-{p.layers.stop - 1} at {'|'.join(p.replicas)}" for p in route))
+            return [list(p.replicas) for p in route]
+
+    def _offers(self, records: Iterable) -> list[Offer]:
+        """The records' stages this gateway may use, each dialled (once; again while it does not answer)."""
+        causes: list[str] = []
+        wanted = []
+        for record in records:
+            cause = self._unusable(record)
+            if cause:
+                causes.append(f"stage {record.address}: {cause}")
+            else:
+                wanted.append(record)
+        if len(wanted) > MAX_PROBED:
+            causes.append(f"{len(wanted)} stages announced: only the first {MAX_PROBED} are dialled")
+            wanted = wanted[:MAX_PROBED]
+        fresh = [r for r in wanted if self._key(r) not in self.answered]
+        if fresh:
+            with ThreadPoolExecutor(min(PROBES_AT_ONCE, len(fresh))) as pool:
+                for record, outcome in zip(fresh, pool.map(self._probe, fresh)):
+                    if isinstance(outcome, float):
+                        self.answered[self._key(record)] = outcome
+                    else:
+                        causes.append(f"stage {record.address}: {outcome}")
+        new = [c for c in dict.fromkeys(causes) if c not in self.said][:MAX_CAUSES_LOGGED]
+        for cause in new:
+            self.said.add(cause)
+            log.warning("leaving out %s", printable(cause, 300))
+        return [Offer(r.address, r.layers, self.answered[self._key(r)])
+                for r in wanted if self._key(r) in self.answered]
+
+    def _unusable(self, record) -> str:
+        """Why a well-formed record cannot serve this gateway ("" when it can)."""
+        if record.layers.stop > self.num_layers:
+            return f"layers {record.layers.start}-{record.layers.stop - 1} beyond the model's 0-{self.num_layers - 1}"
+        if record.hidden_size != self.hidden_size or record.model_type != self.model_type:
+            return f"model {record.model_type} of width {record.hidden_size}, not this model's"
+        if record.tls != (self.tls is not None):
+            return "it requires the swarm key (give --swarm-key)" if record.tls else \
+                "it does not use the swarm key this gateway has"
+        return ""
+
+    def _probe(self, record) -> float | str:
+        """The round trip to the stage in ms, or why it cannot be used (unreachable, a HELLO against its record)."""
+        timeout_s = self.search.probe_timeout_s
+        try:
+            sock, reply = dial(record.address, {"role": "stage", "fingerprint": self.fingerprint}, self.tls, timeout_s)
+            with sock:
+                layers = hello_layers(reply)
+                if layers != record.layers:
+                    said = "no layers" if layers is None else f"layers {layers.start}-{layers.stop - 1}"
+                    return f"its HELLO says {said}, its record {record.layers.start}-{record.layers.stop - 1}"
+                started = time.monotonic()
+                send_frame(sock, Frame(Opcode.PING, 1))
+                answer, _ = recv_frame(sock, started + timeout_s, max_payload=1 << 16)
+                if answer.opcode != Opcode.PONG:
+                    return f"answered PING with {answer.opcode.name}"
+                return (time.monotonic() - started) * 1000.0
+        except DialError as error:
+            return f"cannot be reached: {one_line(error)}"
+
+    def _report(self, line: str) -> None:
+        if self.search.report is not None:
+            self.search.report(printable(line, 1000))
+        else:
+            log.warning("%s", printable(line, 1000))
+
+    @staticmethod
+    def _key(record) -> tuple[str, int, int]:
+        return record.address, record.layers.start, record.layers.stop
