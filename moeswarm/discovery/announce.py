@@ -67,11 +67,12 @@ class Announcer:
 
 
 def announce_address(listen_host: str, port: int, announce_host: str | None) -> str:
-    """HOST:PORT that backbones dial: `announce_host` or the listen host, which must then be a real address."""
+    """HOST:PORT that backbones (gateways, for a stage) dial: `announce_host` or the listen host,
+    which must then be a real address."""
     host = announce_host or listen_host
     if not announce_host and _unspecified(listen_host):
         raise MoeSwarmError(f"--host {listen_host} listens on every interface, which is not an address to dial: "
-                            "give --announce-host with the address backbones reach this worker at")
+                            "give --announce-host with the address others reach this process at")
     return f"{host}:{port}"
 
 
