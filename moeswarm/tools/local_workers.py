@@ -48,10 +48,10 @@ def local_workers(model: str, expert_sets: Sequence[Sequence[int]], host: str = 
 
 
 def spawn_worker(model: str, experts: Sequence[int], host: str = "127.0.0.1", port: int = 0,
-                 extra_args: Sequence[str] = ()) -> subprocess.Popen:
+                 extra_args: Sequence[str] = (), threads: int = 1) -> subprocess.Popen:
     """Start one `moeswarm worker` process (not yet listening: see `wait_listening`)."""
-    command = [sys.executable, "-m", "moeswarm.cli", "worker", "--model", str(model),
-               "--experts", format_ids(experts), "--host", host, "--port", str(port), "--threads", "1", *extra_args]
+    command = [sys.executable, "-m", "moeswarm.cli", "worker", "--model", str(model), "--experts", format_ids(experts),
+               "--host", host, "--port", str(port), "--threads", str(threads), *extra_args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

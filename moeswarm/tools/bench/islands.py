@@ -11,7 +11,11 @@ Topologies, each decoding the same prompt greedily:
 - local: the whole model in this process (no network): the compute every other figure is over.
 
 Links: one WanProxy in front of every worker (star) or every stage (islands), at each RTT (one way
-= RTT / 2). Every process computes with one thread (3 to 9 processes on this machine's cores).
+= RTT / 2). Threads: this process (gateway, star backbone, local) computes with torch's threads;
+each stage and each island's worker with `threads` (default 2): with one sequence in flight only one
+process of a chain computes at a time (the others wait on a socket, their pools asleep), so each
+gets the cores a machine of its own would give it. The star's 2 workers compute at once: one
+thread each.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class Row:
 
 
 def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TOKENS, speculate: int = SPECULATE,
-                cache=DEFAULT_CACHE) -> dict:
+                cache=DEFAULT_CACHE, threads: int = 2) -> dict:
     path = str(model_file(SHAPES["olmoe"], cache))
     source = open_source(path)
     layers, experts = source.config.num_hidden_layers, num_experts_in_config(source.config)
@@ -72,7 +76,7 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
                     rows.append(_row("star", rtt, k, result, 2 * len(star.moe_layers), reference.tokens))
                     bar.update(1)
         for count in stage_counts:
-            with _islands(path, SPANS[count], experts) as stages, \
+            with _islands(path, SPANS[count], experts, threads) as stages, \
                     wan_links(stages, LinkProfile(rtt_s=rtts_ms[0] / 1000)) as links, \
                     open_gateway(source, links.addresses) as gateway:
                 for rtt in rtts_ms:
@@ -83,7 +87,7 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
                         rows.append(_row(name, rtt, k, result, count + 1, reference.tokens))
                         bar.update(1)
     return {"model": path, "layers": layers, "prompt_tokens": len(prompt), "decode_tokens": tokens,
-            "speculate": speculate, "rows": [asdict(row) for row in rows], "targets": _targets(rows)}
+            "speculate": speculate, "island_threads": threads, "rows": [asdict(row) for row in rows], "targets": _targets(rows)}
 
 
 def _row(topology: str, rtt: float, speculate: int, result, trips: int, local_tokens: list[int]) -> Row:
@@ -119,15 +123,15 @@ def _star_workers(path: str, num_experts: int):
 
 
 @contextlib.contextmanager
-def _islands(path: str, spans: list[str], num_experts: int):
-    """One worker (every expert of the span) and one stage per span; yields the stages' addresses."""
+def _islands(path: str, spans: list[str], num_experts: int, threads: int):
+    """One worker (every expert of the span) and one stage per span, `threads` each; yields the stages' addresses."""
     workers, stages = [], []
     try:
         for span in spans:
-            workers.append(spawn_worker(path, range(num_experts), extra_args=("--layers", span)))
+            workers.append(spawn_worker(path, range(num_experts), extra_args=("--layers", span), threads=threads))
         worker_addresses = [wait_listening(p) for p in workers]
         for span, worker in zip(spans, worker_addresses):
-            stages.append(spawn_stage(path, span, [worker]))
+            stages.append(spawn_stage(path, span, [worker], threads=threads))
         yield [wait_listening(p) for p in stages]
     finally:
         stop(stages + workers)
