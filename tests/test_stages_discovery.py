@@ -202,6 +202,47 @@ def test_a_keyed_stage_record_is_signed_stored_and_read_only_with_the_key(tmp_pa
             node.close()
 
 
+class _Claims:
+    """A DHT read as the finder sees it: {address: claims}."""
+
+    def __init__(self, records: list[StageRecord]):
+        self.records = records
+
+    def claims(self, fingerprint, kind):
+        assert kind is STAGES
+        found: dict[str, list[StageRecord]] = {}
+        for record in self.records:
+            found.setdefault(record.address, []).append(record)
+        return found
+
+
+def test_of_several_claims_of_one_address_the_finder_uses_the_one_its_hello_confirms(monkeypatch):
+    from types import SimpleNamespace
+
+    from moeswarm.stages.find import StageSearch, _StageFinder
+
+    truth = {"127.0.0.1:7001": range(0, 3), "127.0.0.1:7002": range(3, 6)}  # what each stage's HELLO says
+
+    def probe(self, record):
+        return 1.0 if truth.get(record.address) == record.layers else "its HELLO says otherwise"
+
+    monkeypatch.setattr(_StageFinder, "_probe", probe)
+    def claim(address: str, layers: range, hidden_size: int = 16) -> StageRecord:
+        return StageRecord(address, FINGERPRINT, "qwen2_moe", layers, hidden_size, tls=False)
+
+    records = [claim("127.0.0.1:7001", range(0, 6)),  # a member lying about a real stage: would be 1 stage
+               claim("127.0.0.1:7001", range(0, 3)), claim("127.0.0.1:7002", range(3, 6)),
+               claim("127.0.0.1:7003", range(0, 9)),  # beyond the model
+               claim("127.0.0.1:7004", range(3, 6), hidden_size=32)]  # another width
+    config = SimpleNamespace(num_hidden_layers=6, hidden_size=16)
+    source = SimpleNamespace(fingerprint=FINGERPRINT, config=SimpleNamespace(model_type="qwen2_moe",
+                                                                             get_text_config=lambda: config))
+    lines = []
+    finder = _StageFinder(_Claims(records), StageSearch(("peer",), report=lines.append), source, None)
+    assert finder.wait() == [["127.0.0.1:7001"], ["127.0.0.1:7002"]]
+    assert lines == ["stages found on the swarm: layers 0-2 at 127.0.0.1:7001, layers 3-5 at 127.0.0.1:7002"]
+
+
 def _announced(process: subprocess.Popen) -> str:
     """The address a stage process announced on the swarm, once it says so."""
     deadline = time.monotonic() + WAIT_S

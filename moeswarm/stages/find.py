@@ -3,7 +3,8 @@
 Stages announce themselves (`moeswarm stage --announce-swarm`, discovery/stage_record.py). The
 gateway joins the DHT as a client, reads the stage records of its model's fingerprint, and dials
 each one it may use: its HELLO must name the span its record claims (a record only says where to
-dial), and a PING's round trip is its latency. `plan_route` (stages/route.py, pure) turns the
+dial; of several members' claims of one address, only the one its HELLO confirms is used), and a
+PING's round trip is its latency. `plan_route` (stages/route.py, pure) turns the
 stages that answered into the chain: per span in layer order, its replicas. Until they tile every
 layer the gateway reads again every `poll_s`, saying what is missing, for at most `wait_s`; then
 it gives up with the gap in one line. The route is read once, at start: the chain's replicas are
@@ -92,7 +93,9 @@ class _StageFinder:
         deadline = time.monotonic() + self.search.wait_s
         last = ""
         while True:
-            records = list(self.dht.fetch(self.fingerprint, STAGES).values())
+            # every claim of an address (keyed, several members may claim one): its HELLO tells which is true
+            records = list({self._key(r): r for claims in self.dht.claims(self.fingerprint, STAGES).values()
+                            for r in claims}.values())
             try:
                 route = plan_route(self._offers(records), self.num_layers)
             except RouteError as error:
