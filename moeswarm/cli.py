@@ -1,8 +1,10 @@
 """The `moeswarm` command: a thin table of subcommands over the library.
 
 Each subcommand lives in `moeswarm/commands/<name>.py` and exposes `add_arguments(parser)` and
-`run(args) -> int`. Only the chosen command's module is imported (its flags are only needed
-then), so `moeswarm --help` loads no torch and one command's heavy imports never slow another.
+`run(args) -> int`: its flags, then one call into the library. Only the chosen command's module is
+imported (its flags are only needed then), and a command imports the library modules that load
+torch inside `run` (the one import there), not at its top: `moeswarm --help` and `moeswarm COMMAND
+--help` load no torch, and one command's heavy imports never slow another.
 
 A user's mistake (a bad flag, a missing file, a busy port) ends in one line on stderr and exit
 status 2; a traceback means a bug (`moeswarm --debug COMMAND ...` shows one for any error).

@@ -21,7 +21,7 @@ def quiet_transformers() -> None:
 
 def set_threads(threads: int | None) -> int:
     """Set torch's CPU threads for this process: `threads` (at least 1), or `default_threads()` when None."""
-    import torch  # here, not above: `moeswarm --help` must not load torch
+    import torch
 
     chosen = max(1, threads) if threads is not None else default_threads()
     torch.set_num_threads(chosen)

@@ -12,14 +12,16 @@ import argparse
 import sys
 
 from moeswarm.commands._types import port, seconds
+from moeswarm.discovery.dht import parse_peers
+from moeswarm.discovery.follow import DiscoveryOptions
+from moeswarm.errors import MoeSwarmError
+from moeswarm.transport.member_cert import Authority, Identity
 
 DEFAULT_TTL_S = 30.0  # discovery/announce.py's default, restated so `--help` imports no torch
 
 
 def swarm_peers(text: str) -> list[str]:
     """argparse type of `--swarm`: [] for "new", else the peers' multiaddrs."""
-    from moeswarm.discovery.dht import parse_peers
-
     try:
         return parse_peers(text)
     except ValueError as error:
@@ -52,8 +54,6 @@ def add_backbone_swarm(parser: argparse.ArgumentParser) -> None:
 def check_workers_or_swarm(args: argparse.Namespace) -> None:
     """At most one of --workers and --swarm; neither: the local mode, every expert in this process
     (MoeSwarmError otherwise: one line, exit status 2)."""
-    from moeswarm.errors import MoeSwarmError
-
     if args.workers and args.swarm is not None:
         raise MoeSwarmError("give --workers or --swarm, not both: a fixed list of workers, or the swarm to find them on")
     if args.swarm == []:
@@ -65,8 +65,6 @@ def discovery_options(args: argparse.Namespace, report=None):
     """The backbone's DiscoveryOptions for `--swarm`, or None with `--workers`."""
     if args.swarm is None:
         return None
-    from moeswarm.discovery.follow import DiscoveryOptions
-
     return DiscoveryOptions(tuple(args.swarm), args.swarm_wait, report=report or _stderr(args),
                             swarm_key=getattr(args, "swarm_key", None))
 
@@ -83,6 +81,4 @@ def keyed_dht(key_file: str | None) -> dict:
     """SwarmDht.open's authority and identity for `--swarm-key` (transport/member_cert.py): {} without one."""
     if not key_file:
         return {}
-    from moeswarm.transport.member_cert import Authority, Identity
-
     return {"authority": Authority.load(key_file), "identity": Identity.load(key_file)}

@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 
 from moeswarm.commands._local import add_local_experts
+from moeswarm.commands._local import resolve as resolve_local_experts
 from moeswarm.commands._setup import add_backbone_dtype
 from moeswarm.commands._swarm import add_backbone_swarm, discovery_options
 from moeswarm.commands._tls import add_swarm_key, client_tls
 from moeswarm.commands._types import fraction, positive, seconds
 from moeswarm.dispatch.health import REPLY_TIMEOUT_S
+from moeswarm.swarm_config import SwarmConfig
 from moeswarm.transport import FANOUTS
-from moeswarm.wire.config import COMBINE_MODES, PRESETS
+from moeswarm.wire.config import COMBINE_MODES, PRESETS, WireConfig
 
 
 def workers_list(text: str) -> list[str]:
@@ -63,13 +65,9 @@ def add_swarm_flags(parser: argparse.ArgumentParser) -> None:
     add_backbone_dtype(parser)
 
 
-def swarm_config(args: argparse.Namespace, source, report=None):
+def swarm_config(args: argparse.Namespace, source, report=None) -> SwarmConfig:
     """The SwarmConfig the flags say, checked against the model `source` (local experts); `report`
     receives discovery's progress lines (default: standard error)."""
-    from moeswarm.commands._local import resolve as resolve_local_experts
-    from moeswarm.swarm_config import SwarmConfig
-    from moeswarm.wire.config import WireConfig
-
     return SwarmConfig(
         wire=WireConfig.from_flags(args.wire, args.combine, args.wire_dispatch, args.wire_combine),
         fanout=args.fanout, reply_timeout_s=args.reply_timeout, hedge=not args.no_hedge, spot_check=args.spot_check,

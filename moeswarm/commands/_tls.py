@@ -7,6 +7,8 @@ import ipaddress
 import os
 import sys
 
+from moeswarm.transport.tls import client_context, server_context
+
 ENV = "MOESWARM_SWARM_KEY"
 
 
@@ -21,16 +23,12 @@ def client_tls(key_file: str | None):
     """The backbone's TLS context for `key_file`, or None for plain TCP."""
     if not key_file:
         return None
-    from moeswarm.transport.tls import client_context
-
     return client_context(key_file)
 
 
 def server_tls(key_file: str | None, host: str):
     """The worker's TLS context, or None; warns when plain TCP listens beyond loopback."""
     if key_file:
-        from moeswarm.transport.tls import server_context
-
         return server_context(key_file)
     if not _loopback(host):
         print(f"moeswarm worker: warning: listening on {host} without --swarm-key: anyone who reaches this port can use "

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moeswarm.ids import parse_experts, parse_range
+
 
 def prompt_text(text: str) -> str:
     """The prompt as given; `-` reads it from standard input."""
@@ -116,3 +118,22 @@ def port(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
     return value
+
+
+def expert_list(text: str) -> list[int]:
+    """An expert list such as 0-3,9,17-20."""
+    try:
+        return parse_experts(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def layer_range(what: str):
+    """The type of an inclusive range A-B of `what` (layers)."""
+    def parse(text: str) -> tuple[int, int]:
+        try:
+            return parse_range(text, what)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from moeswarm.commands._types import positive
+from moeswarm.tools.bench import real_shapes, worker_real_shapes
 
 JSON_HELP = "print JSON instead of text"
 
@@ -62,13 +63,13 @@ def serve(parser: argparse.ArgumentParser) -> None:
 
 
 def worker(parser: argparse.ArgumentParser) -> None:
-    from moeswarm.tools.bench.worker_real_shapes import DEFAULT_MODELS, DEFAULT_TYPES, QUANT_TYPES, SHAPES
-
-    parser.add_argument("--models", type=names(*SHAPES), default=DEFAULT_MODELS,
-                        help=f"layer shapes, comma-separated: {', '.join(SHAPES)} (default: {','.join(DEFAULT_MODELS)})")
-    parser.add_argument("--types", type=names(*QUANT_TYPES), default=DEFAULT_TYPES,
-                        help=f"quantization types, comma-separated: {', '.join(QUANT_TYPES)} "
-                             f"(default: {','.join(DEFAULT_TYPES)})")
+    shapes, quant_types = worker_real_shapes.SHAPES, worker_real_shapes.QUANT_TYPES
+    default_models, default_types = worker_real_shapes.DEFAULT_MODELS, worker_real_shapes.DEFAULT_TYPES
+    parser.add_argument("--models", type=names(*shapes), default=default_models,
+                        help=f"layer shapes, comma-separated: {', '.join(shapes)} (default: {','.join(default_models)})")
+    parser.add_argument("--types", type=names(*quant_types), default=default_types,
+                        help=f"quantization types, comma-separated: {', '.join(quant_types)} "
+                             f"(default: {','.join(default_types)})")
     parser.add_argument("--threads", type=positive, default=1, help="threads of the worker and of llama.cpp (default 1)")
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help="where the layer files are kept between runs (default ~/.cache/moeswarm/bench-worker)")
@@ -77,10 +78,10 @@ def worker(parser: argparse.ArgumentParser) -> None:
 
 
 def real(parser: argparse.ArgumentParser) -> None:
-    from moeswarm.tools.bench.real_shapes import DEFAULT_SHAPES, SHAPES
-
-    parser.add_argument("--shapes", type=names(*SHAPES), default=None,
-                        help=f"model shapes, comma-separated: {', '.join(SHAPES)} (default: {','.join(DEFAULT_SHAPES)})")
+    shapes = real_shapes.SHAPES
+    parser.add_argument("--shapes", type=names(*shapes), default=None,
+                        help=f"model shapes, comma-separated: {', '.join(shapes)} "
+                             f"(default: {','.join(real_shapes.DEFAULT_SHAPES)})")
     parser.add_argument("--threads", type=positive, default=2,
                         help="threads of llama.cpp, of moeswarm local and of the backbone; each worker gets half "
                              "(default 2)")

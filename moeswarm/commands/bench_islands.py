@@ -38,21 +38,7 @@ def flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from moeswarm.tools.bench.islands import run_islands
-    from moeswarm.tools.bench.islands_report import write_report
+    from moeswarm.tools.bench.islands_bench import run_islands_bench, table_lines
 
-    result = run_islands(args.rtts, args.stages, args.tokens, args.speculate)
-    command = (f"moeswarm bench islands --rtts {','.join(f'{r:g}' for r in args.rtts)} "
-               f"--stages {','.join(map(str, args.stages))} --tokens {args.tokens} --speculate {args.speculate}")
-    result["command"] = command
-    if args.report:
-        write_report(result, command)
-    if args.json:
-        print(json.dumps(result))
-        return
-    for row in result["rows"]:
-        print(f"{row['topology']:>9} rtt {row['rtt_ms']:>5g} ms drafts {row['speculate']}: "
-              f"{row['ms_per_token']:8.0f} ms/token, {row['tokens_per_step']:.2f} tokens/step, "
-              f"{row['one_way_trips_per_step']} one-way trips/step, tokens = local: {row['tokens_equal_local']}")
-    for target in result["targets"]:
-        print(f"target: {target['target']}: {target['measured']:.3g} ({'met' if target['met'] else 'not met'})")
+    result = run_islands_bench(args.rtts, args.stages, args.tokens, args.speculate, report=args.report)
+    print(json.dumps(result) if args.json else "\n".join(table_lines(result)))

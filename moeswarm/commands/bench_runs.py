@@ -7,11 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-from pathlib import Path
 
-from moeswarm.bundled import demo_model
-from moeswarm.errors import MoeSwarmError
+from moeswarm.bundled import PYMOE, demo_model
 
 
 def loopback(args: argparse.Namespace) -> None:
@@ -27,108 +24,53 @@ def ping(args: argparse.Namespace) -> None:
 
 
 def memory(args: argparse.Namespace) -> None:
-    from moeswarm.model.experts import num_experts_in_config
-    from moeswarm.model.source import open_source
-    from moeswarm.tools.bench.memory import MEMORY_MODEL, make_memory_model, run_memory, run_worker_memory
+    from moeswarm.tools.bench.memory import run_memory_bench
 
-    with tempfile.TemporaryDirectory() as tmp:
-        generated = make_memory_model(Path(tmp) / "memory-model")
-        result = run_memory(generated)
-        result["workers"] = [run_worker_memory(generated, MEMORY_MODEL["num_experts"])]
-        for path in args.worker_model:
-            result["workers"].append(run_worker_memory(path, num_experts_in_config(open_source(path).config)))
-    print_result(result, args.json)
+    print_result(run_memory_bench(args.worker_model), args.json)
 
 
 def wire_bytes(args: argparse.Namespace) -> None:
-    from moeswarm.bundled import PYMOE
-    from moeswarm.tools.bench.wire_bytes import (ALL_CONFIGS, MATCHED_CONFIGS, make_synthetic_model, model_bytes,
-                                                 synthetic_layer_bytes)
+    from moeswarm.tools.bench.wire_bytes import run_wire_bytes, table_lines
 
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        synthetic = str(make_synthetic_model(Path(tmp) / "synthetic-3072"))
-        rows += synthetic_layer_bytes(synthetic, 1, ALL_CONFIGS)  # every mode x codec pair
-        rows += synthetic_layer_bytes(synthetic, 4, MATCHED_CONFIGS)
-    rows += model_bytes(_model(args), 2, label=args.model or f"{PYMOE.name} (bundled)")
-    if args.json:
-        print(json.dumps(rows))
-        return
-    print(f"{'model':<18} {'mode':<8} {'dispatch':<9} {'combine':<9} {'workers':>7} {'hidden':>6} {'top_k':>5} "
-          f"{'tok/frame':>9} {'out B/tok/layer':>16} {'in B/tok/layer':>15}")
-    for r in rows:
-        print(f"{r['model']:<18} {r['mode']:<8} {r['wire_dispatch']:<9} {r['wire_combine']:<9} {r['workers']:>7} "
-              f"{r['hidden']:>6} {r['top_k']:>5} {r['tokens_per_frame']:>9} {r['bytes_out']:>16.1f} {r['bytes_in']:>15.1f}")
+    rows = run_wire_bytes(_model(args), label=args.model or f"{PYMOE.name} (bundled)")
+    print(json.dumps(rows) if args.json else "\n".join(table_lines(rows)))
 
 
 def wan(args: argparse.Namespace) -> None:
-    from moeswarm.tools.bench.report import print_tables, write_report
-    from moeswarm.tools.bench.wan_scenarios import run_wan
+    from moeswarm.tools.bench.wan_bench import run_wan_bench, table_lines
 
-    result = run_wan(_model(args), quick=args.quick, scenarios=args.scenarios)
     flags = [f"--model {args.model}" if args.model else "", "--quick" if args.quick else "", "--report" if args.report else "",
              f"--scenarios {','.join(args.scenarios)}" if args.scenarios else ""]
-    result["meta"]["command"] = " ".join(["moeswarm bench wan", *filter(None, flags)])
-    if args.out_json:
-        Path(args.out_json).write_text(json.dumps(result, indent=1) + "\n")
-    if args.report:
-        write_report(result)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_tables(result)
+    result = run_wan_bench(_model(args), args.quick, args.scenarios, " ".join(["moeswarm bench wan", *filter(None, flags)]),
+                           out_json=args.out_json, report=args.report)
+    print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
 
 
 def serve(args: argparse.Namespace) -> None:
-    from moeswarm.tools.bench.serve_load import run_serve_bench, table_lines
+    from moeswarm.tools.bench.serve_bench import run_serve, table_lines
 
     def show(row: dict) -> None:
         if sys.stderr.isatty() and not args.quiet:
             print(f"clients {row['clients']:>2} speculate {row['speculate']} groups {row['groups_flag'] or 'auto'}: "
                   f"{row['aggregate_tokens_per_s']:.2f} tokens/s", file=sys.stderr)
 
-    model, workers = _model(args), args.workers or 4
-    if model == "real":
-        from moeswarm.tools.bench.real_build import DEFAULT_CACHE, model_file
-        from moeswarm.tools.bench.real_shapes import SHAPES
-
-        model, workers = str(model_file(SHAPES["olmoe"], DEFAULT_CACHE)), args.workers or 2
     command = "moeswarm bench " + " ".join(sys.argv[sys.argv.index("serve"):]) if "serve" in sys.argv else "moeswarm bench serve"
-    result = run_serve_bench(model, args.quick, args.max_tokens, show, args.clients, args.speculate, args.serve_threads,
-                             args.groups, workers, command)
-    if args.report:
-        from moeswarm.tools.bench.serve_report import write_serve_report
-
-        write_serve_report(result)
+    result = run_serve(_model(args), args.workers, args.quick, args.max_tokens, show, args.clients, args.speculate,
+                       args.serve_threads, args.groups, command, report=args.report)
     print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
 
 
 def worker(args: argparse.Namespace) -> None:
-    from moeswarm.tools.bench.worker_real import run_bench_worker
-    from moeswarm.tools.bench.worker_real_gguf import DEFAULT_CACHE
-    from moeswarm.tools.bench.worker_real_report import table_lines
+    from moeswarm.tools.bench.worker_real import run_bench_worker, table_lines
 
-    cache = Path(args.cache_dir).expanduser() if args.cache_dir else DEFAULT_CACHE
-    result = run_bench_worker(args.models, args.types, cache, args.threads, args.quick)
+    result = run_bench_worker(args.models, args.types, args.cache_dir, args.threads, args.quick)
     print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
 
 
 def real(args: argparse.Namespace) -> None:
-    from moeswarm.tools.bench.real_build import DEFAULT_CACHE
-    from moeswarm.tools.bench.real_measure import run_bench_real
-    from moeswarm.tools.bench.real_report import table_lines, write_report
-    from moeswarm.tools.bench.real_shapes import DEFAULT_SHAPES
+    from moeswarm.tools.bench.real_bench import run_real, table_lines
 
-    if args.quick and args.shapes:
-        raise MoeSwarmError("--quick measures its own tiny model: give --shapes or --quick, not both")
-    shapes = args.shapes or DEFAULT_SHAPES
-    cache = Path(args.cache_dir).expanduser() if args.cache_dir else DEFAULT_CACHE
-    result = run_bench_real(shapes, cache, args.threads, args.repeats, args.quick)
-    flags = ["--quick" if args.quick else f"--shapes {','.join(shapes)}", f"--threads {args.threads}",
-             f"--repeats {args.repeats}"]
-    result["meta"]["command"] = " ".join(["moeswarm bench real", *flags])
-    if args.report:
-        write_report(result)
+    result = run_real(args.shapes, args.cache_dir, args.threads, args.repeats, args.quick, report=args.report)
     print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
 
 
@@ -142,18 +84,11 @@ def fuzz(args: argparse.Namespace) -> None:
 
 
 def flood(args: argparse.Namespace) -> None:
-    if args.handshakes is not None:
-        from moeswarm.tools.bench.handshake_flood import run_handshake_flood
+    from moeswarm.tools.bench.flood import run_flood_bench
 
-        print_result(run_handshake_flood(args.handshakes), args.json)
-    elif args.amplification:
-        from moeswarm.tools.bench.amplification import run_amplification
-
-        print_result(run_amplification(args.connections, args.tokens, args.top_k, args.hold), args.json)
-    else:
-        from moeswarm.tools.bench.flood import run_flood
-
-        print_result(run_flood(args.half_open, args.flooders, args.samples), args.json)
+    print_result(run_flood_bench(args.half_open, args.flooders, args.samples, handshakes=args.handshakes,
+                                 amplification=args.amplification, connections=args.connections, tokens=args.tokens,
+                                 top_k=args.top_k, hold_s=args.hold), args.json)
 
 
 def faults(args: argparse.Namespace) -> None:

@@ -13,6 +13,7 @@ import threading
 from moeswarm.commands._swarm import keyed_dht, swarm_peers
 from moeswarm.commands._tls import add_swarm_key
 from moeswarm.commands._types import port
+from moeswarm.discovery.dht import SwarmDht
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.discovery.dht import SwarmDht
-
     dht = SwarmDht.open(args.swarm or [], host=args.host, port=args.port, **keyed_dht(args.swarm_key))
     try:
         print(f"moeswarm dht: running; join with --swarm {','.join(dht.addresses())}", flush=True)

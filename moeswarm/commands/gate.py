@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from moeswarm.bundled import PROMPTS, demo_model
 from moeswarm.commands._setup import add_quiet, quiet_progress, set_threads
-from moeswarm.gate import GateConfig, GateReport, load_prompts, run_gate, run_gates
 from moeswarm.wire.codecs import FLOAT_CODECS
 from moeswarm.wire.config import COMBINE_MODES, WireConfig
+
+if TYPE_CHECKING:
+    from moeswarm.gate import GateReport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     wire = WireConfig(args.combine, args.wire_dispatch, args.wire_combine)  # checked before anything loads
     set_threads(1)
     quiet_progress(args)
+    from moeswarm.gate import GateConfig, load_prompts, run_gate, run_gates
+
     model = args.reference if args.reference != "local" else (args.model or str(demo_model()))
     prompts = load_prompts(args.prompts or PROMPTS)
     if args.matrix:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from moeswarm.commands._setup import add_quiet
+from moeswarm.commands._setup import add_quiet, quiet_progress, set_backbone_threads
 from moeswarm.commands._stages import add_stages, open_backbone
 from moeswarm.commands._swarm import check_workers_or_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
 from moeswarm.commands._types import non_negative, positive, prompt_file, prompt_text, seed, stop_string, temperature, top_p
-from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS, check_draft_flags
+from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,27 +47,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.commands._setup import quiet_progress
-
     quiet_progress(args)
     check_workers_or_swarm(args)
+    set_backbone_threads(args.threads)
     from moeswarm.commands._generation_text import stream_text, summary_lines
-    from moeswarm.commands._setup import set_backbone_threads
-    from moeswarm.generation.request import GenerationRequest
-    from moeswarm.generation.run import check_request, run_generation
-    from moeswarm.generation.sampling import SamplingParams
-    from moeswarm.model.source import open_source
+    from moeswarm.generation.from_model import GenerationRequest, SamplingParams, generate_from_model
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
                                 args.check_local, sampling=sampling, stops=tuple(args.stop), draft=args.draft)
-    source = open_source(args.model, args.backbone_dtype)
-    check_request(source, request)  # before the backbone loads or a worker is reached
-    config = swarm_config(args, source)
-    check_draft_flags(args.draft, args.speculate, config.local_experts is not None)
-    set_backbone_threads(args.threads)
-    with open_backbone(source, args, config) as swarm:
-        report = run_generation(swarm, request, on_event=None if args.json else stream_text)
+    report = generate_from_model(args.model, request, lambda source: swarm_config(args, source),
+                                 lambda source, config: open_backbone(source, args, config), args.backbone_dtype,
+                                 on_event=None if args.json else stream_text)
     if args.json:
         print(json.dumps(report.to_json()))
     else:

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 
+from moeswarm.bundled import demo_model
 from moeswarm.commands._types import positive
-
-# The lossy wire the gate command checks: blockwise 8-bit both ways, one sum per worker.
-GATE_WIRE = ("--combine", "partial", "--wire-dispatch", "int8-b128", "--wire-combine", "int8-b128")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,26 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.bundled import demo_model
-    from moeswarm.model.summary import summarize, summary_lines
+    from moeswarm.model.describe import describe_model, summary_lines
 
-    info = summarize(args.model or demo_model(), args.workers)
-    if info["kind"] == "gguf":
-        info.update(gguf_support_info(info["path"]))
+    info = describe_model(args.model or demo_model(), args.workers)
     lines = summary_lines(info)
     if "gguf_architecture" in info:
         lines[1:1] = [f"  GGUF architecture   {info['gguf_architecture']}: {info['gguf_support']}"]
         lines.append(f"  gate before serving over a lossy wire:\n    {info['gate_command']}")
     print(json.dumps(info) if args.json else "\n".join(lines))
     return 0
-
-
-def gguf_support_info(path: str) -> dict:
-    """The GGUF architecture, its support line, and the gate command for the file at `path`."""
-    from moeswarm.weights.gguf_file import GGUFFile
-    from moeswarm.weights.gguf_support import support_status
-
-    arch = GGUFFile.open(path).arch
-    _, status = support_status(arch)
-    return {"gguf_architecture": arch, "gguf_support": status,
-            "gate_command": shlex.join(["moeswarm", "gate", "--model", path, *GATE_WIRE])}

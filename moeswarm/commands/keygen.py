@@ -10,6 +10,10 @@ from __future__ import annotations
 import argparse
 
 from moeswarm.commands._types import seconds
+from moeswarm.errors import MoeSwarmError
+from moeswarm.relay.protocol import RelayError, check_name
+from moeswarm.transport import member_cert
+from moeswarm.transport.tls import write_swarm_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,9 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.errors import MoeSwarmError
-    from moeswarm.transport import member_cert
-
     if args.member is not None or args.revoke is not None:
         if args.member is not None and args.revoke is not None:
             raise MoeSwarmError("give --member or --revoke, not both")
@@ -44,8 +45,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         raise MoeSwarmError("give -o FILE to write")
     if args.member is not None:
-        from moeswarm.relay.protocol import RelayError, check_name
-
         try:
             check_name(args.member)
         except RelayError as error:
@@ -56,8 +55,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.days is not None:
         raise MoeSwarmError("--days applies to --member")
-    from moeswarm.transport.tls import write_swarm_key
-
     path = write_swarm_key(args.out)
     print(f"wrote swarm key {path}: pass --swarm-key {path} (or MOESWARM_SWARM_KEY={path}) to every worker, "
           "generate and serve of this swarm, and keep it secret (or give each member its own file: "

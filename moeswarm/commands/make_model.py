@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from moeswarm.errors import MoeSwarmError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", required=True, help="model family, e.g. qwen3_moe (see docs/models.md)")
@@ -12,14 +14,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.errors import MoeSwarmError
+    from moeswarm.model.summary import summarize, summary_lines
     from moeswarm.tools.tiny import EXTRA_FAMILIES, FAMILIES, make_tiny_model
 
     if args.family not in FAMILIES and args.family not in EXTRA_FAMILIES:
         raise MoeSwarmError(f"unknown family {args.family!r}; known: {', '.join(sorted({**FAMILIES, **EXTRA_FAMILIES}))}")
-
-    from moeswarm.model.summary import summarize, summary_lines
-
     path = make_tiny_model(args.family, args.out, args.seed)
     print(f"wrote a tiny {args.family} model to {path}")
     print("\n".join(summary_lines(summarize(path))))

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from moeswarm.commands._setup import add_quiet, quiet_progress
+from moeswarm.errors import MoeSwarmError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,13 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.errors import MoeSwarmError
-    from moeswarm.slices.manifest import build_manifest, write_manifest
-
     quiet_progress(args)
     out = Path(args.out)
     if not out.parent.is_dir() or out.is_dir():
         raise MoeSwarmError(f"cannot write {out}: give -o a file name in an existing directory")
+    from moeswarm.slices.manifest import build_manifest, write_manifest
+
     manifest = build_manifest(args.model, int(args.chunk_mb * (1 << 20)))
     digest = write_manifest(manifest, out)
     report = {"out": str(out), "sha256": digest, "fingerprint": manifest["fingerprint"],

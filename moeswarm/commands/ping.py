@@ -1,4 +1,4 @@
-"""`moeswarm ping`: what each running worker serves, and its PING round trip.
+"""`moeswarm ping`: what each running worker serves, and its PING round trip (transport/ping.py).
 
 A worker tells what it holds only in its answer to a HELLO that carries the right model
 fingerprint (docs/protocol.md); any other HELLO gets an ERROR. So ping takes the model
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
+from moeswarm.commands._swarm_flags import workers_list as worker_addresses
 from moeswarm.commands._tls import add_swarm_key, client_tls
 from moeswarm.commands._types import positive
-from moeswarm.commands._swarm_flags import workers_list as worker_addresses
+from moeswarm.ids import format_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,11 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.model.source import open_source
+    from moeswarm.transport.ping import ping_workers
 
-    fingerprint = open_source(args.model).fingerprint  # headers and 128 KiB of data: no weights load
-    tls = client_tls(args.swarm_key)
-    reports = [probe(address, fingerprint, args.count, tls) for address in args.workers]
+    fingerprint, reports = ping_workers(args.model, args.workers, args.count, client_tls(args.swarm_key))
     if args.json:
         print(json.dumps({"model": args.model, "fingerprint": fingerprint, "workers": reports}))
     else:
@@ -46,35 +44,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(report["ok"] for report in reports) else 1
 
 
-def probe(address: str, fingerprint: str, count: int, tls=None) -> dict:
-    """One worker's HELLO answer and `count` PING round trips; {"ok": False, "error"} when it fails."""
-    from moeswarm.errors import MoeSwarmError, one_line
-    from moeswarm.transport.path import worker_link
-
-    try:
-        link = worker_link(address, tls=tls)[1]  # HOST:PORT, relay://RELAY:PORT/NAME or both (docs/network.md)
-    except MoeSwarmError as error:
-        return {"address": address, "ok": False, "error": one_line(error)}
-    try:
-        info = link.connect(fingerprint)
-        rtts = [link.ping() for _ in range(count)]  # seconds
-    except MoeSwarmError as error:
-        return {"address": address, "ok": False, "error": one_line(error)}
-    finally:
-        link.close()
-    return {
-        "address": address, "ok": True, "fingerprint": info.fingerprint, "model_type": info.model_type,
-        "num_experts": info.num_experts, "hidden_size": info.hidden_size,
-        "held": {str(layer): list(experts) for layer, experts in sorted(info.held.items())},
-        "codecs": list(info.codecs), "pings": count,
-        "rtt_us_min": 1e6 * min(rtts), "rtt_us_p50": 1e6 * statistics.median(rtts),
-    }
-
-
 def held_text(held: dict[str, list[int]]) -> str:
     """"layers 0-5 experts 0-15" when every layer holds the same experts, else one "layer L: ..." per layer."""
-    from moeswarm.ids import format_ids
-
     layers = sorted(int(layer) for layer in held)
     sets = {tuple(experts) for experts in held.values()}
     if len(sets) == 1:

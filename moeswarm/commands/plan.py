@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from moeswarm.commands import plan_islands
+from moeswarm.commands._setup import set_threads
 from moeswarm.commands._types import non_negative
-
-SIMULATION_ROWS = 2048  # pseudo-rows per layer for the estimate
-SIMULATION_SEED = 1_000_003  # not the planner's draws: the estimate must not score the plan on what it was fitted to
+from moeswarm.errors import MoeSwarmError
+from moeswarm.placement.plan_file import format_layer_experts, parse_worker_spec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _workers(text: str):
-    from moeswarm.placement.plan_file import parse_worker_spec
-
     try:
         return [parse_worker_spec(part.strip()) for part in text.split(",")]
     except ValueError as error:
@@ -47,50 +46,23 @@ def _workers(text: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.commands._setup import set_threads
-    from moeswarm.errors import MoeSwarmError
-    from moeswarm.placement.planner import contiguous_plan, plan_placement, pseudo_rows, routing_from_profile
-    from moeswarm.placement.profile import read_profile
-    from moeswarm.placement.simulate import simulate
-
     if args.machines:
-        from moeswarm.commands import plan_islands
-
         return plan_islands.run(args)
     if not args.profile or not args.workers:
         raise MoeSwarmError("give --profile and --workers (experts on workers), or --machines (islands)")
     set_threads(None)
-    routing = routing_from_profile(read_profile(args.profile))
-    if not routing:
-        raise MoeSwarmError(f"{args.profile}: the profile has no layers")
-    plan = plan_placement(routing, args.workers, args.replicas)
-    rows = {layer: pseudo_rows(stats, SIMULATION_ROWS, SIMULATION_SEED + layer) for layer, stats in routing.items()}
-    planned = simulate(plan, rows)
-    naive = simulate(contiguous_plan(plan.num_experts, plan.layers, args.workers), rows)
-    estimate = {"rows_per_layer": SIMULATION_ROWS, "planned": _brief(planned), "contiguous": _brief(naive),
-                "layer_call_change": planned["layer_call_ms"] / naive["layer_call_ms"] - 1}
-    data = plan.to_json(estimate)
-    if args.output:
-        try:
-            with open(args.output, "w") as out:
-                json.dump(data, out, indent=1)
-        except OSError as error:
-            raise MoeSwarmError(f"cannot write {args.output}: {error.strerror or error}") from None
+    from moeswarm.placement.plan_estimate import plan_from_profile
+
+    plan, estimate = plan_from_profile(args.profile, args.workers, args.replicas, args.output)
     if args.json:
-        print(json.dumps(data))
+        print(json.dumps(plan.to_json(estimate)))
     else:
         print("\n".join(describe(plan, estimate, args.model, args.output)))
     return 0
 
 
-def _brief(result: dict) -> dict:
-    return {key: result[key] for key in ("workers_per_token_layer", "layer_call_ms")}
-
-
 def describe(plan, estimate: dict, model: str, output: str | None) -> list[str]:
     """The text `moeswarm plan` prints: per worker its command, then the estimate."""
-    from moeswarm.placement.plan_file import format_layer_experts
-
     slots = sum(w.spec.capacity for w in plan.workers)
     lines = [f"plan: {len(plan.workers)} workers, {plan.num_experts} experts x {len(plan.layers)} MoE layers, "
              f"replica budget {plan.replicas} per layer (room {slots} per layer)"]

@@ -7,14 +7,13 @@ import argparse
 import json
 
 from moeswarm.errors import MoeSwarmError
+from moeswarm.placement.islands import Machine, plan_islands
 
 
 def read_machines(path: str):
     """(machines, rtts, gateway) from a JSON file:
     {"gateway": "a", "machines": [{"name": "a", "room": 0.5, "ms_per_layer": 4.0}, ...],
      "rtt_ms": {"a b": 0.3, "a c": 48.0, ...}} (every pair, names joined by a space)."""
-    from moeswarm.placement.islands import Machine
-
     try:
         with open(path) as f:
             data = json.load(f)
@@ -35,8 +34,6 @@ def read_machines(path: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.placement.islands import plan_islands
-
     if args.layers is None:
         raise MoeSwarmError("--machines needs --layers: the model's decoder layers")
     machines, rtts, gateway = read_machines(args.machines)

@@ -7,9 +7,8 @@ The whole model runs here (no workers); the profile ranks each layer's experts f
 from __future__ import annotations
 
 import argparse
-import json
 
-from moeswarm.commands._setup import add_quiet
+from moeswarm.commands._setup import add_quiet, quiet_progress, set_threads
 from moeswarm.commands._types import positive
 
 
@@ -26,36 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.commands._setup import quiet_progress, set_threads
-
     quiet_progress(args)
-    from moeswarm.bundled import PROMPTS, demo_model
-    from moeswarm.errors import MoeSwarmError
-    from moeswarm.model.calibrate import count_routing, read_prompts
-    from moeswarm.model.experts import num_experts_in_config
-    from moeswarm.model.loading import load_local
-    from moeswarm.model.source import open_source
-    from moeswarm.model.tokenizer import load_text_codec
-    from moeswarm.placement.profile import RoutingStats
-
-    source = open_source(args.model or demo_model())
-    if args.prompts is None and not PROMPTS.is_file():
-        raise MoeSwarmError(f"no bundled prompts at {PROMPTS}: give --prompts FILE")
-    texts = read_prompts(args.prompts or PROMPTS)
-    if not texts:
-        raise MoeSwarmError(f"{args.prompts}: no prompts in it")
-    config = source.config
-    codec = load_text_codec(source, config.vocab_size)
-    limit = min(args.max_tokens, getattr(config, "max_position_embeddings", None) or args.max_tokens)
-    prompts = [codec.encode(text)[:limit] for text in texts]
     set_threads(args.threads)
-    stats = RoutingStats(num_experts_in_config(config), source.fingerprint, config.model_type)
-    count_routing(load_local(source), prompts, stats)
-    try:
-        with open(args.output, "w") as out:
-            json.dump(stats.to_json(), out)
-    except OSError as error:
-        raise MoeSwarmError(f"cannot write {args.output}: {error.strerror or error}") from None
-    tokens = sum(len(p) for p in prompts)
-    print(f"routing profile of {len(prompts)} prompts, {tokens} tokens, {len(stats.layers)} MoE layers -> {args.output}")
+    from moeswarm.model.routing_profile import write_routing_profile
+
+    written = write_routing_profile(args.output, args.model, args.prompts, args.max_tokens)
+    print(f"routing profile of {written.prompts} prompts, {written.tokens} tokens, {written.moe_layers} MoE layers "
+          f"-> {written.path}")
     return 0

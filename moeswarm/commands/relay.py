@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 import sys
 
 from moeswarm.commands._types import port, positive, seconds
-
-STATUS_EVERY_S = 60.0
+from moeswarm.relay.running import STATUS_EVERY_S, run_relay
+from moeswarm.relay.server import RelayLimits
+from moeswarm.transport.member_cert import Authority
+from moeswarm.worker.listen import check_can_listen, raise_open_files_limit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from moeswarm.relay.server import RelayLimits
-
     d = RelayLimits()
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=port, default=0, help="TCP port (0: pick a free one and print it)")
@@ -46,10 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.transport.member_cert import Authority
-    from moeswarm.relay.server import RelayLimits, RelayServer
-    from moeswarm.worker.listen import check_can_listen, raise_open_files_limit
-
     authority = Authority.load(args.swarm_key) if args.swarm_key else None
     check_can_listen(args.host, args.port)
     raise_open_files_limit(args.max_connections)  # a flood must meet --max-connections, not the descriptor limit
@@ -58,37 +52,13 @@ def run(args: argparse.Namespace) -> int:
                          max_idle_per_name=args.max_idle_per_name, max_pipes_per_name=args.max_pipes_per_name,
                          max_names_per_host=args.max_names_per_host, handshake_timeout_s=args.handshake_timeout,
                          wait_for_worker_s=args.wait_for_worker, idle_timeout_s=args.idle_timeout)
-
     if authority is None:
         print("moeswarm relay: warning: without --swarm-key names are first come, first served: the first host to "
               "register a name holds it while it is in use, so a peer that knows a worker's name can take it first",
               file=sys.stderr, flush=True)
-
-    async def main() -> None:
-        relay = RelayServer(limits, authority)
-        host, bound = await relay.start(args.host, args.port)
-        print(f"moeswarm relay: listening on {host}:{bound}", flush=True)
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        serving = asyncio.create_task(relay.serve_forever())
-        last = None
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), STATUS_EVERY_S)
-            except asyncio.TimeoutError:
-                idle = relay.idle_counts()
-                status = (*vars(relay.stats).values(), len(idle), sum(idle.values()))
-                if status != last:  # a line when something changed, not every minute of a quiet relay
-                    last = status
-                    stats = relay.stats
-                    logging.getLogger("moeswarm.relay").info(
-                        "%d connections, %d pipes, %d workers with %d idle connections; %d spliced, %d refused, "
-                        "%d bytes relayed since start", stats.connections, stats.pipes, len(idle), sum(idle.values()),
-                        stats.spliced, stats.refused, stats.bytes_relayed)
-        serving.cancel()
-        await asyncio.gather(serving, return_exceptions=True)
-
-    asyncio.run(main())
+    run_relay(limits, authority, args.host, args.port, on_listening=_say_listening)
     return 0
+
+
+def _say_listening(host: str, port: int) -> None:
+    print(f"moeswarm relay: listening on {host}:{port}", flush=True)

@@ -8,6 +8,7 @@ import logging
 import signal
 
 from moeswarm.commands._tls import add_swarm_key, server_tls
+from moeswarm.slices.seed import Seeder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.slices.seed import Seeder
-
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     seeder = Seeder(args.model, server_tls(args.swarm_key, args.host))
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from moeswarm.commands._setup import add_quiet
-from moeswarm.commands._swarm import check_workers_or_swarm
+from moeswarm.commands._setup import add_quiet, quiet_progress, set_backbone_threads, set_switch_interval
 from moeswarm.commands._stages import add_stages, check_stages
+from moeswarm.commands._swarm import check_workers_or_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
-from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS, check_draft_flags
 from moeswarm.commands._types import non_negative, port, positive, seconds
+from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS, check_draft_flags
+from moeswarm.serve.options import ServeOptions
+from moeswarm.serve.options import model_name as _model_name  # noqa: F401 (its name here before serve/options.py)
 
 ENV_PREFIX = "MOESWARM_"
 
@@ -88,73 +90,39 @@ def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.commands._setup import quiet_progress
-
     quiet_progress(args)
     check_workers_or_swarm(args)
     check_draft_flags(args.draft, args.speculate, args.local_experts is not None)  # the engine checks the held experts
-    import threading
-
-    import uvicorn
-
-    from moeswarm.commands._setup import set_backbone_threads, set_switch_interval
-    from moeswarm.errors import MoeSwarmError
-    from moeswarm.model.source import open_source
-    from moeswarm.serve.api import ServeState, create_app
-    from moeswarm.serve.engine import EngineConfig
-    from moeswarm.serve.chat import read_chat_template
-    from moeswarm.serve.http_limits import limited_protocol, redact_access_log
-    from moeswarm.serve.loader import Backend, load
-    from moeswarm.worker.listen import check_can_listen
-
-    source = open_source(args.model, args.backbone_dtype)  # a missing or broken model ends here, before anything listens
-    positions = getattr(source.config, "max_position_embeddings", None)
-    context = args.ctx_size or positions or 4096
-    if positions is not None and context > positions:
-        raise MoeSwarmError(f"--ctx-size {context} is more than the model's {positions} positions (max_position_embeddings)")
-    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
-    check_can_listen(args.host, args.port)
     set_backbone_threads(args.threads)
     set_switch_interval()
-    engine = EngineConfig(context, args.max_batch, args.speculate, args.prefill_chunk, args.step_tokens, args.cache_slots,
-                          draft=args.draft, groups=args.groups)
-    state = ServeState(args.model_name or _model_name(source.path), args.api_key, default_max_tokens=args.max_tokens,
-                       max_queue=args.max_queue)
-    origins = [o.strip() for o in (args.cors_origins or "").split(",") if o.strip()]
-    config = uvicorn.Config(create_app(state, origins), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5,
-                            http=limited_protocol(args.header_timeout, args.body_timeout, args.max_connections))
-    redact_access_log()
-    server = uvicorn.Server(config)
-    fatal: list[str] = []
+    from moeswarm.serve.server import serve
 
-    def on_fatal(message: str) -> None:
-        fatal.append(message)
-        state.loading = f"failed: {message}"
-        server.should_exit = True
-
-    swarm = swarm_config(args, source, report=lambda line: setattr(state, "loading", line))
-    check_stages(args, swarm)
-    listener = config.bind_socket()  # --port 0: the port the system gave, said before anything else is
-    print(f"moeswarm serve: listening on http://{args.host}:{listener.getsockname()[1]}", flush=True)
-    backend = Backend(source, args.workers or [], swarm, engine, args.check_local, chat_template,
-                      stages=tuple(args.stages or ()))
-    threading.Thread(target=load, args=(state, backend, on_fatal), name="moeswarm-load", daemon=True).start()
-    try:
-        server.run(sockets=[listener])
-    finally:
-        if state.engine is not None:
-            state.engine.stop()
-            state.engine.swarm.close()
-    if fatal:
-        raise MoeSwarmError(fatal[0])
+    serve(options_from(args), _swarm_config(args), on_listening=_say_listening)
     return 0
 
 
-def _model_name(path) -> str:
-    from pathlib import Path
+def options_from(args: argparse.Namespace) -> ServeOptions:
+    """The ServeOptions the flags ask for (the swarm's flags go to `_swarm_config`)."""
+    return ServeOptions(
+        model=args.model, backbone_dtype=args.backbone_dtype, host=args.host, port=args.port, api_key=args.api_key,
+        model_name=args.model_name, log_level=args.log_level, ctx_size=args.ctx_size, max_batch=args.max_batch,
+        speculate=args.speculate, draft=args.draft, groups=args.groups, prefill_chunk=args.prefill_chunk,
+        step_tokens=args.step_tokens, cache_slots=args.cache_slots, check_local=args.check_local,
+        workers=tuple(args.workers or ()), stages=tuple(args.stages or ()), chat_template=args.chat_template,
+        max_tokens=args.max_tokens, cors_origins=tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip()),
+        max_queue=args.max_queue, max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout)
 
-    path = Path(path)
-    if path.suffix == ".gguf":
-        return path.stem
-    return path.parent.name if path.name == "hf" else path.name  # models/pymoe/hf -> pymoe
+
+def _swarm_config(args: argparse.Namespace):
+    """The server's way from the opened model to its SwarmConfig: the flags, checked against the model and --stages."""
+    def config(source, report):
+        swarm = swarm_config(args, source, report=report)
+        check_stages(args, swarm)
+        return swarm
+
+    return config
+
+
+def _say_listening(host: str, port: int) -> None:
+    print(f"moeswarm serve: listening on http://{host}:{port}", flush=True)

@@ -7,13 +7,15 @@ import json
 from pathlib import Path
 
 from moeswarm.commands._setup import add_quiet, quiet_progress
-from moeswarm.commands.worker import _range, expert_list
+from moeswarm.commands._types import expert_list, layer_range
+from moeswarm.errors import ModelError, MoeSwarmError
+from moeswarm.ids import format_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="GGUF model file (or a slice file holding the requested experts)")
     parser.add_argument("--experts", required=True, type=expert_list, help="experts to keep, ids and inclusive ranges, e.g. 0-31 or 0-3,9")
-    parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
+    parser.add_argument("--layers", type=layer_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
     parser.add_argument("--with-backbone", action="store_true",
                         help="also copy every non-expert tensor, so the file can run a backbone too")
     parser.add_argument("-o", "--out", required=True, help="slice file to write (PART.gguf)")
@@ -22,19 +24,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.errors import ModelError, MoeSwarmError
-    from moeswarm.ids import format_ids
-    from moeswarm.model.source import is_gguf_path
-    from moeswarm.weights.gguf_slice import write_slice
-
     quiet_progress(args)
-    if not is_gguf_path(args.model):
+    if not args.model.lower().endswith(".gguf"):  # model/source.py's is_gguf_path, without its imports
         raise ModelError(f"{args.model}: slice takes a .gguf model file")
     out = Path(args.out)
     if not out.parent.is_dir():
         raise MoeSwarmError(f"cannot write {out}: there is no directory {out.parent} (create it, or choose another -o)")
     if out.is_dir():
         raise MoeSwarmError(f"cannot write {out}: it is a directory (give -o a file name, e.g. {out / 'part.gguf'})")
+    from moeswarm.weights.gguf_slice import write_slice
+
     report = write_slice(args.model, args.out, args.experts, args.layers, args.with_backbone)
     if args.json:
         print(json.dumps(report))

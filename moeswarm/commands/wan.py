@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
 
 from moeswarm.errors import MoeSwarmError
+from moeswarm.tools.wan.control import ControlServer
+from moeswarm.tools.wan.link import LinkProfile, parse_bandwidth, parse_duration
+from moeswarm.tools.wan.measure import run_selftest
+from moeswarm.tools.wan.proxy import WanProxy
+from moeswarm.tools.wan.running import run_proxy
 
 SELFTEST_RTT = "80ms"
 SELFTEST_BANDWIDTH = "100mbit"
@@ -42,14 +46,10 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def _duration(text: str) -> float:
-    from moeswarm.tools.wan.link import parse_duration
-
     return parse_duration(text)
 
 
 def _bandwidth(text: str) -> float | None:
-    from moeswarm.tools.wan.link import parse_bandwidth
-
     return None if text.lower() in ("off", "none", "unlimited") else parse_bandwidth(text)
 
 
@@ -79,8 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.tools.wan.link import LinkProfile
-
     if args.selftest:
         rtt = _duration(SELFTEST_RTT) if args.rtt is None else args.rtt
         bandwidth = _bandwidth(SELFTEST_BANDWIDTH) if args.bandwidth is None else args.bandwidth
@@ -88,37 +86,16 @@ def run(args: argparse.Namespace) -> int:
     if args.listen is None or args.upstream is None:
         raise MoeSwarmError("--listen and --upstream are both required (or use --selftest)")
     profile = LinkProfile(args.rtt or 0.0, args.jitter, args.bandwidth)
-    return asyncio.run(_serve(profile, args))
-
-
-async def _serve(profile, args: argparse.Namespace) -> int:
-    from moeswarm.tools.wan.control import ControlServer
-    from moeswarm.tools.wan.proxy import WanProxy
-
     proxy = WanProxy(args.listen, args.upstream, profile, seed=args.seed, **_spin(args))
-    control = ControlServer(proxy, args.control) if args.control else None
-    try:
-        await proxy.start()
-        if control:
-            await control.start()
-    except OSError as error:
-        await proxy.close()
-        raise MoeSwarmError(f"cannot listen: {error}") from None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    line = f"wan: listening on {_fmt(proxy.address)} -> {_fmt(args.upstream)} {profile.describe()}"
+    run_proxy(proxy, args.control, on_listening=lambda proxy, control: _say_listening(proxy, control, args.upstream))
+    return 0
+
+
+def _say_listening(proxy: WanProxy, control: ControlServer | None, upstream: tuple[str, int]) -> None:
+    line = f"wan: listening on {_fmt(proxy.address)} -> {_fmt(upstream)} {proxy.profile.describe()}"
     if control:
         line += f" control={_fmt(control.address)}"
     print(f"{line} seed={proxy.seed}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        if control:
-            await control.close()
-        await proxy.close()
-    return 0
 
 
 def _spin(args: argparse.Namespace) -> dict[str, float]:
@@ -130,9 +107,7 @@ def _fmt(address: tuple[str, int]) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _selftest(profile, args: argparse.Namespace) -> int:
-    from moeswarm.tools.wan.measure import run_selftest
-
+def _selftest(profile: LinkProfile, args: argparse.Namespace) -> int:
     result = asyncio.run(run_selftest(profile, rounds=args.rounds, n_bytes=args.bytes, seed=args.seed or 0, **_spin(args)))
     if args.json:
         print(json.dumps(result, indent=2))

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import gc
 import logging
-import signal
 import sys
 
-from moeswarm.commands._hosting import add_plan_arguments, experts_arg
-from moeswarm.commands._setup import add_quiet
+from moeswarm.commands._hosting import add_plan_arguments, experts_arg, hosting_from
+from moeswarm.commands._setup import add_quiet, quiet_progress, set_threads
 from moeswarm.commands._swarm import add_worker_swarm
 from moeswarm.commands._tls import add_swarm_key, server_tls
-from moeswarm.commands._types import port, positive, seconds
-from moeswarm.ids import parse_experts, parse_range
+from moeswarm.commands._types import layer_range, port, positive, seconds
+from moeswarm.ids import parse_address
+from moeswarm.relay.protocol import RelayError, check_name
+from moeswarm.worker.config import Hosting, WorkerConfig
+from moeswarm.worker.limits import WorkerLimits
+from moeswarm.worker.memory import serve_large_from_mmap
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=experts_arg, default=None,
                         help="experts to serve, ids and inclusive ranges, e.g. 0-3,9,17-20, or per layer, e.g. "
                              "0:1-4,9;1:2-5 (default: what the model source holds: every expert, or a slice file's)")
-    parser.add_argument("--layers", type=_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
+    parser.add_argument("--layers", type=layer_range("layers"), default=None, help="inclusive MoE layer range A-B (default: all)")
     add_plan_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=port, default=0, help="TCP port (0: pick a free one and print it)")
@@ -39,8 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_limits(parser: argparse.ArgumentParser) -> None:
-    from moeswarm.worker.limits import WorkerLimits
-
     d = WorkerLimits()
     limits = parser.add_argument_group("limits", "what the worker accepts from the network (docs/protocol.md, Limits)")
     add = limits.add_argument
@@ -93,8 +93,6 @@ def _add_relay(parser: argparse.ArgumentParser) -> None:
 
 
 def _relay_address(text: str) -> tuple[str, int]:
-    from moeswarm.ids import parse_address
-
     try:
         return parse_address(text)
     except ValueError as error:
@@ -102,18 +100,14 @@ def _relay_address(text: str) -> tuple[str, int]:
 
 
 def _relay_name(text: str) -> str:
-    from moeswarm.relay.protocol import RelayError, check_name
-
     try:
         return check_name(text)
     except RelayError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def limits_from(args: argparse.Namespace):
+def limits_from(args: argparse.Namespace) -> WorkerLimits:
     """The WorkerLimits the flags ask for."""
-    from moeswarm.worker.limits import WorkerLimits
-
     return WorkerLimits(
         max_connections=args.max_connections, queue_limit=args.queue_limit,
         queue_per_connection=args.queue_per_connection, max_buffered_bytes=args.max_buffered_bytes,
@@ -125,28 +119,8 @@ def limits_from(args: argparse.Namespace):
     )
 
 
-def expert_list(text: str) -> list[int]:
-    """argparse type for an expert list such as 0-3,9,17-20."""
-    try:
-        return parse_experts(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _range(what: str):
-    def parse(text: str) -> tuple[int, int]:
-        try:
-            return parse_range(text, what)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return parse
-
-
-def config_from(args: argparse.Namespace):
+def config_from(args: argparse.Namespace) -> WorkerConfig:
     """The WorkerConfig the flags ask for (the TLS context made here: it may warn about plain TCP)."""
-    from moeswarm.worker.node import WorkerConfig
-
     return WorkerConfig(host=args.host, port=args.port, limits=limits_from(args),
                         tls=server_tls(args.swarm_key, args.host), swarm_key=args.swarm_key, relay=args.relay,
                         relay_name=args.relay_name, relay_pool=args.relay_pool,
@@ -155,43 +129,31 @@ def config_from(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.commands._setup import quiet_progress
-
     quiet_progress(args)
     if args.relay and not args.swarm_key:
         print("moeswarm worker: warning: --relay without --swarm-key: the relay, and anyone on its paths, can read and "
               "alter the hidden states, and any backbone that knows the name can use this worker", file=sys.stderr,
               flush=True)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from moeswarm.worker.node import open_worker
+    from moeswarm.worker.node import run_worker
 
-    with open_worker(config_from(args), functools.partial(_load, args), report=_say) as node:
-        asyncio.run(_until_signalled(node))
+    node = run_worker(config_from(args), functools.partial(_load, hosting_from(args), args.threads), report=_say)
     _say(f"stopped; {node.server.merged_requests} DISPATCHes of several backbones ran in "
          f"{node.server.merged_calls} merged expert calls")
     return 0
 
 
-def _load(args: argparse.Namespace):
-    """The experts `--experts` (one list or per layer), `--layers` or `--plan` ask for, and their source."""
-    from moeswarm.commands._hosting import load_hosted
-    from moeswarm.commands._setup import set_threads
-    from moeswarm.worker.memory import serve_large_from_mmap
+def _load(hosting: Hosting, threads: int | None):
+    """The experts to serve and their source. Called by the node once the port is checked and the DHT
+    joined (its process forks before torch loads): this process's threads are set first, and once the
+    experts are in, the collector and the allocator are set for serving."""
+    set_threads(threads)
+    from moeswarm.worker.hosting import load_hosted
 
-    set_threads(args.threads)
-    store, source = load_hosted(args)
+    store, source = load_hosted(hosting)
     gc.freeze()  # the model's objects live as long as the worker: the collector no longer walks them per DISPATCH
     serve_large_from_mmap()  # after loading: a flood's large buffers go back to the system when freed
     return store, source
-
-
-async def _until_signalled(node) -> None:
-    """Serve until SIGTERM or SIGINT."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await node.serve(stop)
 
 
 def _say(line: str) -> None:

@@ -14,12 +14,12 @@ What the node has to say (where it listens, the swarm it started, its relay rout
 from __future__ import annotations
 
 import asyncio
-import ssl
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import signal
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from moeswarm.worker.limits import WorkerLimits, model_top_k
+from moeswarm.worker.config import WorkerConfig
+from moeswarm.worker.limits import model_top_k
 from moeswarm.worker.listen import check_can_listen, raise_open_files_limit
 from moeswarm.worker.server import WorkerServer
 
@@ -29,27 +29,8 @@ if TYPE_CHECKING:
     from moeswarm.model.source import ModelSource
     from moeswarm.worker.store import ExpertStore
 
-DEFAULT_ANNOUNCE_TTL_S = 30.0
 RELAY_REGISTER_TIMEOUT_S = 15.0
 Report = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Where a worker listens, what it accepts, and how backbones find it (each a `moeswarm worker` flag)."""
-
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: any free port
-    limits: WorkerLimits = field(default_factory=WorkerLimits)
-    tls: ssl.SSLContext | None = None  # the swarm key's server context (transport/tls.py); None: plain TCP
-    swarm_key: str | None = None  # its file: the DHT's member certificates and the relay's proof of name
-    relay: tuple[str, int] | None = None  # keep idle connections registered at this relay
-    relay_name: str | None = None  # None: the member's name, or a random one
-    relay_pool: int = 2
-    swarm: tuple[str, ...] | None = None  # DHT peers to announce on; (): start a new swarm; None: no DHT
-    announce_host: str | None = None  # the address backbones dial (default: host)
-    announce_ttl_s: float = DEFAULT_ANNOUNCE_TTL_S
-    dht_port: int = 0
 
 
 def open_worker(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, ModelSource]],
@@ -73,6 +54,23 @@ def open_worker(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, Mode
         if dht is not None:
             dht.close()
         raise
+
+
+def run_worker(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, ModelSource]], report: Report = lambda line: None,
+               stop_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT)) -> WorkerNode:
+    """`open_worker`, then serve until one of `stop_signals` arrives; returns the node, stopped and closed
+    (its server's counts still readable)."""
+    with open_worker(config, load, report) as node:
+        asyncio.run(_serve_until(node, stop_signals))
+    return node
+
+
+async def _serve_until(node: WorkerNode, stop_signals: Sequence[signal.Signals]) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in stop_signals:
+        loop.add_signal_handler(sig, stop.set)
+    await node.serve(stop)
 
 
 class WorkerNode:

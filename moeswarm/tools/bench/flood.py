@@ -182,3 +182,19 @@ def _percentile(values: list[float], percent: float) -> float:
     if len(values) < 2:
         return values[0] if values else float("nan")
     return statistics.quantiles(values, n=100, method="inclusive")[min(98, max(0, int(percent) - 1))]
+
+
+def run_flood_bench(half_open: int = 200, flooders: int = 4, samples: int = 300, *, handshakes: int | None = None,
+                    amplification: bool = False, connections: int = 256, tokens: int = 8185, top_k: int = 8,
+                    hold_s: float = 40.0) -> dict:
+    """`moeswarm bench flood`: the floods (`run_flood`), or instead `handshakes` silent connections to a keyed
+    worker (handshake_flood.py), or the reply-amplification attack (amplification.py)."""
+    if handshakes is not None:
+        from moeswarm.tools.bench.handshake_flood import run_handshake_flood
+
+        return run_handshake_flood(handshakes)
+    if amplification:
+        from moeswarm.tools.bench.amplification import run_amplification
+
+        return run_amplification(connections, tokens, top_k, hold_s)
+    return run_flood(half_open, flooders, samples)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 _PROBE = """
@@ -81,3 +83,18 @@ def run_memory(model_dir: Path) -> dict:
         "backbone_peak_rss": backbone["peak_rss"],
         "baseline_rss": backbone["rss_before"],
     }
+
+
+def run_memory_bench(worker_models: Sequence[str] = ()) -> dict:
+    """`moeswarm bench memory`: the backbone against a full load on a generated model, then workers on that
+    model and on each of `worker_models` (directories or GGUF files)."""
+    from moeswarm.model.experts import num_experts_in_config
+    from moeswarm.model.source import open_source
+
+    with tempfile.TemporaryDirectory() as tmp:
+        generated = make_memory_model(Path(tmp) / "memory-model")
+        result = run_memory(generated)
+        result["workers"] = [run_worker_memory(generated, MEMORY_MODEL["num_experts"])]
+        for path in worker_models:
+            result["workers"].append(run_worker_memory(path, num_experts_in_config(open_source(path).config)))
+    return result

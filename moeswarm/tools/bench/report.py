@@ -67,18 +67,19 @@ def label(row: dict) -> str:
     return f"{row['prompt']}, speculate={row['speculate']}"
 
 
-def print_tables(result: dict) -> None:
+def table_lines(result: dict) -> list[str]:
+    """The text `moeswarm bench wan` prints: a line on the run, then every table under its heading."""
     meta = result["meta"]
-    print(f"model {meta['model']} ({meta['model_type']}, {meta['moe_layers']} MoE layers), {meta['workers']} workers, "
-          f"{meta['seconds']:.0f} s")
-    for name, table in tables(result).items():
-        print(f"\n## {name}\n{table}")
-    for name, table in wan_local_report.tables(result["rows"]).items():
-        print(f"\n## {name}\n{table}")
-    for name, table in wan_drafts_report.tables(result["rows"]).items():
-        print(f"\n## {name}\n{table}")
-    for name, table in wan_placement_report.tables(result["rows"]).items():
-        print(f"\n## {name}\n{table}")
+    lines = [f"model {meta['model']} ({meta['model_type']}, {meta['moe_layers']} MoE layers), {meta['workers']} workers, "
+             f"{meta['seconds']:.0f} s"]
+    for named in (tables(result), wan_local_report.tables(result["rows"]), wan_drafts_report.tables(result["rows"]),
+                  wan_placement_report.tables(result["rows"])):
+        lines += [f"\n## {name}\n{table}" for name, table in named.items()]
+    return lines
+
+
+def print_tables(result: dict) -> None:
+    print("\n".join(table_lines(result)))
 
 
 def plots(result: dict, out_dir: Path) -> list[str]:

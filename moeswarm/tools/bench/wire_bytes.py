@@ -12,6 +12,7 @@ its own routing decides which workers each token reaches.
 from __future__ import annotations
 
 import itertools
+import tempfile
 from pathlib import Path
 
 import torch
@@ -102,3 +103,26 @@ def model_bytes(model: str, workers: int, configs=MATCHED_CONFIGS, decode_tokens
             rows.append(_row(label, wire, workers, config.hidden_size, top_k, 1, swarm.accounting()))
             rows.append(_row(label, wire, workers, config.hidden_size, top_k, prefill_tokens, prefill))
     return rows
+
+
+def run_wire_bytes(model: str, label: str) -> list[dict]:
+    """`moeswarm bench bytes`: the synthetic layer (every mode x codec pair on 1 worker, matched pairs on 4),
+    then `model` generating on 2 workers; its rows say `label`."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic = str(make_synthetic_model(Path(tmp) / "synthetic-3072"))
+        rows += synthetic_layer_bytes(synthetic, 1, ALL_CONFIGS)  # every mode x codec pair
+        rows += synthetic_layer_bytes(synthetic, 4, MATCHED_CONFIGS)
+    rows += model_bytes(model, 2, label=label)
+    return rows
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    """The rows as the text table `moeswarm bench bytes` prints."""
+    lines = [f"{'model':<18} {'mode':<8} {'dispatch':<9} {'combine':<9} {'workers':>7} {'hidden':>6} {'top_k':>5} "
+             f"{'tok/frame':>9} {'out B/tok/layer':>16} {'in B/tok/layer':>15}"]
+    for r in rows:
+        lines.append(f"{r['model']:<18} {r['mode']:<8} {r['wire_dispatch']:<9} {r['wire_combine']:<9} {r['workers']:>7} "
+                     f"{r['hidden']:>6} {r['top_k']:>5} {r['tokens_per_frame']:>9} {r['bytes_out']:>16.1f} "
+                     f"{r['bytes_in']:>15.1f}")
+    return lines

@@ -32,7 +32,8 @@ import torch
 
 from moeswarm.tools.bench.repeats import Repeats
 from moeswarm.tools.bench.worker_process import spawn_worker
-from moeswarm.tools.bench.worker_real_gguf import expert_bytes, layer_files
+from moeswarm.tools.bench.worker_real_gguf import DEFAULT_CACHE, expert_bytes, layer_files
+from moeswarm.tools.bench.worker_real_report import table_lines  # noqa: F401 (the text `bench worker` prints)
 from moeswarm.tools.bench.worker_real_llamacpp import BUFFERS, llama_cpp_decode_seconds, memory_bandwidth
 from moeswarm.tools.bench.worker_real_shapes import INNER_BASELINE, QUICK_SHAPE, SHAPES, TOKENS_PER_DISPATCH, LayerShape
 from moeswarm.progress import progress
@@ -49,9 +50,11 @@ BUDGET_S = 4.0  # timed DISPATCHes of one T stop after this long (bench/repeats.
 LlamaTimes = tuple[dict[int, tuple[tuple[float, float], tuple[float, float]]], str]
 
 
-def run_bench_worker(models: tuple[str, ...], qtypes: tuple[str, ...], cache: Path, threads: int,
+def run_bench_worker(models: tuple[str, ...], qtypes: tuple[str, ...], cache: Path | str | None, threads: int,
                      quick: bool = False) -> dict:
-    """{meta, rows}: one row per (shape, type, hosted experts), every figure measured now."""
+    """{meta, rows}: one row per (shape, type, hosted experts), every figure measured now; the layer files kept
+    under `cache` (None: DEFAULT_CACHE)."""
+    cache = Path(cache).expanduser() if cache else DEFAULT_CACHE
     shapes = [QUICK_SHAPE] if quick else [SHAPES[name] for name in models]
     bandwidth = memory_bandwidth(threads, 64 if quick else 512)
     rows = []
