@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 
 from moeswarm.commands._tls import add_swarm_key, server_tls
 from moeswarm.slices.seed import Seeder
+from moeswarm.slices.seeding import run_seeder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,16 +23,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     seeder = Seeder(args.model, server_tls(args.swarm_key, args.host))
 
-    async def main() -> None:
-        host, port = await seeder.start(args.host, args.port)
+    def say_listening(host: str, port: int) -> None:
         print(f"moeswarm seed: listening on {host}:{port} serving {seeder.path} ({seeder.size} bytes)"
               f"{' with the swarm key' if seeder.tls else ''}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await seeder.close()
 
-    asyncio.run(main())
+    run_seeder(seeder, args.host, args.port, on_listening=say_listening)
     return 0

@@ -97,31 +97,32 @@ def run(args: argparse.Namespace) -> int:
     set_switch_interval()
     from moeswarm.serve.server import serve
 
-    serve(options_from(args), _swarm_config(args), on_listening=_say_listening)
+    serve(options_from(args), _holders(args), on_listening=_say_listening)
     return 0
 
 
 def options_from(args: argparse.Namespace) -> ServeOptions:
-    """The ServeOptions the flags ask for (the swarm's flags go to `_swarm_config`)."""
+    """The ServeOptions the flags ask for (the swarm's and the stages' flags go to `_holders`)."""
     return ServeOptions(
         model=args.model, backbone_dtype=args.backbone_dtype, host=args.host, port=args.port, api_key=args.api_key,
         model_name=args.model_name, log_level=args.log_level, ctx_size=args.ctx_size, max_batch=args.max_batch,
         speculate=args.speculate, draft=args.draft, groups=args.groups, prefill_chunk=args.prefill_chunk,
         step_tokens=args.step_tokens, cache_slots=args.cache_slots, check_local=args.check_local,
-        workers=tuple(args.workers or ()), stages=tuple(args.stages or ()), chat_template=args.chat_template,
+        workers=tuple(args.workers or ()), chat_template=args.chat_template,
         max_tokens=args.max_tokens, cors_origins=tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip()),
         max_queue=args.max_queue, max_connections=args.max_connections, header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout)
 
 
-def _swarm_config(args: argparse.Namespace):
-    """The server's way from the opened model to its SwarmConfig: the flags, checked against the model and --stages."""
-    def config(source, report):
+def _holders(args: argparse.Namespace):
+    """The server's way from the opened model to its SwarmConfig and stages: the flags, checked against the
+    model; with --stages-swarm the chain is found on the swarm here (check_stages sets args.stages)."""
+    def holders(source, report):
         swarm = swarm_config(args, source, report=report)
-        check_stages(args, swarm)
-        return swarm
+        check_stages(args, swarm, source)
+        return swarm, tuple(args.stages or ())
 
-    return config
+    return holders
 
 
 def _say_listening(host: str, port: int) -> None:

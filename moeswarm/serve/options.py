@@ -31,9 +31,7 @@ class ServeOptions:
     step_tokens: int = 256
     cache_slots: int = 8
     check_local: bool = False  # every step also on a local eager model, mismatches counted
-    # where the experts (or the decoder layers) are
-    workers: tuple[str, ...] = ()
-    stages: tuple[tuple[str, ...], ...] = ()  # per span its replicas: a gateway over them
+    workers: tuple[str, ...] = ()  # where the experts are (the stages, if any, come with the swarm's config)
     # the HTTP side
     chat_template: str | None = None  # a Jinja file or a name (None: the model's own)
     max_tokens: int | None = None  # a request's max_tokens when it gives none

@@ -11,7 +11,7 @@ Process-wide settings (threads, the switch interval, logging) are the command's,
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import uvicorn
 
@@ -30,15 +30,17 @@ DEFAULT_CONTEXT = 4096  # positions per request for a model that does not say it
 GRACEFUL_SHUTDOWN_S = 5
 
 Report = Callable[[str], None]
-SwarmConfigFor = Callable[[ModelSource, Report], SwarmConfig]  # (the model, discovery's progress lines) -> config
+Stages = Sequence[Sequence[str]]  # per span of layers its replicas, in layer order
+# (the model, discovery's progress lines) -> (the backbone's SwarmConfig, the stages to chain: () for none)
+HoldersFor = Callable[[ModelSource, Report], tuple[SwarmConfig, Stages]]
 
 
-def serve(options: ServeOptions, swarm_config: SwarmConfigFor,
+def serve(options: ServeOptions, holders: HoldersFor,
           on_listening: Callable[[str, int], None] = lambda host, port: None) -> None:
     """Serve until the server is told to exit (SIGINT, SIGTERM: uvicorn's own handlers).
 
-    swarm_config: the backbone's SwarmConfig for the opened model; its report sets what /health
-    says while loading. on_listening(host, port): once bound, before the backbone loads.
+    holders: the backbone's SwarmConfig and stages for the opened model; its report sets what
+    /health says while loading. on_listening(host, port): once bound, before the backbone loads.
     MoeSwarmError (one line) for a bad model, context or template, a busy port, or a failed load.
     """
     source = open_source(options.model, options.backbone_dtype)  # a missing or broken model ends here, before anything listens
@@ -62,11 +64,11 @@ def serve(options: ServeOptions, swarm_config: SwarmConfigFor,
         state.loading = f"failed: {message}"
         server.should_exit = True
 
-    swarm = swarm_config(source, lambda line: setattr(state, "loading", line))
+    swarm, stages = holders(source, lambda line: setattr(state, "loading", line))
     listener = config.bind_socket()  # --port 0: the port the system gave, said before anything else is
     on_listening(options.host, listener.getsockname()[1])
     backend = Backend(source, list(options.workers), swarm, engine, options.check_local, chat_template,
-                      stages=options.stages)
+                      stages=tuple(stages))
     threading.Thread(target=load, args=(state, backend, on_fatal), name="moeswarm-load", daemon=True).start()
     try:
         server.run(sockets=[listener])

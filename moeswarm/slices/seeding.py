@@ -1,0 +1,28 @@
+"""A standing seeder (`moeswarm seed`): byte ranges of a model file served until a stop signal."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Sequence
+
+from moeswarm.slices.seed import Seeder
+
+
+def run_seeder(seeder: Seeder, host: str, port: int,
+               on_listening: Callable[[str, int], None] = lambda host, port: None,
+               stop_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """Listen on (host, port), say the bound address to `on_listening`, serve until a stop signal."""
+    asyncio.run(_serve(seeder, host, port, on_listening, stop_signals))
+
+
+async def _serve(seeder: Seeder, host: str, port: int, on_listening: Callable[[str, int], None],
+                 stop_signals: Sequence[signal.Signals]) -> None:
+    bound_host, bound = await seeder.start(host, port)
+    on_listening(bound_host, bound)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in stop_signals:
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await seeder.close()
