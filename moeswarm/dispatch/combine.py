@@ -5,6 +5,7 @@ Legend: T = tokens, d = hidden size, n_e = rows routed to expert e.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -20,8 +21,14 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
     """
     final = torch.zeros_like(hidden)  # [T, d]
     if hidden.shape[0] == 1:
+        if final.dtype == torch.float32:  # numpy's adds: IEEE single, as torch's, at a tenth of the call cost
+            total = final.numpy()[0]  # [d], a view of `final`
+            for expert in sorted(per_expert):
+                for row in per_expert[expert].to(torch.float32).numpy():  # one row, or more where a router repeats
+                    np.add(total, row, out=total)
+            return final
         for expert in sorted(per_expert):
-            for row in per_expert[expert].to(final.dtype):  # one row, or more where a router repeats an expert
+            for row in per_expert[expert].to(final.dtype):
                 final += row
         return final
     for expert in sorted(per_expert):
