@@ -24,16 +24,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moeswarm.model.source import is_gguf_path
+    from moeswarm.weights.gguf_slice import write_slice
+
     quiet_progress(args)
-    if not args.model.lower().endswith(".gguf"):  # model/source.py's is_gguf_path, without its imports
+    if not is_gguf_path(args.model):
         raise ModelError(f"{args.model}: slice takes a .gguf model file")
     out = Path(args.out)
     if not out.parent.is_dir():
         raise MoeSwarmError(f"cannot write {out}: there is no directory {out.parent} (create it, or choose another -o)")
     if out.is_dir():
         raise MoeSwarmError(f"cannot write {out}: it is a directory (give -o a file name, e.g. {out / 'part.gguf'})")
-    from moeswarm.weights.gguf_slice import write_slice
-
     report = write_slice(args.model, args.out, args.experts, args.layers, args.with_backbone)
     if args.json:
         print(json.dumps(report))

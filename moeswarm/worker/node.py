@@ -1,4 +1,4 @@
-"""A worker put together: `open_worker` beside `swarm.open_swarm`.
+"""A worker put together: `open_worker` beside `swarm.open_swarm` (`run_worker`: one served until a stop signal).
 
 A node is a WorkerServer (server.py) with, as configured, its registration at a relay (for a
 worker behind NAT: relay/worker.py) and its announcement on the swarm's DHT (discovery/). The
