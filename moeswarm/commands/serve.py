@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from moeswarm.commands._setup import add_quiet, quiet_progress, set_backbone_threads, set_switch_interval
 from moeswarm.commands._stages import add_stages, check_stages
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     set_switch_interval()
     from moeswarm.serve.server import serve
 
-    serve(options_from(args), _holders(args), on_listening=_say_listening)
+    serve(options_from(args), _holders(args), on_listening=_say_listening, on_ready=_say_ready)
     return 0
 
 
@@ -127,3 +128,7 @@ def _holders(args: argparse.Namespace):
 
 def _say_listening(host: str, port: int) -> None:
     print(f"moeswarm serve: listening on http://{host}:{port}", flush=True)
+
+
+def _say_ready(line: str) -> None:
+    print(f"moeswarm serve: {line}", file=sys.stderr, flush=True)

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import socket
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,8 +38,9 @@ class Backend:
     stages: Sequence[Sequence[str]] = ()  # --stages: per span its replicas; a gateway over them (stages/)
 
 
-def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -> None:
-    """Run in a thread: fill `state` (codec, engine) or call `on_fatal(message)`."""
+def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None],
+         on_ready: Callable[[str], None] = lambda line: None) -> None:
+    """Run in a thread: fill `state` (codec, engine) and call `on_ready(line)`, or call `on_fatal(message)`."""
     try:
         state.codec = load_text_codec(backend.source, backend.source.config.vocab_size)
         if backend.chat_template is not None:
@@ -63,8 +63,8 @@ def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None]) -
         state.engine = engine
         holders = f"{len(swarm.workers)} workers" if backend.workers or backend.swarm.discovery is not None \
             else f"{len(backend.stages)} stages" if backend.stages else "local mode: every expert in this process"
-        print(f"moeswarm serve: ready ({swarm.model.config.model_type}, {holders}, "
-              f"{len(swarm.moe_layers)} MoE layers, context {backend.engine.context})", file=sys.stderr, flush=True)
+        on_ready(f"ready ({swarm.model.config.model_type}, {holders}, {len(swarm.moe_layers)} MoE layers, "
+                 f"context {backend.engine.context})")
     except MoeSwarmError as error:
         on_fatal(one_line(error))
     except Exception as error:  # a bug: said in one line here too, the server must not hang in "loading"

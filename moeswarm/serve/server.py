@@ -36,11 +36,13 @@ HoldersFor = Callable[[ModelSource, Report], tuple[SwarmConfig, Stages]]
 
 
 def serve(options: ServeOptions, holders: HoldersFor,
-          on_listening: Callable[[str, int], None] = lambda host, port: None) -> None:
+          on_listening: Callable[[str, int], None] = lambda host, port: None,
+          on_ready: Report = lambda line: None) -> None:
     """Serve until the server is told to exit (SIGINT, SIGTERM: uvicorn's own handlers).
 
     holders: the backbone's SwarmConfig and stages for the opened model; its report sets what
-    /health says while loading. on_listening(host, port): once bound, before the backbone loads.
+    /health says while loading. on_listening(host, port): once bound, before the backbone loads;
+    on_ready(line): once the engine runs (the model, its holders, the context).
     MoeSwarmError (one line) for a bad model, context or template, a busy port, or a failed load.
     """
     source = open_source(options.model, options.backbone_dtype)  # a missing or broken model ends here, before anything listens
@@ -69,7 +71,7 @@ def serve(options: ServeOptions, holders: HoldersFor,
     on_listening(options.host, listener.getsockname()[1])
     backend = Backend(source, list(options.workers), swarm, engine, options.check_local, chat_template,
                       stages=tuple(stages))
-    threading.Thread(target=load, args=(state, backend, on_fatal), name="moeswarm-load", daemon=True).start()
+    threading.Thread(target=load, args=(state, backend, on_fatal, on_ready), name="moeswarm-load", daemon=True).start()
     try:
         server.run(sockets=[listener])
     finally:
