@@ -35,6 +35,7 @@ from moeswarm.serve.runner import PackedRunner, build_runners, split_groups
 from moeswarm.serve.scheduler import Slot, plan_step
 from moeswarm.serve.sequence import Sequence, apart
 from moeswarm.serve.stats import EngineStats, StepRecord
+from moeswarm.serve.step_budget import GROWTH as STEP_TOKENS_GROWTH, StepBudget
 from moeswarm.serve.tally import Tally
 from moeswarm.serve.whole_model import WholeModel
 from moeswarm.swarm import Swarm
@@ -46,7 +47,8 @@ class EngineConfig:
     max_batch: int = 16  # sequences stepped together; more wait in the queue
     speculate: int = 0  # most drafts per sequence per step, in each of its branches (0: off)
     prefill_chunk: int = 64  # most prompt tokens a sequence feeds per step
-    step_tokens: int = 256  # token budget of a step (decode tokens first, then prompt chunks)
+    step_tokens: int = 256  # token budget of a step (decode tokens first, then prompt chunks); more, up to
+    # STEP_TOKENS_GROWTH times, while their compute fits in the step's wait on replies (serve/step_budget.py)
     cache_slots: int = 8  # finished sequences' KV caches kept for prefix reuse (0: off)
     keep_accounting: bool = False  # keep every layer call in the swarm's accounting (one generation); else per step
     health_interval_s: float = 2.0
@@ -72,6 +74,7 @@ class Engine:
         self.admission = Admission(swarm, codec, config, self.runner, self.reference_runner, self.metrics, self.packed,
                                    drafter)
         self.group_policy = GroupPolicy()  # --groups 0: one or two batches in flight, by measurement
+        self.budget = StepBudget(config.step_tokens, STEP_TOKENS_GROWTH * config.step_tokens)
         self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
         # --check-local: every step's logits against the reference's (bit for bit; a lossy wire: the gate's thresholds)
         self.check = LocalCheck(swarm.wire.exact) if reference is not None else None
@@ -202,7 +205,7 @@ class Engine:
             tally.draft_seconds += drafting
             tally.seconds += drafting
         plans = plan_step([Slot(s.prefill_left, s.draft_counts) for s in sequences],
-                          self.config.prefill_chunk, self.config.step_tokens)
+                          self.config.prefill_chunk, self.budget.tokens())
         work = [(s, s.feed(plan.tokens, plan.rows), self._keep(s)) for s, plan in zip(sequences, plans) if plan.tokens]
         for sequence, feed, _ in work:
             if not sequence.prefill_left:
@@ -235,6 +238,7 @@ class Engine:
             if not sequence.output:  # a prompt chunk (its first token comes from this step's logits)
                 tally.prefill_seconds += forward
         calls, waiting_s = self.swarm.layer_calls(seen), self.runner.waiting_s
+        self.budget.record(sum(_tokens(feed) for _, feed, _ in work), forward, waiting_s)
         self.groups_in_flight = len(groups)
         if self.reference_runner is not None:
             expected = self.reference_runner.run([(s.reference, feed, keep) for s, feed, keep in work], groups)
