@@ -92,10 +92,10 @@ def flood(args: argparse.Namespace) -> None:
 
 
 def faults(args: argparse.Namespace) -> None:
-    from moeswarm.tools.bench.faults import print_report, run_faults
+    from moeswarm.tools.bench.faults import report_lines, run_faults
 
     result = run_faults(_model(args), args.generations, tuple(args.parts.split(",")), args.seed, args.liar_trials)
-    print(json.dumps(result)) if args.json else print_report(result)
+    print(json.dumps(result) if args.json else "\n".join(report_lines(result)))
 
 
 def relay(args: argparse.Namespace) -> None:

@@ -277,25 +277,28 @@ def run_faults(model: str, generations: int = 100, parts: tuple[str, ...] = ("ge
     return result
 
 
-def print_report(result: dict) -> None:
+def report_lines(result: dict) -> list[str]:
+    """The text `moeswarm bench faults` prints."""
+    lines = []
     if "faults" in result:
         s = result["faults"]["summary"]
-        print(f"generations  {s['completed']}/{s['generations']} completed, {s['identical']}/{s['generations']} "
-              f"bit-identical to local")
-        print(f"{'fault':<12} {'runs':>4} {'done':>4} {'same':>4} {'mean s':>7} {'max s':>7} {'extra s':>8} {'failovers':>9}")
+        lines.append(f"generations  {s['completed']}/{s['generations']} completed, {s['identical']}/{s['generations']} "
+                     f"bit-identical to local")
+        lines.append(f"{'fault':<12} {'runs':>4} {'done':>4} {'same':>4} {'mean s':>7} {'max s':>7} {'extra s':>8} {'failovers':>9}")
         for kind, r in s["per_fault"].items():
-            print(f"{kind:<12} {r['generations']:>4} {r['completed']:>4} {r['identical']:>4} {r['seconds_mean']:>7.3f} "
-                  f"{r['seconds_max']:>7.3f} {r['extra_seconds_mean']:>8.3f} {r['failovers']:>9}")
+            lines.append(f"{kind:<12} {r['generations']:>4} {r['completed']:>4} {r['identical']:>4} {r['seconds_mean']:>7.3f} "
+                         f"{r['seconds_max']:>7.3f} {r['extra_seconds_mean']:>8.3f} {r['failovers']:>9}")
     for row in result.get("tail", []):
-        print(f"tail hedging={'on ' if row['hedging'] else 'off'} calls={row['layer_calls']} stalls={row['stalls']} "
-              f"p50={row['p50_ms']:.2f} p95={row['p95_ms']:.2f} p99={row['p99_ms']:.2f} max={row['max_ms']:.1f} ms "
-              f"hedges={row['hedges']} wins={row['hedge_wins']}")
+        lines.append(f"tail hedging={'on ' if row['hedging'] else 'off'} calls={row['layer_calls']} stalls={row['stalls']} "
+                     f"p50={row['p50_ms']:.2f} p95={row['p95_ms']:.2f} p99={row['p99_ms']:.2f} max={row['max_ms']:.1f} ms "
+                     f"hedges={row['hedges']} wins={row['hedge_wins']}")
     for row in result.get("spot_checks", {}).get("detection", []):
-        print(f"liar={row['liar']:<5} tokens/step={row['tokens_per_step']:<3} sampling={row['fraction']:.0%}: "
-              f"caught {row['detected']}/{row['trials']} within {row['max_steps']} steps "
-              f"(mean {row['steps_to_ban_mean']} steps)")
+        lines.append(f"liar={row['liar']:<5} tokens/step={row['tokens_per_step']:<3} sampling={row['fraction']:.0%}: "
+                     f"caught {row['detected']}/{row['trials']} within {row['max_steps']} steps "
+                     f"(mean {row['steps_to_ban_mean']} steps)")
     for row in result.get("liars", []):
-        print(_liar_line(row))
+        lines.append(_liar_line(row))
     for row in result.get("spot_checks", {}).get("cost", []):
-        print(f"check cost sampling={row['fraction']:.0%}: {row['ms_per_step']:.2f} ms/step, "
-              f"{row['bytes_per_step']:.0f} B/step, {row['checks']} checks")
+        lines.append(f"check cost sampling={row['fraction']:.0%}: {row['ms_per_step']:.2f} ms/step, "
+                     f"{row['bytes_per_step']:.0f} B/step, {row['checks']} checks")
+    return lines

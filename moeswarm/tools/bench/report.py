@@ -78,10 +78,6 @@ def table_lines(result: dict) -> list[str]:
     return lines
 
 
-def print_tables(result: dict) -> None:
-    print("\n".join(table_lines(result)))
-
-
 def plots(result: dict, out_dir: Path) -> list[str]:
     import matplotlib
 
