@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from moeswarm.serve.step_budget import StepBudget
 
 
@@ -44,3 +46,15 @@ def test_empty_or_instant_steps_teach_nothing():
     budget.record(0, 1.0, 0.5)
     budget.record(10, 0.0, 0.0)
     assert (budget.compute_per_token_s, budget.waiting_s, budget.tokens()) == (None, None, 128)
+
+
+def test_a_token_costs_the_slope_of_compute_against_tokens_not_a_decode_step_s_average():
+    """Decode steps of one token cost 13 ms each (the weights read once); a 256-token step costs
+    120 ms: one more token costs (120 - 13) / 255 ms, not the 13 ms a decode step averages."""
+    budget = StepBudget(256, 100_000)
+    for _ in range(20):
+        budget.record(1, 0.013 + 0.48, 0.48)
+    assert budget.tokens() == 256  # 480 ms / 13 ms per token: 36, under the floor
+    budget.record(256, 0.120 + 0.48, 0.48)
+    assert budget.compute_per_token_s == pytest.approx(0.107 / 255)
+    assert budget.tokens() == int(0.48 / (0.107 / 255))
