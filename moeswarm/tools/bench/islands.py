@@ -8,11 +8,12 @@ Topologies, each decoding the same prompt greedily:
   with all of that span's experts next to it (loopback: the LAN); this process is the gateway.
   The gateway-to-stage, stage-to-stage and last-stage-to-gateway hops each cross one emulated link:
   a step costs (stages + 1) one-way trips;
-- local: the whole model in this process (no network): the compute every other figure is over.
+- local: the whole model in this process (no network), with the threads of a stage: the compute
+  every other figure is over.
 
 Links: one WanProxy in front of every worker (star) or every stage (islands), at each RTT (one way
-= RTT / 2). Threads: this process (gateway, star backbone, local) computes with torch's threads;
-each stage and each island's worker with `threads` (default 2): with one sequence in flight only one
+= RTT / 2). Threads: this process (the local run, the star's backbone, the gateway), each stage
+and each island's worker compute with `threads` (default 2): with one sequence in flight only one
 process of a chain computes at a time (the others wait on a socket, their pools asleep), so each
 gets the cores a machine of its own would give it. The star's 2 workers compute at once: one
 thread each.
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass
+
+import torch
 
 from moeswarm.generation.run import generate
 from moeswarm.model.experts import num_experts_in_config
@@ -61,6 +64,11 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
     source = open_source(path)
     layers, experts = source.config.num_hidden_layers, num_experts_in_config(source.config)
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(PROMPT_TOKENS // 2)] * 2  # repeats: something to draft from
+    with _torch_threads(threads):  # this process as a machine of its own, as each stage is
+        return _runs(path, source, prompt, layers, experts, rtts_ms, stage_counts, tokens, speculate, threads)
+
+
+def _runs(path, source, prompt, layers, experts, rtts_ms, stage_counts, tokens, speculate, threads) -> dict:
     rows: list[Row] = []
     with open_swarm(source, []) as local:
         reference = generate(local, prompt, tokens)
@@ -111,6 +119,16 @@ def _targets(rows: list[Row]) -> list[dict]:
              "met": two.ms_per_token <= 0.25 * star.ms_per_token},
             {"target": f"2 islands at 50 ms <= 3 x 25 ms + 1.3 x local ({bound:.0f} ms)",
              "measured": two.ms_per_token, "met": two.ms_per_token <= bound}]
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
