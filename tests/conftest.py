@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeswarm.bundled import TRAINED
 from moeswarm.tools.local_workers import local_workers, split_experts
+from moeswarm.tools.serve_process import ServeProcess
 from moeswarm.tools.tiny import make_tiny_model
 
 torch.set_num_threads(1)  # several processes share the CI machine's cores
@@ -34,3 +36,37 @@ def qwen2_workers(qwen2_moe):
     """Two worker processes holding experts 0-3 and 4-7 of the tiny qwen2_moe."""
     with local_workers(qwen2_moe, split_experts(8, 2)) as addresses:
         yield addresses
+
+
+@pytest.fixture(scope="session")
+def qwen2_replicas(qwen2_moe):
+    """Two worker processes, each holding all 8 experts of the tiny qwen2_moe (tests that lie or
+    check do it on the backbone's links, never to the processes, so one pair serves them all)."""
+    with local_workers(qwen2_moe, [list(range(8))] * 2) as addresses:
+        yield addresses
+
+
+@pytest.fixture(scope="session")
+def trained_workers():
+    """Two worker processes holding experts 0-15 and 16-31 of the bundled trained model."""
+    with local_workers(str(TRAINED), split_experts(32, 2)) as addresses:
+        yield addresses
+
+
+@pytest.fixture(scope="session")
+def trained_serve(trained_workers):
+    """`moeswarm serve --model-name pymoe` on the bundled model over `trained_workers`, as the
+    third-party clients (tests/test_third_party_*.py) meet it."""
+    with ServeProcess(str(TRAINED), trained_workers, "--model-name", "pymoe") as server:
+        server.wait_ready()
+        yield server
+
+
+@pytest.fixture(scope="session")
+def trained_local():
+    """The bundled model run locally and its text codec: the reference the served answers equal."""
+    from moeswarm.model.loading import load_local
+    from moeswarm.model.tokenizer import load_text_codec
+
+    model = load_local(TRAINED)
+    return model, load_text_codec(TRAINED, model.config.vocab_size)

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -31,6 +32,13 @@ def wheel(tmp_path_factory) -> Path:
     (src / "models" / "pymoe").mkdir(parents=True)
     shutil.copytree(REPO / "models" / "pymoe" / "hf", src / "models" / "pymoe" / "hf")
     shutil.copy(REPO / "models" / "pymoe" / "prompts.jsonl", src / "models" / "pymoe" / "prompts.jsonl")
+    # The C kernels the install built from these very sources go where the build looks for them first
+    # (build_ext compiles again only when a source is newer: copies keep their times), so the wheel
+    # ships them without a minute of -O3 compiling.
+    for kernels in (REPO / "moeswarm").glob("_qkernels.*.so"):
+        built_lib = src / "build" / f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}" / "moeswarm"
+        built_lib.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(kernels, built_lib / kernels.name)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w", str(out)],
                    check=True, capture_output=True, text=True, timeout=300)

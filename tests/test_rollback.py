@@ -8,7 +8,6 @@ import pytest
 
 from moeswarm.tools.bench.lying import LyingLink, generate_with_rollback, greedy
 from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import local_workers
 from moeswarm.model.loading import load_local
 from moeswarm.swarm import open_swarm
 
@@ -21,10 +20,9 @@ def honest(qwen2_moe):
 
 
 @pytest.fixture(scope="module")
-def addresses(qwen2_moe):
-    """Two worker processes, each holding every expert."""
-    with local_workers(qwen2_moe, [list(range(8))] * 2) as addresses:
-        yield addresses
+def addresses(qwen2_replicas):
+    """Two worker processes, each holding every expert (conftest's: the lies are told by the links)."""
+    return qwen2_replicas
 
 
 def test_a_late_caught_liar_is_rolled_back_and_the_output_equals_an_honest_run(qwen2_moe, honest, addresses):

@@ -28,8 +28,6 @@ import torch
 from moeswarm.bundled import TRAINED
 from moeswarm.generation.sampling import SamplingParams, log_probs, penalize
 from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import local_workers, split_experts
-from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.serve.grammar import Grammars
 from moeswarm.tools.serve_process import ServeProcess
@@ -52,17 +50,16 @@ class PortZeroServer(ServeProcess):
 
 
 @pytest.fixture(scope="module")
-def server():
-    with local_workers(str(TRAINED), split_experts(32, 2)) as workers:
-        process = PortZeroServer(str(TRAINED), workers, "--speculate", "3", "--model-name", "pymoe", "--local-experts", "25%",
-                                 "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
-                                 "--max-connections", str(MAX_CONNECTIONS), "--header-timeout", "1.5",
-                                 "--body-timeout", "1.5", "--cors-origins", "http://app.example")
-        try:
-            process.wait_ready()
-            yield process
-        finally:
-            process.stop()
+def server(trained_workers):
+    process = PortZeroServer(str(TRAINED), trained_workers, "--speculate", "3", "--model-name", "pymoe", "--local-experts", "25%",
+                             "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
+                             "--max-connections", str(MAX_CONNECTIONS), "--header-timeout", "1.5",
+                             "--body-timeout", "1.5", "--cors-origins", "http://app.example")
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +68,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def local():
-    model = load_local(TRAINED)
-    return model, load_text_codec(TRAINED, model.config.vocab_size)
+def local(trained_local):
+    return trained_local  # conftest: the bundled model and its codec
 
 
 def _greedy_with_logprobs(model, prompt: list[int], count: int, eos: int, params=SamplingParams()):

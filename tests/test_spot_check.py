@@ -191,16 +191,16 @@ def test_a_ban_reports_every_call_that_used_the_liars_unchecked_answers(holders)
     dispatcher.close()
 
 
-def test_a_lying_link_to_a_real_worker_is_caught_in_a_generation(qwen2_moe):
+def test_a_lying_link_to_a_real_worker_is_caught_in_a_generation(qwen2_moe, qwen2_replicas):
     """Real worker processes of the tiny model: one link lies (zeros); checks at 100 %: the
     generation stays bit-identical to local, the liar is banned, the honest links are not."""
     from moeswarm.tools.bench.lying import LyingLink
     from moeswarm.generation.run import generate
-    from moeswarm.tools.local_workers import local_workers
     from moeswarm.model.loading import load_local
     from moeswarm.swarm import open_swarm
 
-    with local_workers(qwen2_moe, [list(range(8))] * 2) as addresses, open_swarm(
+    addresses = qwen2_replicas  # conftest's two workers holding every expert: the lie is the link's
+    with open_swarm(
             qwen2_moe, [addresses[0], *addresses], spot_check=1.0, spot_check_seed=7,
             wrap_link=lambda i, link: LyingLink(link) if i == 0 else link) as swarm:
         result = generate(swarm, [72, 105, 33], 6, 0, load_local(qwen2_moe))

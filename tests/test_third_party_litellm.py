@@ -11,13 +11,8 @@ import os
 
 import pytest
 
-from moeswarm.bundled import TRAINED
 from moeswarm.generation.stepper import Stepper
-from moeswarm.model.loading import load_local
-from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.serve.chat import chat_prompt
-from moeswarm.tools.local_workers import local_workers, split_experts
-from moeswarm.tools.serve_process import ServeProcess
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches a price list at import otherwise
 litellm = pytest.importorskip("litellm")
@@ -27,18 +22,15 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def provider():
-    """The keyword arguments that point litellm's OpenAI-compatible provider at a served swarm."""
-    with local_workers(str(TRAINED), split_experts(32, 2)) as workers:
-        with ServeProcess(str(TRAINED), workers, "--model-name", "pymoe") as server:
-            server.wait_ready()
-            yield {"model": "openai/pymoe", "api_base": server.url + "/v1", "api_key": "unused", "timeout": 120}
+def provider(trained_serve):
+    """The keyword arguments that point litellm's OpenAI-compatible provider at a served swarm
+    (conftest's, on the bundled model: the one lm-eval's test drives too)."""
+    return {"model": "openai/pymoe", "api_base": trained_serve.url + "/v1", "api_key": "unused", "timeout": 120}
 
 
 @pytest.fixture(scope="module")
-def local():
-    model = load_local(TRAINED)
-    return model, load_text_codec(TRAINED, model.config.vocab_size)
+def local(trained_local):
+    return trained_local
 
 
 def _greedy(model, codec, prompt: list[int], max_tokens: int) -> tuple[str, str]:

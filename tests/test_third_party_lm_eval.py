@@ -23,10 +23,6 @@ import pytest
 from moeswarm.bundled import TRAINED
 from moeswarm.generation.sampling import log_probs
 from moeswarm.generation.stepper import Stepper
-from moeswarm.model.loading import load_local
-from moeswarm.model.tokenizer import load_text_codec
-from moeswarm.tools.local_workers import local_workers, split_experts
-from moeswarm.tools.serve_process import ServeProcess
 
 pytest.importorskip("lm_eval")
 
@@ -35,20 +31,17 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 
 @pytest.fixture(scope="module")
-def evaluation(tmp_path_factory):
+def evaluation(tmp_path_factory, trained_serve):
     """lm-eval's results and its logged samples per task, from one run against a served swarm."""
     out = tmp_path_factory.mktemp("lm_eval")
-    with local_workers(str(TRAINED), split_experts(32, 2)) as workers:
-        with ServeProcess(str(TRAINED), workers, "--model-name", "pymoe") as server:
-            server.wait_ready()
-            model_args = f"model=pymoe,base_url={server.url}/v1/completions,tokenizer={TRAINED}"
-            run = subprocess.run(
-                [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
-                 "--tasks", "pymoe_choice,pymoe_lines", "--include_path", str(TASKS), "--batch_size", "2",
-                 "--output_path", str(out), "--log_samples"],
-                cwd=TASKS,  # the task yamls name their jsonl files relative to it
-                env={**os.environ, **OFFLINE, "HF_HOME": str(out / "hf")},
-                capture_output=True, text=True, timeout=600)
+    model_args = f"model=pymoe,base_url={trained_serve.url}/v1/completions,tokenizer={TRAINED}"
+    run = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
+         "--tasks", "pymoe_choice,pymoe_lines", "--include_path", str(TASKS), "--batch_size", "2",
+         "--output_path", str(out), "--log_samples"],
+        cwd=TASKS,  # the task yamls name their jsonl files relative to it
+        env={**os.environ, **OFFLINE, "HF_HOME": str(out / "hf")},
+        capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     [results] = glob.glob(str(out / "pymoe" / "results_*.json"))
     samples = {}
@@ -59,9 +52,8 @@ def evaluation(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local():
-    model = load_local(TRAINED)
-    return model, load_text_codec(TRAINED, model.config.vocab_size)
+def local(trained_local):
+    return trained_local  # conftest: the bundled model and its codec, shared with the other served-model tests
 
 
 def _loglikelihood(model, codec, context: str, continuation: str) -> tuple[float, bool]:
