@@ -32,14 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     quiet_progress(args)
-    # The backbone shares this machine with the workers: one thread each, or idle OpenMP
-    # threads spinning here steal the workers' cores while the backbone waits for them.
-    set_threads(1)
     from moeswarm.commands._generation_text import stream_text, summary_lines
     from moeswarm.tools.demo import DemoOptions, run_demo
 
     options = DemoOptions(args.model, args.prompt, args.max_new_tokens, args.workers, args.speculate, args.temperature,
-                          args.seed)
+                          args.seed)  # checked: at least 2 workers
+    # The backbone shares this machine with the workers: one thread each, or idle OpenMP
+    # threads spinning here steal the workers' cores while the backbone waits for them.
+    set_threads(1)
     if args.json:
         report = run_demo(options)
         print(json.dumps(report.to_json()))

@@ -49,7 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     quiet_progress(args)
     check_workers_or_swarm(args)
-    set_backbone_threads(args.threads)
     from moeswarm.commands._generation_text import stream_text, summary_lines
     from moeswarm.generation.from_model import GenerationRequest, SamplingParams, generate_from_model
 
@@ -57,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
                                 args.check_local, sampling=sampling, stops=tuple(args.stop), draft=args.draft)
     report = generate_from_model(args.model, request, lambda source: swarm_config(args, source),
-                                 lambda source, config: open_backbone(source, args, config), args.backbone_dtype,
+                                 _opener(args), args.backbone_dtype,
                                  on_event=None if args.json else stream_text)
     if args.json:
         print(json.dumps(report.to_json()))
@@ -65,6 +64,15 @@ def run(args: argparse.Namespace) -> int:
         print()  # after the streamed text
         print("\n".join(summary_lines(report)))
     return 0 if report.check_passed is not False else 1
+
+
+def _opener(args: argparse.Namespace):
+    """Opens the backbone once the request and the flags are checked: this process's threads first."""
+    def open_checked(source, config):
+        set_backbone_threads(args.threads)
+        return open_backbone(source, args, config)
+
+    return open_checked
 
 
 def _ids(text: str) -> list[int]:

@@ -26,10 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     quiet_progress(args)
-    set_threads(args.threads)
     from moeswarm.model.routing_profile import write_routing_profile
 
-    written = write_routing_profile(args.output, args.model, args.prompts, args.max_tokens)
+    written = write_routing_profile(args.output, args.model, args.prompts, args.max_tokens,
+                                    before_load=lambda: set_threads(args.threads))
     print(f"routing profile of {written.prompts} prompts, {written.tokens} tokens, {written.moe_layers} MoE layers "
           f"-> {written.path}")
     return 0

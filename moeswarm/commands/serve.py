@@ -94,11 +94,10 @@ def run(args: argparse.Namespace) -> int:
     quiet_progress(args)
     check_workers_or_swarm(args)
     check_draft_flags(args.draft, args.speculate, args.local_experts is not None)  # the engine checks the held experts
-    set_backbone_threads(args.threads)
-    set_switch_interval()
     from moeswarm.serve.server import serve
 
-    serve(options_from(args), _holders(args), on_listening=_say_listening, on_ready=_say_ready)
+    serve(options_from(args), _holders(args), on_listening=_say_listening, on_ready=_say_ready,
+          before_load=lambda: _process_settings(args.threads))
     return 0
 
 
@@ -124,6 +123,12 @@ def _holders(args: argparse.Namespace):
         return swarm, tuple(args.stages or ())
 
     return holders
+
+
+def _process_settings(threads: int | None) -> None:
+    """This process's torch threads and GIL switch interval, once the flags are checked (serve's `before_load`)."""
+    set_backbone_threads(threads)
+    set_switch_interval()
 
 
 def _say_listening(host: str, port: int) -> None:

@@ -7,6 +7,7 @@ The whole model runs here, in this process; threads are the caller's to set.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +30,10 @@ class ProfileWritten:
 
 
 def write_routing_profile(output: str, model: str | Path | None = None, prompts: str | Path | None = None,
-                          max_tokens: int = 256) -> ProfileWritten:
+                          max_tokens: int = 256, before_load: Callable[[], None] = lambda: None) -> ProfileWritten:
     """Count the routing of `model` (None: the bundled one) over `prompts` (None: the bundled prompts),
-    each cut to `max_tokens` (and to the model's positions), and write the profile to `output`."""
+    each cut to `max_tokens` (and to the model's positions), and write the profile to `output`.
+    before_load(): once the prompts are read, before the model loads (the caller's process settings)."""
     source = open_source(model or demo_model())
     if prompts is None and not PROMPTS.is_file():
         raise MoeSwarmError(f"no bundled prompts at {PROMPTS}: give --prompts FILE")
@@ -42,6 +44,7 @@ def write_routing_profile(output: str, model: str | Path | None = None, prompts:
     codec = load_text_codec(source, config.vocab_size)
     limit = min(max_tokens, getattr(config, "max_position_embeddings", None) or max_tokens)
     encoded = [codec.encode(text)[:limit] for text in texts]
+    before_load()
     stats = RoutingStats(num_experts_in_config(config), source.fingerprint, config.model_type)
     count_routing(load_local(source), encoded, stats)
     try:

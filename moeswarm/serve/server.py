@@ -37,18 +37,20 @@ HoldersFor = Callable[[ModelSource, Report], tuple[SwarmConfig, Stages]]
 
 def serve(options: ServeOptions, holders: HoldersFor,
           on_listening: Callable[[str, int], None] = lambda host, port: None,
-          on_ready: Report = lambda line: None) -> None:
+          on_ready: Report = lambda line: None, before_load: Callable[[], None] = lambda: None) -> None:
     """Serve until the server is told to exit (SIGINT, SIGTERM: uvicorn's own handlers).
 
     holders: the backbone's SwarmConfig and stages for the opened model; its report sets what
     /health says while loading. on_listening(host, port): once bound, before the backbone loads;
-    on_ready(line): once the engine runs (the model, its holders, the context).
+    on_ready(line): once the engine runs (the model, its holders, the context). before_load(): once the
+    model, the flags and the port are checked, before anything loads (the caller's process settings).
     MoeSwarmError (one line) for a bad model, context or template, a busy port, or a failed load.
     """
     source = open_source(options.model, options.backbone_dtype)  # a missing or broken model ends here, before anything listens
     context = _context(source, options.ctx_size)
     chat_template = read_chat_template(options.chat_template) if options.chat_template else None
     check_can_listen(options.host, options.port)
+    before_load()
     engine = EngineConfig(context, options.max_batch, options.speculate, options.prefill_chunk, options.step_tokens,
                           options.cache_slots, draft=options.draft, groups=options.groups)
     state = ServeState(options.model_name or model_name(source.path), options.api_key,

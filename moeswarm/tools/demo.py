@@ -37,6 +37,10 @@ class DemoOptions:
     temperature: float | None = None  # None: 0.7 with top-p 0.9 on the bundled model, greedy on another
     seed: int | None = None  # None: BUNDLED_SAMPLING's, the same text every run
 
+    def __post_init__(self) -> None:
+        if self.workers < 2:
+            raise MoeSwarmError("the demo runs at least 2 workers")
+
 
 @dataclass(frozen=True)
 class DemoStart:
@@ -55,8 +59,6 @@ def run_demo(options: DemoOptions, on_start: Callable[[DemoStart], None] = lambd
              on_event: Callable[[Event], None] | None = None) -> GenerationReport:
     """One generation on local workers, checked against a local run: `on_start` before the workers
     start, `on_ready` once they serve, `on_event` as the text comes."""
-    if options.workers < 2:
-        raise MoeSwarmError("the demo runs at least 2 workers")
     model = options.model or str(demo_model())
     source = open_source(model)
     prompt = options.prompt if options.prompt is not None else DEMO_PROMPT
