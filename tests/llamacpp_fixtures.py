@@ -37,6 +37,21 @@ def require_llama_cpp(test_file: str):
 
 
 @contextlib.contextmanager
+def slice_workers(parts):
+    """One `moeswarm worker` per (model file, experts), as `local_workers` starts them but on files
+    of their own, every process started before the first is waited for; yields their addresses."""
+    from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
+
+    processes = []
+    try:
+        for model, experts in parts:
+            processes.append(spawn_worker(str(model), experts))
+        yield [wait_listening(process) for process in processes]
+    finally:
+        stop(processes)
+
+
+@contextlib.contextmanager
 def _without_extra_buffer_types():
     """Load models without llama.cpp's CPU "extra buffer types" (moeswarm.tools.bench.worker_real_llamacpp)."""
     import llama_cpp.llama_cpp as low

@@ -10,7 +10,6 @@ import time
 import httpx
 import pytest
 
-from moeswarm.tools.local_workers import local_workers, split_experts
 from moeswarm.model.source import open_source
 from moeswarm.tools.serve_process import ServeProcess
 
@@ -32,12 +31,12 @@ def _browser():
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
-def test_dashboard_shows_workers_and_expert_heat_while_a_generation_runs(qwen2_moe, tmp_path):
+def test_dashboard_shows_workers_and_expert_heat_while_a_generation_runs(qwen2_moe, qwen2_workers, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    with local_workers(qwen2_moe, split_experts(8, 2)) as workers, \
-            ServeProcess(qwen2_moe, workers, "--model-name", "tiny", "--api-key", "k") as server:
+    workers = qwen2_workers  # conftest's: experts 0-3 and 4-7
+    with ServeProcess(qwen2_moe, workers, "--model-name", "tiny", "--api-key", "k") as server:
         server.wait_ready()
         body = {"model": "tiny", "prompt": "abcabc", "max_tokens": 120, "temperature": 0, "stream": True}
         generating = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=120,

@@ -16,7 +16,7 @@ import pytest
 from moeswarm.dispatch.errors import ExpertsUnavailable
 from moeswarm.generation.run import generate
 from moeswarm.tools.bench.injector import Injector
-from moeswarm.tools.local_workers import replicated_split, spawn_worker, split_experts, stop, wait_listening
+from moeswarm.tools.local_workers import spawn_worker, split_experts, stop, wait_listening
 from moeswarm.model.loading import load_local
 from moeswarm.swarm import open_swarm
 
@@ -51,8 +51,10 @@ def _generate(swarm, reference):
     return generate(swarm, PROMPT, NEW_TOKENS, 0, reference)
 
 
-def test_worker_killed_mid_generation_fails_over_then_is_readmitted(qwen2_moe, workers, reference):
-    processes, addresses = workers(replicated_split(8, 2))  # both hold all 8 experts
+def test_worker_killed_mid_generation_fails_over_then_is_readmitted(qwen2_moe, workers, reference, qwen2_replicas):
+    # both hold all 8 experts: the first is this test's own (killed), the second conftest's (it outlives the test)
+    processes, spawned = workers([list(range(8))])
+    addresses = [*spawned, qwen2_replicas[1]]
     injector = Injector()
     with open_swarm(qwen2_moe, addresses, wrap_link=injector.watch) as swarm:
         injector.swarm = swarm
@@ -78,11 +80,13 @@ def test_worker_killed_mid_generation_fails_over_then_is_readmitted(qwen2_moe, w
         assert addresses[0] in swarm.accounting()["worker_rtt_ms_mean"]  # its experts are served by it again
 
 
-def test_without_a_replica_the_error_names_worker_layer_and_experts(qwen2_moe, workers, reference):
-    processes, addresses = workers(split_experts(8, 2))
+def test_without_a_replica_the_error_names_worker_layer_and_experts(qwen2_moe, workers, reference, qwen2_workers):
+    # experts 0-3 on conftest's first worker, 4-7 on this test's own (killed)
+    processes, spawned = workers(split_experts(8, 2)[1:])
+    addresses = [qwen2_workers[0], *spawned]
     with open_swarm(qwen2_moe, addresses) as swarm:
-        processes[1].kill()
-        processes[1].wait()
+        processes[0].kill()
+        processes[0].wait()
         with pytest.raises(ExpertsUnavailable) as caught:
             _generate(swarm, reference)
         message = str(caught.value)
@@ -93,17 +97,19 @@ def test_without_a_replica_the_error_names_worker_layer_and_experts(qwen2_moe, w
         assert any("no usable worker holds" in line for line in swarm.health())
 
 
-def test_stalled_worker_misses_its_deadline_and_its_share_moves(qwen2_moe, workers, reference):
-    processes, addresses = workers(replicated_split(8, 2))
+def test_stalled_worker_misses_its_deadline_and_its_share_moves(qwen2_moe, workers, reference, qwen2_replicas):
+    # both hold all 8 experts: the first is conftest's, the second this test's own (stopped)
+    processes, spawned = workers([list(range(8))])
+    addresses = [qwen2_replicas[0], *spawned]
     injector = Injector()
     with open_swarm(qwen2_moe, addresses, reply_timeout_s=1.0, hedge=False, wrap_link=injector.watch) as swarm:
         injector.swarm = swarm
-        injector.arm(10, lambda: os.kill(processes[1].pid, signal.SIGSTOP))
+        injector.arm(10, lambda: os.kill(processes[0].pid, signal.SIGSTOP))
         started = time.monotonic()
         result = _generate(swarm, reference)
         elapsed = time.monotonic() - started
         stopped_standing = swarm.standing()[1]
-        os.kill(processes[1].pid, signal.SIGCONT)
+        os.kill(processes[0].pid, signal.SIGCONT)
         assert stopped_standing["up"] is False and stopped_standing["degraded"] is True  # not "up" while stopped
         assert result.bit_identical is True
         stats = swarm.resilience()

@@ -41,18 +41,22 @@ def test_remote_equals_local(family, tiny_models):
     assert_remote_equals_local(tiny_models(family), split_experts(8, 2), [11, 42, 7, 99, 3, 250, 18, 64, 5, 77])
 
 
-def test_odd_sizes_and_uneven_split(tmp_path):
+@pytest.fixture(scope="module")
+def odd_sizes(tmp_path_factory) -> str:
+    """A qwen3_moe whose experts' byte sizes are not multiples of 64 (read only: made once)."""
+    return str(make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("odd"), hidden_size=33, moe_intermediate_size=7))
+
+
+def test_odd_sizes_and_uneven_split(odd_sizes):
     """Experts whose byte size is not a multiple of 64, split 3 + 5: worker buffers must mirror the
     address alignment a local model gives each expert, or single-row matmuls differ in low bits."""
-    path = str(make_tiny_model("qwen3_moe", tmp_path / "odd", hidden_size=33, moe_intermediate_size=7))
-    assert_remote_equals_local(path, [[0, 1, 2], [3, 4, 5, 6, 7]], list(range(3, 30)))
+    assert_remote_equals_local(odd_sizes, [[0, 1, 2], [3, 4, 5, 6, 7]], list(range(3, 30)))
 
 
-def test_non_contiguous_expert_sets(tmp_path):
+def test_non_contiguous_expert_sets(odd_sizes):
     """Workers holding scattered experts (odd byte sizes, so each run of experts needs its own
     alignment): still bit-identical."""
-    path = str(make_tiny_model("qwen3_moe", tmp_path / "odd", hidden_size=33, moe_intermediate_size=7))
-    assert_remote_equals_local(path, [[0, 2, 3, 7], [1, 4, 5, 6]], list(range(3, 30)))
+    assert_remote_equals_local(odd_sizes, [[0, 2, 3, 7], [1, 4, 5, 6]], list(range(3, 30)))
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])

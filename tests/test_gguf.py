@@ -29,7 +29,7 @@ from moeswarm.swarm import open_swarm
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_slice import write_slice
 
-from llamacpp_fixtures import FIXTURE_TYPES, llama_cpp_logits, make_fixture_ggufs, require_llama_cpp
+from llamacpp_fixtures import FIXTURE_TYPES, llama_cpp_logits, make_fixture_ggufs, require_llama_cpp, slice_workers
 
 llama_cpp = require_llama_cpp("tests/test_gguf.py")
 
@@ -123,8 +123,8 @@ def test_workers_serve_from_slice_files(gguf_fixtures, tmp_path):
     assert main(["slice", str(full), "--experts", "0-3", "--with-backbone", "-o", str(low)]) == 0
     assert main(["slice", str(full), "--experts", "4-7", "-o", str(high)]) == 0
     local = Stepper(load_local(full))
-    with local_workers(str(low), [[0, 1, 2, 3]]) as first, local_workers(str(high), [[4, 5, 6, 7]]) as second:
-        with open_swarm(str(low), first + second) as swarm:
+    with slice_workers([(low, [0, 1, 2, 3]), (high, [4, 5, 6, 7])]) as addresses:
+        with open_swarm(str(low), addresses) as swarm:
             logits = Stepper(swarm.model).forward(TOKENS)
     assert torch.equal(logits, local.forward(TOKENS))
     with pytest.raises(ModelError, match=r"high\.gguf.*holds experts 4-7.*requested experts 2-3"):

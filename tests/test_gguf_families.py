@@ -38,7 +38,7 @@ from moeswarm.weights.gguf_support import SUPPORTED, UNSUPPORTED
 from moeswarm.worker.server import WorkerServer
 from moeswarm.worker.store import ExpertStore
 
-from llamacpp_fixtures import llama_cpp_logits, make_many_fixture_ggufs, require_llama_cpp
+from llamacpp_fixtures import llama_cpp_logits, make_many_fixture_ggufs, require_llama_cpp, slice_workers
 
 require_llama_cpp("tests/test_gguf_families.py")
 
@@ -306,15 +306,14 @@ def test_generate_check_local_through_worker_processes_on_slice_files(family, fa
     import json
 
     from moeswarm.cli import main
-    from moeswarm.tools.local_workers import local_workers
 
     whole = str(family_files(family)["Q8_0"])
     low, high = str(tmp_path / "low.gguf"), str(tmp_path / "high.gguf")
     assert main(["slice", whole, "--experts", "0-3", "-o", low]) == 0
     assert main(["slice", whole, "--experts", "4-7", "-o", high]) == 0
     capsys.readouterr()
-    with local_workers(low, [LOW]) as first, local_workers(high, [HIGH]) as second:
-        status = main(["generate", "--model", whole, "--workers", ",".join(first + second), "--prompt-ids",
+    with slice_workers([(low, LOW), (high, HIGH)]) as addresses:
+        status = main(["generate", "--model", whole, "--workers", ",".join(addresses), "--prompt-ids",
                        ",".join(map(str, TOKENS[:8])), "--max-new-tokens", "5", "--threads", "1", "--check-local", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert status == 0 and report["bit_identical"] is True, report

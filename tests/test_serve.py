@@ -174,14 +174,13 @@ def test_a_client_that_goes_away_frees_its_slot(trained_server):
 # -- bad requests, the API key, a lost worker -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny_server(qwen2_moe):
-    with local_workers(qwen2_moe, split_experts(8, 2)) as workers:
-        server = Server(qwen2_moe, workers, "--ctx-size", "64", "--model-name", "tiny", env={"MOESWARM_API_KEY": KEY})
-        try:
-            server.wait_ready()
-            yield server, workers
-        finally:
-            server.stop()
+def tiny_server(qwen2_moe, qwen2_workers):
+    server = Server(qwen2_moe, qwen2_workers, "--ctx-size", "64", "--model-name", "tiny", env={"MOESWARM_API_KEY": KEY})
+    try:
+        server.wait_ready()
+        yield server, qwen2_workers
+    finally:
+        server.stop()
 
 
 def _post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
@@ -233,17 +232,18 @@ def test_the_api_key_guards_every_route_but_health(tiny_server):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
 
 
-def test_a_lost_worker_fails_requests_with_a_clear_error_and_health_says_so(qwen2_moe):
-    processes = [spawn_worker(qwen2_moe, experts) for experts in split_experts(8, 2)]
+def test_a_lost_worker_fails_requests_with_a_clear_error_and_health_says_so(qwen2_moe, qwen2_workers):
+    # experts 0-3 on conftest's first worker (it outlives the test); 4-7 on this test's own, which it kills
+    processes = [spawn_worker(qwen2_moe, split_experts(8, 2)[1])]
     try:
-        workers = [wait_listening(p) for p in processes]
+        workers = [qwen2_workers[0], wait_listening(processes[0])]
         server = Server(qwen2_moe, workers, "--model-name", "tiny")
         try:
             server.wait_ready()
             tiny = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
             assert tiny.completions.create(model="tiny", prompt="ab", max_tokens=3).usage.completion_tokens == 3
-            processes[1].send_signal(signal.SIGKILL)
-            processes[1].wait(10)
+            processes[0].send_signal(signal.SIGKILL)
+            processes[0].wait(10)
             with pytest.raises(openai.APIStatusError) as failed:
                 tiny.completions.create(model="tiny", prompt="abc", max_tokens=3)
             assert failed.value.status_code == 503 and workers[1] in failed.value.message

@@ -39,11 +39,26 @@ def two_stages():
         yield addresses
 
 
+def _start_generate(*flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moeswarm.cli", "generate", "--model", MODEL, "--prompt", "def main(",
+                             "--json", "--check-local", "--threads", str(THREADS), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _report(generating: subprocess.Popen) -> dict:
+    """The JSON report of a `_start_generate` process, once it has exited with status 0."""
+    try:
+        out, err = generating.communicate(timeout=300)
+    finally:
+        if generating.poll() is None:
+            generating.kill()
+            generating.wait()
+    assert generating.returncode == 0, (err[-2000:], out[-3000:])
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def _generate(*flags: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "generate", "--model", MODEL, "--prompt", "def main(",
-                           "--json", "--check-local", "--threads", str(THREADS), *flags], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (done.stderr[-2000:], done.stdout[-3000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _report(_start_generate(*flags))
 
 
 def test_generate_through_two_stage_processes_is_bit_identical(two_stages):
@@ -85,9 +100,16 @@ def test_a_stage_with_its_own_workers_and_a_swarm_key_stays_exact(tmp_path):
     keyed = ["--swarm-key", key]
     with local_workers(MODEL, [list(range(16)), list(range(16, 32))], extra_args=["--layers", "0-3", *keyed]) as workers, \
             local_stages(MODEL, ["0-3", "4-5"], workers=[workers, []], threads=THREADS, extra_args=keyed) as stages:
-        report = _generate("--stages", ",".join(stages), "--max-new-tokens", "8", *keyed)
-        refused = subprocess.run([sys.executable, "-m", "moeswarm.cli", "generate", "--model", MODEL, "--prompt", "x",
-                                  "--stages", ",".join(stages)], capture_output=True, text=True, timeout=120)
+        refusing = subprocess.Popen([sys.executable, "-m", "moeswarm.cli", "generate", "--model", MODEL, "--prompt", "x",
+                                     "--stages", ",".join(stages)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:  # side by side with the keyed run: their starts overlap
+            report = _generate("--stages", ",".join(stages), "--max-new-tokens", "8", *keyed)
+            refused = subprocess.CompletedProcess(refusing.args, None, *refusing.communicate(timeout=120))
+            refused.returncode = refusing.returncode
+        finally:
+            if refusing.poll() is None:
+                refusing.kill()
+                refusing.wait()
     assert report["bit_identical"] is True
     assert refused.returncode == 2 and f"stage {stages[0]}: cannot connect" in refused.stderr
     assert "Traceback" not in refused.stderr
@@ -98,9 +120,10 @@ def test_serve_over_stages_answers_the_openai_client_with_the_local_text(two_sta
     no mismatch, and a greedy answer is the text generate gives in local mode."""
     from concurrent.futures import ThreadPoolExecutor
 
-    local = _generate("--max-new-tokens", "10")
+    generating_locally = _start_generate("--max-new-tokens", "10")  # side by side with serve's start
     with ServeProcess(MODEL, [], "--stages", ",".join(two_stages), "--check-local", "--groups", "2",
                       threads=THREADS) as serve:
+        local = _report(generating_locally)
         serve.wait_ready()
         client = OpenAI(base_url=f"{serve.url}/v1", api_key="none")
         prompts = ["def main(", "import os", "class Foo:", "for i in range(", "return x +"]
@@ -223,13 +246,14 @@ def test_journal_records_what_the_stages_must_replay():
     assert journal.drain() == []
 
 
-def test_a_dead_stage_is_replaced_by_its_replica_and_the_steps_replayed_bit_identical(stage_threads):
+def test_a_dead_stage_is_replaced_by_its_replica_and_the_steps_replayed_bit_identical(two_stages, stage_threads):
     from moeswarm.tools.local_stages import spawn_stage
     from moeswarm.tools.local_workers import stop, wait_listening
 
-    processes = [spawn_stage(MODEL, span, threads=THREADS) for span in ("0-2", "3-5", "3-5")]
+    first = two_stages[0]  # the module's first stage (0-2) leads; the second and its replica are this test's own to kill
+    processes = [spawn_stage(MODEL, span, threads=THREADS) for span in ("3-5", "3-5")]
     try:
-        first, second, replica = [wait_listening(p) for p in processes]
+        second, replica = [wait_listening(p) for p in processes]
         reference = load_local(MODEL)
         install(reference)
         with open_gateway(MODEL, [[first], [second, replica]]) as gateway:
@@ -241,8 +265,8 @@ def test_a_dead_stage_is_replaced_by_its_replica_and_the_steps_replayed_bit_iden
                 out, expected = got.forward(feed), want.forward(feed)
                 assert torch.equal(out, expected)
                 feed = [int(out[-1].argmax())]
-            processes[1].kill()  # the second stage dies between two steps
-            processes[1].wait()
+            processes[0].kill()  # the second stage dies between two steps
+            processes[0].wait()
             for _ in range(3):
                 out, expected = got.forward(feed), want.forward(feed)
                 assert torch.equal(out, expected)
