@@ -152,9 +152,11 @@ def test_generate_check_local_is_bit_identical(qwen2_moe, qwen2_workers, plain_l
     assert report["tokens_per_s"] == MAX_NEW_TOKENS / report["seconds"]
 
 
-def test_speculation_keeps_greedy_tokens_and_saves_round_trips(qwen2_moe, qwen2_workers, plain_local):
-    plain = _generate(qwen2_moe, qwen2_workers)
-    fast = _generate(qwen2_moe, qwen2_workers, "--speculate", "4", "--draft", "ngram", "--check-local")  # as local_generation drafts
+def test_speculation_keeps_greedy_tokens_and_saves_round_trips(qwen2_moe, qwen2_workers, plain_local, capsys):
+    # the command in this process (test_generate_check_local_is_bit_identical runs it as its own process)
+    _, plain = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT)
+    _, fast = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--speculate", "4", "--draft", "ngram",
+                             "--check-local")  # as local_generation drafts
     _, local, calls, _ = local_generation(qwen2_moe, PROMPT, MAX_NEW_TOKENS, speculate=4)
 
     assert fast["tokens"] == plain["tokens"] == local.tokens == plain_local[1].tokens
@@ -167,9 +169,9 @@ def test_speculation_keeps_greedy_tokens_and_saves_round_trips(qwen2_moe, qwen2_
     assert plain["bit_identical"] is None and plain["first_mismatch"] is None
 
 
-def test_chain_fanout_same_tokens_one_round_trip_per_worker_reached(qwen2_moe, qwen2_workers, plain_local):
-    star = _generate(qwen2_moe, qwen2_workers)
-    chain = _generate(qwen2_moe, qwen2_workers, "--fanout", "chain")
+def test_chain_fanout_same_tokens_one_round_trip_per_worker_reached(qwen2_moe, qwen2_workers, plain_local, capsys):
+    _, star = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT)
+    _, chain = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--fanout", "chain")
     traffic = exact_traffic(plain_local[2], TWO_WORKERS)
 
     assert chain["tokens"] == star["tokens"] == plain_local[1].tokens
@@ -178,20 +180,27 @@ def test_chain_fanout_same_tokens_one_round_trip_per_worker_reached(qwen2_moe, q
     _check_traffic(chain, traffic, round_trips=sum(len(t.workers) for t in traffic))  # same frames, sent one by one
 
 
-def test_non_contiguous_workers_are_bit_identical(qwen2_moe, plain_local):
+def test_non_contiguous_workers_are_bit_identical(qwen2_moe, plain_local, capsys):
     """`worker --experts 0,2,5-6` and `--experts 1,3-4,7`: generate --check-local stays bit-identical."""
     with local_workers(qwen2_moe, [[0, 2, 5, 6], [1, 3, 4, 7]]) as workers:
-        report = _generate(qwen2_moe, workers, "--check-local")
+        _, report = _generate_here(capsys, qwen2_moe, workers, "--prompt", PROMPT, "--check-local")
     assert (report["bit_identical"], report["tokens_match_local"]) == (True, True)
     assert report["tokens"] == plain_local[1].tokens
     assert sorted(report["worker_rtt_ms_mean"]) == sorted(workers)
 
 
 def test_demo_json_on_a_given_model(qwen2_moe):
-    done = _moeswarm("demo", "--model", qwen2_moe, "--max-new-tokens", "6", "--json")
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    prompt_ids, local, calls, _ = local_generation(qwen2_moe, DEMO_PROMPT, 6)
+    demo = subprocess.Popen([sys.executable, "-m", "moeswarm.cli", "demo", "--model", qwen2_moe, "--max-new-tokens", "6",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        prompt_ids, local, calls, _ = local_generation(qwen2_moe, DEMO_PROMPT, 6)  # while the demo runs
+        out, err = demo.communicate(timeout=300)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert demo.returncode == 0, err
+    report = json.loads(out)
 
     assert (report["bit_identical"], report["tokens_match_local"]) == (True, True)
     assert report["tokens"] == local.tokens and len(local.tokens) == 6

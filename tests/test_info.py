@@ -29,8 +29,23 @@ def moeswarm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moeswarm.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def side_by_side(*runs: tuple[str, ...], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Each `moeswarm ARGS...` as `moeswarm()` runs it, all started at once (their starts overlap); results in order."""
+    processes = [subprocess.Popen([sys.executable, "-m", "moeswarm.cli", *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for args in runs]
+    try:
+        outputs = [process.communicate(timeout=timeout) for process in processes]
+        return [subprocess.CompletedProcess(process.args, process.returncode, out, err)
+                for process, (out, err) in zip(processes, outputs)]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
 def test_info_on_a_model_directory(qwen2_moe):
-    run = moeswarm("info", qwen2_moe, "--workers", "3", "--json")
+    run, text = side_by_side(("info", qwen2_moe, "--workers", "3", "--json"), ("info", qwen2_moe))
     assert run.returncode == 0, run.stderr
     info = json.loads(run.stdout)
     # tiny qwen2_moe: hidden 32, 3 layers all MoE, 8 experts of size 16, top-2, one shared expert of size 32
@@ -48,7 +63,6 @@ def test_info_on_a_model_directory(qwen2_moe):
                              "expert_bytes": [4 * routed * 3 // 8, 4 * routed * 2 // 8, 4 * routed * 3 // 8]}
     assert info["held"] is None and info["quantization"] is None
 
-    text = moeswarm("info", qwen2_moe)
     assert text.returncode == 0, text.stderr
     assert "experts per layer   8, top-2" in text.stdout
     assert "--experts 0-3 " in text.stdout and "--experts 4-7 " in text.stdout
@@ -95,7 +109,8 @@ def test_make_model_prints_the_summary(tmp_path):
 
 def test_ping_reports_each_worker_and_the_unreachable_one(qwen2_moe, qwen2_workers):
     unreachable = "127.0.0.1:1"
-    run = moeswarm("ping", ",".join([*qwen2_workers, unreachable]), "--model", qwen2_moe, "--count", "3", "--json")
+    run, text = side_by_side(("ping", ",".join([*qwen2_workers, unreachable]), "--model", qwen2_moe, "--count", "3", "--json"),
+                             ("ping", ",".join([*qwen2_workers, unreachable]), "--model", qwen2_moe))
     assert run.returncode == 1, run.stderr
     report = json.loads(run.stdout)
     first, second, down = report["workers"]
@@ -107,7 +122,6 @@ def test_ping_reports_each_worker_and_the_unreachable_one(qwen2_moe, qwen2_worke
     assert down == {"address": unreachable, "ok": False, "error": down["error"]}
     assert "cannot connect" in down["error"]
 
-    text = moeswarm("ping", ",".join([*qwen2_workers, unreachable]), "--model", qwen2_moe)
     assert text.returncode == 1
     lines = text.stdout.splitlines()
     assert len(lines) == 2 and "layers 0-2 experts 0-3 (of 8)" in lines[0] and "layers 0-2 experts 4-7 (of 8)" in lines[1]

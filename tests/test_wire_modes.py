@@ -42,29 +42,41 @@ def test_partial_sends_fewer_bytes_back_than_exact(qwen2_moe, qwen2_workers):
     assert inbound["partial"] < inbound["exact"]
 
 
+def _run_side_by_side(*commands: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Each command as `subprocess.run` runs it, all started at once (their waits overlap); results in order."""
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for command in commands]
+    try:
+        outputs = [process.communicate(timeout=timeout) for process in processes]
+        return [subprocess.CompletedProcess(command, process.returncode, out, err)
+                for command, process, (out, err) in zip(commands, processes, outputs)]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
 def test_gate_command_passes_lossless_and_fails_impossible_threshold(qwen2_moe, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"text": t}) for t in ["def f(x):\n    return x", "import os\nprint(1)"]))
     base = [sys.executable, "-m", "moeswarm.cli", "gate", "--model", qwen2_moe, "--prompts", str(prompts), "--json"]
-    done = subprocess.run(base + ["--combine", "partial"], capture_output=True, text=True, timeout=300)
+    done, strict, bad = _run_side_by_side(base + ["--combine", "partial"],
+                                          base + ["--wire-dispatch", "fp8-b128", "--min-cosine", "1.01"],
+                                          base + ["--wire-combine", "int3"])
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["passed"] and report["argmax_agreement"] == 1.0 and report["cosine_mean"] > 0.9999
     assert report["positions"] == len("def f(x):\n    return x") + len("import os\nprint(1)")
-    strict = subprocess.run(base + ["--wire-dispatch", "fp8-b128", "--min-cosine", "1.01"], capture_output=True, text=True, timeout=300)
     assert strict.returncode == 1 and json.loads(strict.stdout)["passed"] is False
-    bad = subprocess.run(base + ["--wire-combine", "int3"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown combine codec 'int3'" in bad.stderr
 
 
 def test_generate_wan_preset_is_cheaper_and_close(qwen2_moe, qwen2_workers):
-    def run(*extra):
-        done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "generate", "--model", qwen2_moe, "--workers",
-                               ",".join(qwen2_workers), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "4",
-                               "--threads", "1", "--json", *extra], capture_output=True, text=True, timeout=300)
+    base = [sys.executable, "-m", "moeswarm.cli", "generate", "--model", qwen2_moe, "--workers", ",".join(qwen2_workers),
+            "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "4", "--threads", "1", "--json"]
+    runs = _run_side_by_side(base, base + ["--wire", "wan"])
+    for done in runs:
         assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
-
-    exact, wan = run(), run("--wire", "wan")
+    exact, wan = [json.loads(done.stdout) for done in runs]
     assert exact["mode"] == "exact" and wan["mode"] == "partial"
     assert wan["bytes_in_per_token_layer"] < exact["bytes_in_per_token_layer"] / 2
