@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import local_swarm, split_experts
+from moeswarm.swarm import open_swarm
+from moeswarm.tools.local_workers import spawn_worker, split_experts, stop, wait_listening
 from moeswarm.model.loading import load_local
 from moeswarm.tools.tiny import FAMILIES, make_tiny_model
 
@@ -21,16 +22,20 @@ def assert_remote_equals_local(path: str, expert_sets: list[list[int]], prompt: 
     """Prefill + DECODE_STEPS greedy steps, remote and local side by side; return the accounting.
 
     local_experts: experts the backbone holds itself (through the same link interface)."""
-    local = Stepper(load_local(path))
-    with local_swarm(path, expert_sets, local_experts=local_experts) as swarm:
-        remote = Stepper(swarm.model)
-        feed = prompt  # prefill: every prompt token in one dispatch per layer
-        for step in range(1 + DECODE_STEPS):
-            remote_logits, local_logits = remote.forward(feed), local.forward(feed)
-            assert torch.equal(remote_logits, local_logits), f"{path}: logits differ at step {step}"
-            feed = [int(remote_logits[-1].argmax())]
-        summary = swarm.accounting()
-        holders = swarm.workers
+    workers = [spawn_worker(path, experts) for experts in expert_sets]  # they start while the local model loads
+    try:
+        local = Stepper(load_local(path))
+        with open_swarm(path, [wait_listening(worker) for worker in workers], local_experts=local_experts) as swarm:
+            remote = Stepper(swarm.model)
+            feed = prompt  # prefill: every prompt token in one dispatch per layer
+            for step in range(1 + DECODE_STEPS):
+                remote_logits, local_logits = remote.forward(feed), local.forward(feed)
+                assert torch.equal(remote_logits, local_logits), f"{path}: logits differ at step {step}"
+                feed = [int(remote_logits[-1].argmax())]
+            summary = swarm.accounting()
+            holders = swarm.workers
+    finally:
+        stop(workers)
     assert set(summary["worker_rtt_ms_mean"]) == set(holders), "every holder must have served experts"
     assert summary["layer_calls"] == (1 + DECODE_STEPS) * len(swarm.moe_layers)
     return summary
