@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--ctx-size", type=positive, default=None,
         help="positions per request, prompt and output (default: the model's max_position_embeddings)")
     add("--prefill-chunk", type=positive, default=64, help="most prompt tokens a request feeds per step")
-    add("--step-tokens", type=positive, default=256, help="token budget of a step: decode tokens first, then prompt chunks")
+    add("--step-tokens", type=positive, default=256,
+        help="token budget of a step: decode tokens first, then prompt chunks; grows up to 8x while the prompt "
+             "tokens' compute fits in the step's wait on replies (serve/step_budget.py)")
     add("--cache-slots", type=non_negative, default=8, help="finished requests' KV caches kept for prefix reuse (0: off)")
     add("--check-local", action="store_true",
         help="debug: run every batched step on a local eager model too and count logits that are not bit-identical "
