@@ -9,16 +9,28 @@ import numpy as np
 import torch
 
 
-def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: dict[int, torch.Tensor]) -> torch.Tensor:
+def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: dict[int, torch.Tensor],
+                  sums: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
     """Eager's sum, bit for bit: experts in ascending order, each added with `index_add_`.
 
     hidden        [T, d] the layer's input (for shape and dtype)
     top_k_index   [T, k] the router's experts
     per_expert    {e: [n_e, d]} w * E_e(x) for e's rows in eager order (slot-major, then token)
+    sums          [(tokens [T_w], [T_w, d])]: tokens whose experts one holder added up itself, in the
+                  same order from zero (dispatch/flight.py `request`); per_expert has none of their rows
 
     A decode step's single row takes the same adds without finding each expert's tokens: its value
     is (((0 + c_e1) + c_e2) + ...) over its experts' rows in ascending order.
     """
+    if sums:
+        covered = torch.cat([tokens for tokens, _ in sums])  # [T_s]
+        if per_expert:
+            top_k_index = top_k_index.clone()
+            top_k_index[covered] = -1  # those tokens' rows came summed
+        final = combine_exact(hidden, top_k_index, per_expert) if per_expert else torch.zeros_like(hidden)
+        for tokens, total in sums:
+            final.index_add_(0, tokens, total.to(final.dtype))  # 0 + sum: the sum's bits
+        return final
     final = torch.zeros_like(hidden)  # [T, d]
     if hidden.shape[0] == 1:
         if final.dtype == torch.float32:  # numpy's adds: IEEE single, as torch's, at a tenth of the call cost

@@ -148,12 +148,15 @@ class Dispatcher:
         for holder in flight.unchecked():
             self.pool.ledger.used(holder, handle.call)
         if self.wire.mode == CombineMode.EXACT:
-            per_expert = {}  # {e: [n_e, d]}
-            for _, reply, _ in answers:
+            per_expert, sums = {}, []  # {e: [n_e, d]}; [(tokens [T_w], [T_w, d])] of shares holding all their tokens' experts
+            for share, reply, _ in answers:
                 result = reply.result
+                if result.mode == CombineMode.PARTIAL:
+                    sums.append((share.tokens, result.outputs))
+                    continue
                 for expert, block in zip(result.experts, torch.split(result.outputs, result.counts)):
                     per_expert[expert] = block
-            out = combine_exact(handle.hidden, handle.top_k_index, per_expert)
+            out = combine_exact(handle.hidden, handle.top_k_index, per_expert, sums)
         else:
             out = combine_partial(handle.hidden, [(share.tokens, reply.result.outputs) for share, reply, _ in answers])
         trusted = self.pool.trusted

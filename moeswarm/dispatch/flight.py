@@ -42,7 +42,7 @@ from moeswarm.ids import LayerId, WorkerId
 from moeswarm.transport.fanout import readable, send
 from moeswarm.transport.link import Reply
 from moeswarm.wire.codecs import lossless_codec
-from moeswarm.wire.config import WireConfig
+from moeswarm.wire.config import CombineMode, WireConfig
 from moeswarm.wire.messages import Dispatch
 
 
@@ -64,10 +64,23 @@ class Flight:
         self.pieces: list[tuple[int, int]] = []  # (holder, DISPATCHes) per planned share: more than 1 when cut
 
     def request(self, share: WorkerShare) -> Dispatch:
-        """The DISPATCH of `share`'s rows: hidden [T_w, d] and its routing, in this call's wire."""
+        """The DISPATCH of `share`'s rows: hidden [T_w, d] and its routing, in this call's wire.
+
+        In exact mode a share holding every expert of its tokens asks for their sums (partial mode):
+        its holder adds each token's expert rows in ascending expert order from zero, the adds
+        `combine_exact` would make here, so the bits are the same and the RESULT is k times smaller."""
         lossless = lossless_codec(self.hidden.dtype)
+        mode = CombineMode.PARTIAL if self.wire.mode == CombineMode.EXACT and self._whole(share) else self.wire.mode
         return Dispatch(self.layer, self.hidden[share.tokens], share.top_k_index, share.top_k_weights,  # [T_w, d]
-                        self.wire.mode, self.wire.dispatch_codec or lossless, self.wire.combine_codec or lossless)
+                        mode, self.wire.dispatch_codec or lossless, self.wire.combine_codec or lossless)
+
+    def _whole(self, share: WorkerShare) -> bool:
+        """Whether `share` routes every slot of its tokens, summed in float32 over a lossless combine codec."""
+        if self.hidden.dtype != torch.float32 or self.wire.combine_codec is not None:
+            return False
+        if share.top_k_index is self.top_k_index:  # the call's whole routing (one holder)
+            return True
+        return bool(((share.top_k_index >= 0) == (self.top_k_index[share.tokens] >= 0)).all())  # [T_w, k]
 
     # -- sending ---------------------------------------------------------------------------
 

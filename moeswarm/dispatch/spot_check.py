@@ -44,8 +44,12 @@ class SpotChecker:
 
 
 def disagreement(mode: CombineMode, lossless: bool, min_cosine: float, tokens: int,
-                 checked: tuple[WorkerShare, Result], recomputed: Sequence[tuple[WorkerShare, Result]]) -> str | None:
-    """How `checked` differs from `recomputed` (the same rows by other holders), or None."""
+                 checked: tuple[WorkerShare, Result], recomputed: Sequence[tuple[WorkerShare, Result]],
+                 exact_sums: bool = False) -> str | None:
+    """How `checked` differs from `recomputed` (the same rows by other holders), or None.
+
+    exact_sums: partial RESULTs that must equal their recomputation bit for bit (exact mode's summed
+    shares over a lossless wire), not only in cosine."""
     if mode == CombineMode.EXACT:
         mine, theirs = _blocks(*checked), {}
         for share, result in recomputed:
@@ -62,6 +66,8 @@ def disagreement(mode: CombineMode, lossless: bool, min_cosine: float, tokens: i
     mine = _per_token(tokens, width, [checked])  # [T, d]
     theirs = _per_token(tokens, width, recomputed)  # [T, d]
     rows = checked[0].tokens
+    if exact_sums:  # exact mode's summed shares (dispatch/flight.py `request`): the same adds, the same bits
+        return None if torch.equal(mine[rows], theirs[rows]) else "a token's sum differs from its recomputation (exact mode)"
     low = _low_cosine(mine[rows], theirs[rows], min_cosine)
     return None if low is None else f"a token's partial sum has cosine {low:.4f} < {min_cosine} to its recomputation"
 

@@ -37,7 +37,7 @@ from moeswarm.ids import LayerId, WorkerId
 from moeswarm.transport.fanout import send
 from moeswarm.transport.link import Reply
 from moeswarm.transport.local import LOCAL_ADDRESS
-from moeswarm.wire.config import WireConfig
+from moeswarm.wire.config import CombineMode, WireConfig
 from moeswarm.wire.messages import Dispatch, Result
 
 
@@ -169,9 +169,10 @@ class Verification:
 
     def _differs(self, flight: FlightOps, part: Part, other: Part) -> str | None:
         wire = flight.wire
-        return disagreement(part.request.mode, wire.dispatch_codec is None and wire.combine_codec is None,
-                            self.checker.policy.min_cosine, flight.hidden.shape[0],
-                            (part.share, part.reply.result), [(other.share, other.reply.result)])
+        lossless = wire.dispatch_codec is None and wire.combine_codec is None
+        return disagreement(part.request.mode, lossless, self.checker.policy.min_cosine, flight.hidden.shape[0],
+                            (part.share, part.reply.result), [(other.share, other.reply.result)],
+                            exact_sums=lossless and wire.mode == CombineMode.EXACT)
 
     def _arbitrate(self, flight: FlightOps, checked: Part, exclude: set[int]) -> Part | None:
         """A third computation of `checked`'s rows, awaited here (rare: only after a difference): a
