@@ -70,15 +70,23 @@ def routed_calls(model: torch.nn.Module, drive: Callable[[], object]) -> list[tu
 
 
 def exact_traffic(calls, owner: torch.Tensor) -> list[LayerTraffic]:
-    """The frames of the exact lossless wire for these calls, sized by the wire's own encoders."""
+    """The frames of the exact lossless wire for these calls, sized by the wire's own encoders: a
+    share holding every expert of its tokens (float32) asks for their sums, the others for each
+    expert's rows."""
     traffic = []
     for layer, hidden, index, weights in calls:
         codec = lossless_codec(hidden.dtype)
         bytes_out = bytes_in = 0
         shares = plan_layer(owner, index, weights)
         for share in shares:
-            request = Dispatch(layer, hidden[share.tokens], share.top_k_index, share.top_k_weights, "exact", codec, codec)
+            summed = hidden.dtype == torch.float32 and torch.equal(share.top_k_index >= 0, index[share.tokens] >= 0)
+            mode = "partial" if summed else "exact"
+            request = Dispatch(layer, hidden[share.tokens], share.top_k_index, share.top_k_weights, mode, codec, codec)
             bytes_out += frame_size(request)
+            if summed:
+                sums = torch.zeros(share.tokens.numel(), hidden.shape[1], dtype=hidden.dtype)  # [T_w, d]
+                bytes_in += frame_size(Result(layer, "partial", sums, [], [], codec))
+                continue
             routed = share.top_k_index[share.top_k_index >= 0]
             experts = torch.unique(routed).tolist()
             counts = [int((routed == e).sum()) for e in experts]
