@@ -95,19 +95,27 @@ class RecordKind:
     parse: Callable[[object, object, str], object]
 
 
-def parse_record(subkey: object, value: object, fingerprint: str) -> Announcement:
-    """The announcement in one DHT entry (subkey: the address it was stored under); RecordError if malformed."""
+def entry_head(subkey: object, value: object, fingerprint: str, version: int, max_address: int,
+               kind: str = "record") -> tuple[Mapping, str]:
+    """(the entry's map, its address) once the fields every record kind shares are checked: a map of
+    `version`, an address that is the subkey it was stored under, and this model's fingerprint."""
     if not isinstance(value, Mapping):
         raise RecordError(f"a {type(value).__name__}, not a map")
-    if value.get("v") != RECORD_VERSION:
-        raise RecordError(f"record version {quoted(value.get('v'))}, this moeswarm reads {RECORD_VERSION}")
-    address = text_field(value, "address", MAX_ADDRESS)
+    if value.get("v") != version:
+        raise RecordError(f"{kind} version {quoted(value.get('v'))}, this moeswarm reads {version}")
+    address = text_field(value, "address", max_address)
     if subkey != address:
         raise RecordError(f"stored under {quoted(subkey)} but names address {quoted(address)}")
     check_address(address)
     found = text_field(value, "fingerprint", MAX_NAME)
     if found != fingerprint:
         raise RecordError(f"fingerprint {quoted(found)} under the key of {fingerprint}")
+    return value, address
+
+
+def parse_record(subkey: object, value: object, fingerprint: str) -> Announcement:
+    """The announcement in one DHT entry (subkey: the address it was stored under); RecordError if malformed."""
+    value, address = entry_head(subkey, value, fingerprint, RECORD_VERSION, MAX_ADDRESS)
     num_experts = int_field(value, "num_experts", 1, MAX_EXPERT_ID + 1)
     hidden_size = int_field(value, "hidden_size", 1, MAX_HIDDEN)
     capacity = value.get("capacity")
@@ -120,7 +128,7 @@ def parse_record(subkey: object, value: object, fingerprint: str) -> Announcemen
     tls, online = value.get("tls"), value.get("online")
     if type(tls) is not bool or type(online) is not bool:
         raise RecordError("tls and online must be true or false")
-    return Announcement(address, found, text_field(value, "model_type", MAX_NAME), num_experts, hidden_size,
+    return Announcement(address, fingerprint, text_field(value, "model_type", MAX_NAME), num_experts, hidden_size,
                         _held(value.get("held"), num_experts), tls, Capacity(*capacity), float(throughput), online)
 
 

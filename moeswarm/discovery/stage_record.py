@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moeswarm.discovery.record import (
-    KEY_PREFIX, MAX_HIDDEN, MAX_LAYERS, MAX_NAME, RecordError, RecordKind, check_address, int_field, quoted,
+    KEY_PREFIX, MAX_HIDDEN, MAX_LAYERS, MAX_NAME, RecordError, RecordKind, entry_head, int_field, quoted,
     text_field,
 )
 
@@ -63,21 +63,11 @@ def stage_key(fingerprint: str) -> str:
 
 def parse_stage_record(subkey: object, value: object, fingerprint: str) -> StageRecord:
     """The stage record in one DHT entry (subkey: the address it was stored under); RecordError if malformed."""
-    if not isinstance(value, Mapping):
-        raise RecordError(f"a {type(value).__name__}, not a map")
-    if len(value) > 16:
+    if isinstance(value, Mapping) and len(value) > 16:
         raise RecordError(f"{len(value)} fields: a stage record has 8")
-    if value.get("v") != STAGE_RECORD_VERSION:
-        raise RecordError(f"stage record version {quoted(value.get('v'))}, this moeswarm reads {STAGE_RECORD_VERSION}")
-    address = text_field(value, "address", MAX_STAGE_ADDRESS)
-    if subkey != address:
-        raise RecordError(f"stored under {quoted(subkey)} but names address {quoted(address)}")
+    value, address = entry_head(subkey, value, fingerprint, STAGE_RECORD_VERSION, MAX_STAGE_ADDRESS, "stage record")
     if "+" in address or "://" in address:
         raise RecordError(f"address {quoted(address)} is not HOST:PORT (a stage is dialled directly)")
-    check_address(address)
-    found = text_field(value, "fingerprint", MAX_NAME)
-    if found != fingerprint:
-        raise RecordError(f"fingerprint {quoted(found)} under the key of {fingerprint}")
     layers = value.get("layers")
     if not (isinstance(layers, (list, tuple)) and len(layers) == 2 and all(type(v) is int for v in layers)
             and 0 <= layers[0] <= layers[1] < MAX_LAYERS):
@@ -85,7 +75,7 @@ def parse_stage_record(subkey: object, value: object, fingerprint: str) -> Stage
     tls, online = value.get("tls"), value.get("online")
     if type(tls) is not bool or type(online) is not bool:
         raise RecordError("tls and online must be true or false")
-    return StageRecord(address, found, text_field(value, "model_type", MAX_NAME), range(layers[0], layers[1] + 1),
+    return StageRecord(address, fingerprint, text_field(value, "model_type", MAX_NAME), range(layers[0], layers[1] + 1),
                        int_field(value, "hidden_size", 1, MAX_HIDDEN), tls, online)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 from moeswarm.dispatch.checks import result_problem
@@ -80,7 +81,9 @@ class Flight:
             return False
         if share.top_k_index is self.top_k_index:  # the call's whole routing (one holder)
             return True
-        return bool(((share.top_k_index >= 0) == (self.top_k_index[share.tokens] >= 0)).all())  # [T_w, k]
+        # a share's slots are some of its tokens' routed slots: all of them when the counts agree
+        routed = np.count_nonzero(self.top_k_index.numpy()[share.tokens.numpy()] >= 0)  # of [T_w, k]
+        return int(np.count_nonzero(share.top_k_index.numpy() >= 0)) == int(routed)
 
     # -- sending ---------------------------------------------------------------------------
 

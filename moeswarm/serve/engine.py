@@ -214,7 +214,9 @@ class Engine:
                 self.decode_steps, self.branches = self.decode_steps + 1, self.branches + rows
                 tally.steps, tally.branches = tally.steps + 1, tally.branches + rows
                 tally.drafted_all += _tokens(feed) - rows  # each row's first token is the last one taken
-        groups = split_groups([_tokens(feed) for _, feed, _ in work], self._group_count(len(work)))
+        sizes = [_tokens(feed) for _, feed, _ in work]  # every row's tokens, padding included
+        fed = sum(sizes)
+        groups = split_groups(sizes, self._group_count(len(work)))
         groups = apart(groups, [s.scored for s, _, _ in work], self.config.max_batch)  # log-probabilities: own forwards
         if not self.config.keep_accounting:
             self.swarm.reset_accounting()  # a server's accounting stays one step long
@@ -231,14 +233,14 @@ class Engine:
         last_call = self.swarm.layer_call_number()
         self.rollback.record(points, first_call, last_call)
         if not self.config.groups and all(s.output for s, _, _ in work):  # decode steps teach the policy
-            self.group_policy.record(len(groups), forward, sum(_tokens(feed) for _, feed, _ in work))
+            self.group_policy.record(len(groups), forward, fed)
         for sequence, _, _ in work:
             tally = self._tallies[id(sequence)]
             tally.seconds += forward
             if not sequence.output:  # a prompt chunk (its first token comes from this step's logits)
                 tally.prefill_seconds += forward
         calls, waiting_s = self.swarm.layer_calls(seen), self.runner.waiting_s
-        self.budget.record(sum(_tokens(feed) for _, feed, _ in work), forward, waiting_s)
+        self.budget.record(fed, forward, waiting_s)
         self.groups_in_flight = len(groups)
         if self.reference_runner is not None:
             expected = self.reference_runner.run([(s.reference, feed, keep) for s, feed, keep in work], groups)
@@ -252,7 +254,6 @@ class Engine:
             counts = self._advance(sequence, logits)
             generated, drafted, accepted = generated + counts[0], drafted + counts[1], accepted + counts[2]
         self.steps += 1
-        fed = sum(_tokens(feed) for _, feed, _ in work)  # every row's tokens, padding included
         self.metrics.observe_step(len(work), fed, time.monotonic() - started, calls, len(groups), waiting_s)
         self.stats.record_step(StepRecord(time.monotonic(), len(work), fed, generated, drafted, accepted),
                                [call.worker_seconds for call in calls])

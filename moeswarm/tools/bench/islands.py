@@ -64,17 +64,12 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
     source = open_source(path)
     layers, experts = source.config.num_hidden_layers, num_experts_in_config(source.config)
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(PROMPT_TOKENS // 2)] * 2  # repeats: something to draft from
-    with _torch_threads(threads):  # this process as a machine of its own, as each stage is
-        return _runs(path, source, prompt, layers, experts, rtts_ms, stage_counts, tokens, speculate, threads)
-
-
-def _runs(path, source, prompt, layers, experts, rtts_ms, stage_counts, tokens, speculate, threads) -> dict:
     rows: list[Row] = []
-    with open_swarm(source, []) as local:
-        reference = generate(local, prompt, tokens)
-        rows.append(_row("local", 0, 0, reference, 0, reference.tokens))
     runs = (1 + len(stage_counts)) * len(rtts_ms) * len({0, speculate})
-    with progress(desc="bench islands", total=runs, unit="run") as bar:
+    with _torch_threads(threads), progress(desc="bench islands", total=runs, unit="run") as bar:  # this process too
+        with open_swarm(source, []) as local:
+            reference = generate(local, prompt, tokens)
+            rows.append(_row("local", 0, 0, reference, 0, reference.tokens))
         with _star_workers(path, experts) as workers, wan_links(workers, LinkProfile(rtt_s=rtts_ms[0] / 1000)) as links, \
                 open_swarm(source, links.addresses) as star:
             for rtt in rtts_ms:
