@@ -1,5 +1,6 @@
 """`moeswarm bench real --quick --json` end to end: a tiny OLMoE-like model built by llama.cpp's own
-converter and quantizer, then llama.cpp, moeswarm local, 2 workers on loopback and at 20/80 ms RTT.
+converter and quantizer, then llama.cpp, moeswarm local, 2 workers on loopback and at 20/80 ms RTT, and
+one worker holding every expert on loopback.
 
 One real subprocess run (every process the bench starts is real too); the assertions check the
 report's structure and what must hold of real measurements: speeds above zero, ratios computed
@@ -20,8 +21,8 @@ from llamacpp_fixtures import require_llama_cpp
 
 require_llama_cpp(__file__)
 
-CONFIGS = ["llama.cpp", "local", "loopback", "wan20", "wan80"]
-SWARMS = ["loopback", "wan20", "wan80"]
+CONFIGS = ["llama.cpp", "local", "loopback", "loopback1", "wan20", "wan80"]
+SWARMS = ["loopback", "loopback1", "wan20", "wan80"]
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,9 @@ def test_layer_calls_and_workers(report):
     assert rows["local"]["layer_calls_per_step"] == 2 and rows["local"]["layer_call_ms"] > 0
     for name in SWARMS:
         row = rows[name]
-        assert [p["role"] for p in row["processes"]][1:] == ["worker 0", "worker 1"]
-        assert len(row["workers"]) == 2 and sum(w["trips_per_step"] for w in row["workers"]) >= 2
+        roles = ["lone worker"] if name == "loopback1" else ["worker 0", "worker 1"]
+        assert [p["role"] for p in row["processes"]][1:] == roles
+        assert len(row["workers"]) == len(roles) and sum(w["trips_per_step"] for w in row["workers"]) >= 2
         assert row["worker_compute_ms"] > 0
         assert row["machinery_ms"] == pytest.approx(row["layer_call_ms"] - row["worker_compute_ms"])
     assert rows["wan20"]["layer_call_ms"] >= 20 and rows["wan80"]["layer_call_ms"] >= 80  # no trip beats its RTT
@@ -90,7 +92,7 @@ def test_layer_calls_and_workers(report):
 
 def test_decode_step_by_part(report):
     rows = {r["config"]: r for r in report[0]["rows"]}
-    for name in ("local", "loopback"):
+    for name in ("local", "loopback", "loopback1"):
         parts = rows[name]["parts_ms"]
         assert parts["attention"] > 0 and parts["moe_calls"] > 0 and parts["head"] > 0
         assert sum(parts.values()) == pytest.approx(rows[name]["profiled_step_ms"])

@@ -80,7 +80,7 @@ def test_the_workers_reply_budget_answers_busy_and_small_replies_still_pass():
         stuck = greeted(address, rcvbuf=4096)  # asks for an 8 MB RESULT and never reads it
         big = request(tokens=16000, ids=[[0, 1]] * 16000)
         send_frame(stuck, big.to_frame(2))
-        wait_until(lambda: held(server) > 3 * MiB and all(s._owed == 0 for s in server._sessions.values()))
+        wait_until(lambda: held(server) > 3 * MiB and all(s.owed == 0 for s in server._sessions.values()))
         other = greeted(address)
         send_frame(other, big.to_frame(3))
         reply = recv(other)

@@ -47,6 +47,9 @@ class NormGate:
         top = float(norms.max())
         if not math.isfinite(top):  # non-finite rows for non-finite inputs: checks.py judged them
             return None
+        if self._seen.get(layer, 0) >= self.warmup and top <= 10.0 ** (self._ema[layer] + self.decades):
+            self._learn(layer, math.log10(max(top, 1e-30)))  # under the learned bound: the rows sent need no look
+            return None
         bound = self.bound(layer, hidden)
         if top > bound:
             over = int((norms > bound).sum())

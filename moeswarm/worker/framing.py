@@ -1,7 +1,7 @@
 """Reading one request frame on the worker, within its limits and deadlines.
 
-The first byte of a frame may take up to the idle timeout (or what is left of the HELLO timeout);
-from then on the rest of the header and the whole body must arrive within the frame timeout, so
+The first byte of a frame may take up to the idle timeout (or what is left of the HELLO timeout),
+watched by one timer per connection (`IdleWatch`) rather than one per frame; from then on the rest of the header and the whole body must arrive within the frame timeout, so
 a peer that sends a few bytes and stalls is cut off. A frame that is whole in the reader's buffer
 by then (a small DISPATCH, a PING) is taken without arming that timer: it cannot stall. The header's lengths are checked before
 anything else is read: against the payload limit, against the small limit before HELLO, and
@@ -47,15 +47,69 @@ class Incoming:
     reserved: int  # bytes taken from the budget: give them back when the request is done
 
 
+class IdleWatch:
+    """A connection's wait for the first byte of its next frame, bounded by one timer that is moved
+    only when it fires: a frame that came meanwhile pushed the deadline later, so the timer is set
+    again for the new one. Per frame this costs a float, where a timeout per frame costs a timer
+    handle set and cancelled (the event loop's heap, twice) on the path of every DISPATCH.
+
+    Made inside the connection's task, which the timer cancels when the deadline passes (then the
+    wait raises Idle). Python 3.10 has no Task.uncancel: there each wait takes its own timeout."""
+
+    def __init__(self):
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._deadline: float | None = None  # of the wait in progress; None between waits
+        self._timer: asyncio.TimerHandle | None = None
+        self._expired = False
+
+    async def first_byte(self, reader: asyncio.StreamReader, wait_s: float) -> bytes:
+        if not hasattr(self._task, "uncancel"):
+            return await within(wait_s, reader.readexactly(1))
+        self._deadline = deadline = self._loop.time() + wait_s
+        if self._timer is None or self._timer.when() > deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._loop.call_at(deadline, self._fire)
+        try:
+            return await reader.readexactly(1)
+        except asyncio.CancelledError:
+            if not self._expired:
+                raise
+            self._expired = False
+            self._task.uncancel()
+            raise Idle from None
+        finally:
+            self._deadline = None
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self) -> None:
+        self._timer = None
+        if self._deadline is None:  # between waits: the next one sets the timer again
+            return
+        if self._loop.time() < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._fire)
+            return
+        self._expired = True
+        self._task.cancel()
+
+
 async def read_frame(reader: asyncio.StreamReader, limits: WorkerLimits, budget: ByteBudget,
-                     greeted: bool, wait_s: float) -> Incoming | None:
+                     greeted: bool, wait_s: float, watch: IdleWatch | None = None) -> Incoming | None:
     """The next frame; None at a clean end of stream (no byte of a new frame).
 
-    Raises Idle when no frame begins within `wait_s`, FrameFault when the framing breaks.
+    Raises Idle when no frame begins within `wait_s` (watched by `watch`, or a timeout of its own),
+    FrameFault when the framing breaks.
     """
     try:
         if _buffered(reader):  # pipelined: the next frame has begun already, nothing to wait for
             first = await reader.readexactly(1)
+        elif watch is not None:
+            first = await watch.first_byte(reader, wait_s)
         else:
             first = await within(wait_s, reader.readexactly(1))
     except asyncio.IncompleteReadError:

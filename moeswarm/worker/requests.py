@@ -100,7 +100,7 @@ class Requests:
                                    merge_key(frame.meta), frame,
                                    done=functools.partial(self._done, session, incoming.reserved, owed, rid))
             except BaseException:
-                session.owe(-owed)
+                session.settle(owed)
                 raise
             session.slot.last_active = time.monotonic()  # a queued DISPATCH is activity; a refused one is not
             return None
@@ -132,7 +132,7 @@ class Requests:
         leaves from here when nothing is ahead of it, else the loop sends it in turn."""
         self.budget.give(reserved)  # the request's body is no longer held
         if error is CANCELLED:
-            session.owe(-owed)
+            session.settle(owed)
             return
         if error is not None:  # a bug on our side (Computation answers every request itself): say so, keep serving
             log.error("request %d failed: %s", rid, printable(repr(error)))

@@ -46,7 +46,7 @@ from moeswarm.wire.messages import ErrorReply, WorkerInfo
 from moeswarm.worker.admission import (ConnectionTable, CountedLog, Slot, StreamProtocol, handshake, loop_errors,
                                        peer_host)
 from moeswarm.worker.compute import Computation
-from moeswarm.worker.framing import FrameFault, Idle, read_frame
+from moeswarm.worker.framing import FrameFault, Idle, IdleWatch, read_frame
 from moeswarm.worker.limits import ByteBudget, WorkerLimits
 from moeswarm.worker.memory import release_freed_memory
 from moeswarm.worker.replies import AwaitRoom, watch_replies
@@ -205,8 +205,9 @@ class WorkerServer:
         slot.busy = lambda: session.unsent > 0
         slot.evict = functools.partial(self._evict, session)
         self._sessions[task] = session
+        watch = IdleWatch()
         try:
-            while not self._closing and await self._next_frame(reader, session):
+            while not self._closing and await self._next_frame(reader, session, watch):
                 pass
         except (ConnectionError, OSError) as error:
             log.info("connection from %s ended: %s", session.peer, printable(str(error)))
@@ -215,6 +216,7 @@ class WorkerServer:
             # connection callback that ends cancelled, and nobody awaits this task.
             pass
         finally:
+            watch.close()
             self._sessions.pop(task, None)
             dropped = self.runner.drop(session)
             if dropped:
@@ -240,7 +242,7 @@ class WorkerServer:
         session.post(ErrorReply("timeout", message).to_frame(0))
         session.writer.close()
 
-    async def _next_frame(self, reader: asyncio.StreamReader, session: Session) -> bool:
+    async def _next_frame(self, reader: asyncio.StreamReader, session: Session, watch: IdleWatch) -> bool:
         """Read and handle one frame; False when the connection is to close."""
         limits = self.limits
         try:
@@ -252,7 +254,7 @@ class WorkerServer:
         else:
             wait_s = session.opened + limits.hello_timeout_s - time.monotonic()
         try:
-            incoming = await read_frame(reader, limits, self.budget, session.greeted, max(wait_s, 0.0))
+            incoming = await read_frame(reader, limits, self.budget, session.greeted, max(wait_s, 0.0), watch)
         except Idle:
             if session.greeted:
                 return self._fail(session, 0, "timeout", f"no DISPATCH for {limits.idle_timeout_s:g} s (PINGs do not count): closing")

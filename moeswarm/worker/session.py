@@ -42,7 +42,7 @@ async def within(seconds: float, awaitable):
 class Session:
     """A connection: whether HELLO succeeded, its writer, its RESULT tasks and unsent reply bytes.
 
-    Created and ended on the event loop; `owe` and `write_now` may also be called from the
+    Created and ended on the event loop; `settle` and `write_now` may also be called from the
     compute thread.
     """
 
@@ -65,7 +65,11 @@ class Session:
         self._write_lock = asyncio.Lock()
         self._queued = 0  # RESULTs handed to the loop and not yet written: later RESULTs wait behind them
         self._pending = 0  # bytes of replies waiting to be written (a tail included)
-        self._owed = 0  # bytes of RESULTs still being computed (an upper bound from the requests' shapes)
+        # Bytes of RESULTs still being computed (an upper bound from the requests' shapes): counted in
+        # by the loop alone, without the lock (a DISPATCH never waits for a send on the compute thread),
+        # and out under the lock; each count has one writer at a time.
+        self._owed_in = 0
+        self._owed_out = 0
         self._waiting_room = False  # the reader waits for unsent bytes to drop (wake it from the compute thread)
         self._room = asyncio.Event()
         self._room.set()
@@ -75,7 +79,12 @@ class Session:
         """Reply bytes owed to this client and not yet handed to the kernel: RESULTs computing (bounded
         from their requests' shapes), replies waiting to be written, the transport's buffer."""
         transport = self.writer.transport
-        return self._owed + self._pending + (0 if transport.is_closing() else transport.get_write_buffer_size())
+        return self.owed + self._pending + (0 if transport.is_closing() else transport.get_write_buffer_size())
+
+    @property
+    def owed(self) -> int:
+        """Bytes of RESULTs still being computed (bounded from their requests' shapes)."""
+        return self._owed_in - self._owed_out
 
     @property
     def written_unsent(self) -> int:
@@ -88,10 +97,14 @@ class Session:
         self._room.set()
 
     def owe(self, size: int) -> None:
-        """Count `size` bytes of a RESULT in the making (negative: it is made, or will never be)."""
+        """Count `size` bytes of a RESULT in the making (on the loop); `settle` them once it is made or never will be."""
+        self._owed_in += size
+
+    def settle(self, size: int) -> None:
+        """The `size` bytes `owe` counted are no longer owed (any thread)."""
         with self._lock:
-            self._owed += size
-            wake = size < 0 and self._waiting_room
+            self._owed_out += size
+            wake = self._waiting_room
         if wake:
             self._wake_reader()
 
@@ -109,7 +122,7 @@ class Session:
         buffers = [memoryview(b).cast("B") for b in frame.encode()]
         size = sum(b.nbytes for b in buffers)
         with self._lock:
-            self._owed -= owed
+            self._owed_out += owed
             transport = self.writer.transport
             if self.closed or transport.is_closing():
                 return True  # nobody to answer: the connection is closing

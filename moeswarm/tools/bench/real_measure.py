@@ -7,6 +7,9 @@ after the other (so that each start-up is timed alone), on a file already in the
   loopback    a moeswarm backbone (THREADS threads) and 2 `moeswarm worker` processes (THREADS // 2
               threads each, at least 1), each holding half of every layer's experts, over TCP on
               loopback: 3 processes on the machine's cores
+  loopback1   a backbone (THREADS threads) and one worker (THREADS threads) holding every expert,
+              on loopback: the backbone and the worker take turns on the cores, so the layer call
+              less the worker's kernels is the machinery alone, with no third process in the way
   wan20/80    a second backbone on the same 2 workers through emulated WAN links of 20 / 80 ms RTT
 A run is a 64-token prompt as one forward (prompt tokens/s) and 32 greedy decode steps, one token
 each (decode tokens/s: 32 over the time of those steps). After one untimed warm-up run each, the
@@ -33,8 +36,9 @@ from moeswarm.tools.local_workers import split_experts
 from moeswarm.progress import progress
 
 WORKERS = 2
+ALONE = "lone worker"  # loopback1's, holding every expert
 WORKER_START_TIMEOUT_S = 900.0  # a worker mapping half of a 4 GB file on a busy 2-core machine
-PROFILED = ("local", "loopback")
+PROFILED = ("local", "loopback", "loopback1")
 
 
 @dataclass(frozen=True)
@@ -43,14 +47,19 @@ class Config:
     label: str
     process: str  # the role of the process that runs it
     rtt_ms: float = 0.0
+    workers: tuple[str, ...] = ()  # the roles of the worker processes it uses
+
+
+SPLIT = tuple(f"worker {i}" for i in range(WORKERS))
 
 
 CONFIGS = (
     Config("llama.cpp", "llama.cpp (llama-cpp-python)", "llama.cpp"),
     Config("local", "moeswarm local (one process)", "local"),
-    Config("loopback", "moeswarm, 2 workers on loopback", "backbone (loopback)"),
-    Config("wan20", "moeswarm, 2 workers at 20 ms RTT", "backbone (WAN)", 20.0),
-    Config("wan80", "moeswarm, 2 workers at 80 ms RTT", "backbone (WAN)", 80.0),
+    Config("loopback", "moeswarm, 2 workers on loopback", "backbone (loopback)", workers=SPLIT),
+    Config("loopback1", "moeswarm, 1 worker on loopback", "backbone (1 worker)", workers=(ALONE,)),
+    Config("wan20", "moeswarm, 2 workers at 20 ms RTT", "backbone (WAN)", 20.0, SPLIT),
+    Config("wan80", "moeswarm, 2 workers at 80 ms RTT", "backbone (WAN)", 80.0, SPLIT),
 )
 
 
@@ -70,8 +79,8 @@ def run_shape(shape: ModelShape, cache: Path, threads: int, repeats: int) -> tup
                     for name in PROFILED}
         processes = [{"role": child.role, "pid": child.pid, "startup_s": child.startup_s, **memory(child.pid)}
                      for child in _unique(children.values())]
-        processes += [{"role": f"worker {i}", "pid": pid, "startup_s": startup_s, "experts": held, **memory(pid)}
-                      for i, (pid, startup_s, held) in enumerate(workers)]
+        processes += [{"role": role, "pid": pid, "startup_s": startup_s, "experts": held, **memory(pid)}
+                      for role, pid, startup_s, held in workers]
         ready = {child.role: child.ready for child in _unique(children.values())}
     rows = shape_rows(shape, CONFIGS, runs, profiles, processes, threads)
     meta = {"shape": shape.name, "file": str(path), "file_bytes": path.stat().st_size, "prewarm_s": prewarm_s,
@@ -82,9 +91,9 @@ def run_shape(shape: ModelShape, cache: Path, threads: int, repeats: int) -> tup
 @contextlib.contextmanager
 def _processes(path: Path, shape: ModelShape, threads: int) -> Iterator[tuple[dict[str, Child], list]]:
     """Every process of the bench, started one after another: ({config name: its child}, workers as
-    (pid, start-up s, experts "first-last"))."""
+    (role, pid, start-up s, experts "first-last"))."""
     worker_threads = max(1, threads // WORKERS)
-    with contextlib.ExitStack() as stack, progress(desc=f"starting {shape.name}'s processes", total=6,
+    with contextlib.ExitStack() as stack, progress(desc=f"starting {shape.name}'s processes", total=8,
                                                    unit="process") as bar:
         def child(role: str, module: str, args: list, env: dict | None = None) -> Child:
             started = Child(role, module, [str(a) for a in args], env)
@@ -94,17 +103,20 @@ def _processes(path: Path, shape: ModelShape, threads: int) -> Iterator[tuple[di
 
         llama = child("llama.cpp", "moeswarm.tools.bench.real_llama", [path, threads], {"OMP_NUM_THREADS": str(threads)})
         local = child("local", "moeswarm.tools.bench.real_moeswarm", [path, threads, "local"])
-        workers, holders = [], []
-        for experts in split_experts(shape.experts, WORKERS):
+        workers, holders = [], {}
+        for role, experts, count in [*zip(SPLIT, split_experts(shape.experts, WORKERS), [worker_threads] * WORKERS),
+                                     (ALONE, list(range(shape.experts)), threads)]:
             start = time.perf_counter()
             (host, port), process = stack.enter_context(spawn_worker(
-                str(path), experts, ("--threads", str(worker_threads), "--quiet"), WORKER_START_TIMEOUT_S))
-            workers.append((process.pid, time.perf_counter() - start, f"{experts[0]}-{experts[-1]}"))
-            holders.append(f"{host}:{port}={process.pid}")
+                str(path), experts, ("--threads", str(count), "--quiet"), WORKER_START_TIMEOUT_S))
+            workers.append((role, process.pid, time.perf_counter() - start, f"{experts[0]}-{experts[-1]}"))
+            holders[role] = f"{host}:{port}={process.pid}"
             bar.update()
-        direct = child("backbone (loopback)", "moeswarm.tools.bench.real_moeswarm", [path, threads, "direct", *holders])
-        wan = child("backbone (WAN)", "moeswarm.tools.bench.real_moeswarm", [path, threads, "wan", *holders])
-        by_role = {c.role: c for c in (llama, local, direct, wan)}
+        split = [holders[role] for role in SPLIT]
+        direct = child("backbone (loopback)", "moeswarm.tools.bench.real_moeswarm", [path, threads, "direct", *split])
+        alone = child("backbone (1 worker)", "moeswarm.tools.bench.real_moeswarm", [path, threads, "direct", holders[ALONE]])
+        wan = child("backbone (WAN)", "moeswarm.tools.bench.real_moeswarm", [path, threads, "wan", *split])
+        by_role = {c.role: c for c in (llama, local, direct, alone, wan)}
         yield {config.name: by_role[config.process] for config in CONFIGS}, workers
 
 

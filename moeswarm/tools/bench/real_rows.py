@@ -56,10 +56,9 @@ def _row(shape: ModelShape, config, runs: list[dict], profile: dict | None, proc
 
 
 def _processes(config, processes: list[dict]) -> list[dict]:
-    """The processes this configuration runs on: its own, and the workers when it has them."""
-    workers = [p for p in processes if p["role"].startswith("worker")]
-    own = [p for p in processes if p["role"] == config.process]
-    return own + (workers if config.process.startswith("backbone") else [])
+    """The processes this configuration runs on: its own, and the workers it uses."""
+    return [p for p in processes if p["role"] == config.process] + \
+        [p for role in config.workers for p in processes if p["role"] == role]
 
 
 def _layer_calls(runs: list[dict]) -> dict:
