@@ -317,3 +317,66 @@ def test_a_gateway_refuses_with_the_gap_when_the_stages_do_not_tile():
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert "no stage holds decoder layers 0-5 of 0-5 (none announced)" in last and "Traceback" not in done.stderr
+
+
+def test_a_stage_announced_after_the_start_joins_as_a_replica_and_takes_over_bit_identical():
+    """The gateway found one stage per span at start; a replica of the second span announces itself
+    later: the watch's next read adds it to the chain, and when the second stage dies the replica
+    takes over, replaying the steps, with every logit row equal to the local model's."""
+    pytest.importorskip("hivemind")
+    import torch
+
+    from moeswarm.discovery.dht import SwarmDht
+    from moeswarm.generation.ragged import PackedStepper, install
+    from moeswarm.model.loading import load_local
+    from moeswarm.model.source import open_source
+    from moeswarm.stages.find import StageSearch, watch_stages
+    from moeswarm.stages.gateway import open_gateway
+    from moeswarm.tools.local_stages import spawn_stage
+    from moeswarm.tools.local_workers import stop
+
+    meeting = SwarmDht.open([], host="127.0.0.1")
+    peer = meeting.addresses()[0]
+    stages = [spawn_stage(MODEL, span, threads=THREADS, extra_args=["--announce-swarm", peer]) for span in ("0-2", "3-5")]
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)  # the reference computes with the stages' thread count
+    try:
+        first, second = (_announced(stage) for stage in stages)
+        lines: list[str] = []
+        search = StageSearch((peer,), report=lines.append, follow_s=0.5)
+        watch = watch_stages(search, open_source(MODEL), None)
+        assert watch.route == [[first], [second]]
+        reference = load_local(MODEL)
+        install(reference)
+        with open_gateway(MODEL, watch.route, watch=watch) as gateway:
+            install(gateway.model)
+            chain = gateway.model.base_model.layers[0].chain
+            got, want = PackedStepper(gateway.model), PackedStepper(reference)
+            feed = list(range(10, 30))
+            for _ in range(2):
+                out = got.forward(feed)
+                assert torch.equal(out, want.forward(feed))
+                feed = [int(out[-1].argmax())]
+
+            stages.append(spawn_stage(MODEL, "3-5", threads=THREADS, extra_args=["--announce-swarm", peer]))
+            replica = _announced(stages[-1])
+            deadline = time.monotonic() + 30
+            while replica not in chain.positions[1]:  # the watch's thread reads every 0.5 s
+                assert time.monotonic() < deadline, f"the later stage never joined: {lines}"
+                time.sleep(0.1)
+            assert watch.read_once(chain) == []  # listed once
+            assert chain.positions == [[first], [second, replica]]
+            assert f"stage {replica} joined as a replica of layers 3-5" in lines
+
+            stages[1].kill()  # the second stage dies between two steps
+            stages[1].wait()
+            for _ in range(2):
+                out = got.forward(feed)
+                assert torch.equal(out, want.forward(feed))
+                feed = [int(out[-1].argmax())]
+            assert chain.failovers == 1 and chain.route == [first, replica]
+        assert watch._closed  # closed with the gateway
+    finally:
+        torch.set_num_threads(before)
+        stop(stages)
+        meeting.close()

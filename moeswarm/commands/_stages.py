@@ -41,7 +41,8 @@ def add_stages(parser: argparse.ArgumentParser) -> None:
 def check_stages(args: argparse.Namespace, config, source=None) -> None:
     """With --stages or --stages-swarm, no holders of this process's own (MoeSwarmError: one line).
     With --stages-swarm, the route is found on the swarm here and set as `args.stages`, where
-    generate and serve read it (`source`: the model's, when already open)."""
+    generate and serve read it, and the swarm kept joined as `args.stage_watch` (stages announced
+    later join the chain; `source`: the model's, when already open)."""
     stages_swarm = getattr(args, "stages_swarm", None)
     if args.stages and stages_swarm is not None:
         raise MoeSwarmError("give --stages or --stages-swarm, not both: the stages listed, or the swarm to find them on")
@@ -49,18 +50,21 @@ def check_stages(args: argparse.Namespace, config, source=None) -> None:
             (args.workers or args.swarm is not None or config.local_experts is not None):
         raise MoeSwarmError(f"with {'--stages' if args.stages else '--stages-swarm'} the experts are the stages' own: "
                             "give --workers, --swarm or --local-experts to each `moeswarm stage` instead")
+    args.stage_watch = None
     if stages_swarm is not None and not args.stages:
-        args.stages = find_stages(args, config, source)
+        args.stage_watch = find_stages(args, config, source)
+        args.stages = args.stage_watch.route
 
 
-def find_stages(args: argparse.Namespace, config, source=None) -> list[list[str]]:
-    """`--stages-swarm`: the chain read from the DHT for the model's fingerprint (stages/find.py)."""
+def find_stages(args: argparse.Namespace, config, source=None):
+    """`--stages-swarm`: the chain read from the DHT for the model's fingerprint, the swarm kept
+    joined (a stages/find.py StageWatch)."""
     from moeswarm.model.source import open_source
-    from moeswarm.stages.find import StageSearch, find_route
+    from moeswarm.stages.find import StageSearch, watch_stages
 
     source = source or open_source(args.model, getattr(args, "backbone_dtype", "file"))
     search = StageSearch(tuple(args.stages_swarm), args.swarm_key, args.stages_wait, report=_stderr(args))
-    return find_route(search, source, config.tls)
+    return watch_stages(search, source, config.tls)
 
 
 def open_backbone(source, args: argparse.Namespace, config):
@@ -72,7 +76,12 @@ def open_backbone(source, args: argparse.Namespace, config):
         return open_swarm(source, args.workers or [], config)
     from moeswarm.stages.gateway import open_gateway
 
-    return open_gateway(source, args.stages, config)
+    try:
+        return open_gateway(source, args.stages, config, args.stage_watch)
+    except BaseException:
+        if args.stage_watch is not None:
+            args.stage_watch.close()
+        raise
 
 
 def _stderr(args: argparse.Namespace):

@@ -118,11 +118,12 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
 
 def _holders(args: argparse.Namespace):
     """The server's way from the opened model to its SwarmConfig and stages: the flags, checked against the
-    model; with --stages-swarm the chain is found on the swarm here (check_stages sets args.stages)."""
+    model; with --stages-swarm the chain is found on the swarm here (check_stages sets args.stages, and
+    args.stage_watch: the swarm kept joined for stages announced later)."""
     def holders(source, report):
         swarm = swarm_config(args, source, report=report)
         check_stages(args, swarm, source)
-        return swarm, tuple(args.stages or ())
+        return swarm, tuple(args.stages or ()), args.stage_watch
 
     return holders
 

@@ -20,6 +20,7 @@ from moeswarm.serve.api import ServeState
 from moeswarm.serve.chat import set_chat_template
 from moeswarm.serve.engine import Engine, EngineConfig
 from moeswarm.stages.client import StageError
+from moeswarm.stages.find import StageWatch
 from moeswarm.stages.gateway import open_gateway
 from moeswarm.swarm import open_swarm
 from moeswarm.swarm_config import SwarmConfig
@@ -36,6 +37,7 @@ class Backend:
     check_local: bool = False
     chat_template: str | None = None  # serve --chat-template's text: replaces the model's own
     stages: Sequence[Sequence[str]] = ()  # --stages: per span its replicas; a gateway over them (stages/)
+    stage_watch: StageWatch | None = None  # --stages-swarm: the swarm they were found on, for stages announced later
 
 
 def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None],
@@ -51,7 +53,8 @@ def load(state: ServeState, backend: Backend, on_fatal: Callable[[str], None],
             _wait_for_workers(state, [replicas[0] for replicas in backend.stages] or backend.workers)
             state.loading = "loading the backbone and connecting to the workers"
             try:
-                swarm = open_gateway(backend.source, list(backend.stages), backend.swarm) if backend.stages \
+                swarm = open_gateway(backend.source, list(backend.stages), backend.swarm, backend.stage_watch) \
+                    if backend.stages \
                     else open_swarm(backend.source, backend.workers, backend.swarm)
                 break
             except (WorkerError, StageError) as error:  # a holder still starting, or one that went away again

@@ -23,6 +23,7 @@ from moeswarm.serve.engine import EngineConfig
 from moeswarm.serve.http_limits import limited_protocol, redact_access_log
 from moeswarm.serve.loader import Backend, load
 from moeswarm.serve.options import ServeOptions, model_name
+from moeswarm.stages.find import StageWatch
 from moeswarm.swarm_config import SwarmConfig
 from moeswarm.worker.listen import check_can_listen
 
@@ -31,8 +32,9 @@ GRACEFUL_SHUTDOWN_S = 5
 
 Report = Callable[[str], None]
 Stages = Sequence[Sequence[str]]  # per span of layers its replicas, in layer order
-# (the model, discovery's progress lines) -> (the backbone's SwarmConfig, the stages to chain: () for none)
-HoldersFor = Callable[[ModelSource, Report], tuple[SwarmConfig, Stages]]
+# (the model, discovery's progress lines) -> (the backbone's SwarmConfig, the stages to chain: () for none,
+# the swarm they were found on when they were: stages/find.py StageWatch, or None)
+HoldersFor = Callable[[ModelSource, Report], tuple[SwarmConfig, Stages, StageWatch | None]]
 
 
 def serve(options: ServeOptions, holders: HoldersFor,
@@ -40,7 +42,7 @@ def serve(options: ServeOptions, holders: HoldersFor,
           on_ready: Report = lambda line: None, before_load: Callable[[], None] = lambda: None) -> None:
     """Serve until the server is told to exit (SIGINT, SIGTERM: uvicorn's own handlers).
 
-    holders: the backbone's SwarmConfig and stages for the opened model; its report sets what
+    holders: the backbone's SwarmConfig, stages and stage watch for the opened model; its report sets what
     /health says while loading. on_listening(host, port): once bound, before the backbone loads;
     on_ready(line): once the engine runs (the model, its holders, the context). before_load(): once the
     model, the flags and the port are checked, before anything loads (the caller's process settings).
@@ -68,11 +70,11 @@ def serve(options: ServeOptions, holders: HoldersFor,
         state.loading = f"failed: {message}"
         server.should_exit = True
 
-    swarm, stages = holders(source, lambda line: setattr(state, "loading", line))
+    swarm, stages, watch = holders(source, lambda line: setattr(state, "loading", line))
     listener = config.bind_socket()  # --port 0: the port the system gave, said before anything else is
     on_listening(options.host, listener.getsockname()[1])
     backend = Backend(source, list(options.workers), swarm, engine, options.check_local, chat_template,
-                      stages=tuple(stages))
+                      stages=tuple(stages), stage_watch=watch)
     threading.Thread(target=load, args=(state, backend, on_fatal, on_ready), name="moeswarm-load", daemon=True).start()
     try:
         server.run(sockets=[listener])
@@ -80,6 +82,8 @@ def serve(options: ServeOptions, holders: HoldersFor,
         if state.engine is not None:
             state.engine.stop()
             state.engine.swarm.close()
+        if watch is not None:
+            watch.close()  # once the gateway has it, closed with it already: this is for a server that never opened it
     if fatal:
         raise MoeSwarmError(fatal[0])
 

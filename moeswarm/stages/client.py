@@ -143,6 +143,7 @@ class Chain:
         self._steps = itertools.count(1)
         self._lock = threading.Lock()  # the pending futures
         self._sending = threading.Lock()  # the order of sends and log entries; held through a replay
+        self.spans: list[range] | None = None  # each position's decoder layers, once connected
         self.generation = 0  # sessions opened
         self.failovers = 0
         self.replayed_steps = 0
@@ -160,10 +161,24 @@ class Chain:
             for link in self._links:
                 link.connect(self.session, self.fingerprint, self.tls)
             self._check_cover()
+            self.spans = [link.layers for link in self._links]
         except BaseException:
             self.close()
             raise
         return self
+
+    def add_replica(self, layers: range, address: str) -> bool:
+        """A stage holding exactly `layers`, one of the chain's spans, joins that span's replicas (last:
+        the next to take over when the ones before it fail). False when no span is `layers`, or the
+        stage is listed there already. Thread-safe: between two steps' sends."""
+        with self._sending:
+            for span, replicas in zip(self.spans or (), self.positions):
+                if span == layers:
+                    if address in replicas:
+                        return False
+                    replicas.append(address)
+                    return True
+        return False
 
     def _check_cover(self) -> None:
         at = 0

@@ -7,14 +7,19 @@ dial; of several members' claims of one address, only the one its HELLO confirms
 PING's round trip is its latency. `plan_route` (stages/route.py, pure) turns the
 stages that answered into the chain: per span in layer order, its replicas. Until they tile every
 layer the gateway reads again every `poll_s`, saying what is missing, for at most `wait_s`; then
-it gives up with the gap in one line. The route is read once, at start: the chain's replicas are
-the stages announced then.
+it gives up with the gap in one line.
+
+The route is chosen once, at start. While the gateway runs, a `StageWatch` reads the records again
+every `follow_s`: a stage announced since that holds exactly one of the chain's spans (dialled and
+confirmed as above) joins that span's replicas (stages/client.py `Chain.add_replica`), the next to
+take over when the ones before it fail. A stage of any other span is left out: the cuts stay.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +39,7 @@ PROBE_TIMEOUT_S = 2.0
 MAX_PROBED = 256  # stage records dialled per read; more are left out (and said so)
 PROBES_AT_ONCE = 16
 MAX_CAUSES_LOGGED = 8  # new causes of left-out records logged per read
+FOLLOW_S = 10.0  # between reads for stages announced after the start
 
 
 @dataclass(frozen=True)
@@ -53,12 +59,20 @@ class StageSearch:
     poll_s: float = POLL_S
     probe_timeout_s: float = PROBE_TIMEOUT_S
     report: Callable[[str], None] | None = None
+    follow_s: float = FOLLOW_S
 
 
 def find_route(search: StageSearch, source, tls: ssl.SSLContext | None) -> list[list[str]]:
     """The chain for model `source` (a ModelSource) from the stages announced on the swarm: per
     position in layer order, its replicas' addresses. MoeSwarmError (one line) when the swarm cannot
     be joined, or the stages do not tile the model within `search.wait_s`."""
+    watch = watch_stages(search, source, tls)
+    watch.close()
+    return watch.route
+
+
+def watch_stages(search: StageSearch, source, tls: ssl.SSLContext | None) -> "StageWatch":
+    """As `find_route`, keeping the swarm joined: the watch's `route`, and `follow` for stages announced later."""
     from moeswarm.discovery.dht import SwarmDht
 
     authority = None
@@ -71,9 +85,56 @@ def find_route(search: StageSearch, source, tls: ssl.SSLContext | None) -> list[
                             "`moeswarm dht` printed, not 'new'")
     dht = SwarmDht.open(search.peers, client=True, authority=authority)
     try:
-        return _StageFinder(dht, search, source, tls).wait()
-    finally:
+        finder = _StageFinder(dht, search, source, tls)
+        return StageWatch(finder, finder.wait())
+    except BaseException:
         dht.close()
+        raise
+
+
+class StageWatch:
+    """The stages found at start (`route`), and the swarm still joined: `follow(chain)` adds the
+    stages announced later to the chain's spans as replicas, from a thread, until `close`."""
+
+    def __init__(self, finder: "_StageFinder", route: list[list[str]]):
+        self.route = route
+        self._finder = finder
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def follow(self, chain) -> None:
+        """Every `follow_s`, read the records: each new stage holding exactly one of `chain`'s spans joins it."""
+        if self._thread is not None or self._closed:
+            return
+        self._thread = threading.Thread(target=self._follow, args=(chain,), name="moeswarm-stage-watch", daemon=True)
+        self._thread.start()
+
+    def read_once(self, chain) -> list[str]:
+        """One read: the addresses that joined `chain` (each said once)."""
+        joined = []
+        for offer in self._finder.offers():
+            if chain.add_replica(offer.layers, offer.address):
+                joined.append(offer.address)
+                self._finder.report(f"stage {offer.address} joined as a replica of layers "
+                                    f"{offer.layers.start}-{offer.layers.stop - 1}")
+        return joined
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._finder.search.probe_timeout_s * 2 + 5)
+        self._finder.dht.close()
+
+    def _follow(self, chain) -> None:
+        while not self._stop.wait(self._finder.search.follow_s):
+            try:
+                self.read_once(chain)
+            except Exception as error:  # a failed read (the DHT, a probe): the chain goes on as it is
+                log.warning("reading the swarm for new stages failed: %s", printable(one_line(error), 300))
 
 
 class _StageFinder:
@@ -88,27 +149,31 @@ class _StageFinder:
         self.said: set[str] = set()
 
     def wait(self) -> list[list[str]]:
-        from moeswarm.discovery.stage_record import STAGES
-
         deadline = time.monotonic() + self.search.wait_s
         last = ""
         while True:
-            # every claim of an address (keyed, several members may claim one): its HELLO tells which is true
-            records = list({self._key(r): r for claims in self.dht.claims(self.fingerprint, STAGES).values()
-                            for r in claims}.values())
             try:
-                route = plan_route(self._offers(records), self.num_layers)
+                route = plan_route(self.offers(), self.num_layers)
             except RouteError as error:
                 if time.monotonic() >= deadline:
                     raise RouteError(f"--stages-swarm: {error} (after waiting {self.search.wait_s:g} s)") from None
                 if str(error) != last:
                     last = str(error)
-                    self._report(f"waiting for stages on the swarm: {error}")
+                    self.report(f"waiting for stages on the swarm: {error}")
                 time.sleep(self.search.poll_s)
                 continue
-            self._report("stages found on the swarm: " + ", ".join(
+            self.report("stages found on the swarm: " + ", ".join(
                 f"layers {p.layers.start}-{p.layers.stop - 1} at {'|'.join(p.replicas)}" for p in route))
             return [list(p.replicas) for p in route]
+
+    def offers(self) -> list[Offer]:
+        """The stages announced now that this gateway may use, each dialled (once; again while it does not answer)."""
+        from moeswarm.discovery.stage_record import STAGES
+
+        # every claim of an address (keyed, several members may claim one): its HELLO tells which is true
+        records = list({self._key(r): r for claims in self.dht.claims(self.fingerprint, STAGES).values()
+                        for r in claims}.values())
+        return self._offers(records)
 
     def _offers(self, records: Iterable) -> list[Offer]:
         """The records' stages this gateway may use, each dialled (once; again while it does not answer)."""
@@ -168,7 +233,7 @@ class _StageFinder:
         except DialError as error:
             return f"cannot be reached: {one_line(error)}"
 
-    def _report(self, line: str) -> None:
+    def report(self, line: str) -> None:
         if self.search.report is not None:
             self.search.report(printable(line, 1000))
         else:

@@ -20,6 +20,7 @@ from moeswarm.errors import MoeSwarmError
 from moeswarm.generation.cache_journal import Journal
 from moeswarm.generation.ragged import JOURNAL, Layout
 from moeswarm.stages.client import Chain
+from moeswarm.stages.find import StageWatch
 from moeswarm.stages.protocol import Segment
 from moeswarm.stages.span import decoder_layers
 from moeswarm.swarm import Swarm, open_swarm
@@ -49,10 +50,14 @@ class ChainCall(torch.nn.Module):
         return out[None]
 
 
-def open_gateway(model_path, stages: list[str] | list[list[str]], config: SwarmConfig | None = None) -> Swarm:
+def open_gateway(model_path, stages: list[str] | list[list[str]], config: SwarmConfig | None = None,
+                 watch: StageWatch | None = None) -> Swarm:
     """The model's ends here, its decoder layers in `stages` (HOST:PORT, in layer order; a list of
     addresses at a position: replicas of that span, the next used when one fails): a Swarm whose
-    packed forwards go through the chain."""
+    packed forwards go through the chain.
+
+    watch: the swarm the stages were found on (stages/find.py): stages announced there later join
+    the chain's spans as replicas; closed with the Swarm (the caller's still when this raises)."""
     positions = [[stage] if isinstance(stage, str) else list(stage) for stage in stages]
     config = config or SwarmConfig()
     swarm = open_swarm(model_path, [], config, layers=range(0))
@@ -68,4 +73,7 @@ def open_gateway(model_path, stages: list[str] | list[list[str]], config: SwarmC
     model.base_model.layers = torch.nn.ModuleList([ChainCall(chain, journal)])
     setattr(model, JOURNAL, journal)
     swarm.close_with(chain.close)
+    if watch is not None:
+        watch.follow(chain)
+        swarm.close_with(watch.close)
     return swarm

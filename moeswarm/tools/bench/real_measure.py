@@ -7,9 +7,10 @@ after the other (so that each start-up is timed alone), on a file already in the
   loopback    a moeswarm backbone (THREADS threads) and 2 `moeswarm worker` processes (THREADS // 2
               threads each, at least 1), each holding half of every layer's experts, over TCP on
               loopback: 3 processes on the machine's cores
-  loopback1   a backbone (THREADS threads) and one worker (THREADS threads) holding every expert,
-              on loopback: the backbone and the worker take turns on the cores, so the layer call
-              less the worker's kernels is the machinery alone, with no third process in the way
+  loopback1   a backbone (THREADS threads) and one worker (1 thread) holding every expert, on
+              loopback: the backbone and the worker take turns on the cores, so the layer call less
+              the worker's kernels is the machinery alone, with no third process in the way (one
+              thread: its compute thread's CPU time is then the kernels' wall time)
   wan20/80    a second backbone on the same 2 workers through emulated WAN links of 20 / 80 ms RTT
 A run is a 64-token prompt as one forward (prompt tokens/s) and 32 greedy decode steps, one token
 each (decode tokens/s: 32 over the time of those steps). After one untimed warm-up run each, the
@@ -105,7 +106,7 @@ def _processes(path: Path, shape: ModelShape, threads: int) -> Iterator[tuple[di
         local = child("local", "moeswarm.tools.bench.real_moeswarm", [path, threads, "local"])
         workers, holders = [], {}
         for role, experts, count in [*zip(SPLIT, split_experts(shape.experts, WORKERS), [worker_threads] * WORKERS),
-                                     (ALONE, list(range(shape.experts)), threads)]:
+                                     (ALONE, list(range(shape.experts)), 1)]:
             start = time.perf_counter()
             (host, port), process = stack.enter_context(spawn_worker(
                 str(path), experts, ("--threads", str(count), "--quiet"), WORKER_START_TIMEOUT_S))

@@ -128,7 +128,8 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
         "over the time of those steps, each step's argmax included), on both sides the same way.",
         f"- **Threads**: llama.cpp and moeswarm local {meta['threads']}; with workers the backbone "
         f"{meta['threads']} and each of the {meta['workers']} workers {meta['worker_threads']} (3 processes on "
-        f"{meta['cpu_count']} cores); the lone worker {meta['threads']}. llama.cpp: {meta['llama_cpp_buffers']}.",
+        f"{meta['cpu_count']} cores); the lone worker 1 (its compute thread's CPU time is then its kernels' wall "
+        f"time). llama.cpp: {meta['llama_cpp_buffers']}.",
         "- **Configurations**: llama.cpp (llama-cpp-python) on the same file; moeswarm local (the whole model in "
         "one process, every expert held by the backbone); moeswarm with 2 `moeswarm worker` processes each holding "
         "half of every layer's experts, on loopback; one `moeswarm worker` holding every expert, on loopback (the "
