@@ -34,9 +34,14 @@ class NormGate:
         """The largest plausible row norm of an answer to `hidden` [T_w, d] at `layer`."""
         sent = float(_row_max(hidden).max()) if hidden.numel() else 1.0
         sent = max(1.0, sent if math.isfinite(sent) else 1.0)
+        learned = self._learned(layer)
+        return self.bootstrap * sent if learned is None else max(self.floor * sent, learned)
+
+    def _learned(self, layer: int) -> float | None:
+        """The bound the layer's answers have shown (None during the warm-up): a floor of `bound`."""
         if self._seen.get(layer, 0) < self.warmup:
-            return self.bootstrap * sent
-        return max(self.floor * sent, 10.0 ** (self._ema[layer] + self.decades))
+            return None
+        return 10.0 ** (self._ema[layer] + self.decades)
 
     def problem(self, layer: int, outputs: torch.Tensor, hidden: torch.Tensor) -> str | None:
         """What is implausible about `outputs` [n, d] answering `hidden` [T_w, d], or None; a
@@ -47,10 +52,9 @@ class NormGate:
         top = float(norms.max())
         if not math.isfinite(top):  # non-finite rows for non-finite inputs: checks.py judged them
             return None
-        if self._seen.get(layer, 0) >= self.warmup and top <= 10.0 ** (self._ema[layer] + self.decades):
-            self._learn(layer, math.log10(max(top, 1e-30)))  # under the learned bound: the rows sent need no look
-            return None
-        bound = self.bound(layer, hidden)
+        # Under the learned bound an answer is plausible whatever was sent: the rows sent need no look.
+        learned = self._learned(layer)
+        bound = learned if learned is not None and top <= learned else self.bound(layer, hidden)
         if top > bound:
             over = int((norms > bound).sum())
             return (f"implausible RESULT: {over} of {norms.size} rows have a norm above {bound:.3g} "

@@ -9,6 +9,7 @@ import signal
 from collections.abc import Callable, Sequence
 
 from moeswarm.relay.server import RelayLimits, RelayServer
+from moeswarm.stopping import stop_event
 from moeswarm.transport.member_cert import Authority
 
 STATUS_EVERY_S = 60.0
@@ -28,10 +29,7 @@ async def _relay(limits: RelayLimits, authority: Authority | None, host: str, po
     relay = RelayServer(limits, authority)
     bound_host, bound = await relay.start(host, port)
     on_listening(bound_host, bound)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in stop_signals:
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_event(stop_signals)
     serving = asyncio.create_task(relay.serve_forever())
     last = None
     while not stop.is_set():

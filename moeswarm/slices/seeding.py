@@ -7,6 +7,7 @@ import signal
 from collections.abc import Callable, Sequence
 
 from moeswarm.slices.seed import Seeder
+from moeswarm.stopping import stop_event
 
 
 def run_seeder(seeder: Seeder, host: str, port: int,
@@ -20,9 +21,6 @@ async def _serve(seeder: Seeder, host: str, port: int, on_listening: Callable[[s
                  stop_signals: Sequence[signal.Signals]) -> None:
     bound_host, bound = await seeder.start(host, port)
     on_listening(bound_host, bound)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in stop_signals:
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_event(stop_signals)
     await stop.wait()
     await seeder.close()

@@ -18,6 +18,7 @@ import signal
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from moeswarm.stopping import stop_event
 from moeswarm.worker.config import WorkerConfig
 from moeswarm.worker.limits import model_top_k
 from moeswarm.worker.listen import check_can_listen, raise_open_files_limit
@@ -66,11 +67,7 @@ def run_worker(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, Model
 
 
 async def _serve_until(node: WorkerNode, stop_signals: Sequence[signal.Signals]) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in stop_signals:
-        loop.add_signal_handler(sig, stop.set)
-    await node.serve(stop)
+    await node.serve(stop_event(stop_signals))
 
 
 class WorkerNode:

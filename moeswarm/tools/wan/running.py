@@ -8,6 +8,7 @@ import signal
 from collections.abc import Callable, Sequence
 
 from moeswarm.errors import MoeSwarmError
+from moeswarm.stopping import stop_event
 from moeswarm.tools.wan.control import ControlServer
 from moeswarm.tools.wan.proxy import WanProxy
 
@@ -31,10 +32,7 @@ async def _run(proxy: WanProxy, listen_control: tuple[str, int] | None,
     except OSError as error:
         await proxy.close()
         raise MoeSwarmError(f"cannot listen: {error}") from None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in stop_signals:
-        loop.add_signal_handler(signum, stop.set)
+    stop = stop_event(stop_signals)
     on_listening(proxy, control)
     try:
         await stop.wait()
