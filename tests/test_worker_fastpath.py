@@ -4,11 +4,14 @@ An in-process WorkerServer on real TCP (test_worker_limits' ScaleStore: every RE
 against a computation here). A RESULT larger than the socket's buffers leaves partly from the
 compute thread and partly from the loop, with PINGs answered meanwhile: every frame still
 arrives whole, RESULTs in the order of their DISPATCHes. A connection that closes while its
-DISPATCH computes never sends that RESULT to the connection that comes after it.
+DISPATCH computes never sends that RESULT to the connection that comes after it. A DISPATCH of a
+few tokens that finds the compute thread idle runs on the event loop itself (`inline_tokens`,
+worker/runner.py `run_here`); a larger one, or one arriving while another computes, on the thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import torch
@@ -16,8 +19,81 @@ import torch
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.messages import Result
 from moeswarm.wire.stream import send_frame
-from test_worker_limits import (ScaleStore, expect_result, expected_result, greeted, recv, request,
+from moeswarm.worker.limits import WorkerLimits
+from moeswarm.worker.runner import ComputeRunner
+from moeswarm.worker.server import WorkerServer
+from test_worker_limits import (FINGERPRINT, ScaleStore, expect_result, expected_result, greeted, recv, request,
                                 serving, wait_until)
+from test_worker_runner import running
+
+
+class ThreadStore(ScaleStore):
+    """ScaleStore, noting the name of the thread each `run` ran on."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.threads: list[str] = []
+
+    def run(self, request):
+        self.threads.append(threading.current_thread().name)
+        return super().run(request)
+
+
+def test_small_dispatches_run_on_the_event_loop_when_the_compute_thread_is_idle():
+    """One at a time: 1 and 8 tokens run on the loop's thread, 9 and 4096 on the compute thread;
+    every RESULT is the store's answer. Then pipelined, a large one first: the small ones behind it
+    find the thread busy or others waiting, and every RESULT still comes back in order."""
+    store = ThreadStore()
+    server = WorkerServer(store, FINGERPRINT, "scale", WorkerLimits(max_unsent_bytes=64 << 20), inline_tokens=8)
+    with running(server) as (loop, address):
+        loop_thread = asyncio.run_coroutine_threadsafe(_thread_name(), loop).result(10)
+        sock = greeted(address)
+        sizes = [1, 8, 9, 4096, 1]
+        for i, tokens in enumerate(sizes):
+            dispatch = request(tokens=tokens, ids=[[0, 1, 2, 3]] * tokens, seed=i)
+            send_frame(sock, dispatch.to_frame(30 + i))
+            expect_result(sock, dispatch, 30 + i)
+        assert store.threads == [loop_thread, loop_thread, "moeswarm-compute", "moeswarm-compute", loop_thread]
+        sent = [request(tokens=t, ids=[[0, 1, 2, 3]] * t, seed=10 + i) for i, t in enumerate([4096, 1, 1, 2048, 1])]
+        for i, dispatch in enumerate(sent):
+            send_frame(sock, dispatch.to_frame(40 + i))
+        for i, dispatch in enumerate(sent):
+            expect_result(sock, dispatch, 40 + i)
+        send_frame(sock, Frame(Opcode.PING, 99))
+        pong = recv(sock)
+        assert (pong.opcode, pong.request_id) == (Opcode.PONG, 99)
+
+
+async def _thread_name() -> str:
+    return threading.current_thread().name
+
+
+def test_a_runner_runs_a_job_in_place_only_when_nothing_runs_or_waits():
+    """`run_here` refuses while the compute thread serves a job, runs the job on the caller's
+    thread once it is idle, and the thread then serves what is queued."""
+    async def scenario():
+        runner = ComputeRunner()
+        runner.start()
+        gate, outcomes = threading.Event(), []
+
+        def record(value, error):
+            outcomes.append((value, error, threading.current_thread().name))
+
+        runner.submit("a", lambda: gate.wait(10) and "slow", done=record)
+        await asyncio.to_thread(wait_until, lambda: runner.queued == 0)  # taken by the thread
+        assert not runner.run_here("b", lambda: "small", 1, record)
+        gate.set()
+        await asyncio.to_thread(wait_until, lambda: len(outcomes) == 1)
+        while not runner.run_here("b", lambda: "small", 1, record):  # the thread is between jobs
+            await asyncio.sleep(0.005)
+        runner.submit("a", lambda: "queued", done=record)
+        await asyncio.to_thread(wait_until, lambda: len(outcomes) == 3)
+        await runner.close()
+        return outcomes
+
+    outcomes = asyncio.run(scenario())
+    here = threading.current_thread().name
+    assert outcomes == [("slow", None, "moeswarm-compute"), ("small", None, here), ("queued", None, "moeswarm-compute")]
 
 
 def test_results_larger_than_the_socket_buffers_arrive_whole_and_in_order_between_pongs():

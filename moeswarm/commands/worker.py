@@ -12,10 +12,10 @@ from moeswarm.commands._hosting import add_plan_arguments, experts_arg, hosting_
 from moeswarm.commands._setup import add_quiet, quiet_progress, set_threads
 from moeswarm.commands._swarm import add_worker_swarm
 from moeswarm.commands._tls import add_swarm_key, server_tls
-from moeswarm.commands._types import layer_range, port, positive, seconds
+from moeswarm.commands._types import layer_range, non_negative, port, positive, seconds
 from moeswarm.ids import parse_address
 from moeswarm.relay.protocol import RelayError, check_name
-from moeswarm.worker.config import Hosting, WorkerConfig
+from moeswarm.worker.config import INLINE_TOKENS, Hosting, WorkerConfig
 from moeswarm.worker.limits import WorkerLimits
 from moeswarm.worker.memory import serve_large_from_mmap
 
@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_limits(parser)
     parser.add_argument("--threads", type=positive, default=None,
                         help="torch CPU threads (default: this machine's cores shared among the moeswarm processes on it)")
+    parser.add_argument("--inline-tokens", type=non_negative, default=INLINE_TOKENS, metavar="N",
+                        help="a DISPATCH of at most N tokens runs on the event loop when the compute thread is idle: "
+                             "no hand-off between threads on a decode step (0: every DISPATCH on the compute thread; "
+                             f"default {INLINE_TOKENS})")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="least severe log records printed on stderr")
     add_quiet(parser)
@@ -125,7 +129,7 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
                         tls=server_tls(args.swarm_key, args.host), swarm_key=args.swarm_key, relay=args.relay,
                         relay_name=args.relay_name, relay_pool=args.relay_pool,
                         swarm=None if args.swarm is None else tuple(args.swarm), announce_host=args.announce_host,
-                        announce_ttl_s=args.announce_ttl, dht_port=args.dht_port)
+                        announce_ttl_s=args.announce_ttl, dht_port=args.dht_port, inline_tokens=args.inline_tokens)
 
 
 def run(args: argparse.Namespace) -> int:

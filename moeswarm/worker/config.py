@@ -13,6 +13,9 @@ from moeswarm.placement.plan_file import LayerExperts
 from moeswarm.worker.limits import WorkerLimits
 
 DEFAULT_ANNOUNCE_TTL_S = 30.0
+# A DISPATCH of at most this many tokens runs on the event loop when the compute thread is idle (a
+# decode step's, drafts included: its experts take a few ms at most, at real dimensions too).
+INLINE_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     limits: WorkerLimits = field(default_factory=WorkerLimits)
+    inline_tokens: int = INLINE_TOKENS  # 0: every DISPATCH goes to the compute thread (worker/runner.py run_here)
     tls: ssl.SSLContext | None = None  # the swarm key's server context (transport/tls.py); None: plain TCP
     swarm_key: str | None = None  # its file: the DHT's member certificates and the relay's proof of name
     relay: tuple[str, int] | None = None  # keep idle connections registered at this relay

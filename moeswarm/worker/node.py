@@ -49,7 +49,7 @@ def open_worker(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, Mode
     try:
         store, source = load()
         server = WorkerServer(store, source.fingerprint, source.config.model_type, config.limits, config.tls,
-                              top_k=model_top_k(source.config))
+                              top_k=model_top_k(source.config), inline_tokens=config.inline_tokens)
         return WorkerNode(config, server, source, dht, report)
     except BaseException:
         if dht is not None:

@@ -4,7 +4,8 @@ PING and HELLO are answered at once. A DISPATCH is checked from its metadata alo
 shapes against the limits, the RESULT's size bound against its connection's unsent bound and the
 worker's reply budget: worker/replies.py) and queued on the compute runner; its RESULT leaves from
 the compute thread itself when nothing is ahead of it on its connection (session.py `write_now`),
-else from the loop, in turn. Each frame's byte-budget reservation is given back when its reply
+else from the loop, in turn. A DISPATCH of a few tokens (a decode step's) that finds the runner
+idle runs on the loop at once (runner.py `run_here`): no thread hand-off, no wake-up. Each frame's byte-budget reservation is given back when its reply
 is decided (at once, or when its DISPATCH is done).
 """
 
@@ -38,13 +39,16 @@ class Requests:
     """Answers the frames of every connection of one worker (on its event loop)."""
 
     def __init__(self, info: WorkerInfo, limits: WorkerLimits, budget: ByteBudget, runner: ComputeRunner,
-                 computation: Computation, sessions: Mapping[asyncio.Task, Session]):
+                 computation: Computation, sessions: Mapping[asyncio.Task, Session], inline_tokens: int = 0):
+        """inline_tokens: a DISPATCH of at most this many tokens runs on the loop when the runner is
+        idle (0: none does)."""
         self.info = info
         self.limits = limits
         self.budget = budget
         self.runner = runner
         self.computation = computation
         self.sessions = sessions  # every open connection's Session: the reply budget counts them all
+        self.inline_tokens = inline_tokens
 
     def handle(self, session: Session, incoming: Incoming) -> Frame | AwaitRoom | None:
         """The immediate reply to one frame, None when a DISPATCH went to the runner, or AwaitRoom
@@ -95,10 +99,11 @@ class Requests:
             cost = shape[0] if shape else 1  # tokens: the compute thread is shared by them
             session.owe(owed)
             session.held_bytes_peak = max(session.held_bytes_peak, owed)
+            work = functools.partial(self.computation.one, frame, True)
+            done = functools.partial(self._done, session, incoming.reserved, owed, rid)
             try:
-                self.runner.submit(session, functools.partial(self.computation.one, frame, True), cost,
-                                   merge_key(frame.meta), frame,
-                                   done=functools.partial(self._done, session, incoming.reserved, owed, rid))
+                if not (cost <= self.inline_tokens and self.runner.run_here(session, work, cost, done)):
+                    self.runner.submit(session, work, cost, merge_key(frame.meta), frame, done=done)
             except BaseException:
                 session.settle(owed)
                 raise

@@ -1,7 +1,11 @@
 """The worker's compute runner: one thread runs the experts, fed by fair, bounded queues.
 
-Compute never runs on the event loop: the loop only reads frames, answers PING and HELLO at
-once, and writes replies. Work waits in one FIFO queue per owner (one owner per connection).
+Work waits in one FIFO queue per owner (one owner per connection), for the compute thread. The
+loop reads frames, answers PING and HELLO at once, and writes replies; it runs a job itself only
+when the runner is idle (`run_here`: nothing waiting, nothing in service), for a small job (a
+decode step's DISPATCH): the hand-off to the thread and back is then most of such a job's cost.
+Jobs arriving meanwhile wait in the socket, and are queued when it is done: the order fair
+queuing would give is the same, since nothing else was waiting.
 The compute thread shares itself between owners by cost (a DISPATCH's tokens), with start-time
 fair queuing: each job gets a start tag, max(the tag of the job in service, its owner's previous
 finish tag), and a finish tag start + cost; the head with the smallest start tag runs next. So a
@@ -148,6 +152,7 @@ class ComputeRunner:
         self._finish: dict[Hashable, float] = {}  # each owner's last finish tag, until drop(owner)
         self._virtual_time = 0.0  # the start tag of the job in service
         self._queued = 0
+        self._in_service = False  # a job is running (on the compute thread, or the loop's: run_here)
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -199,6 +204,26 @@ class ComputeRunner:
             self._ready.notify()
         return job.future
 
+    def run_here(self, owner: Hashable, work: Callable[[], T], cost: float, done: Done) -> bool:
+        """Run `work` on the calling thread now, then `done(value, error)`, if nothing waits and
+        nothing is in service (the store is entered by one thread at a time); False otherwise
+        (then `submit` it). Charged to `owner` as `submit` would."""
+        with self._ready:
+            if self._stopping or self._queues or self._in_service:
+                return False
+            start = max(self._virtual_time, self._finish.get(owner, 0.0))
+            self._finish[owner] = start + max(cost, 1.0)
+            self._virtual_time = start
+            self._in_service = True
+        try:
+            _run_alone(Job(work, owner, None, None, start, cost, done=done))
+        finally:
+            with self._ready:
+                self._in_service = False
+                if self._queues:
+                    self._ready.notify()
+        return True
+
     def drop(self, owner: Hashable) -> int:
         """Forget `owner`'s jobs that have not started (their futures are cancelled); return how many."""
         with self._ready:
@@ -240,15 +265,20 @@ class ComputeRunner:
     def _serve(self) -> None:
         while True:
             with self._ready:
-                while not self._stopping and not self._queues:
+                while not self._stopping and (not self._queues or self._in_service):
                     self._ready.wait()
                 if self._stopping:
                     return
                 jobs = self._next_jobs()
-            if len(jobs) > 1:
-                self._run_batch(jobs)
-            else:
-                _run_alone(jobs[0])
+                self._in_service = True
+            try:
+                if len(jobs) > 1:
+                    self._run_batch(jobs)
+                else:
+                    _run_alone(jobs[0])
+            finally:
+                with self._ready:
+                    self._in_service = False
 
     def _run_batch(self, jobs: list[Job]) -> None:
         """One batch_work call for `jobs`; if it fails as a whole, the lead runs alone instead."""

@@ -4,8 +4,11 @@ The event loop reads frames (worker/framing.py) and answers PING and HELLO at on
 (worker/requests.py); the experts run on the compute runner's thread (runner.py), which also
 decodes each DISPATCH's tensors and encodes its RESULT (compute.py) and, on a plain TCP
 connection with nothing ahead of it, sends it itself (session.py): a one-token layer call wakes
-the loop once, for its request, not again for its reply. So a PING is answered while experts compute, also on the connection whose DISPATCH is
-running: a PONG may overtake a RESULT (replies carry their request id). RESULTs of one
+the loop once, for its request, not again for its reply. A PING is answered while experts compute
+on the thread, also on the connection whose DISPATCH is running: a PONG may overtake a RESULT
+(replies carry their request id). A DISPATCH of at most `inline_tokens` tokens that finds the
+thread idle runs on the loop itself (no hand-off; `moeswarm worker --inline-tokens`): frames
+arriving meanwhile wait in the socket for the few ms it takes. RESULTs of one
 connection leave in the order of its DISPATCHes.
 
 Everything the network sends is bounded before use (worker/limits.py, docs/protocol.md
@@ -68,10 +71,13 @@ class WorkerServer:
     at a time).
     limits: what the worker accepts and how long it waits (WorkerLimits' defaults when None).
     top_k: the model's router top-k (`limits.model_top_k(config)`): no DISPATCH may ask for more.
+    inline_tokens: a DISPATCH of at most this many tokens runs on the event loop when the compute
+    thread is idle (worker/runner.py `run_here`); 0: every one runs on the thread (a store whose
+    `run` may block for long, as tests' gated stores do, must keep 0).
     """
 
     def __init__(self, store: ExpertStore, fingerprint: str, model_type: str, limits: WorkerLimits | None = None,
-                 tls: ssl.SSLContext | None = None, top_k: int | None = None):
+                 tls: ssl.SSLContext | None = None, top_k: int | None = None, inline_tokens: int = 0):
         self.store = store
         self.tls = tls  # the swarm key's context (transport/tls.py); None: plain TCP
         self.fingerprint = fingerprint
@@ -85,7 +91,8 @@ class WorkerServer:
                                     batch_work=self.computation.batch, batch_cost=self.limits.max_tokens)
         self._server: asyncio.base_events.Server | None = None
         self._sessions: dict[asyncio.Task, Session] = {}
-        self.requests = Requests(self.info, self.limits, self.budget, self.runner, self.computation, self._sessions)
+        self.requests = Requests(self.info, self.limits, self.budget, self.runner, self.computation, self._sessions,
+                                 inline_tokens)
         self._handshakes: dict[asyncio.Task, asyncio.StreamWriter] = {}  # accepted, TLS handshake under way
         self.table = ConnectionTable(self.limits.max_connections, self.limits.max_connections_per_peer,
                                      self.limits.evict_after_s)
