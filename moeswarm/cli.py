@@ -122,6 +122,10 @@ def _main(argv: list[str]) -> int:
             raise
         print(f"moeswarm {args.command}: error: {one_line(error)}", file=sys.stderr)
         return 2
+    finally:
+        from moeswarm.heap import thaw
+
+        thaw()  # what the command froze once loaded (heap.py) is the collector's again
 
 
 def _silence_stdout() -> None:

@@ -69,19 +69,25 @@ def find_stages(args: argparse.Namespace, config, source=None):
 
 def open_backbone(source, args: argparse.Namespace, config):
     """The Swarm generate runs: a gateway over `--stages` (or `--stages-swarm`), or the backbone of `open_swarm`."""
+    from moeswarm.heap import freeze_loaded
+
     check_stages(args, config, source)
     if not args.stages:
         from moeswarm.swarm import open_swarm
 
-        return open_swarm(source, args.workers or [], config)
+        swarm = open_swarm(source, args.workers or [], config)
+        freeze_loaded()  # the model, out of the collector's walks on every decode step
+        return swarm
     from moeswarm.stages.gateway import open_gateway
 
     try:
-        return open_gateway(source, args.stages, config, args.stage_watch)
+        gateway = open_gateway(source, args.stages, config, args.stage_watch)
     except BaseException:
         if args.stage_watch is not None:
             args.stage_watch.close()
         raise
+    freeze_loaded()
+    return gateway
 
 
 def _stderr(args: argparse.Namespace):

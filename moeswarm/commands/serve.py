@@ -139,4 +139,7 @@ def _say_listening(host: str, port: int) -> None:
 
 
 def _say_ready(line: str) -> None:
+    from moeswarm.heap import freeze_loaded
+
+    freeze_loaded()  # the model and its holders are loaded: out of the collector's walks on every step
     print(f"moeswarm serve: {line}", file=sys.stderr, flush=True)

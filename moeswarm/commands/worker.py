@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import logging
 import sys
 
@@ -154,8 +153,10 @@ def _load(hosting: Hosting, threads: int | None):
     set_threads(threads)
     from moeswarm.worker.hosting import load_hosted
 
+    from moeswarm.heap import freeze_loaded
+
     store, source = load_hosted(hosting)
-    gc.freeze()  # the model's objects live as long as the worker: the collector no longer walks them per DISPATCH
+    freeze_loaded()  # the model's objects live as long as the worker: the collector no longer walks them per DISPATCH
     serve_large_from_mmap()  # after loading: a flood's large buffers go back to the system when freed
     return store, source
 

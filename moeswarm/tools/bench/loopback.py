@@ -11,6 +11,7 @@ import statistics
 import time
 
 from moeswarm.generation.stepper import Stepper
+from moeswarm.heap import freeze_loaded, thaw
 from moeswarm.tools.local_workers import local_swarm
 from moeswarm.model.loading import load_local
 from moeswarm.progress import progress
@@ -31,6 +32,7 @@ def run_loopback(model: str, workers: int = 2, steps: int = 32, repeats: int = 3
     prompt = prompt or [5, 17, 42, 8, 99, 23, 11, 60]
     local_model = load_local(model)
     with local_swarm(model, workers) as swarm:
+        freeze_loaded()  # both models, as the commands do once loaded (heap.py); thawed below
         pings = [swarm.ping(0) for _ in range(200)]
         local_runs, remote_runs = [], []
         for _ in progress(range(repeats), desc=f"loopback, {steps} decode steps local and remote", unit="repeat"):
@@ -38,6 +40,7 @@ def run_loopback(model: str, workers: int = 2, steps: int = 32, repeats: int = 3
             swarm.reset_accounting()
             remote_runs.append(decode_seconds(lambda: Stepper(swarm.model), prompt, steps))
         layer_call = swarm.accounting()["seconds_per_layer_call_mean"]
+    thaw()
     local_s, remote_s = statistics.median(local_runs), statistics.median(remote_runs)
     layers = len(swarm.moe_layers)
     return {

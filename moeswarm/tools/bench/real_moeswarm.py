@@ -30,6 +30,7 @@ def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
 
     from moeswarm.tools.bench.real_profile import StepProfile
     from moeswarm.generation.stepper import Stepper
+    from moeswarm.heap import freeze_loaded
     from moeswarm.swarm import open_swarm
 
     torch.set_num_threads(threads)
@@ -47,6 +48,7 @@ def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
         links = closing.enter_context(wan_links([address for address, _ in workers], LinkProfile(rtt_s=0.0)))
         swarm, opened = open_swarm(path, links.addresses), "open_swarm(path, WAN proxies in front of the workers)"
     closing.callback(swarm.close)
+    freeze_loaded()  # as the commands do once the model is in (heap.py)
     # the dispatcher names a worker by the address it connected to: a proxy's, in the workers' order
     addresses = links.addresses if links is not None else [address for address, _ in workers]
     pids = {address: pid for address, (_, pid) in zip(addresses, workers)}
