@@ -221,7 +221,7 @@ def test_accounting_summary_is_exact():
     accounting = Accounting()
     accounting.record(LayerCall(0, 4, 400, 800, 1, 0.002, {"a": 0.001, "b": 0.003}))  # a prompt's
     accounting.decoding = True
-    accounting.record(LayerCall(1, 1, 100, 300, 1, 0.004, {"a": 0.002}))  # a decode step's
+    accounting.record(LayerCall(1, 1, 100, 300, 1, 0.004, {"a": 0.002}, worker_cpu={"a": 0.0005}))  # a decode step's
     summary = accounting.summary()
     assert summary["layer_calls"] == 2 and summary["round_trips"] == 2
     assert (summary["bytes_out"], summary["bytes_in"]) == (500, 1100)
@@ -229,6 +229,7 @@ def test_accounting_summary_is_exact():
     assert summary["decode_bytes_out_per_token_layer"] == 100.0 and summary["decode_bytes_in_per_token_layer"] == 300.0
     assert summary["seconds_per_layer_call_mean"] == pytest.approx(0.003)
     assert summary["worker_rtt_ms_mean"] == pytest.approx({"a": 1.5, "b": 3.0})
+    assert summary["worker_cpu_ms_mean"] == pytest.approx({"a": 0.5})  # only the calls whose RESULT said it
 
 
 def test_accounting_counts_decode_by_step_not_by_rows():

@@ -73,6 +73,18 @@ def test_dispatch_and_result_round_trip():
     partial = Result(2, CombineMode.PARTIAL, torch.randn(3, 8), [], [], "bf16")
     back = Result.from_frame(_reparse(partial.to_frame(1)))
     assert "experts" not in partial.to_frame(1).meta and torch.equal(back.outputs, partial.outputs.bfloat16().float())
+    assert back.cpu_s is None and "cpu_us" not in partial.to_frame(1).meta  # optional: older workers omit it
+
+
+def test_a_result_says_its_experts_cpu_time_and_a_bad_one_is_named():
+    result = Result(2, CombineMode.PARTIAL, torch.randn(1, 8), [], [])
+    frame = result.to_frame(7, cpu_s=0.0012345)
+    assert frame.meta["cpu_us"] == 1234
+    assert Result.from_frame(_reparse(frame)).cpu_s == pytest.approx(0.001234)
+    for bad in (-1, 1.5, "12", True, 1 << 41):
+        frame.meta["cpu_us"] = bad
+        with pytest.raises(ProtocolError, match="RESULT 'cpu_us' must be an integer"):
+            Result.from_frame(_reparse(frame))
 
 
 def test_hello_answer_golden_bytes_and_round_trip():

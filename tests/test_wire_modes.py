@@ -42,6 +42,17 @@ def test_partial_sends_fewer_bytes_back_than_exact(qwen2_moe, qwen2_workers):
     assert inbound["partial"] < inbound["exact"]
 
 
+def test_each_worker_says_its_experts_cpu_time_and_it_is_within_its_round_trip(qwen2_moe, qwen2_workers):
+    """Every RESULT of a `moeswarm worker` carries its experts' CPU time (`cpu_us`): the accounting
+    has it for every worker, above zero and below that worker's mean round trip."""
+    with open_swarm(qwen2_moe, qwen2_workers) as swarm:
+        Stepper(swarm.model).forward(PROMPT)
+        summary = swarm.accounting()
+    assert sorted(summary["worker_cpu_ms_mean"]) == sorted(summary["worker_rtt_ms_mean"]) == sorted(qwen2_workers)
+    for worker, cpu_ms in summary["worker_cpu_ms_mean"].items():
+        assert 0 < cpu_ms < summary["worker_rtt_ms_mean"][worker]
+
+
 def _run_side_by_side(*commands: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
     """Each command as `subprocess.run` runs it, all started at once (their waits overlap); results in order."""
     processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for command in commands]

@@ -15,9 +15,10 @@ class LayerCall:
     bytes_in: int
     round_trips: int
     seconds: float
-    worker_seconds: dict[str, float]
+    worker_seconds: dict[str, float]  # each answering holder's round trip
     remote_tokens: int | None = None  # rows that went to a remote holder (None: not counted)
     decode: bool = False  # made by a decode step (every sequence of the step past its prompt), whatever its rows
+    worker_cpu: dict[str, float] = field(default_factory=dict)  # the CPU seconds its experts took, as each worker said
 
 
 @dataclass
@@ -38,9 +39,12 @@ class Accounting:
         token_layers = sum(c.tokens for c in self.calls)
         decode = [c for c in self.calls if c.decode]  # by step: a batched or verify step's calls carry many rows
         rtts: dict[str, list[float]] = defaultdict(list)
+        cpu: dict[str, list[float]] = defaultdict(list)
         for call in self.calls:
             for worker, seconds in call.worker_seconds.items():
                 rtts[worker].append(seconds)
+            for worker, seconds in call.worker_cpu.items():
+                cpu[worker].append(seconds)
         return {
             "layer_calls": len(self.calls),
             "round_trips": sum(c.round_trips for c in self.calls),
@@ -53,6 +57,7 @@ class Accounting:
             "decode_bytes_in_per_token_layer": _ratio(sum(c.bytes_in for c in decode), sum(c.tokens for c in decode)),
             "seconds_per_layer_call_mean": _ratio(sum(c.seconds for c in self.calls), len(self.calls)),
             "worker_rtt_ms_mean": {w: 1000 * sum(v) / len(v) for w, v in sorted(rtts.items())},
+            "worker_cpu_ms_mean": {w: 1000 * sum(v) / len(v) for w, v in sorted(cpu.items())},  # experts, as said
             "worker_paths": dict(sorted(self.paths.items())),
         }
 

@@ -165,6 +165,8 @@ class Dispatcher:
             time.perf_counter() - handle.started,
             {self._address(holder): reply.seconds for _, reply, holder in answers},
             _rows(share.tokens for share, _, holder in answers if holder not in trusted and holder != REFEREE),
+            worker_cpu={self._address(holder): reply.result.cpu_s for _, reply, holder in answers
+                        if reply.result.cpu_s is not None},
         ))
         return out
 

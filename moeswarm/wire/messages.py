@@ -24,6 +24,7 @@ from moeswarm.wire.frames import VERSION, Frame, Opcode
 PROTOCOL_VERSION = VERSION
 MAX_LAYERS = 1 << 12  # far above any model's MoE layers: a bound on what a HELLO may list
 MAX_EXPERTS = 1 << 16
+MAX_CPU_US = 1 << 40  # a RESULT's `cpu_us`: any real call is far below
 _U8_IDS = np.arange(256, dtype=np.int64)  # a u8 expert id on the wire -> its id (255: -1, another worker's)
 _U8_IDS[255] = -1
 
@@ -187,7 +188,8 @@ class Result:
     partial: outputs [T, d]: per dispatched token, the weighted sum over this worker's experts
              (experts and counts are not sent)
 
-    On the wire the outputs tensor is named y.
+    On the wire the outputs tensor is named y. cpu_s: the CPU seconds the worker's experts took for
+    it (field `cpu_us`, optional: where a call's time goes, network or experts); None when not said.
     """
 
     layer: int
@@ -196,12 +198,17 @@ class Result:
     experts: list[int]
     counts: list[int]
     wire_combine: str = "f32"
+    cpu_s: float | None = None
 
-    def to_frame(self, request_id: int) -> Frame:
+    def to_frame(self, request_id: int, cpu_s: float | None = None) -> Frame:
+        """cpu_s: the experts' CPU seconds to say (None: this Result's own)."""
         descriptors, buffers = wire_tensors.pack([("y", self.outputs, self.wire_combine)])
         meta = {"layer": self.layer, "mode": CombineMode(self.mode).value, "tensors": descriptors}
         if self.mode == CombineMode.EXACT:
             meta.update(experts=self.experts, counts=self.counts)
+        cpu_s = self.cpu_s if cpu_s is None else cpu_s
+        if cpu_s is not None:
+            meta["cpu_us"] = int(cpu_s * 1e6)
         return Frame(Opcode.RESULT, request_id, meta, tuple(buffers))
 
     @classmethod
@@ -219,7 +226,11 @@ class Result:
                 raise ProtocolError("RESULT 'experts' and 'counts' must be integers")
         else:
             experts, counts = [], []
-        return cls(field(m, "layer", int), CombineMode(mode), outputs, experts, counts)
+        cpu_us = m.get("cpu_us")
+        if cpu_us is not None and not (_is_int(cpu_us) and 0 <= cpu_us <= MAX_CPU_US):
+            raise ProtocolError(f"RESULT 'cpu_us' must be an integer in 0-{MAX_CPU_US}, got {cpu_us!r:.40}")
+        return cls(field(m, "layer", int), CombineMode(mode), outputs, experts, counts,
+                   cpu_s=None if cpu_us is None else cpu_us / 1e6)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ would have answered it alone.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -52,7 +53,7 @@ class Computation:
         decoded = self._decode(frame, sized=sized)
         if isinstance(decoded, Frame):
             return decoded
-        return self._answer(frame.request_id, *decoded, self.store.run)
+        return self._answer(frame.request_id, *decoded, self.store.run, timed=True)
 
     def batch(self, frames: list[Frame]) -> list[Frame | object]:
         """The runner's batch_work: frames[0]'s DISPATCH and those of other connections that may run
@@ -70,7 +71,7 @@ class Computation:
         replies: list[Frame | object] = [DECLINED] * len(frames)
         results = self._merged([request for _, (request, _) in chosen]) if len(chosen) > 1 else None
         if results is None:
-            replies[0] = self._answer(frames[0].request_id, *lead, self.store.run)
+            replies[0] = self._answer(frames[0].request_id, *lead, self.store.run, timed=True)
             return replies
         for (position, decoded), result in zip(chosen, results):
             replies[position] = self._answer(frames[position].request_id, *decoded, lambda _request, r=result: r)
@@ -105,13 +106,18 @@ class Computation:
             log.exception("request %d failed", frame.request_id)
             return ErrorReply("internal", printable(f"{type(error).__name__}: {error}")).to_frame(frame.request_id)
 
-    def _answer(self, rid: int, request: Dispatch, routed: int, run: Callable[[Dispatch], Result]) -> Frame:
-        """RESULT (or ERROR) frame for `request` (`routed`: its S), whose Result `run` gives."""
+    def _answer(self, rid: int, request: Dispatch, routed: int, run: Callable[[Dispatch], Result],
+                timed: bool = False) -> Frame:
+        """RESULT (or ERROR) frame for `request` (`routed`: its S), whose Result `run` gives; `timed`:
+        `run` computes it alone here, and the RESULT says the CPU time it took on this thread (with
+        one torch thread, the worker's default on a shared machine, all of it)."""
         try:
+            started = time.thread_time()
             result = run(request)
+            cpu_s = time.thread_time() - started if timed else None
             check_reply_size(routed, request.hidden.shape[0], self.store.hidden_size,
                              request.mode == CombineMode.EXACT, result.outputs)
-            return result.to_frame(rid)
+            return result.to_frame(rid, cpu_s)
         except MoeSwarmError as error:
             log.info("request %d refused: %s", rid, printable(str(error)))
             return ErrorReply("bad_request", str(error)).to_frame(rid)

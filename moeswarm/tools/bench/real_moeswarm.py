@@ -96,8 +96,10 @@ def _run(swarm, stepper, prompt: list[int], steps: int, pids: dict[str, int], pr
              "bytes_per_step": sum(c.bytes_out + c.bytes_in for c in calls) / steps, "workers": []}
     for address, pid in pids.items():
         trips = [c.worker_seconds[address] for c in calls if address in c.worker_seconds]
+        said = [c.worker_cpu[address] for c in calls if address in c.worker_cpu]  # its experts' CPU, per RESULT
         reply["workers"].append({"address": address, "pid": pid, "trips": len(trips),
                                  "rtt_ms": 1e3 * statistics.fmean(trips) if trips else None,
+                                 "experts_ms": 1e3 * statistics.fmean(said) if said else None,
                                  "cpu": cpu_split(pid, before[pid], after[pid])})
     if profile is not None:
         reply["parts_ms"] = profile.parts_ms(decode_s, steps)

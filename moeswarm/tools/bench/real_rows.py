@@ -5,9 +5,12 @@ Every speed is the median over the timed repeats of that repeat's own figure (32
 Per layer call (decode steps only), from the dispatcher's accounting and /proc:
   layer_call_ms            the MoE layer call as the backbone sees it (plan, send, wait, combine)
   worker_rtt_ms            a worker's round trip as the dispatcher timed it (mean), the slower worker's
-  worker_compute_ms        per worker round trip, the worker's CPU time off its main thread (the
-                           compute thread: kernels and the Python around them), of the busier worker
-  worker_loop_ms           per round trip, the worker's main thread (its event loop: frames, socket)
+  worker_compute_ms        per worker round trip, the CPU time of the worker's experts (kernels) as its
+                           RESULTs say (`cpu_us`), of the busier worker; where they do not say it, the
+                           worker's CPU off its main thread (/proc)
+  worker_loop_ms           per round trip, the worker's main thread (/proc: its event loop, frames,
+                           socket; and a decode step's experts, which run there when the compute
+                           thread is idle: worker/runner.py run_here)
   machinery_ms             layer_call_ms - worker_compute_ms: what a call costs beyond the kernels
   backbone_side_ms         layer_call_ms - worker_rtt_ms: the backbone's part of it (plan, encode,
                            decode, combine), roughly: the slower worker is not always the same one
@@ -75,7 +78,9 @@ def _layer_calls(runs: list[dict]) -> dict:
         workers.append({
             "trips_per_step": statistics.median(w["trips"] / DECODE_TOKENS for w in mine),
             "rtt_ms": statistics.median(w["rtt_ms"] for w in trips) if trips else None,
-            "compute_ms_per_trip": statistics.median(1e3 * w["cpu"]["other_s"] / w["trips"] for w in trips) if trips else None,
+            "compute_ms_per_trip": (statistics.median(w["experts_ms"] for w in trips) if all(w.get("experts_ms") for w in trips)
+                                    else statistics.median(1e3 * w["cpu"]["other_s"] / w["trips"] for w in trips))
+            if trips else None,
             "loop_ms_per_trip": statistics.median(1e3 * w["cpu"]["main_s"] / w["trips"] for w in trips) if trips else None,
             "cpu_cores_decode": statistics.median(w["cpu"]["total_s"] / run["decode_s"] for w, run in zip(mine, runs)),
         })
