@@ -21,6 +21,10 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
 
     A decode step's single row takes the same adds without finding each expert's tokens: its value
     is (((0 + c_e1) + c_e2) + ...) over its experts' rows in ascending order.
+
+    In float32 the adds are numpy's (IEEE single, as torch's): torch's `index_add_` opens an OpenMP
+    region with 2 or more threads, which costs 30-100 us per call when the pool's threads sleep
+    between layer calls (OMP_WAIT_POLICY=PASSIVE), more than the adds themselves.
     """
     if sums:
         covered = torch.cat([tokens for tokens, _ in sums])  # [T_s]
@@ -28,8 +32,13 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
             top_k_index = top_k_index.clone()
             top_k_index[covered] = -1  # those tokens' rows came summed
         final = combine_exact(hidden, top_k_index, per_expert) if per_expert else torch.zeros_like(hidden)
-        for tokens, total in sums:
-            final.index_add_(0, tokens, total.to(final.dtype))  # 0 + sum: the sum's bits
+        for tokens, total in sums:  # a token is in one sum at most, and none of its rows came per expert
+            total = total.to(final.dtype)
+            if final.dtype == torch.float32:
+                rows = final.numpy()  # [T, d], a view of `final`
+                rows[tokens.numpy()] += total.numpy()  # 0 + sum: the sum's bits
+            else:
+                final.index_add_(0, tokens, total)
         return final
     final = torch.zeros_like(hidden)  # [T, d]
     if hidden.shape[0] == 1:
@@ -43,9 +52,13 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
             for row in per_expert[expert].to(final.dtype):
                 final += row
         return final
+    numpy = final.dtype == torch.float32
     for expert in sorted(per_expert):
         _, token = torch.where(top_k_index.T == expert)  # [n_e]
-        final.index_add_(0, token, per_expert[expert].to(final.dtype))
+        if numpy:  # unbuffered, in index order: a row listed twice (a router repeating an expert) gets both adds
+            np.add.at(final.numpy(), token.numpy(), per_expert[expert].to(torch.float32).numpy())
+        else:
+            final.index_add_(0, token, per_expert[expert].to(final.dtype))
     return final
 
 
