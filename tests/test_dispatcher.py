@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from moeswarm.dispatch.accounting import Accounting, LayerCall
+from moeswarm.dispatch.combine import combine_exact
 from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.errors import MoeSwarmError, WorkerError
 from moeswarm.placement.table import build_table
@@ -147,6 +148,23 @@ def test_exact_combine_equals_eager_sum(fanout):
     assert (call.layer, call.tokens, call.bytes_out, call.bytes_in) == (0, 6, 200, 20)
     assert call.round_trips == (1 if fanout == "star" else 2)
     assert call.worker_seconds == {"a": 0.001, "b": 0.001}
+
+
+@pytest.mark.parametrize("repeat", [False, True])
+def test_combine_exact_adds_as_index_add_does_bit_for_bit(repeat):
+    """Rows of many experts, in numpy (float32) or, where a row lists an expert twice (hash-routed
+    layers), with index_add_: either way the bits of eager's index_add_ per expert, in ascending order."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, D, generator=g)
+    index = torch.rand(5, E, generator=g).argsort(dim=1)[:, :K]  # [T, k]
+    if repeat:
+        index[2, 1] = index[2, 0]
+    per_expert, want = {}, torch.zeros_like(hidden)
+    for expert in sorted(set(index.flatten().tolist())):
+        _, token = torch.where(index.T == expert)
+        per_expert[expert] = torch.randn(len(token), D, generator=g) * 1e3  # large and small: rounding shows
+        want.index_add_(0, token, per_expert[expert])
+    assert torch.equal(combine_exact(hidden, index, per_expert), want)
 
 
 def test_partial_combine_is_close_to_eager_sum():

@@ -101,13 +101,8 @@ class ExpertStore:
             # rows in eager's order (the same matrices as a local run); each output row is one pair's w * E(x).
             outputs.append(run.module(hidden[tokens[pairs]], local, pair_weights[pairs]))  # [S_run, d]
         outputs = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [S, d], experts ascending
-        if request.mode == CombineMode.PARTIAL:  # [T, d], experts added in ascending order, from zero
-            summed = torch.zeros_like(hidden)
-            if summed.dtype == torch.float32:  # numpy's adds, in order (index_add_'s OpenMP region: dispatch/combine.py)
-                np.add.at(summed.numpy(), tokens.numpy(), outputs.numpy())
-            else:
-                summed.index_add_(0, tokens, outputs)
-            outputs = summed
+        if request.mode == CombineMode.PARTIAL:
+            outputs = torch.zeros_like(hidden).index_add_(0, tokens, outputs)  # [T, d], experts added in ascending order
         return Result(request.layer, request.mode, outputs, hit, counts.tolist(), request.wire_combine)
 
     def _check(self, request: Dispatch) -> tuple[list[_Run], np.ndarray]:
