@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moeswarm.generation.run import generate
+from moeswarm.heap import freeze_loaded, thaw
 from moeswarm.model.experts import num_experts_in_config
 from moeswarm.model.source import open_source
 from moeswarm.stages.gateway import open_gateway
@@ -68,10 +69,12 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
     runs = (1 + len(stage_counts)) * len(rtts_ms) * len({0, speculate})
     with _torch_threads(threads), progress(desc="bench islands", total=runs, unit="run") as bar:  # this process too
         with open_swarm(source, []) as local:
+            freeze_loaded()  # as the commands do once the model is in (heap.py); the stages' processes do too
             reference = generate(local, prompt, tokens)
             rows.append(_row("local", 0, 0, reference, 0, reference.tokens))
         with _star_workers(path, experts) as workers, wan_links(workers, LinkProfile(rtt_s=rtts_ms[0] / 1000)) as links, \
                 open_swarm(source, links.addresses) as star:
+            freeze_loaded()
             for rtt in rtts_ms:
                 links.set_all(rtt_s=rtt / 1000)
                 for k in sorted({0, speculate}):
@@ -82,6 +85,7 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
             with _islands(path, SPANS[count], experts, threads) as stages, \
                     wan_links(stages, LinkProfile(rtt_s=rtts_ms[0] / 1000)) as links, \
                     open_gateway(source, links.addresses) as gateway:
+                freeze_loaded()
                 for rtt in rtts_ms:
                     links.set_all(rtt_s=rtt / 1000)
                     for k in sorted({0, speculate}):
@@ -89,6 +93,7 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
                         name = f"{count} stage{'s' if count > 1 else ''}"
                         rows.append(_row(name, rtt, k, result, count + 1, reference.tokens))
                         bar.update(1)
+    thaw()
     return {"model": path, "layers": layers, "prompt_tokens": len(prompt), "decode_tokens": tokens,
             "speculate": speculate, "island_threads": threads, "rows": [asdict(row) for row in rows], "targets": _targets(rows)}
 
