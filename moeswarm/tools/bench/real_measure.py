@@ -10,7 +10,7 @@ after the other (so that each start-up is timed alone), on a file already in the
   loopback1   a backbone (THREADS threads) and one worker (1 thread) holding every expert, on
               loopback: the backbone and the worker take turns on the cores, so the layer call less
               the worker's kernels is the machinery alone, with no third process in the way (one
-              thread: its compute thread's CPU time is then the kernels' wall time)
+              thread: its kernels' CPU time, which its RESULTs say, is then their wall time)
   wan20/80    a second backbone on the same 2 workers through emulated WAN links of 20 / 80 ms RTT
 A run is a 64-token prompt as one forward (prompt tokens/s) and 32 greedy decode steps, one token
 each (decode tokens/s: 32 over the time of those steps). After one untimed warm-up run each, the

@@ -128,8 +128,8 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
         "over the time of those steps, each step's argmax included), on both sides the same way.",
         f"- **Threads**: llama.cpp and moeswarm local {meta['threads']}; with workers the backbone "
         f"{meta['threads']} and each of the {meta['workers']} workers {meta['worker_threads']} (3 processes on "
-        f"{meta['cpu_count']} cores); the lone worker 1 (its compute thread's CPU time is then its kernels' wall "
-        f"time). llama.cpp: {meta['llama_cpp_buffers']}.",
+        f"{meta['cpu_count']} cores); the lone worker 1 (its kernels' CPU time is then their wall time). "
+        f"llama.cpp: {meta['llama_cpp_buffers']}.",
         "- **Configurations**: llama.cpp (llama-cpp-python) on the same file; moeswarm local (the whole model in "
         "one process, every expert held by the backbone); moeswarm with 2 `moeswarm worker` processes each holding "
         "half of every layer's experts, on loopback; one `moeswarm worker` holding every expert, on loopback (the "
@@ -142,8 +142,9 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
         "rounds. Ratios are a row's median over llama.cpp's median, same shape.",
         "- **Per layer call** (decode steps): `layer call ms` is the dispatcher's own accounting of a MoE layer "
         "call (plan, send, wait, combine); `worker RTT ms` a worker's round trip as the dispatcher timed it, the "
-        "slower worker's; `worker kernel ms` the worker's CPU time off its event-loop thread (its compute thread: "
-        "kernels and the Python around them) per round trip, the busier worker's (/proc, per thread); "
+        "slower worker's; `worker kernel ms` the CPU time of the worker's experts per round trip, as its RESULTs "
+        "say (`cpu_us`, docs/protocol.md), the busier worker's (a decode step's experts run on the worker's event "
+        "loop when its compute thread is idle, so /proc's threads no longer split kernels from the rest); "
         "`machinery ms` = layer call - worker kernel: what a call costs beyond the workers' kernels (the JSON also "
         "has `backbone_side_ms` = layer call - worker RTT, and each worker's event-loop CPU per trip).",
         "- **By part**: one more run of local and of both loopback configurations with forward hooks on the model's modules "
