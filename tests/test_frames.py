@@ -87,6 +87,16 @@ def test_a_result_says_its_experts_cpu_time_and_a_bad_one_is_named():
             Result.from_frame(_reparse(frame))
 
 
+def test_a_dispatch_asks_for_timings_only_when_it_wants_them():
+    request = Dispatch(0, torch.randn(1, 8), torch.tensor([[1, 2]]), torch.rand(1, 2))
+    assert "t" not in request.to_frame(1).meta and not Dispatch.from_frame(_reparse(request.to_frame(1))).timed
+    timed = Dispatch(0, request.hidden, request.top_k_index, request.top_k_weights, timed=True).to_frame(2)
+    assert timed.meta["t"] is True and Dispatch.from_frame(_reparse(timed)).timed
+    timed.meta["t"] = 1
+    with pytest.raises(ProtocolError, match="DISPATCH field 't' must be true or false"):
+        Dispatch.from_frame(_reparse(timed))
+
+
 def test_hello_answer_golden_bytes_and_round_trip():
     """v2: HELLO's answer lists each layer's experts (any set), as [layer, [experts...]] pairs."""
     info = WorkerInfo("hf-abc", "qwen2_moe", 8, 32, {0: (0, 2, 3), 1: (5,)}, ("f32",))

@@ -42,14 +42,19 @@ def test_partial_sends_fewer_bytes_back_than_exact(qwen2_moe, qwen2_workers):
     assert inbound["partial"] < inbound["exact"]
 
 
-def test_each_worker_says_its_experts_cpu_time_and_it_is_within_its_round_trip(qwen2_moe, qwen2_workers):
-    """Every RESULT of a `moeswarm worker` carries its experts' CPU time (`cpu_us`): the accounting
-    has it for every worker, above zero and below that worker's mean round trip."""
-    with open_swarm(qwen2_moe, qwen2_workers) as swarm:
-        Stepper(swarm.model).forward(PROMPT)
-        summary = swarm.accounting()
-    assert sorted(summary["worker_cpu_ms_mean"]) == sorted(summary["worker_rtt_ms_mean"]) == sorted(qwen2_workers)
-    for worker, cpu_ms in summary["worker_cpu_ms_mean"].items():
+def test_workers_say_their_experts_cpu_time_when_asked_and_only_then(qwen2_moe, qwen2_workers):
+    """With `timings`, every RESULT of a `moeswarm worker` carries its experts' CPU time (`cpu_us`):
+    the accounting has it for every worker, above zero and below that worker's mean round trip, and
+    the logits are the same bits. Without, no RESULT says it (no bytes spent on it)."""
+    logits, said = {}, {}
+    for timings in (False, True):
+        with open_swarm(qwen2_moe, qwen2_workers, wire=WireConfig(timings=timings)) as swarm:
+            logits[timings] = Stepper(swarm.model).forward(PROMPT)
+            summary = swarm.accounting()
+        said[timings] = summary["worker_cpu_ms_mean"]
+    assert said[False] == {} and torch.equal(logits[False], logits[True])
+    assert sorted(said[True]) == sorted(summary["worker_rtt_ms_mean"]) == sorted(qwen2_workers)
+    for worker, cpu_ms in said[True].items():
         assert 0 < cpu_ms < summary["worker_rtt_ms_mean"][worker]
 
 

@@ -73,7 +73,8 @@ class Flight:
         lossless = lossless_codec(self.hidden.dtype)
         mode = CombineMode.PARTIAL if self.wire.mode == CombineMode.EXACT and self._whole(share) else self.wire.mode
         return Dispatch(self.layer, self.hidden[share.tokens], share.top_k_index, share.top_k_weights,  # [T_w, d]
-                        mode, self.wire.dispatch_codec or lossless, self.wire.combine_codec or lossless)
+                        mode, self.wire.dispatch_codec or lossless, self.wire.combine_codec or lossless,
+                        self.wire.timings)
 
     def _whole(self, share: WorkerShare) -> bool:
         """Whether `share` routes every slot of its tokens, summed in float32 over a lossless combine codec."""

@@ -31,11 +31,15 @@ COMBINE_MODES = tuple(mode.value for mode in CombineMode)
 
 @dataclass(frozen=True)
 class WireConfig:
-    """How a layer's tensors travel. A codec of None means lossless (the tensor's own dtype)."""
+    """How a layer's tensors travel. A codec of None means lossless (the tensor's own dtype).
+
+    timings: ask every worker to say its experts' CPU time in each RESULT (a few bytes more each
+    way: for benches and profiling, where a call's time must split into the experts' and the rest)."""
 
     mode: CombineMode = CombineMode.EXACT
     dispatch_codec: str | None = None  # hidden states, backbone -> worker
     combine_codec: str | None = None  # experts' outputs, worker -> backbone
+    timings: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", CombineMode.parse(self.mode) if isinstance(self.mode, str) else self.mode)

@@ -119,7 +119,8 @@ class Dispatch:
     top_k_weights  [T, k] the router's weights, same dtype as the model's
 
     On the wire the tensors are named x, ids and w (short names: metadata bytes count on a reduced
-    decode step). ids travel as u8 (ids < 255, with 255 for -1), else i16 or i32.
+    decode step). ids travel as u8 (ids < 255, with 255 for -1), else i16 or i32. timed (field `t`,
+    sent only when true): the RESULT must say its experts' CPU time (`Result.cpu_s`).
     """
 
     layer: int
@@ -129,6 +130,7 @@ class Dispatch:
     mode: CombineMode = CombineMode.EXACT
     wire_dispatch: str = "f32"
     wire_combine: str = "f32"
+    timed: bool = False
 
     def to_frame(self, request_id: int) -> Frame:
         descriptors, buffers = wire_tensors.pack(
@@ -139,6 +141,8 @@ class Dispatch:
             ]
         )
         meta = {"layer": self.layer, "mode": CombineMode(self.mode).value, "combine": self.wire_combine, "tensors": descriptors}
+        if self.timed:
+            meta["t"] = True
         return Frame(Opcode.DISPATCH, request_id, meta, tuple(buffers))
 
     @classmethod
@@ -176,7 +180,10 @@ class Dispatch:
         if combine not in FLOAT_CODECS:
             raise ProtocolError(f"combine codec {combine!r} cannot carry the experts' outputs "
                                 f"(choose from {', '.join(FLOAT_CODECS)})")
-        return cls(field(m, "layer", int), hidden, index, weights, mode, wire_dispatch, combine)
+        timed = m.get("t", False)
+        if type(timed) is not bool:
+            raise ProtocolError(f"DISPATCH field 't' must be true or false, got {timed!r:.40}")
+        return cls(field(m, "layer", int), hidden, index, weights, mode, wire_dispatch, combine, timed)
 
 
 @dataclass(frozen=True)
@@ -189,7 +196,8 @@ class Result:
              (experts and counts are not sent)
 
     On the wire the outputs tensor is named y. cpu_s: the CPU seconds the worker's experts took for
-    it (field `cpu_us`, optional: where a call's time goes, network or experts); None when not said.
+    it (field `cpu_us`, sent when the DISPATCH asked: where a call's time goes, network or experts);
+    None when not said.
     """
 
     layer: int

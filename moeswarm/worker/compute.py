@@ -53,7 +53,7 @@ class Computation:
         decoded = self._decode(frame, sized=sized)
         if isinstance(decoded, Frame):
             return decoded
-        return self._answer(frame.request_id, *decoded, self.store.run, timed=True)
+        return self._answer(frame.request_id, *decoded, self.store.run, timed=decoded[0].timed)
 
     def batch(self, frames: list[Frame]) -> list[Frame | object]:
         """The runner's batch_work: frames[0]'s DISPATCH and those of other connections that may run
@@ -71,7 +71,7 @@ class Computation:
         replies: list[Frame | object] = [DECLINED] * len(frames)
         results = self._merged([request for _, (request, _) in chosen]) if len(chosen) > 1 else None
         if results is None:
-            replies[0] = self._answer(frames[0].request_id, *lead, self.store.run, timed=True)
+            replies[0] = self._answer(frames[0].request_id, *lead, self.store.run, timed=lead[0].timed)
             return replies
         for (position, decoded), result in zip(chosen, results):
             replies[position] = self._answer(frames[position].request_id, *decoded, lambda _request, r=result: r)
@@ -109,8 +109,8 @@ class Computation:
     def _answer(self, rid: int, request: Dispatch, routed: int, run: Callable[[Dispatch], Result],
                 timed: bool = False) -> Frame:
         """RESULT (or ERROR) frame for `request` (`routed`: its S), whose Result `run` gives; `timed`:
-        `run` computes it alone here, and the RESULT says the CPU time it took on this thread (with
-        one torch thread, the worker's default on a shared machine, all of it)."""
+        the request asked, and `run` computes it alone here: the RESULT says the CPU time it took on
+        this thread (with one torch thread, the worker's default on a shared machine, all of it)."""
         try:
             started = time.thread_time()
             result = run(request)

@@ -32,6 +32,9 @@ def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
     from moeswarm.generation.stepper import Stepper
     from moeswarm.heap import freeze_loaded
     from moeswarm.swarm import open_swarm
+    from moeswarm.wire.config import WireConfig
+
+    timed = WireConfig(timings=True)  # exact and lossless; each RESULT says its experts' CPU time
 
     torch.set_num_threads(threads)
     closing = contextlib.ExitStack()
@@ -40,13 +43,14 @@ def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
     if mode == "local":  # the local mode of `moeswarm generate --model M` (no --workers): every expert here
         swarm, opened = open_swarm(path, []), "open_swarm(path, [])"
     elif mode == "direct":
-        swarm, opened = open_swarm(path, [address for address, _ in workers]), "open_swarm(path, workers)"
+        swarm, opened = open_swarm(path, [address for address, _ in workers], wire=timed), "open_swarm(path, workers)"
     else:
         from moeswarm.tools.bench.wan_links import wan_links
         from moeswarm.tools.wan import LinkProfile
 
         links = closing.enter_context(wan_links([address for address, _ in workers], LinkProfile(rtt_s=0.0)))
-        swarm, opened = open_swarm(path, links.addresses), "open_swarm(path, WAN proxies in front of the workers)"
+        swarm, opened = open_swarm(path, links.addresses, wire=timed), \
+            "open_swarm(path, WAN proxies in front of the workers)"
     closing.callback(swarm.close)
     freeze_loaded()  # as the commands do once the model is in (heap.py)
     # the dispatcher names a worker by the address it connected to: a proxy's, in the workers' order
