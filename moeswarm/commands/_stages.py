@@ -68,26 +68,29 @@ def find_stages(args: argparse.Namespace, config, source=None):
 
 
 def open_backbone(source, args: argparse.Namespace, config):
-    """The Swarm generate runs: a gateway over `--stages` (or `--stages-swarm`), or the backbone of `open_swarm`."""
+    """The Swarm generate runs: a gateway over `--stages` (or `--stages-swarm`), or the backbone of
+    `open_swarm`; once it is loaded, out of the collector's walks on every decode step (heap.py)."""
     from moeswarm.heap import freeze_loaded
 
+    swarm = _open(source, args, config)
+    freeze_loaded()
+    return swarm
+
+
+def _open(source, args: argparse.Namespace, config):
     check_stages(args, config, source)
     if not args.stages:
         from moeswarm.swarm import open_swarm
 
-        swarm = open_swarm(source, args.workers or [], config)
-        freeze_loaded()  # the model, out of the collector's walks on every decode step
-        return swarm
+        return open_swarm(source, args.workers or [], config)
     from moeswarm.stages.gateway import open_gateway
 
     try:
-        gateway = open_gateway(source, args.stages, config, args.stage_watch)
+        return open_gateway(source, args.stages, config, args.stage_watch)
     except BaseException:
         if args.stage_watch is not None:
             args.stage_watch.close()
         raise
-    freeze_loaded()
-    return gateway
 
 
 def _stderr(args: argparse.Namespace):

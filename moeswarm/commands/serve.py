@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     check_draft_flags(args.draft, args.speculate, args.local_experts is not None)  # the engine checks the held experts
     from moeswarm.serve.server import serve
 
-    serve(options_from(args), _holders(args), on_listening=_say_listening, on_ready=_say_ready,
+    serve(options_from(args), _holders(args), on_listening=_say_listening, on_ready=_ready,
           before_load=lambda: _process_settings(args.threads))
     return 0
 
@@ -138,8 +138,9 @@ def _say_listening(host: str, port: int) -> None:
     print(f"moeswarm serve: listening on http://{host}:{port}", flush=True)
 
 
-def _say_ready(line: str) -> None:
+def _ready(line: str) -> None:
+    """The model and its holders are loaded: out of the collector's walks on every step (heap.py); say so."""
     from moeswarm.heap import freeze_loaded
 
-    freeze_loaded()  # the model and its holders are loaded: out of the collector's walks on every step
+    freeze_loaded()
     print(f"moeswarm serve: {line}", file=sys.stderr, flush=True)

@@ -151,9 +151,8 @@ def _load(hosting: Hosting, threads: int | None):
     joined (its process forks before torch loads): this process's threads are set first, and once the
     experts are in, the collector and the allocator are set for serving."""
     set_threads(threads)
-    from moeswarm.worker.hosting import load_hosted
-
     from moeswarm.heap import freeze_loaded
+    from moeswarm.worker.hosting import load_hosted
 
     store, source = load_hosted(hosting)
     freeze_loaded()  # the model's objects live as long as the worker: the collector no longer walks them per DISPATCH

@@ -112,7 +112,7 @@ class Computation:
         the request asked, and `run` computes it alone here: the RESULT says the CPU time it took on
         this thread (with one torch thread, the worker's default on a shared machine, all of it)."""
         try:
-            started = time.thread_time()
+            started = time.thread_time() if timed else 0.0  # a system call: only when asked
             result = run(request)
             cpu_s = time.thread_time() - started if timed else None
             check_reply_size(routed, request.hidden.shape[0], self.store.hidden_size,

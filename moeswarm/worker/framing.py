@@ -1,11 +1,12 @@
 """Reading one request frame on the worker, within its limits and deadlines.
 
 The first byte of a frame may take up to the idle timeout (or what is left of the HELLO timeout),
-watched by one timer per connection (`IdleWatch`) rather than one per frame; from then on the rest of the header and the whole body must arrive within the frame timeout, so
-a peer that sends a few bytes and stalls is cut off. A frame that is whole in the reader's buffer
-by then (a small DISPATCH, a PING) is taken without arming that timer: it cannot stall. The header's lengths are checked before
-anything else is read: against the payload limit, against the small limit before HELLO, and
-against the worker's byte budget. A body over the budget is read in small chunks and dropped
+watched by one timer per connection (`IdleWatch`) rather than one per frame; from then on the
+rest of the header and the whole body must arrive within the frame timeout, so a peer that sends
+a few bytes and stalls is cut off. A frame that is whole in the reader's buffer by then (a small
+DISPATCH, a PING) is taken without arming that timer: it cannot stall. The header's lengths are
+checked before anything else is read: against the payload limit, against the small limit before
+HELLO, and against the worker's byte budget. A body over the budget is read in small chunks and dropped
 (the stream stays in step) and the request is answered "busy".
 """
 

@@ -5,8 +5,9 @@ shapes against the limits, the RESULT's size bound against its connection's unse
 worker's reply budget: worker/replies.py) and queued on the compute runner; its RESULT leaves from
 the compute thread itself when nothing is ahead of it on its connection (session.py `write_now`),
 else from the loop, in turn. A DISPATCH of a few tokens (a decode step's) that finds the runner
-idle runs on the loop at once (runner.py `run_here`): no thread hand-off, no wake-up. Each frame's byte-budget reservation is given back when its reply
-is decided (at once, or when its DISPATCH is done).
+idle runs on the loop at once (runner.py `run_here`): no thread hand-off, no wake-up. Each
+frame's byte-budget reservation is given back when its reply is decided (at once, or when its
+DISPATCH is done).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def _layer_calls(runs: list[dict]) -> dict:
         workers.append({
             "trips_per_step": statistics.median(w["trips"] / DECODE_TOKENS for w in mine),
             "rtt_ms": statistics.median(w["rtt_ms"] for w in trips) if trips else None,
-            "compute_ms_per_trip": (statistics.median(w["experts_ms"] for w in trips) if all(w.get("experts_ms") for w in trips)
+            "compute_ms_per_trip": (statistics.median(w["experts_ms"] for w in trips) if all(w.get("experts_ms") is not None for w in trips)
                                     else statistics.median(1e3 * w["cpu"]["other_s"] / w["trips"] for w in trips))
             if trips else None,
             "loop_ms_per_trip": statistics.median(1e3 * w["cpu"]["main_s"] / w["trips"] for w in trips) if trips else None,
