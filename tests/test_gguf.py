@@ -28,6 +28,7 @@ from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.swarm import open_swarm
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_slice import write_slice
+from moeswarm.weights.row_invariant import RowInvariantWeight, make_rows_invariant
 
 from llamacpp_fixtures import FIXTURE_TYPES, llama_cpp_logits, make_fixture_ggufs, require_llama_cpp, slice_workers
 
@@ -72,6 +73,9 @@ def test_f32_gguf_swarm_equals_hf_directory(gguf_fixtures):
     from_gguf = load_local(files["F32"]).state_dict()
     for name, tensor in reference.state_dict().items():
         assert torch.equal(tensor, from_gguf[name]), f"{name} differs between the HF directory and the F32 GGUF"
+    # a GGUF file's F32 matrices take the row-invariant products: the HF model here too, to compare bits
+    assert make_rows_invariant(reference) and all(isinstance(from_gguf[name], RowInvariantWeight)
+                                                  for name in make_rows_invariant(reference))
     local = Stepper(reference)
     with local_workers(str(files["F32"]), split_experts(8, 2)) as addresses:
         with open_swarm(str(files["F32"]), addresses) as swarm:
