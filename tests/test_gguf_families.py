@@ -276,8 +276,11 @@ def test_the_tables_agree():
 def test_the_gate_command_info_prints_runs_on_a_gguf_file(family, family_files, tmp_path, capsys):
     """`moeswarm info FILE` prints the gate for a lossy wire; that command, run as printed (2 worker
     processes), gates the file's own weights: a hybrid (Qwen3.5 MoE, linear-attention state in the
-    backbone) in Q8_0. Measured: argmax agreement 1.0, cosine mean 0.99907, min 0.99734 (random
-    weights, 2 prompts, 24 positions): PASSED at the gate's defaults (0.99, 0.998)."""
+    backbone) in Q8_0. Measured (random weights, 2 prompts, 24 positions): argmax agreement 0.958,
+    cosine mean 0.9920, min 0.827. One position is a near-tie that the int8 wire flips, and the
+    gate fails the file at its defaults (0.99, 0.998), as it should. With the routers' products in
+    torch (before weights/row_invariant.py) these prompts missed the tie (1.0, 0.99907), and four
+    other prompts give 0.962 and 0.99905 either way."""
     import json
     import shlex
 
@@ -293,7 +296,7 @@ def test_the_gate_command_info_prints_runs_on_a_gguf_file(family, family_files, 
     report = json.loads(capsys.readouterr().out)
     print(f"gate on {path}: {report}")
     assert (report["wire_dispatch"], report["wire_combine"]) == ("int8-b128", "int8-b128")
-    assert report["positions"] > 10 and report["cosine_mean"] > 0.995 and report["argmax_agreement"] >= 0.9
+    assert report["positions"] > 10 and report["cosine_mean"] > 0.99 and report["argmax_agreement"] >= 0.9
     assert status == (0 if report["passed"] else 1)
 
 
