@@ -153,11 +153,12 @@ def test_raw_sse_ends_with_done_and_carries_usage(trained_server):
     assert usage["completion_tokens"] == 4
 
 
-def test_a_repeated_prompt_reuses_its_prefix(client):
-    prompt = "def parse(line):\n    parts = line.split(',')\n"
+def test_a_repeated_prompt_reuses_its_prefix_in_whole_prefill_chunks(client):
+    prompt = "".join(f"def parse_{i}(line):\n    parts = line.split(',')\n" for i in range(6))  # over 64 tokens
     client.completions.create(model="pymoe", prompt=prompt, max_tokens=4, temperature=0)
     again = client.completions.create(model="pymoe", prompt=prompt + "    return", max_tokens=4, temperature=0)
-    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 64 == 0  # the rest is prefilled in the chunks it has alone (--prefill-chunk 64)
 
 
 def test_a_client_that_goes_away_frees_its_slot(trained_server):

@@ -38,10 +38,30 @@ def _tokens(plans) -> list[int]:
     return [plan.tokens for plan in plans]
 
 
-def test_decoders_always_step_and_prompts_share_what_is_left():
-    slots = [Slot(0, (3,)), Slot(100), Slot(0), Slot(50)]
-    assert _tokens(plan_step(slots, prefill_chunk=64, step_tokens=80)) == [4, 64, 1, 11]
-    assert _tokens(plan_step(slots, prefill_chunk=8, step_tokens=80)) == [4, 8, 1, 8]
+def test_decoders_always_step_and_prompts_share_what_is_left_in_whole_chunks():
+    slots = [Slot(0, (3,)), Slot(100), Slot(0), Slot(50), Slot(10)]
+    # 11 tokens left after the oldest prompt's chunk: the 50-token prompt sits out, the 10-token one fits
+    assert _tokens(plan_step(slots, prefill_chunk=64, step_tokens=80)) == [4, 64, 1, 0, 10]
+    assert _tokens(plan_step(slots, prefill_chunk=8, step_tokens=80)) == [4, 8, 1, 8, 8]
+
+
+def test_a_prompts_chunks_start_where_they_would_alone_whatever_shares_its_steps():
+    """Each prompt is cut at multiples of the chunk from its start, as alone: the attention of a
+    chunk then has the same shape (and bits) in a crowded step as alone."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        chunk = rng.choice([4, 8, 64])
+        lefts = [rng.randrange(1, 200) for _ in range(rng.randrange(1, 6))]
+        fed = [0] * len(lefts)
+        while any(left > 0 for left in lefts):
+            slots = [Slot(left) if left > 0 else Slot(0, (rng.randrange(0, 5),)) for left in lefts]
+            for i, feed in enumerate(plan_step(slots, prefill_chunk=chunk, step_tokens=rng.randrange(1, 300))):
+                if lefts[i] > 0 and feed.tokens:
+                    assert fed[i] % chunk == 0 and feed.tokens == min(lefts[i], chunk)
+                    fed[i] += feed.tokens
+                    lefts[i] -= feed.tokens
 
 
 def test_the_oldest_prompt_moves_even_when_decoders_fill_the_budget():
@@ -150,6 +170,14 @@ def test_prefix_cache_gives_the_longest_shared_prefix_and_keeps_the_last_prompt_
     assert len(cache) == 2 and cache.take([1, 2, 3, 4, 5, 6, 7]) == (6, "c")
 
 
+def test_prefix_cache_reuses_whole_prefill_chunks_only():
+    cache = PrefixCache(slots=2, chunk=4)
+    cache.put([1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
+    assert cache.take([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]) == (8, "a")  # 9 shared: the rest from position 8, as alone
+    assert cache.take([1, 2, 3, 4, 5, 6, 0]) == (4, "a")
+    assert cache.take([1, 2, 3, 0]) == (0, None)  # less than a chunk: a miss
+
+
 # -- the engine ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -236,7 +264,7 @@ def test_same_seed_same_tokens_with_and_without_other_requests(qwen2_moe):
 def test_a_cancelled_job_leaves_at_the_next_step_and_a_repeated_prompt_hits_the_prefix_cache(qwen2_moe, local_reference):
     with open_swarm(qwen2_moe, [], local_experts=list(range(8))) as swarm:
         codec = load_text_codec(swarm.source, swarm.model.config.vocab_size)
-        engine = Engine(swarm, codec, EngineConfig(context=128))
+        engine = Engine(swarm, codec, EngineConfig(context=128, prefill_chunk=8))  # reuse comes in whole chunks of 8
         engine.start()
         try:
             first = threading.Event()
@@ -256,7 +284,7 @@ def test_a_cancelled_job_leaves_at_the_next_step_and_a_repeated_prompt_hits_the_
         finally:
             engine.stop()
     assert miss.ends[0].cached_tokens == 0
-    assert hit.ends[0].cached_tokens >= len(PROMPTS[2])  # the first request's prompt was reused
+    assert hit.ends[0].cached_tokens == len(PROMPTS[2])  # the first request's prompt (5 chunks of 8) was reused
     assert hit.tokens[0] == _alone(local_reference, PROMPTS[2] + [3, 4], 6)
 
 

@@ -21,7 +21,7 @@ class Admission:
         self.drafter = drafter  # makes a sequence's drafter (None: config.draft's)
         self.runner, self.reference_runner = runner, reference_runner
         self.packed = packed  # caches can be copied (generation/sequence_cache.py)
-        self.prefix_cache = PrefixCache(config.cache_slots)
+        self.prefix_cache = PrefixCache(config.cache_slots, config.prefill_chunk)
         self.suffix_history = SuffixHistory()  # --draft suffix looks in the recent requests too
 
     def waits(self, job: Job, active: list[Sequence]) -> bool:

@@ -23,8 +23,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, chunk: int = 1):
         self.slots = slots
+        self.chunk = chunk  # reuse whole prefill chunks only (serve/scheduler.py: the rest is prefilled as alone)
         self._entries: OrderedDict[int, tuple[list[int], object]] = OrderedDict()  # id -> (tokens in the cache, cache)
         self._ids = count()
 
@@ -38,11 +39,12 @@ class PrefixCache:
         """(reusable length, a private copy of the cache holding at least that many positions).
 
         At most len(prompt) - 1 positions are reused: the last prompt token is always fed, since
-        its logits give the first new token. (0, None) on a miss.
+        its logits give the first new token; and a whole number of chunks, so that the rest of the
+        prompt is prefilled in the chunks it would have alone. (0, None) on a miss.
         """
         best, best_id = 0, None
         for entry_id, (tokens, _) in self._entries.items():
-            shared = min(common_prefix(tokens, prompt), len(prompt) - 1)
+            shared = min(common_prefix(tokens, prompt), len(prompt) - 1) // self.chunk * self.chunk
             if shared > best:
                 best, best_id = shared, entry_id
         if best_id is None:

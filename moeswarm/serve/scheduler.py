@@ -5,6 +5,14 @@ waiting. Prompts are prefilled in chunks, oldest first, within what is left of t
 budget, so a long prompt shares steps with the streams already running instead of freezing them
 for its whole length. The oldest prompt always moves by at least one chunk.
 
+A chunk is always whole (`prefill_chunk` tokens, or the prompt's rest): a prompt that the budget
+cannot take whole sits the step out. So a prompt's chunks start at the same positions whatever
+else shares its steps, as when it runs alone, and each chunk's attention has the same shape: a
+CPU attention kernel's bits depend on how many queries it computes at once (a prompt split 40 + 8
+gave other logits than 48 at once, 0.04 apart on a random-weight model), so a prompt cut at the
+budget's edge would give other tokens than the same request alone. The prefix cache reuses whole
+chunks only, for the same reason (serve/prefix_cache.py).
+
 A greedy sequence may carry several alternative drafts, one row each (generation/branches.py):
 its rows are padded to its longest draft, so B branches cost B x (1 + L) tokens. Its first row is
 fed like a single draft; the others are a speed-up, so they take only what the budget has left
@@ -48,7 +56,7 @@ def plan_step(slots: Sequence[Slot], prefill_chunk: int, step_tokens: int) -> li
         if not slot.prefill_left:
             continue
         chunk = min(slot.prefill_left, prefill_chunk)
-        take = chunk if first_prefill else min(chunk, max(0, budget))
+        take = chunk if first_prefill or chunk <= budget else 0  # whole chunks only
         tokens[i], rows[i], budget, first_prefill = take, int(take > 0), budget - take, False
     growing = True
     while growing:  # one more branch per decoder per round, while the budget has room for it
