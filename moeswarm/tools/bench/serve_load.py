@@ -44,7 +44,7 @@ def run_serve_bench(model: str | None = None, quick: bool = False, max_tokens: i
     # a prompt's attention into other forwards, and `=alone` compares with the prompt run alone)
     rounds = len(speculate) * len(groups) * len(clients)
     prompts = _prompts(model, 1 + rounds * max(clients))
-    alone = _alone(model, prompts, max_tokens)
+    alone = _alone(model, prompts, max_tokens, threads)
     rows, prefix = [], None
     with local_workers(model, split_experts(_num_experts(model), workers)) as addresses, \
             wan_links(addresses, LinkProfile(rtt_s=RTT_S)) as links:
@@ -148,18 +148,27 @@ def _prompts(model: str, count: int) -> list[str]:
     return [codec.decode(window) for window in windows[:count]]
 
 
-def _alone(model: str, prompts: list[str], max_tokens: int) -> list[str]:
-    """Each prompt's greedy text run alone on the local eager model (what `generate --check-local` equals)."""
+def _alone(model: str, prompts: list[str], max_tokens: int, threads: int) -> list[str]:
+    """Each prompt's greedy text run alone on the local eager model (what `generate --check-local` equals),
+    with the serve process's torch threads: torch's CPU attention splits its work by the thread count,
+    and a row's bits depend on the split (docs/serve.md), so a reference on other threads is another
+    computation (3 of 17 real-dimension prompts gave other text at 1 thread than at 2)."""
+    import torch
+
     from moeswarm.generation.run import generate
     from moeswarm.serve.whole_model import WholeModel
     from moeswarm.model.loading import load_local
 
     reference = load_local(model)
     codec = load_text_codec(model, reference.config.vocab_size)
-    texts = []
-    for prompt in prompts:
-        tokens = generate(WholeModel(reference), codec.encode(prompt), max_tokens, codec=codec).tokens
-        texts.append(codec.decode([t for t in tokens if t != codec.eos_token_id]))
+    texts, before = [], torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for prompt in prompts:
+            tokens = generate(WholeModel(reference), codec.encode(prompt), max_tokens, codec=codec).tokens
+            texts.append(codec.decode([t for t in tokens if t != codec.eos_token_id]))
+    finally:
+        torch.set_num_threads(before)
     return texts
 
 
