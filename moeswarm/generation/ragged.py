@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from moeswarm.generation.sequence_cache import SequenceCache
+from moeswarm.model.attention_threads import is_sdpa
 
 RAGGED = "moeswarm_ragged"
 _INNER = "_moeswarm_inner_attention"
@@ -124,7 +124,7 @@ def ragged_attention(module, query, key, value, attention_mask, **kwargs):
         return inner(module, query, key, value, attention_mask, **kwargs)
     layout, layer = attention_mask, module.layer_idx
     window = kwargs.get("sliding_window")
-    sdpa = inner is sdpa_attention_forward
+    sdpa = is_sdpa(inner)
     outputs = []
     cached = layout.segments[0].cache.keys[layer]  # [1, H, capacity, D]
     if key.shape[1] != cached.shape[1] or key.shape[-1] != cached.shape[-1]:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from transformers import PreTrainedModel
 
 from moeswarm.errors import ModelError
+from moeswarm.model.attention_threads import attention_on_one_thread
 from moeswarm.ids import ExpertId, LayerId, format_ids
 from moeswarm.model.experts import expert_parameter_names, experts_modules, layer_index
 from moeswarm.model.hosted import HostedLayer
@@ -39,6 +40,7 @@ def empty_model(path_or_source: PathOrSource) -> PreTrainedModel:
 def load_local(path_or_source: PathOrSource) -> PreTrainedModel:
     """The whole model with transformers' eager experts (every expert): what remote execution must equal."""
     source = as_source(path_or_source)
+    attention_on_one_thread()
     with status(f"loading the whole model from {source.path}"):
         return source.load_reference()
 
@@ -50,6 +52,7 @@ def load_backbone(path_or_source: PathOrSource, layers: range | None = None, end
     layers: only these decoder layers' trunks (None: every layer); ends: the embeddings, final
     norm and head too (a stage of a chain holds neither: stages/)."""
     source = as_source(path_or_source)
+    attention_on_one_thread()
     model = meta_model(source.config)
     skip = expert_parameter_names(model) | _outside(model, layers, ends)
     with status(f"loading the backbone from {source.path}"):
