@@ -150,9 +150,9 @@ def _prompts(model: str, count: int) -> list[str]:
 
 def _alone(model: str, prompts: list[str], max_tokens: int, threads: int) -> list[str]:
     """Each prompt's greedy text run alone on the local eager model (what `generate --check-local` equals),
-    with the serve process's torch threads: torch's CPU attention splits its work by the thread count,
-    and a row's bits depend on the split (docs/serve.md), so a reference on other threads is another
-    computation (3 of 17 real-dimension prompts gave other text at 1 thread than at 2)."""
+    with the serve process's torch threads: a model directory's float products split their work by
+    the thread count, and a row's bits depend on the split (docs/serve.md), so a reference on other
+    threads would be another computation."""
     import torch
 
     from moeswarm.generation.run import generate
