@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from transformers import PreTrainedModel
 
 from moeswarm.errors import ModelError
-from moeswarm.model.attention_threads import attention_on_one_thread
 from moeswarm.ids import ExpertId, LayerId, format_ids
+from moeswarm.model.attention_threads import attention_on_one_thread
 from moeswarm.model.experts import expert_parameter_names, experts_modules, layer_index
 from moeswarm.model.hosted import HostedLayer
 from moeswarm.model.skeleton import meta_model, shrink_experts
