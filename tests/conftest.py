@@ -32,6 +32,15 @@ def qwen2_moe(tiny_models) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen3_q4_k_m(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE converted and quantized to Q4_K_M by llama.cpp's tools, made once per session."""
+    from llamacpp_fixtures import make_fixture_ggufs
+
+    return str(make_fixture_ggufs("qwen3_moe", tmp_path_factory.mktemp("qwen3-q4km"), types=("Q4_K_M",),
+                                  norm_topk_prob=True)["Q4_K_M"])
+
+
+@pytest.fixture(scope="session")
 def qwen2_workers(qwen2_moe):
     """Two worker processes holding experts 0-3 and 4-7 of the tiny qwen2_moe."""
     with local_workers(qwen2_moe, split_experts(8, 2)) as addresses:

@@ -14,7 +14,6 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from llamacpp_fixtures import make_fixture_ggufs
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.attention_threads import sdpa_one_thread
 from moeswarm.model.loading import load_local
@@ -63,14 +62,8 @@ def test_the_wrapped_attention_computes_on_one_thread_and_puts_the_count_back():
         torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def q4_k_m(tmp_path_factory):
-    return str(make_fixture_ggufs("qwen3_moe", tmp_path_factory.mktemp("threads"), types=("Q4_K_M",),
-                                  norm_topk_prob=True)["Q4_K_M"])
-
-
-def test_a_gguf_models_logits_are_the_same_on_one_thread_and_on_two(q4_k_m):
-    model = load_local(q4_k_m)
+def test_a_gguf_models_logits_are_the_same_on_one_thread_and_on_two(qwen3_q4_k_m):
+    model = load_local(qwen3_q4_k_m)
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_one_thread
     feed = [(7 * i + 3) % 200 + 5 for i in range(40)]
     runs = []

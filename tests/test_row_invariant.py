@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llamacpp_fixtures import make_fixture_ggufs
 from moeswarm.generation.run import generate
 from moeswarm.generation.sampling import SamplingParams
 from moeswarm.model.loading import load_local
@@ -82,14 +81,8 @@ def test_marking_keeps_tied_matrices_tied_and_leaves_embeddings_alone():
     assert type(model["low"].weight) is torch.nn.Parameter  # only float32 matrices
 
 
-@pytest.fixture(scope="module")
-def q4_k_m(tmp_path_factory):
-    return str(make_fixture_ggufs("qwen3_moe", tmp_path_factory.mktemp("rows"), types=("Q4_K_M",),
-                                  norm_topk_prob=True)["Q4_K_M"])
-
-
-def test_a_gguf_models_moe_layers_give_each_token_its_bits_alone(q4_k_m):
-    model = load_local(q4_k_m)
+def test_a_gguf_models_moe_layers_give_each_token_its_bits_alone(qwen3_q4_k_m):
+    model = load_local(qwen3_q4_k_m)
     block = model.model.layers[0].mlp
     assert isinstance(block.gate.weight, RowInvariantWeight)
     x = torch.randn(1, 16, model.config.hidden_size)
@@ -99,9 +92,9 @@ def test_a_gguf_models_moe_layers_give_each_token_its_bits_alone(q4_k_m):
     assert torch.equal(batched, alone)
 
 
-def test_greedy_requests_batched_on_the_engine_equal_each_alone(q4_k_m):
+def test_greedy_requests_batched_on_the_engine_equal_each_alone(qwen3_q4_k_m):
     prompts = [[5 + 7 * i + j for j in range(6 + 3 * i)] for i in range(4)]
-    reference = load_local(q4_k_m)
+    reference = load_local(qwen3_q4_k_m)
     alone = [generate(WholeModel(reference), prompt, 10).tokens for prompt in prompts]
     got, finished = [[] for _ in prompts], threading.Semaphore(0)
 
@@ -114,7 +107,7 @@ def test_greedy_requests_batched_on_the_engine_equal_each_alone(q4_k_m):
         return emit
 
     experts = reference.config.num_experts
-    with open_swarm(q4_k_m, [], local_experts=list(range(experts))) as swarm:
+    with open_swarm(qwen3_q4_k_m, [], local_experts=list(range(experts))) as swarm:
         codec = load_text_codec(swarm.source, swarm.model.config.vocab_size)
         engine = Engine(swarm, codec, EngineConfig(context=64, speculate=0, prefill_chunk=8), reference=reference)
         engine.start()

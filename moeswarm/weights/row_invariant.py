@@ -30,7 +30,10 @@ ONE_THREAD_MACS = 1 << 22  # below this many multiply-adds a second thread's wak
 
 
 class RowInvariantWeight(torch.Tensor):
-    """W [O, K] float32; F.linear(x, W, b) runs on qkernels' float path (see the module docstring)."""
+    """W [O, K] float32; F.linear(x, W, b) runs on qkernels' float path (see the module docstring).
+    `rows`: the same memory as uint8 [O, 4K], as qkernels reads it (set by make_rows_invariant)."""
+
+    rows: np.ndarray
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -50,10 +53,8 @@ class RowInvariantWeight(torch.Tensor):
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     out_features, in_features = weight.shape
     flat = x.reshape(-1, in_features).contiguous()  # [N, K]
-    with torch._C.DisableTorchFunctionSubclass():
-        rows = weight.detach().numpy().view(np.uint8)  # [O, 4K]: the same memory
     threads = 1 if flat.shape[0] * out_features * in_features < ONE_THREAD_MACS else torch.get_num_threads()
-    y = qkernels.matmul(F32, rows, in_features, flat, threads)  # [N, O]: the bits do not depend on threads
+    y = qkernels.matmul(F32, weight.rows, in_features, flat, threads)  # [N, O]: the bits do not depend on threads
     if bias is not None:
         with torch._C.DisableTorchFunctionSubclass():
             y = y + bias
@@ -75,7 +76,9 @@ def make_rows_invariant(model: torch.nn.Module) -> list[str]:
         if not qkernels.supported(F32, weight.shape[1]):
             continue
         if id(weight) not in done:
-            done[id(weight)] = torch.nn.Parameter(weight.detach().as_subclass(RowInvariantWeight), requires_grad=False)
+            marked_weight = torch.nn.Parameter(weight.detach().as_subclass(RowInvariantWeight), requires_grad=False)
+            marked_weight.rows = weight.detach().numpy().view(np.uint8)  # [O, 4K]: the same memory
+            done[id(weight)] = marked_weight
         module._parameters["weight"] = done[id(weight)]
         marked.append(f"{module_name}.weight" if module_name else "weight")
     return marked
