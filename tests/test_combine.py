@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moeswarm.dispatch.combine import combine_exact, combine_partial
+from moeswarm.dispatch.combine import RANK_ADD_TOKENS, combine_exact, combine_partial
 from moeswarm.dispatch.plan import plan_layer
 from moeswarm.model.experts import experts_modules
 
@@ -162,22 +162,28 @@ def _index_add_reference(hidden, top_k_index, per_expert):
     return final
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 64, 65])
-def test_combine_exact_has_eager_index_add_bits(tokens):
-    """combine_exact (its one-row path and its loop) equals eager's per-expert index_add_, bit for bit
-    (int32 views: signed zeros and all), with unrouted slots (-1), uneven experts per token, and an
-    expert repeated in a row."""
+@pytest.mark.parametrize("tokens, repeat", [(1, True), (3, True), (64, True), (65, True),
+                                            (2, False), (16, False), (RANK_ADD_TOKENS, False), (RANK_ADD_TOKENS + 1, False)])
+def test_combine_exact_has_eager_index_add_bits(tokens, repeat):
+    """combine_exact (its one-row path, its adds by rank and its loop per expert) equals eager's
+    per-expert index_add_, bit for bit (int32 views: signed zeros and all), with unrouted slots (-1),
+    uneven experts per token, infinities, experts whose rows came summed elsewhere (absent from
+    per_expert), and (repeat) an expert repeated in a row."""
     generator = torch.Generator().manual_seed(tokens)
     E, k, d = 16, 4, 32
     index = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(tokens)])  # [T, k]
     index[torch.rand(tokens, k, generator=generator) < 0.3] = -1
-    index[0, 1] = index[0, 0]  # a router that picks an expert twice for a row (deepseek_v4's hash routing does)
+    if repeat:
+        index[0, 1] = index[0, 0]  # a router that picks an expert twice for a row (deepseek_v4's hash routing does)
     hidden = torch.randn(tokens, d, generator=generator)
     per_expert = {}
     for expert in torch.unique(index[index >= 0]).tolist():
+        if not repeat and expert % 5 == 4:
+            continue  # as if another holder summed its tokens' rows (dispatch/flight.py)
         n = int((index == expert).sum())
         rows = torch.randn(n, d, generator=generator) * 10.0 ** torch.randint(-3, 4, (n, 1), generator=generator)
         rows[rows.abs() < 0.05] = -0.0
+        rows[torch.rand(n, d, generator=generator) < 0.01] = float("-inf")
         per_expert[expert] = rows
     got, want = combine_exact(hidden, index, per_expert), _index_add_reference(hidden, index, per_expert)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -8,6 +8,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# Up to this many tokens the adds go by rank (`_add_by_rank`: k vectorized rounds); above, one
+# indexing pass per expert reads less memory (it copies no outputs). 2048-wide rows of 64 experts,
+# top-8: 16 tokens 0.50 -> 0.18 ms, 128 tokens 0.92 -> 0.65 ms, 256 tokens 1.6 -> 2.1 ms.
+RANK_ADD_TOKENS = 128
+
 
 def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: dict[int, torch.Tensor],
                   sums: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
@@ -54,6 +59,9 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
                 final += row
         return final
     rows = final.numpy() if final.dtype == torch.float32 and not _repeats(top_k_index) else None  # [T, d] view
+    if rows is not None and hidden.shape[0] <= RANK_ADD_TOKENS:
+        _add_by_rank(rows, top_k_index.numpy(), per_expert)
+        return final
     for expert in sorted(per_expert):
         _, token = torch.where(top_k_index.T == expert)  # [n_e], distinct when no row repeats an expert
         if rows is not None:
@@ -61,6 +69,36 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
         else:
             final.index_add_(0, token, per_expert[expert].to(final.dtype))
     return final
+
+
+def _add_by_rank(final: np.ndarray, top_k_index: np.ndarray, per_expert: dict[int, torch.Tensor]) -> None:
+    """Eager's adds for many tokens at once: round j adds every token's j-th expert (ascending) to it.
+
+    final [T, d] float32 zeros, added into; top_k_index [T, k] with no expert twice in a row.
+    Each token still gets (((0 + c_e1) + c_e2) + ...) over its experts ascending, the same IEEE
+    single adds as one expert at a time, in k vectorized rounds instead of one indexing pass per
+    expert. A token with fewer rows than the round gets +0.0,
+    which leaves an accumulator started at +0.0 unchanged (it is never -0.0: x + y is -0.0 only
+    when both are).
+    """
+    experts = sorted(per_expert)
+    tokens, k = top_k_index.shape
+    outputs = np.concatenate([per_expert[e].to(torch.float32).numpy() for e in experts]
+                             + [np.zeros((1, final.shape[1]), np.float32)])  # [S + 1, d]: experts ascending, then a zero row
+    # Row r of `outputs` is pair r in (expert ascending, slot, token) order: the order of each
+    # expert's block (slot-major, then token).
+    flat = top_k_index.T.reshape(-1)  # [k * T]: position slot * T + token
+    wanted = np.isin(flat, experts)
+    positions = np.flatnonzero(wanted)
+    order = positions[np.argsort(flat[positions], kind="stable")]  # [S]: the pairs in row order
+    owner = order % tokens  # [S]: each row's token
+    by_token = np.argsort(owner, kind="stable")  # rows grouped by token, ascending expert within
+    counts = np.bincount(owner, minlength=tokens)  # [T]
+    ranks = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)  # each grouped row's rank
+    table = np.full((tokens, k), len(owner), dtype=np.int64)  # [T, k]: row of each token's j-th expert (zero row: none)
+    table[owner[by_token], ranks] = by_token
+    for j in range(int(counts.max(initial=0))):
+        final += outputs[table[:, j]]
 
 
 def _repeats(top_k_index: torch.Tensor) -> bool:
