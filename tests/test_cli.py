@@ -71,15 +71,17 @@ def routed_calls(model: torch.nn.Module, drive: Callable[[], object]) -> list[tu
 
 def exact_traffic(calls, owner: torch.Tensor) -> list[LayerTraffic]:
     """The frames of the exact lossless wire for these calls, sized by the wire's own encoders: a
-    share holding every expert of its tokens (float32) asks for their sums, the others for each
-    expert's rows."""
+    share whose experts come first in each of its tokens (every other expert of the token has a
+    higher id; float32) asks for their sums, the others for each expert's rows."""
     traffic = []
     for layer, hidden, index, weights in calls:
         codec = lossless_codec(hidden.dtype)
         bytes_out = bytes_in = 0
         shares = plan_layer(owner, index, weights)
         for share in shares:
-            summed = hidden.dtype == torch.float32 and torch.equal(share.top_k_index >= 0, index[share.tokens] >= 0)
+            summed = hidden.dtype == torch.float32 and all(
+                max(e for e in mine if e >= 0) < min([e for e, m in zip(row, mine) if e >= 0 and m < 0], default=1 << 30)
+                for mine, row in zip(share.top_k_index.tolist(), index[share.tokens].tolist()))
             mode = "partial" if summed else "exact"
             request = Dispatch(layer, hidden[share.tokens], share.top_k_index, share.top_k_weights, mode, codec, codec)
             bytes_out += frame_size(request)

@@ -187,3 +187,27 @@ def test_combine_exact_has_eager_index_add_bits(tokens, repeat):
         per_expert[expert] = rows
     got, want = combine_exact(hidden, index, per_expert), _index_add_reference(hidden, index, per_expert)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("tokens", [1, 16, RANK_ADD_TOKENS + 1])
+def test_combine_exact_goes_on_from_a_holders_first_sums(tokens):
+    """A holder of the lowest experts sums its rows per token from zero (partial mode, as a worker's
+    store does); combine_exact goes on from those sums with the other holder's rows: eager's bits."""
+    generator = torch.Generator().manual_seed(tokens)
+    E, k, d, split = 16, 4, 32, 6  # experts below `split` on the first holder
+    index = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(tokens)])  # [T, k]
+    index[0] = torch.tensor([0, 1, 2, 3])  # a token wholly on the first holder
+    hidden = torch.randn(tokens, d, generator=generator)
+    per_expert = {}
+    for expert in torch.unique(index).tolist():
+        n = int((index == expert).sum())
+        rows = torch.randn(n, d, generator=generator) * 10.0 ** torch.randint(-3, 4, (n, 1), generator=generator)
+        rows[rows.abs() < 0.05] = -0.0
+        per_expert[expert] = rows
+    want = _index_add_reference(hidden, index, per_expert)
+    low = torch.where(index < split, index, -1)  # [T, k]: the first holder's slots
+    tokens_low = torch.nonzero((low >= 0).any(dim=1)).flatten()  # [T_w]
+    summed = _index_add_reference(hidden, low, {e: r for e, r in per_expert.items() if e < split})[tokens_low]
+    rest = {e: r for e, r in per_expert.items() if e >= split}
+    got = combine_exact(hidden, index, rest, [(tokens_low, summed)])
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -167,6 +167,33 @@ def test_combine_exact_adds_as_index_add_does_bit_for_bit(repeat):
     assert torch.equal(combine_exact(hidden, index, per_expert), want)
 
 
+@pytest.mark.parametrize("held, tokens", [(([0, 1, 2, 3], [4, 5, 6, 7]), 6), (([0, 1, 2, 3], [4, 5, 6, 7]), 1),
+                                           (([0, 2, 4, 6], [1, 3, 5, 7]), 6), (([4, 5, 6, 7], [0, 1, 2, 3]), 5)])
+def test_exact_mode_sums_a_share_whose_experts_come_first(held, tokens):
+    """In exact mode a holder whose experts come first in each of its tokens is asked for their sums
+    (partial mode), the others for rows per expert; the combined output keeps eager's bits."""
+    links = [FakeLink("a", held[0]), FakeLink("b", held[1])]
+    sent = {link.address: [] for link in links}
+    for link in links:
+        link.send = (lambda request, link=link, send=link.send: sent[link.address].append(request) or send(request))
+    dispatcher = Dispatcher(links, build_table({i: link.info.held for i, link in enumerate(links)}, E), WireConfig(), "star")
+    g = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, D, generator=g)  # [T, d]
+    index = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :4]  # [T, 4]: experts on both holders
+    weights = torch.rand(tokens, 4, generator=g).softmax(-1)  # [T, 4]
+    out = dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights))
+    assert torch.equal(out.view(torch.int32), reference(hidden, index, weights).view(torch.int32))
+    for address in sent:
+        request, = sent[address]
+        mine = request.top_k_index  # [T_w, 4]: -1 where the other holder computes
+        tokens_here = [t for t in range(tokens) if any(int(e) in held[address == "b"] for e in index[t])]
+        first = all(max(int(e) for e in index[t] if int(e) in held[address == "b"])
+                    < min([int(e) for e in index[t] if int(e) not in held[address == "b"]] + [E]) for t in tokens_here)
+        assert request.mode == (CombineMode.PARTIAL if first else CombineMode.EXACT), (address, mine)
+    if held[0] == [0, 1, 2, 3]:  # the lower range comes first in every token
+        assert sent["a"][0].mode == CombineMode.PARTIAL
+
+
 def test_partial_combine_is_close_to_eager_sum():
     dispatcher, _ = _dispatcher(WireConfig(CombineMode.PARTIAL))
     hidden, index, weights = _routing(6, 1)

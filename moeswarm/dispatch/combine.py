@@ -21,8 +21,11 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
     hidden        [T, d] the layer's input (for shape and dtype)
     top_k_index   [T, k] the router's experts
     per_expert    {e: [n_e, d]} w * E_e(x) for e's rows in eager order (slot-major, then token)
-    sums          [(tokens [T_w], [T_w, d])]: tokens whose experts one holder added up itself, in the
-                  same order from zero (dispatch/flight.py `request`); per_expert has none of their rows
+    sums          [(tokens [T_w], [T_w, d])]: per token, the sum one holder made from zero of its
+                  first experts (every other expert of the token has a higher id; all of them, where
+                  it held them all), in the same order (dispatch/flight.py `request`). per_expert
+                  has none of those experts' rows: each expert's rows come from one holder, so the
+                  token's sum goes on from there with the rows of its later experts.
 
     A decode step's single row takes the same adds without finding each expert's tokens: its value
     is (((0 + c_e1) + c_e2) + ...) over its experts' rows in ascending order.
@@ -32,21 +35,15 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
     threads sleep between calls (OMP_WAIT_POLICY=PASSIVE), more than the adds themselves: 16 rows
     over 64 experts of 2048 took 2.4 ms per layer that way, 0.25 ms in numpy.
     """
-    if sums:
-        covered = torch.cat([tokens for tokens, _ in sums])  # [T_s]
-        if per_expert:
-            top_k_index = top_k_index.clone()
-            top_k_index[covered] = -1  # those tokens' rows came summed
-        final = combine_exact(hidden, top_k_index, per_expert) if per_expert else torch.zeros_like(hidden)
-        for tokens, total in sums:  # a token is in one sum at most, and none of its rows came per expert
-            total = total.to(final.dtype)
-            if final.dtype == torch.float32:
-                rows = final.numpy()  # [T, d], a view of `final`
-                rows[tokens.numpy()] += total.numpy()  # 0 + sum: the sum's bits
-            else:
-                final.index_add_(0, tokens, total)
-        return final
     final = torch.zeros_like(hidden)  # [T, d]
+    for tokens, total in sums:  # a token is in one sum at most: the one of its lowest experts
+        total = total.to(final.dtype)
+        if final.dtype == torch.float32:
+            final.numpy()[tokens.numpy()] += total.numpy()  # 0 + sum: the sum's bits
+        else:
+            final.index_add_(0, tokens, total)
+    if not per_expert:
+        return final
     if hidden.shape[0] == 1:
         if final.dtype == torch.float32:  # numpy's adds: IEEE single, as torch's, at a tenth of the call cost
             total = final.numpy()[0]  # [d], a view of `final`
@@ -74,12 +71,13 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
 def _add_by_rank(final: np.ndarray, top_k_index: np.ndarray, per_expert: dict[int, torch.Tensor]) -> None:
     """Eager's adds for many tokens at once: round j adds every token's j-th expert (ascending) to it.
 
-    final [T, d] float32 zeros, added into; top_k_index [T, k] with no expert twice in a row.
-    Each token still gets (((0 + c_e1) + c_e2) + ...) over its experts ascending, the same IEEE
-    single adds as one expert at a time, in k vectorized rounds instead of one indexing pass per
-    expert. A token with fewer rows than the round gets +0.0,
-    which leaves an accumulator started at +0.0 unchanged (it is never -0.0: x + y is -0.0 only
-    when both are).
+    final [T, d] float32, added into: zeros, or a holder's sums of its first experts; top_k_index
+    [T, k] with no expert twice in a row (slots of experts absent from per_expert are skipped:
+    they came summed). Each token still gets
+    (((s + c_e1) + c_e2) + ...) over its experts ascending, the same IEEE single adds as one expert
+    at a time, in k vectorized rounds instead of one indexing pass per expert. A token with fewer
+    rows than the round gets +0.0, which leaves its accumulator unchanged: it started at +0.0 here
+    or on the holder that summed, so it is never -0.0 (x + y is -0.0 only when both are).
     """
     experts = sorted(per_expert)
     tokens, k = top_k_index.shape

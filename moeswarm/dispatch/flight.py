@@ -67,24 +67,33 @@ class Flight:
     def request(self, share: WorkerShare) -> Dispatch:
         """The DISPATCH of `share`'s rows: hidden [T_w, d] and its routing, in this call's wire.
 
-        In exact mode a share holding every expert of its tokens asks for their sums (partial mode):
-        its holder adds each token's expert rows in ascending expert order from zero, the adds
-        `combine_exact` would make here, so the bits are the same and the RESULT is k times smaller."""
+        In exact mode a share whose experts come first in each of its tokens (every other expert of
+        the token has a higher id; a share holding all of them too) asks for their sums (partial
+        mode): its holder adds each token's expert rows in ascending expert order from zero, the
+        first adds `combine_exact` makes here, which then goes on from that sum with the other
+        holders' rows. The bits are the same and the RESULT is smaller (one row per token, not one
+        per expert): with experts split in ranges, the holder of the lowest range sums every time."""
         lossless = lossless_codec(self.hidden.dtype)
-        mode = CombineMode.PARTIAL if self.wire.mode == CombineMode.EXACT and self._whole(share) else self.wire.mode
+        mode = CombineMode.PARTIAL if self.wire.mode == CombineMode.EXACT and self._first(share) else self.wire.mode
         return Dispatch(self.layer, self.hidden[share.tokens], share.top_k_index, share.top_k_weights,  # [T_w, d]
                         mode, self.wire.dispatch_codec or lossless, self.wire.combine_codec or lossless,
                         self.wire.timings)
 
-    def _whole(self, share: WorkerShare) -> bool:
-        """Whether `share` routes every slot of its tokens, summed in float32 over a lossless combine codec."""
+    def _first(self, share: WorkerShare) -> bool:
+        """Whether, for each token of `share`, its experts come before the token's other routed experts
+        (all of them, where it holds them all); float32 over a lossless combine codec only."""
         if self.hidden.dtype != torch.float32 or self.wire.combine_codec is not None:
             return False
         if share.top_k_index is self.top_k_index:  # the call's whole routing (one holder)
             return True
-        # a share's slots are some of its tokens' routed slots: all of them when the counts agree
-        routed = np.count_nonzero(self.top_k_index.numpy()[share.tokens.numpy()] >= 0)  # of [T_w, k]
-        return int(np.count_nonzero(share.top_k_index.numpy() >= 0)) == int(routed)
+        mine = share.top_k_index.numpy()  # [T_w, k]: -1 where another holder has the slot
+        routed = self.top_k_index.numpy()[share.tokens.numpy()]  # [T_w, k]: the tokens' whole routing
+        others = (routed >= 0) & (mine < 0)  # [T_w, k]: slots other holders compute
+        if not others.any():
+            return True
+        highest_mine = mine.max(axis=1)  # [T_w]: every token of a share has a slot here (-1 is lowest)
+        lowest_other = np.where(others, routed, np.iinfo(routed.dtype).max).min(axis=1)  # [T_w]
+        return bool((highest_mine < lowest_other).all())
 
     # -- sending ---------------------------------------------------------------------------
 
