@@ -55,7 +55,7 @@ def serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive, default=None, help="worker processes (default: 4; 2 for --model real)")
     parser.add_argument("--quick", action="store_true", help="1, 2 and 4 clients and 12 tokens each, for smoke tests")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: 32, --quick 12)")
-    parser.add_argument("--clients", type=counts, default=None, help="comma-separated client counts (default: 1,2,4,8,16)")
+    parser.add_argument("--clients", type=counts, default=None, help="comma-separated client counts (default: 1,4,16,64)")
     parser.add_argument("--speculate", type=counts, default=(0, 4), help="draft limits to run, comma-separated")
     parser.add_argument("--serve-threads", type=int, default=1, help="torch threads of the serve process")
     parser.add_argument("--json", action="store_true", help=JSON_HELP)

@@ -26,7 +26,7 @@ from moeswarm.tools.wan import LinkProfile
 
 RTT_S = 0.080
 WORKERS = 4
-CLIENTS = (1, 2, 4, 8, 16)
+CLIENTS = (1, 4, 16, 64)  # one stream, then more and more streams sharing each trip
 QUICK_CLIENTS = (1, 2, 4)
 PROMPT_TOKENS = 48
 PREFIX_TOKENS = 192  # a long shared prefix (a system prompt, a conversation so far): 3 prefill chunks of 64
