@@ -73,11 +73,11 @@ def _add_by_rank(final: np.ndarray, top_k_index: np.ndarray, per_expert: dict[in
 
     final [T, d] float32, added into: zeros, or a holder's sums of its first experts; top_k_index
     [T, k] with no expert twice in a row (slots of experts absent from per_expert are skipped:
-    they came summed). Each token still gets
-    (((s + c_e1) + c_e2) + ...) over its experts ascending, the same IEEE single adds as one expert
-    at a time, in k vectorized rounds instead of one indexing pass per expert. A token with fewer
-    rows than the round gets +0.0, which leaves its accumulator unchanged: it started at +0.0 here
-    or on the holder that summed, so it is never -0.0 (x + y is -0.0 only when both are).
+    they came summed). Each token still gets (((s + c_e1) + c_e2) + ...) over its experts
+    ascending, the same IEEE single adds as one expert at a time, in k vectorized rounds instead of
+    one indexing pass per expert. A token with fewer rows than the round gets +0.0, which leaves
+    its accumulator unchanged: it started at +0.0 here or on the holder that summed, so it is never
+    -0.0 (x + y is -0.0 only when both are).
     """
     experts = sorted(per_expert)
     tokens, k = top_k_index.shape
