@@ -86,6 +86,10 @@ class Flight:
             return False
         if share.top_k_index is self.top_k_index:  # the call's whole routing (one holder)
             return True
+        if share.tokens.shape[0] == 1:  # a decode step's token: plain Python (numpy's calls cost more here)
+            mine_row, routed_row = share.top_k_index.tolist()[0], self.top_k_index[share.tokens[0]].tolist()
+            others_row = [e for e, m in zip(routed_row, mine_row) if e >= 0 and m < 0]
+            return not others_row or max(mine_row) < min(others_row)
         mine = share.top_k_index.numpy()  # [T_w, k]: -1 where another holder has the slot
         routed = self.top_k_index.numpy()[share.tokens.numpy()]  # [T_w, k]: the tokens' whole routing
         others = (routed >= 0) & (mine < 0)  # [T_w, k]: slots other holders compute

@@ -24,8 +24,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import asdict, dataclass
 
-import torch
-
 from moeswarm.generation.run import generate
 from moeswarm.heap import freeze_loaded, thaw
 from moeswarm.model.experts import num_experts_in_config
@@ -34,6 +32,7 @@ from moeswarm.stages.gateway import open_gateway
 from moeswarm.swarm import open_swarm
 from moeswarm.tools.bench.real_build import DEFAULT_CACHE, model_file
 from moeswarm.tools.bench.real_shapes import SHAPES
+from moeswarm.tools.bench.threads import torch_threads
 from moeswarm.tools.bench.wan_links import wan_links
 from moeswarm.tools.local_stages import spawn_stage
 from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
@@ -67,7 +66,7 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(PROMPT_TOKENS // 2)] * 2  # repeats: something to draft from
     rows: list[Row] = []
     runs = (1 + len(stage_counts)) * len(rtts_ms) * len({0, speculate})
-    with _torch_threads(threads), progress(desc="bench islands", total=runs, unit="run") as bar:  # this process too
+    with torch_threads(threads), progress(desc="bench islands", total=runs, unit="run") as bar:  # this process too
         with open_swarm(source, []) as local:
             freeze_loaded()  # as the commands do once the model is in (heap.py); the stages' processes do too
             reference = generate(local, prompt, tokens)
@@ -119,16 +118,6 @@ def _targets(rows: list[Row]) -> list[dict]:
              "met": two.ms_per_token <= 0.25 * star.ms_per_token},
             {"target": f"2 islands at 50 ms <= 3 x 25 ms + 1.3 x local ({bound:.0f} ms)",
              "measured": two.ms_per_token, "met": two.ms_per_token <= bound}]
-
-
-@contextlib.contextmanager
-def _torch_threads(threads: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager

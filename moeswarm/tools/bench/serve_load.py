@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from moeswarm.tools.bench.threads import torch_threads
 from moeswarm.tools.bench.wan_links import wan_links
 from moeswarm.bundled import PROMPTS, TRAINED
 from moeswarm.tools.local_workers import local_workers, split_experts
@@ -153,22 +154,17 @@ def _alone(model: str, prompts: list[str], max_tokens: int, threads: int) -> lis
     with the serve process's torch threads: a model directory's float products split their work by
     the thread count, and a row's bits depend on the split (docs/serve.md), so a reference on other
     threads would be another computation."""
-    import torch
-
     from moeswarm.generation.run import generate
     from moeswarm.serve.whole_model import WholeModel
     from moeswarm.model.loading import load_local
 
     reference = load_local(model)
     codec = load_text_codec(model, reference.config.vocab_size)
-    texts, before = [], torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    texts = []
+    with torch_threads(threads):
         for prompt in prompts:
             tokens = generate(WholeModel(reference), codec.encode(prompt), max_tokens, codec=codec).tokens
             texts.append(codec.decode([t for t in tokens if t != codec.eos_token_id]))
-    finally:
-        torch.set_num_threads(before)
     return texts
 
 

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+from moeswarm.tools.bench.threads import torch_threads
+
 BUDGET_S = 3.0  # timed decodes of one T stop after this long (bench/repeats.py)
 
 
@@ -51,9 +53,7 @@ def memory_bandwidth(threads: int, megabytes: int = 512) -> float:
     (best of 5, over the process's CPU time: other processes' turns on a shared core do not count)."""
     import torch
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
         best = float("inf")
         for _ in range(5):
@@ -61,8 +61,6 @@ def memory_bandwidth(threads: int, megabytes: int = 512) -> float:
             buffer.sum()
             best = min(best, time.process_time() - start)
         return buffer.numel() * 4 / best
-    finally:
-        torch.set_num_threads(before)
 
 
 def plain_cpu_buffers(default):
