@@ -162,23 +162,12 @@ def test_generate_check_local_is_bit_identical(qwen2_moe, qwen2_workers, plain_l
     assert report["tokens_per_s"] == MAX_NEW_TOKENS / report["seconds"]
 
 
-def test_a_failed_check_on_a_model_directory_names_the_thread_count():
-    """A model directory's float experts give other bits at another thread count: a failed exact check
-    with workers says so, with this process's threads; a GGUF file's products do not depend on them."""
-    from types import SimpleNamespace
-
-    from moeswarm.commands._generation_text import _check_line
-
-    result = SimpleNamespace(check=None, bit_identical=False, first_mismatch="logits differ at step 3")
-
-    def last_line(model: str, workers: tuple[str, ...]) -> str:  # the summary's last line
-        return _check_line(SimpleNamespace(result=result, swarm=SimpleNamespace(model=model, workers=workers)))
-
-    assert last_line("models/pymoe/hf", ("127.0.0.1:7001",)) == (
-        "bit-identical to local: NO: logits differ at step 3 (a model directory's float experts give other bits at "
-        f"another thread count: run the workers with this process's --threads, {torch.get_num_threads()})")
-    assert last_line("model-Q4_K_M.gguf", ("127.0.0.1:7001",)) == "bit-identical to local: NO: logits differ at step 3"
-    assert last_line("models/pymoe/hf", ()) == "bit-identical to local: NO: logits differ at step 3"
+def test_workers_at_another_thread_count_than_the_backbone_stay_bit_identical(qwen2_moe, qwen2_workers):
+    """Workers at 1 thread, the backbone and its local reference at 2, verify forwards of several rows:
+    float products give the same bits at any thread count (tests/test_float_threads.py)."""
+    report = _generate(qwen2_moe, qwen2_workers, "--threads", "2", "--speculate", "3", "--max-new-tokens", "24",
+                       "--check-local")  # without MKL's strict mode this check fails (measured)
+    assert report["bit_identical"] is True and report["positions_checked"] >= 26
 
 
 def test_speculation_keeps_greedy_tokens_and_saves_round_trips(qwen2_moe, qwen2_workers, plain_local, capsys):

@@ -21,7 +21,7 @@ from moeswarm.discovery.stage_record import STAGES, StageRecord, parse_stage_rec
 from moeswarm.stages.route import Offer, Position, RouteError, plan_route
 
 MODEL = "models/pymoe/hf"  # 6 decoder layers
-THREADS = 2  # the stages compute with as many threads as the gateway's local reference (docs/stages.md)
+THREADS = 2  # the stages' and the gateway's threads
 WAIT_S = 120.0
 FINGERPRINT = "f" * 16
 
@@ -339,7 +339,7 @@ def test_a_stage_announced_after_the_start_joins_as_a_replica_and_takes_over_bit
     peer = meeting.addresses()[0]
     stages = [spawn_stage(MODEL, span, threads=THREADS, extra_args=["--announce-swarm", peer]) for span in ("0-2", "3-5")]
     before = torch.get_num_threads()
-    torch.set_num_threads(THREADS)  # the reference computes with the stages' thread count
+    torch.set_num_threads(THREADS)  # the reference computes as the stages do
     try:
         first, second = (_announced(stage) for stage in stages)
         lines: list[str] = []

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from moeswarm.generation.report import GenerationReport
-from moeswarm.model.source import is_gguf_path
 from moeswarm.serve.job import Delta, Event, Rewind
 
 
@@ -55,9 +52,6 @@ def _check_line(report: GenerationReport) -> str:
                 f"(mean needs {check.min_cosine_mean}): {verdict}")
     verdict = {True: "yes (every step's logits torch.equal to local eager)", False: f"NO: {report.result.first_mismatch}",
                None: "not checked (pass --check-local)"}[report.result.bit_identical]
-    if report.result.bit_identical is False and report.swarm.workers and not is_gguf_path(report.swarm.model):
-        verdict += (f" (a model directory's float experts give other bits at another thread count: run the workers "
-                    f"with this process's --threads, {torch.get_num_threads()})")
     return f"bit-identical to local: {verdict}"
 
 

@@ -151,9 +151,8 @@ def _prompts(model: str, count: int) -> list[str]:
 
 def _alone(model: str, prompts: list[str], max_tokens: int, threads: int) -> list[str]:
     """Each prompt's greedy text run alone on the local eager model (what `generate --check-local` equals),
-    with the serve process's torch threads: a model directory's float products split their work by
-    the thread count, and a row's bits depend on the split (docs/serve.md), so a reference on other
-    threads would be another computation."""
+    with the serve process's torch threads (no product's bits depend on them: docs/serve.md; the same
+    count keeps this reference's run like the served one)."""
     from moeswarm.generation.run import generate
     from moeswarm.serve.whole_model import WholeModel
     from moeswarm.model.loading import load_local
