@@ -107,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args = build_parser(argv).parse_args(argv)
     from moeswarm.commands._setup import quiet_transformers
 
-    quiet_transformers()
+    quiet_transformers()  # before the parser: a command's module may load transformers, which reads it once
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args._module.run(args) or 0)
     except KeyboardInterrupt:

@@ -23,7 +23,7 @@ from moeswarm.stages.caches import CacheLimits, StageCaches
 from moeswarm.stages.gateway import open_gateway
 from moeswarm.stages.protocol import Segment, Step
 from moeswarm.tools.local_stages import local_stages
-from moeswarm.tools.local_workers import local_workers
+from moeswarm.tools.local_workers import local_workers, wait_listening
 from moeswarm.tools.serve_process import ServeProcess
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.stream import recv_frame, send_frame
@@ -191,6 +191,20 @@ def test_bad_steps_get_one_error_line_and_the_stage_keeps_serving(two_stages):
     reply, _ = recv_frame(sock, time.monotonic() + 60)
     assert reply.opcode == Opcode.STEP_RESULT and reply.request_id == 12
     sock.close()
+
+
+def test_a_stage_started_without_a_terminal_draws_no_progress_bars():
+    """stderr is not a terminal: no bar of transformers' loading (the command's module loads transformers
+    while its flags are parsed, so the quiet settings come before the parser)."""
+    from moeswarm.tools.local_stages import spawn_stage
+
+    process = spawn_stage(MODEL, "0-2", threads=1)
+    try:
+        wait_listening(process)
+    finally:
+        process.terminate()
+        _, err = process.communicate(timeout=30)
+    assert "Loading weights" not in err and "it/s" not in err, err[-2000:]
 
 
 def test_a_wrong_model_is_refused_at_hello(two_stages):
