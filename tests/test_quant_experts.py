@@ -22,7 +22,6 @@ from moeswarm.model.experts import experts_modules
 from moeswarm.model.loading import load_experts, load_local
 from moeswarm.model.source import open_source
 from moeswarm.weights import qkernels
-from moeswarm.weights.gguf_quant_load import ENV
 from moeswarm.swarm import open_swarm
 from moeswarm.weights.quant_experts import QuantExperts, QuantMatrix, quant_matrix
 from moeswarm.weights.quant_linear import QuantEmbedding, QuantLinear
@@ -49,13 +48,11 @@ def test_experts_stay_in_the_files_blocks(q4_k_m):
                                 for r in ("gate", "up", "down"))
 
 
-def test_float32_path_on_request(q4_k_m, monkeypatch):
-    monkeypatch.setenv(ENV, "f32")
-    modules = experts_modules(load_local(q4_k_m))
+def test_float32_path_on_request(q4_k_m):
+    modules = experts_modules(load_local(open_source(q4_k_m, experts_dtype="f32")))
     assert not any(isinstance(m, QuantExperts) for _, m in modules.values())
-    monkeypatch.setenv(ENV, "int3")
-    with pytest.raises(ModelError, match=r"^MOESWARM_GGUF_EXPERTS='int3': expected one of quantized, f32$"):
-        load_local(q4_k_m)
+    with pytest.raises(ModelError, match=r"^experts dtype 'int3': expected one of file, f32$"):
+        open_source(q4_k_m, experts_dtype="int3")
 
 
 def test_workers_equal_the_local_reference_bit_for_bit(q4_k_m):

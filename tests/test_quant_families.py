@@ -35,9 +35,9 @@ from gguf import GGMLQuantizationType as Q
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.experts import experts_modules
 from moeswarm.model.loading import load_experts, load_local
+from moeswarm.model.source import open_source
 from moeswarm.weights import qkernels
 from moeswarm.weights.gguf_file import GGUFFile
-from moeswarm.weights.gguf_quant_load import ENV
 from moeswarm.weights.quant_experts import QuantExperts
 
 from llamacpp_fixtures import llama_cpp_logits, make_fixture_ggufs, require_llama_cpp
@@ -142,15 +142,14 @@ def test_generate_check_local_is_bit_identical_through_workers(family, kind, ggu
 
 
 @pytest.mark.parametrize("family, kind", CASES)
-def test_each_layers_experts_equal_the_familys_module(family, kind, ggufs, monkeypatch):
+def test_each_layers_experts_equal_the_familys_module(family, kind, ggufs):
     """Every layer's QuantExperts vs the family's own experts module on the same file's weights,
-    dequantized by gguf-py (MOESWARM_GGUF_EXPERTS=f32), every expert routed on every row: the
+    dequantized by gguf-py (experts_dtype f32), every expert routed on every row: the
     right tensors, roles, expert order and activation. Measured: ~1e-6 with the kernels' float
     path, 1-2% where they round activations to int8 blocks; a wrong role or activation is O(1)."""
     path = ggufs(family)[kind]
     quantized = experts_modules(load_local(path))
-    monkeypatch.setenv(ENV, "f32")
-    plain = experts_modules(load_local(path))
+    plain = experts_modules(load_local(open_source(path, experts_dtype="f32")))
     generator = torch.Generator().manual_seed(0)
     for layer, (_, module) in quantized.items():
         reference = plain[layer][1]
@@ -166,14 +165,13 @@ def test_each_layers_experts_equal_the_familys_module(family, kind, ggufs, monke
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K_M", "MXFP4"])
-def test_gpt_oss_expert_is_hfs_clamped_swiglu_with_biases(kind, ggufs, monkeypatch):
+def test_gpt_oss_expert_is_hfs_clamped_swiglu_with_biases(kind, ggufs):
     """One gpt-oss expert, step by step: the activation is HF's `_apply_gate` (alpha, limit, the
     +1 on up) on the products plus gate/up biases, and the down product gets the down bias.
     Inputs are large (x30) so that the clamp at `limit` bites on both gate and up."""
     path = ggufs("gpt_oss")[kind]
     quantized = experts_modules(load_local(path))
-    monkeypatch.setenv(ENV, "f32")
-    plain = experts_modules(load_local(path))
+    plain = experts_modules(load_local(open_source(path, experts_dtype="f32")))
     generator = torch.Generator().manual_seed(1)
     for layer, (_, module) in quantized.items():
         reference = plain[layer][1]  # transformers' GptOssExperts
@@ -194,13 +192,12 @@ def test_gpt_oss_expert_is_hfs_clamped_swiglu_with_biases(kind, ggufs, monkeypat
 
 
 @pytest.mark.parametrize("family, kind", CASES)
-def test_the_blocks_compute_the_familys_maths(family, kind, ggufs, monkeypatch):
+def test_the_blocks_compute_the_familys_maths(family, kind, ggufs):
     """Quantized experts vs the same file's experts dequantized into the family's own module."""
     path = ggufs(family)[kind]
     quantized = load_local(path)
     assert all(isinstance(m, QuantExperts) for _, m in experts_modules(quantized).values())
-    monkeypatch.setenv(ENV, "f32")
-    plain = load_local(path)
+    plain = load_local(open_source(path, experts_dtype="f32"))
     assert not any(isinstance(m, QuantExperts) for _, m in experts_modules(plain).values())
     cosine = _mean_cosine(Stepper(quantized).forward(TOKENS), Stepper(plain).forward(TOKENS))
     print(f"{family} {kind}: quantized vs float32 experts, mean cosine {cosine:.5f}")

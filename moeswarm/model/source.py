@@ -66,15 +66,17 @@ def is_gguf_path(path: str | os.PathLike) -> bool:
     return str(path).lower().endswith(GGUF_SUFFIX)
 
 
-def open_source(path: str | os.PathLike, backbone_dtype: str = "file") -> ModelSource:
+def open_source(path: str | os.PathLike, backbone_dtype: str = "file", experts_dtype: str = "file") -> ModelSource:
     """The model at `path`: a GGUF file when it ends in .gguf, else a model directory.
 
     backbone_dtype: a GGUF file's non-expert matrices kept in the file's encoding ("file") or
     loaded as float32 ("f32"); the backbone and any reference loaded from this source follow it.
+    experts_dtype: likewise for its routed experts (computed from the file's blocks, or dequantized
+    to float32 into the family's own module: a reference for the kernels' tests).
     Raises ModelError naming the path when it is missing or is not a usable model.
     """
     if is_gguf_path(path):
-        return GGUFCheckpoint.open(path, backbone_dtype)
+        return GGUFCheckpoint.open(path, backbone_dtype, experts_dtype)
     return Checkpoint.open(path)
 
 

@@ -1,14 +1,12 @@
 """A GGUF layer's hosted experts as a `QuantExperts` module: the file's blocks, memory-mapped.
 
-`MOESWARM_GGUF_EXPERTS=f32` (or a missing C extension, a family whose expert maths the kernels
-do not do, or a layer stored all in F32) keeps the float32 path: experts dequantized to float32 into the family's own module.
-The choice is made the same way in a worker and in `--check-local`'s reference, so both compute
-the same way.
+A source opened with `experts_dtype="f32"` (model/source.py `open_source`; or a missing C
+extension, a family whose expert maths the kernels do not do, or a layer stored all in F32) keeps
+the float32 path: experts dequantized to float32 into the family's own module. The choice is made
+the same way in a worker and in `--check-local`'s reference, so both compute the same way.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
@@ -21,16 +19,14 @@ from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_names import ArchQuirks, expert_tensor_names
 from moeswarm.weights.quant_experts import QuantExperts, prefault, quant_matrix
 
-ENV = "MOESWARM_GGUF_EXPERTS"
-MODES = ("quantized", "f32")
+EXPERTS_DTYPES = ("file", "f32")  # experts computed from the file's blocks, or dequantized to float32
 _SILU = {"SiLU", "SiLUActivation"}
 
 
-def experts_mode() -> str:
-    mode = os.environ.get(ENV, "quantized") or "quantized"
-    if mode not in MODES:
-        raise ModelError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
-    return mode
+def check_experts_dtype(dtype: str) -> str:
+    if dtype not in EXPERTS_DTYPES:
+        raise ModelError(f"experts dtype {dtype!r}: expected one of {', '.join(EXPERTS_DTYPES)}")
+    return dtype
 
 
 def activation_of(module: torch.nn.Module, quirks: ArchQuirks) -> str | None:
@@ -42,10 +38,11 @@ def activation_of(module: torch.nn.Module, quirks: ArchQuirks) -> str | None:
     return "silu" if type(getattr(module, "act_fn", None)).__name__ in _SILU else None
 
 
-def use_quantized(f: GGUFFile, layer: int, module: torch.nn.Module, quirks: ArchQuirks) -> bool:
-    """Whether the layer's experts are computed from their blocks. A layer stored all in F32 keeps the
-    family's own module: nothing to save, and its bits stay those of the same model's HF directory."""
-    if experts_mode() != "quantized" or not qkernels.available() or activation_of(module, quirks) is None:
+def use_quantized(f: GGUFFile, layer: int, module: torch.nn.Module, quirks: ArchQuirks, experts_dtype: str = "file") -> bool:
+    """Whether the layer's experts are computed from their blocks (experts_dtype "file"). A layer stored
+    all in F32 keeps the family's own module: nothing to save, and its bits stay those of the same
+    model's HF directory."""
+    if experts_dtype != "file" or not qkernels.available() or activation_of(module, quirks) is None:
         return False
     names = expert_tensor_names(layer)
     stored = [f.tensors[names[role]] for role in ("gate", "up", "down") if names[role] in f.tensors]

@@ -32,7 +32,7 @@ from moeswarm.weights.gguf_config import config_from_gguf
 from moeswarm.weights.gguf_dequant import dequantize
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_names import QUIRKS, NameMapper, expert_roles, expert_tensor_names, fuse_experts
-from moeswarm.weights.gguf_quant_load import quant_experts, use_quantized
+from moeswarm.weights.gguf_quant_load import check_experts_dtype, quant_experts, use_quantized
 from moeswarm.weights.gguf_tokenizer import gguf_tokenizer
 
 
@@ -42,11 +42,12 @@ class GGUFCheckpoint:
 
     path: Path
     backbone_dtype: str = "file"  # non-expert matrices in the file's encoding, or "f32" (weights/quant_linear.py)
+    experts_dtype: str = "file"  # routed experts from the file's blocks, or "f32" (weights/gguf_quant_load.py)
     kind: ClassVar[str] = "gguf"
 
     @classmethod
-    def open(cls, path: str | Path, backbone_dtype: str = "file") -> "GGUFCheckpoint":
-        checkpoint = cls(Path(path), check_backbone_dtype(backbone_dtype))
+    def open(cls, path: str | Path, backbone_dtype: str = "file", experts_dtype: str = "file") -> "GGUFCheckpoint":
+        checkpoint = cls(Path(path), check_backbone_dtype(backbone_dtype), check_experts_dtype(experts_dtype))
         checkpoint.file  # validate now: a bad file fails here, with its name  # noqa: B018
         return checkpoint
 
@@ -119,7 +120,7 @@ class GGUFCheckpoint:
         stored_runs = runs([where[e] for e in experts])  # contiguous ranges of stored experts to read
         for layer, name in hosted.items():
             module = model.get_submodule(name)
-            if use_quantized(f, layer, module, QUIRKS[f.arch]):
+            if use_quantized(f, layer, module, QUIRKS[f.arch], self.experts_dtype):
                 model.set_submodule(name, quant_experts(f, layer, module, QUIRKS[f.arch], stored_runs))
                 continue
             parts = {}
