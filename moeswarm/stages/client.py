@@ -127,10 +127,11 @@ class Chain:
     recomputes every step exactly as the first time (the same rows packed the same way), so the
     caches, and the outputs after them, are bit for bit what they were. Past `max_log_bytes` of
     logged hidden states the log is dropped and a failed stage fails its steps instead.
+    `timeout_s`: the most a step waits for the chain's answer (the swarm's reply timeout, SwarmConfig).
     """
 
     def __init__(self, positions: list[list[str]], fingerprint: str, hidden_size: int, num_layers: int,
-                 timeout_s: float = 120.0, tls: ssl.SSLContext | None = None, max_log_bytes: int = 1 << 30):
+                 timeout_s: float, tls: ssl.SSLContext | None = None, max_log_bytes: int = 1 << 30):
         self.positions = [list(replicas) for replicas in positions]
         self.fingerprint, self.hidden_size, self.num_layers = fingerprint, hidden_size, num_layers
         self.timeout_s, self.tls, self.max_log_bytes = timeout_s, tls, max_log_bytes
