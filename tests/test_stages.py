@@ -73,6 +73,25 @@ def test_stages_at_other_thread_counts_than_the_gateway_stay_bit_identical(two_s
     assert report["bit_identical"] is True and report["positions_checked"] >= 26
 
 
+def _unused_address() -> str:
+    """An address where nothing listens (a port the kernel just gave and took back)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_a_span_whose_first_replica_is_down_at_start_runs_on_the_next(two_stages):
+    """`--stages A,B|C` with B down when the gateway starts: C serves the span, bit-identical; with no
+    replica left, one line names the stage that cannot be reached."""
+    down = _unused_address()
+    report = _generate("--stages", f"{two_stages[0]},{down}|{two_stages[1]}", "--max-new-tokens", "8")
+    assert report["bit_identical"] is True and report["positions_checked"] >= 10
+    refused = subprocess.run([sys.executable, "-m", "moeswarm.cli", "generate", "--model", MODEL, "--prompt", "x",
+                              "--stages", f"{two_stages[0]},{down}"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and f"stage {down}: cannot connect" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
 @pytest.fixture
 def stage_threads():
     """This process computes the reference with the stages' thread count (conftest sets 1): the same

@@ -156,17 +156,34 @@ class Chain:
         return [replicas[i] for replicas, i in zip(self.positions, self._choice)]
 
     def connect(self) -> "Chain":
+        """Open a session on the route. A stage that cannot be reached, at start as after a failure,
+        is passed over for the next replica of its span; StageError when a span has none left."""
         self.session = os.urandom(8).hex()
-        self._links = [StageLink(address, self) for address in self.route]
+        self._links = []
         try:
-            for link in self._links:
-                link.connect(self.session, self.fingerprint, self.tls)
+            for position in range(len(self.positions)):
+                self._links.append(self._reach(position))
             self._check_cover()
             self.spans = [link.layers for link in self._links]
         except BaseException:
             self.close()
             raise
         return self
+
+    def _reach(self, position: int) -> StageLink:
+        """A connected link to the chosen replica of `position`, or to the next ones in turn."""
+        replicas = self.positions[position]
+        while True:
+            link = StageLink(replicas[self._choice[position]], self)
+            try:
+                link.connect(self.session, self.fingerprint, self.tls)
+                return link
+            except StageError as error:
+                if self._choice[position] + 1 >= len(replicas):
+                    raise
+                self._choice[position] += 1
+                log.warning("stage chain: %s; using its replica %s", printable(str(error), 300),
+                            replicas[self._choice[position]])
 
     def add_replica(self, layers: range, address: str) -> bool:
         """A stage holding exactly `layers`, one of the chain's spans, joins that span's replicas (last:
