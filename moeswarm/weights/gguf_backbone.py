@@ -14,13 +14,13 @@ import torch
 from moeswarm.weights import qkernels
 from moeswarm.weights.gguf_dequant import dequantize
 from moeswarm.weights.gguf_names import NameMapper
-from moeswarm.weights.quant_linear import QuantEmbedding, QuantLinear, check_backbone_dtype, keeps_encoded
+from moeswarm.weights.quant_linear import QuantEmbedding, QuantLinear, check_dtype, keeps_encoded
 
 
 def encode_backbone(model: torch.nn.Module, mapper: NameMapper, skip: set[str], mode: str = "file") -> set[str]:
     """Replace the eligible modules of `model` in place (mode "file"; "f32": none); returns the
     parameter names they took over."""
-    if check_backbone_dtype(mode) != "file" or not qkernels.available():
+    if check_dtype(mode, "backbone") != "file" or not qkernels.available():
         return set()
     f, taken = mapper.file, set()
     for module_name, module in list(model.named_modules()):

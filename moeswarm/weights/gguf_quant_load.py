@@ -19,14 +19,7 @@ from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_names import ArchQuirks, expert_tensor_names
 from moeswarm.weights.quant_experts import QuantExperts, prefault, quant_matrix
 
-EXPERTS_DTYPES = ("file", "f32")  # experts computed from the file's blocks, or dequantized to float32
 _SILU = {"SiLU", "SiLUActivation"}
-
-
-def check_experts_dtype(dtype: str) -> str:
-    if dtype not in EXPERTS_DTYPES:
-        raise ModelError(f"experts dtype {dtype!r}: expected one of {', '.join(EXPERTS_DTYPES)}")
-    return dtype
 
 
 def activation_of(module: torch.nn.Module, quirks: ArchQuirks) -> str | None:
@@ -38,7 +31,7 @@ def activation_of(module: torch.nn.Module, quirks: ArchQuirks) -> str | None:
     return "silu" if type(getattr(module, "act_fn", None)).__name__ in _SILU else None
 
 
-def use_quantized(f: GGUFFile, layer: int, module: torch.nn.Module, quirks: ArchQuirks, experts_dtype: str = "file") -> bool:
+def use_quantized(f: GGUFFile, layer: int, module: torch.nn.Module, quirks: ArchQuirks, experts_dtype: str) -> bool:
     """Whether the layer's experts are computed from their blocks (experts_dtype "file"). A layer stored
     all in F32 keeps the family's own module: nothing to save, and its bits stay those of the same
     model's HF directory."""

@@ -27,12 +27,12 @@ from moeswarm.model.experts import expert_parameter_names, experts_modules
 from moeswarm.model.skeleton import meta_model
 from moeswarm.weights.gguf_backbone import encode_backbone, tie_encoded
 from moeswarm.weights.row_invariant import make_rows_invariant
-from moeswarm.weights.quant_linear import check_backbone_dtype
+from moeswarm.weights.quant_linear import check_dtype
 from moeswarm.weights.gguf_config import config_from_gguf
 from moeswarm.weights.gguf_dequant import dequantize
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_names import QUIRKS, NameMapper, expert_roles, expert_tensor_names, fuse_experts
-from moeswarm.weights.gguf_quant_load import check_experts_dtype, quant_experts, use_quantized
+from moeswarm.weights.gguf_quant_load import quant_experts, use_quantized
 from moeswarm.weights.gguf_tokenizer import gguf_tokenizer
 
 
@@ -47,7 +47,7 @@ class GGUFCheckpoint:
 
     @classmethod
     def open(cls, path: str | Path, backbone_dtype: str = "file", experts_dtype: str = "file") -> "GGUFCheckpoint":
-        checkpoint = cls(Path(path), check_backbone_dtype(backbone_dtype), check_experts_dtype(experts_dtype))
+        checkpoint = cls(Path(path), check_dtype(backbone_dtype, "backbone"), check_dtype(experts_dtype, "experts"))
         checkpoint.file  # validate now: a bad file fails here, with its name  # noqa: B018
         return checkpoint
 

@@ -23,12 +23,13 @@ import torch
 from moeswarm.errors import ModelError
 from moeswarm.weights import qkernels
 
-MODES = ("file", "f32")  # --backbone-dtype: the matrices in the file's encoding, or float32
+MODES = ("file", "f32")  # --backbone-dtype, and a source's experts_dtype: the file's encoding, or float32
 
 
-def check_backbone_dtype(mode: str) -> str:
+def check_dtype(mode: str, part: str) -> str:
+    """`mode` when it is one of MODES; ModelError naming `part` ("backbone", "experts") otherwise."""
     if mode not in MODES:
-        raise ModelError(f"backbone dtype {mode!r}: expected one of {', '.join(MODES)}")
+        raise ModelError(f"{part} dtype {mode!r}: expected one of {', '.join(MODES)}")
     return mode
 
 

@@ -31,11 +31,11 @@ greedy tokens, with and without suffix drafts (up to {result['speculate']} per s
   (embeddings, head, sampling, drafts). Each stage's address is behind its own emulated link, so
   gateway -> stage 1 -> ... -> stage N -> gateway crosses N + 1 one-way links per step.
 - **local**: the whole model in this process: the compute time every figure is over.
-- Threads: this process (local, the star's backbone, the gateway), each stage and each island's
-  worker compute with {result.get('island_threads', 1)}; the star's 2 workers, which compute at once, with one each. With
-  one sequence only one process of a chain computes at a time; the machine has 2 cores, so the
-  4-stage chain (9 processes) still competes for them. `tokens = local`: the greedy tokens equal
-  the local run's.
+- Threads: {result.get('island_threads', 1)} in this process (local, the star's backbone, the gateway),
+  each stage and each island's worker; one in each of the star's 2 workers, which compute at once.
+  With one sequence only one process of a chain computes at a time; the machine has 2 cores, so
+  the 4-stage chain (9 processes) still competes for them. `tokens = local`: the greedy tokens
+  equal the local run's.
 
 {table(["topology", "RTT ms", "drafts", "ms/token", "tokens/step", "one-way WAN trips/step", "prompt s", "tokens = local"], rows)}
 
