@@ -16,6 +16,11 @@ from gguf import GGMLQuantizationType as Q
 
 from llamacpp_fixtures import make_fixture_ggufs
 from moeswarm.errors import ModelError
+from moeswarm.ids import LayerId
+from moeswarm.model.hosted import HostedLayer
+from moeswarm.wire.config import CombineMode
+from moeswarm.wire.messages import Dispatch
+from moeswarm.worker.store import ExpertStore
 from moeswarm.generation.stepper import Stepper
 from moeswarm.tools.local_workers import local_workers
 from moeswarm.model.experts import experts_modules
@@ -173,3 +178,23 @@ def test_a_layers_experts_have_the_same_bits_on_any_thread_count():
         alone = qkernels.experts(module._plan, hidden, index, weights, 1)
         for threads in (2, 3, 7):
             assert torch.equal(qkernels.experts(module._plan, hidden, index, weights, threads), alone)
+
+
+def test_a_workers_partial_sums_have_the_bits_of_its_rows_added_in_eager_order():
+    """A PARTIAL DISPATCH to a store of QuantExperts runs as one call over [T, k] (ids < 0 skipped);
+    its sums equal the EXACT answer's rows (one per pair, experts ascending) added into zeros by
+    index_add_ in order, for a store of every expert and for one of experts 2-4 (ids -1 elsewhere)."""
+    module = random_experts("silu")
+    torch.manual_seed(5)
+    for held, tokens, k in (((0, 1, 2, 3, 4), 1, 3), ((0, 1, 2, 3, 4), 9, 2), ((2, 3, 4), 1, 3), ((2, 3, 4), 13, 3)):
+        part = module.narrow(held[0], held[-1] + 1)
+        store = ExpertStore({LayerId(0): HostedLayer(LayerId(0), held, part)}, num_experts=5, hidden_size=512)
+        hidden, weights = torch.randn(tokens, 512), torch.rand(tokens, k)
+        index = torch.stack([torch.randperm(5)[:k] for _ in range(tokens)])
+        index = torch.where(index >= held[0], index, -1)  # the slots of experts held elsewhere
+        index[0, 0] = held[-1]  # every token routes somewhere here
+        exact = store.run(Dispatch(0, hidden, index, weights, CombineMode.EXACT))
+        sums = store.run(Dispatch(0, hidden, index, weights, CombineMode.PARTIAL))
+        token_of_row = torch.cat([torch.where(index.T == e)[1] for e in exact.experts])  # [S]: pairs' tokens, in row order
+        assert torch.equal(sums.outputs, torch.zeros(tokens, 512).index_add_(0, token_of_row, exact.outputs))
+        assert (sums.experts, sums.counts) == (exact.experts, exact.counts)

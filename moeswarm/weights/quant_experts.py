@@ -93,6 +93,7 @@ class QuantExperts(torch.nn.Module):
     _is_expert_parallel = False
     is_concatenated = False
     compute_dtype = torch.float32  # hidden states in, outputs out (the worker checks DISPATCHes against it)
+    skips_unrouted = True  # forward: an id < 0 routes to no expert; each token's rows are added in eager's order
 
     def __init__(self, config, gate: QuantMatrix, up: QuantMatrix, down: QuantMatrix, activation: str,
                  biases: dict[str, torch.Tensor] | None = None, alpha: float = 0.0, limit: float = 0.0):
