@@ -211,3 +211,17 @@ def test_combine_exact_goes_on_from_a_holders_first_sums(tokens):
     rest = {e: r for e, r in per_expert.items() if e >= split}
     got = combine_exact(hidden, index, rest, [(tokens_low, summed)])
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_one_holders_sums_of_every_token_are_added_to_zero(tokens):
+    """One holder summed every token (partial mode): the result is 0 + its sums, bit for bit, so a
+    -0.0 it sent becomes +0.0 as in eager's index_add_ into zeros; NaN and inf pass through."""
+    sums = torch.randn(tokens, 8)
+    sums[0, :3] = torch.tensor([-0.0, float("nan"), float("-inf")])
+    index = torch.arange(tokens * 2).view(tokens, 2)
+    got = combine_exact(torch.zeros(tokens, 8), index, {}, [(torch.arange(tokens), sums)])
+    want = torch.zeros(tokens, 8).index_add_(0, torch.arange(tokens), sums)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert got.view(torch.int32)[0, 0] == 0 and sums.view(torch.int32)[0, 0] != 0  # the zero's sign was +
+    assert got.data_ptr() != sums.data_ptr()  # a new tensor: the reply's buffer is not handed on

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 NOT_PLANNED = -2  # slot_owner of a slot marked -1 in the routing: belongs to no share here
+_ONLY_TOKEN = torch.zeros(1, dtype=torch.long)  # [1]: a one-token step's tokens (shared, never written: a torch call saved per call)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def _plan_row(owner: np.ndarray, row: list[int], top_k_index: torch.Tensor,
     if -1 in slot_owner:
         raise LookupError(f"no worker holds experts {sorted({e for e, o in zip(row, slot_owner) if o == -1})}")
     workers = sorted(set(slot_owner) - {NOT_PLANNED})
-    token = torch.zeros(1, dtype=torch.long)  # [1]: the step's only token
+    token = _ONLY_TOKEN
     if len(workers) == 1 and NOT_PLANNED not in slot_owner:
         return [WorkerShare(workers[0], token, top_k_index, top_k_weights)]
     return [WorkerShare(worker, token, torch.tensor([[e if o == worker else -1 for e, o in zip(row, slot_owner)]]),
