@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from moeswarm.dispatch.combine import RANK_ADD_TOKENS, combine_exact, combine_partial
 from moeswarm.dispatch.plan import plan_layer
 from moeswarm.model.experts import experts_modules
+from moeswarm.worker.store import _by_token
 
 FAMILIES = ("qwen2_moe", "mixtral", "gpt_oss")
 TOKENS = 9
@@ -225,3 +226,17 @@ def test_one_holders_sums_of_every_token_are_added_to_zero(tokens):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert got.view(torch.int32)[0, 0] == 0 and sums.view(torch.int32)[0, 0] != 0  # the zero's sign was +
     assert got.data_ptr() != sums.data_ptr()  # a new tensor: the reply's buffer is not handed on
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64, 65])
+def test_a_workers_partial_adds_are_index_adds(rows):
+    """A worker's PARTIAL answer from per-pair rows (worker/store.py `_by_token`: numpy's add.at for
+    a few rows, index_add_ beyond): the bits of index_add_ into zeros, rows added in order."""
+    generator = torch.Generator().manual_seed(rows)
+    tokens = 3
+    outputs = torch.randn(rows, 16, generator=generator) * 10.0 ** torch.randint(-6, 6, (rows, 1), generator=generator)
+    outputs[outputs.abs() < 1e-3] = -0.0
+    token_ids = torch.randint(0, tokens, (rows,), generator=generator)
+    got = _by_token(outputs, token_ids.numpy(), tokens)
+    want = torch.zeros(tokens, 16).index_add_(0, token_ids, outputs)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
