@@ -75,9 +75,9 @@ class Flight:
         per expert): with experts split in ranges, the holder of the lowest range sums every time."""
         lossless = lossless_codec(self.hidden.dtype)
         mode = CombineMode.PARTIAL if self.wire.mode == CombineMode.EXACT and self._first(share) else self.wire.mode
-        whole = share.tokens.shape[0] == self.hidden.shape[0]  # a share's tokens are distinct and ascending: all of them
-        return Dispatch(self.layer, self.hidden if whole else self.hidden[share.tokens], share.top_k_index,  # [T_w, d]
-                        share.top_k_weights,
+        whole = share.tokens.shape[0] == self.hidden.shape[0]  # distinct, ascending tokens: all of them, no gather
+        hidden = self.hidden if whole else self.hidden[share.tokens]  # [T_w, d]
+        return Dispatch(self.layer, hidden, share.top_k_index, share.top_k_weights,
                         mode, self.wire.dispatch_codec or lossless, self.wire.combine_codec or lossless,
                         self.wire.timings)
 

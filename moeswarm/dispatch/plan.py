@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 NOT_PLANNED = -2  # slot_owner of a slot marked -1 in the routing: belongs to no share here
-_ONLY_TOKEN = torch.zeros(1, dtype=torch.long)  # [1]: a one-token step's tokens (shared, never written: a torch call saved per call)
+# [1]: a one-token step's tokens, one tensor shared by every call (never written): a torch call saved per call
+_ONLY_TOKEN = torch.zeros(1, dtype=torch.long)
 
 
 @dataclass(frozen=True)
