@@ -93,7 +93,7 @@ class ExpertStore:
         hit = chosen[starts[:-1]].tolist()  # the hit experts, ascending
         counts = np.diff(starts)  # pairs per hit expert
         token_ids, slot_ids = order % tokens_in, order // tokens_in  # [S] each
-        pair_weights = _pairs(weights, token_ids, slot_ids).unsqueeze(1)  # [S, 1]
+        pair_weights = _take(weights, token_ids, slot_ids).unsqueeze(1)  # [S, 1]
         outputs = []
         for run in layer_runs:
             first, last = bisect_left(hit, run.experts.start), bisect_left(hit, run.experts.stop)
@@ -103,7 +103,7 @@ class ExpertStore:
             local = torch.from_numpy(chosen[pairs] - run.experts.start).unsqueeze(1)  # [S_run, 1] int64
             # One call of the family's eager experts over the run's pairs: each expert sees exactly its
             # rows in eager's order (the same matrices as a local run); each output row is one pair's w * E(x).
-            outputs.append(run.module(_rows(hidden, token_ids[pairs]), local, pair_weights[pairs]))  # [S_run, d]
+            outputs.append(run.module(_take(hidden, token_ids[pairs]), local, pair_weights[pairs]))  # [S_run, d]
         outputs = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [S, d], experts ascending
         if request.mode == CombineMode.PARTIAL:
             outputs = _by_token(outputs, token_ids, tokens_in)  # [T, d], experts added in ascending order
@@ -155,14 +155,6 @@ class ExpertStore:
         return layer_runs, index
 
 
-def _rows(hidden: torch.Tensor, token_ids: np.ndarray) -> torch.Tensor:
-    """hidden[token_ids]: [S, d] (numpy's gather where the dtype has one: torch's opens an OpenMP
-    region, 30-50 us with cold caches and sleeping threads, where the copy itself takes a few)."""
-    if hidden.dtype in (torch.float32, torch.float16, torch.float64):
-        return torch.from_numpy(hidden.numpy()[token_ids])
-    return hidden[torch.from_numpy(token_ids)]
-
-
 def _by_token(rows: torch.Tensor, token_ids: np.ndarray, tokens: int) -> torch.Tensor:
     """rows [S, d] -> [T, d]: each token's rows added from zero in row order (index_add_'s adds).
 
@@ -181,11 +173,13 @@ def _sums_itself(module: torch.nn.Module) -> bool:
     return getattr(module, "skips_unrouted", False)
 
 
-def _pairs(weights: torch.Tensor, token_ids: np.ndarray, slot_ids: np.ndarray) -> torch.Tensor:
-    """weights[token_ids, slot_ids]: [S] (numpy's gather where the dtype has one: a few us where torch's takes ~10)."""
-    if weights.dtype in (torch.float32, torch.float16, torch.float64):
-        return torch.from_numpy(weights.numpy()[token_ids, slot_ids])
-    return weights[torch.from_numpy(token_ids), torch.from_numpy(slot_ids)]
+def _take(tensor: torch.Tensor, *ids: np.ndarray) -> torch.Tensor:
+    """tensor[ids] (one index array per leading dimension), by numpy where the dtype has it: torch's
+    gather opens an OpenMP region, 30-50 us with cold caches and sleeping threads, for a copy of a
+    few us. Rows: _take(hidden, token_ids) [S, d]; pairs: _take(weights, token_ids, slot_ids) [S]."""
+    if tensor.dtype in (torch.float32, torch.float16, torch.float64):
+        return torch.from_numpy(tensor.numpy()[ids])
+    return tensor[tuple(torch.from_numpy(i) for i in ids)]
 
 
 def _split(hosted: HostedLayer) -> list[_Run]:
