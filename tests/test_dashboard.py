@@ -52,19 +52,17 @@ def test_dashboard_shows_workers_and_expert_heat_while_a_generation_runs(qwen2_m
             for address, experts in zip(workers, ("0-3", "4-7")):
                 assert any(address in row and experts in row and "up" in row for row in rows)
             cells = open_source(qwen2_moe).config.num_hidden_layers * 8  # every layer is MoE, 8 experts each
-            heat = browser.find_elements(By.CSS_SELECTOR, "#heat td")
+            heat = _cells(browser, "#heat td")  # [(title, background colour)]
             assert len(heat) == cells
-            assert any("layer 0 expert" in c.get_attribute("title") and not c.get_attribute("title").endswith(" 0 routed tokens")
-                       for c in heat)
-            coverage = browser.find_elements(By.CSS_SELECTOR, "#coverage td")
-            assert [c.get_attribute("title").rsplit(": ", 1)[1] for c in coverage] == ["1 holder(s)"] * cells
+            assert any("layer 0 expert" in title and not title.endswith(" 0 routed tokens") for title, _ in heat)
+            coverage = _cells(browser, "#coverage td")
+            assert [title.rsplit(": ", 1)[1] for title, _ in coverage] == ["1 holder(s)"] * cells
             for grid in ("heat", "coverage"):  # an expert-number axis over each grid, and a legend beside it
-                assert [th.text for th in browser.find_elements(By.CSS_SELECTOR, f"#{grid} thead th")] == \
+                assert [text for text, _ in _cells(browser, f"#{grid} thead th", "textContent")] == \
                     ["expert"] + [str(e) for e in range(8)]
             assert "none (uncovered)" in browser.find_element(By.ID, "coverage-legend").text
             assert "busiest" in browser.find_element(By.ID, "heat-legend").text
-            colours = {c.value_of_css_property("background-color") for c in coverage} | \
-                {c.value_of_css_property("background-color") for c in heat}
+            colours = {colour for _, colour in coverage} | {colour for _, colour in heat}
             assert not any(colour.startswith(("rgb(198, 40, 40", "rgba(198, 40, 40")) for colour in colours)  # red: uncovered only
             # the last minutes as time series: a line once two samples are in
             wait.until(lambda b: " L" in (b.find_element(By.CSS_SELECTOR, "#tps-series path").get_attribute("d") or ""))
@@ -83,3 +81,11 @@ def test_dashboard_shows_workers_and_expert_heat_while_a_generation_runs(qwen2_m
             generating.join(timeout=120)
         unauthorized = httpx.get(server.url + "/v1/dashboard")
         assert unauthorized.status_code == 401
+
+
+def _cells(browser, selector: str, text: str = "title") -> list[tuple[str, str]]:
+    """(text or title, computed background colour) of every element `selector` finds, read in one
+    script: the page replaces its grids on every refresh, so element handles kept across reads go stale."""
+    return [tuple(cell) for cell in browser.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0]))"
+        ".map(c => [c[arguments[1]].trim(), getComputedStyle(c).backgroundColor])", selector, text)]
