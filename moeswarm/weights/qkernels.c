@@ -979,6 +979,59 @@ done:
     return status;
 }
 
+/* A partial DISPATCH's sums straight from its frame's bytes (moeswarm/worker/express.py): the ids as
+ * they travel (id_bytes 1: u8 with 255 for -1; 2, 4, 8: little-endian signed), each mapped through
+ * table[id + 2] (clipped into [0, table_len)) to its expert within this module, -1 (another
+ * holder's slot) or < -1 (not held here); the routing weights as they travel (float32, copied to
+ * aligned memory); then qk_experts into final [S, H] (zeros). counts [n_experts] gets each expert's
+ * routed slots. Returns -3, computing nothing, when an id is not held or no slot is routed (the
+ * caller's own checks then name the fault); otherwise what qk_experts returns. */
+int qk_dispatch_sums(int64_t n_experts, const int64_t *gate, const int64_t *up, const int64_t *down,
+                     int gate_type, int up_type, int down_type, int64_t H, int64_t I,
+                     const float *hidden, int64_t S, const void *ids, int id_bytes, int64_t k, const void *weights,
+                     const int64_t *table, int64_t table_len,
+                     const float *gate_bias, const float *up_bias, const float *down_bias,
+                     int activation, float alpha, float limit, float *final, int64_t *counts, int threads, int int8) {
+    int64_t pairs = S * k, routed = 0;
+    int64_t *index = malloc((size_t)(pairs > 0 ? pairs : 1) * sizeof(int64_t));
+    float *w = malloc((size_t)(pairs > 0 ? pairs : 1) * sizeof(float));
+    int status = -3;
+    if (!index || !w) { status = -1; goto done; }
+    memcpy(w, weights, (size_t)pairs * sizeof(float));
+    memset(counts, 0, (size_t)n_experts * sizeof(int64_t));
+    for (int64_t p = 0; p < pairs; p++) {
+        int64_t id;
+        const uint8_t *at = (const uint8_t *)ids + p * id_bytes;
+        if (id_bytes == 1) {
+            id = at[0] == 255 ? -1 : at[0];
+        } else if (id_bytes == 2) {
+            int16_t v; memcpy(&v, at, sizeof v); id = v;
+        } else if (id_bytes == 4) {
+            int32_t v; memcpy(&v, at, sizeof v); id = v;
+        } else if (id_bytes == 8) {
+            memcpy(&id, at, sizeof id);
+        } else {
+            status = -1;
+            goto done;
+        }
+        int64_t slot = id < -1 ? 0 : id >= table_len - 2 ? table_len - 1 : id + 2;
+        int64_t local = table[slot];
+        if (local < -1 || local >= n_experts) goto done;
+        index[p] = local;
+        if (local >= 0) {
+            counts[local]++;
+            routed++;
+        }
+    }
+    if (routed == 0) goto done;
+    status = qk_experts(n_experts, gate, up, down, gate_type, up_type, down_type, H, I, hidden, S, H, index, k, w,
+                        gate_bias, up_bias, down_bias, activation, alpha, limit, final, threads, int8);
+done:
+    free(w);
+    free(index);
+    return status;
+}
+
 /* Decode rows [0, rows) into out [rows, K] float32 (tests compare it with gguf-py's decoder). */
 int qk_dequantize(int type, const void *w, int64_t rows, int64_t K, int64_t row_bytes, float *out) {
     if (!qk_supported(type, K) || row_bytes != K / block_size(type) * block_bytes(type)) return -1;

@@ -45,6 +45,10 @@ def _library() -> ctypes.CDLL | None:
             lib.qk_experts.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
                                        _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int,
                                        ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
+            lib.qk_dispatch_sums.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
+                                             _PTR, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+                                             ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _PTR, ctypes.c_int,
+                                             ctypes.c_int]
             lib.qk_use_isa.argtypes = [ctypes.c_int]
             lib.qk_isa.argtypes = []
             return lib
@@ -194,6 +198,27 @@ class ExpertsPlan:
         types = [m[0].qtype if n else 0 for m in (gate, up, down)]
         self._head = (n, *(ctypes.addressof(t) for t in self._tables), *types, self.hidden, gate[0].rows if n else 0)
         self._tail = (*(_pointer(b) for b in self._biases), ACTIVATIONS[activation], alpha, limit)
+
+
+REFUSED = -3  # qk_dispatch_sums: an id not held here, or no slot routed; nothing computed
+
+
+def dispatch_sums(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_bytes: int, k: int, weights: int,
+                  table: np.ndarray, final: np.ndarray, counts: np.ndarray, threads: int) -> int:
+    """A partial DISPATCH's per-token sums from its frame's bytes, in one C call (the bits of `experts`
+    on the same rows, ids and weights): hidden, ids and weights are the addresses of the tensors as
+    they travel (float32 [tokens, H]; [tokens, k] ids of id_bytes each, u8 with 255 for -1; float32
+    [tokens, k]), mapped through table [E + 3] (position id + 2, clipped: the id within this module,
+    -1, or < -1 for not held). final [tokens, H] float32 zeros, counts [n] int64: written.
+    0, REFUSED (nothing computed), or another failure code."""
+    assert final.dtype == np.float32 and final.shape == (tokens, plan.hidden) and final.flags.c_contiguous
+    assert counts.dtype == np.int64 and counts.shape == (plan.num_experts,) and table.dtype == np.int64
+    return _library().qk_dispatch_sums(*plan._head, hidden, tokens, ids, id_bytes, k, weights, _address(table),
+                                       len(table), *plan._tail, _address(final), _address(counts), threads, 1)
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
 
 
 def experts(plan: ExpertsPlan, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, threads: int,

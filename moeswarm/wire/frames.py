@@ -66,12 +66,15 @@ Buffer = bytes | bytearray | memoryview
 @dataclass(frozen=True)
 class Frame:
     """One message. `payload` is one buffer (as received) or a tuple of buffers (as built for
-    sending: each tensor's bytes stay where the codec put them and go to the socket uncopied)."""
+    sending: each tensor's bytes stay where the codec put them and go to the socket uncopied).
+    meta_bytes: the metadata as it came off the wire (received frames only): the key under which
+    its checked layout may be known already (wire/layouts.py)."""
 
     opcode: Opcode
     request_id: int
     meta: dict[str, Any] = field(default_factory=dict)
     payload: Buffer | tuple[Buffer, ...] = b""
+    meta_bytes: bytes | None = field(default=None, compare=False, repr=False)
 
     @property
     def parts(self) -> tuple[Buffer, ...]:

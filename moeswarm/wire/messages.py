@@ -20,6 +20,7 @@ from moeswarm.wire import tensors as wire_tensors
 from moeswarm.wire.codecs import FLOAT_CODECS, INTEGER_CODECS, get_codec, lossless_codec
 from moeswarm.wire.config import COMBINE_MODES, CombineMode
 from moeswarm.wire.frames import VERSION, Frame, Opcode
+from moeswarm.wire.layouts import KnownLayouts, TensorAt
 
 PROTOCOL_VERSION = VERSION
 MAX_LAYERS = 1 << 12  # far above any model's MoE layers: a bound on what a HELLO may list
@@ -111,6 +112,26 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class _DispatchLayout:
+    """A DISPATCH's metadata, checked: what `Dispatch.from_frame` needs to decode the next frame
+    with the same metadata bytes."""
+
+    layer: int
+    mode: CombineMode
+    wire_dispatch: str
+    wire_combine: str
+    timed: bool
+    x: TensorAt
+    ids: TensorAt
+    w: TensorAt
+    u8: bool  # ids travel as u8 (255: -1)
+    payload_bytes: int
+
+
+_DISPATCHES: KnownLayouts[_DispatchLayout] = KnownLayouts()
+
+
+@dataclass(frozen=True)
 class Dispatch:
     """One MoE layer's work for one worker.
 
@@ -147,6 +168,22 @@ class Dispatch:
 
     @classmethod
     def from_frame(cls, frame: Frame) -> "Dispatch":
+        """The DISPATCH in `frame`; ProtocolError names what is wrong. Metadata bytes found sound
+        before are not checked again (wire/layouts.py): only the payload's length is."""
+        layout = _DISPATCHES.get(frame)
+        payload = memoryview(frame.payload)
+        if layout is None or len(payload) != layout.payload_bytes:
+            request, layout = cls._checked(frame)
+            _DISPATCHES.remember(frame, layout)
+            return request
+        ids = layout.ids.array(payload)  # [T, k] in the wire's integer dtype
+        index = torch.from_numpy(_U8_IDS.take(ids) if layout.u8 else ids.astype(np.int64))
+        return cls(layout.layer, layout.x.tensor(payload), index, layout.w.tensor(payload), layout.mode,
+                   layout.wire_dispatch, layout.wire_combine, layout.timed)
+
+    @classmethod
+    def _checked(cls, frame: Frame) -> tuple["Dispatch", "_DispatchLayout"]:
+        """The DISPATCH with every check of its metadata, and the layout those checks found sound."""
         m = frame.meta
         mode = field(m, "mode", str)
         if mode not in COMBINE_MODES:
@@ -183,7 +220,10 @@ class Dispatch:
         timed = m.get("t", False)
         if type(timed) is not bool:
             raise ProtocolError(f"DISPATCH field 't' must be true or false, got {timed!r:.40}")
-        return cls(field(m, "layer", int), hidden, index, weights, mode, wire_dispatch, combine, timed)
+        request = cls(field(m, "layer", int), hidden, index, weights, mode, wire_dispatch, combine, timed)
+        at = {name: TensorAt(*where) for name, where in wire_tensors.located(descriptors).items()}
+        return request, _DispatchLayout(request.layer, mode, wire_dispatch, combine, timed, at["x"], at["ids"], at["w"],
+                                        codec_of["ids"] == "u8", len(memoryview(frame.payload)))
 
 
 @dataclass(frozen=True)

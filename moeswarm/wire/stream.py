@@ -40,8 +40,8 @@ def decode_frame(header: Header, body: bytes | bytearray | memoryview) -> Frame:
     """A frame from its checked header and whole body; ProtocolError names what is wrong."""
     opcode = opcode_of(header)
     view = memoryview(body)
-    meta = decode_meta(view[: header.meta_len])
-    return Frame(opcode, header.request_id, meta, view[header.meta_len :])
+    meta_bytes = bytes(view[: header.meta_len])
+    return Frame(opcode, header.request_id, decode_meta(meta_bytes), view[header.meta_len :], meta_bytes)
 
 
 # -- blocking sockets (the backbone's side) ---------------------------------------------------

@@ -65,14 +65,31 @@ def unpack(descriptors: Any, payload: memoryview | bytes, raw: str | None = None
         if name == raw and type(codec) is RawCodec and codec.wire_dtype != torch.bfloat16:
             out[name] = np.frombuffer(data, dtype=_RAW_NUMPY[codec.wire_dtype]).reshape(shape)
         else:
-            out[name] = _decode(codec, data, shape, dtype)
+            out[name] = decode_tensor(codec, data, shape, dtype)
         offset += size
     if offset != len(payload):
         raise ProtocolError(f"payload has {len(payload) - offset} bytes beyond its tensors' sizes")
     return out
 
 
-def _decode(codec, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def located(descriptors: list[Descriptor]) -> dict[str, tuple[int, int, Any, torch.dtype, tuple[int, ...]]]:
+    """{name: (offset, size, codec, dtype, shape)} of descriptors `unpack` has accepted: where each
+    tensor lies in the payload (wire/layouts.py keeps it for the next frame with the same metadata)."""
+    offset, found = 0, {}
+    for index, desc in enumerate(descriptors):
+        name, codec, dtype, shape = _check_descriptor(index, desc, set())
+        size = codec.nbytes(shape)
+        found.setdefault(name, (offset, size, codec, dtype, shape))
+        offset += size
+    return found
+
+
+def raw_numpy(codec) -> np.dtype:
+    """The numpy dtype of a raw codec's wire bytes (little-endian; bf16 as int16)."""
+    return _RAW_NUMPY[codec.wire_dtype]
+
+
+def decode_tensor(codec, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """codec.decode(data, shape, dtype); a raw codec's the same way without its per-call dtype lookups
     (a third of a one-token DISPATCH's decode): the bytes, copied once into a tensor, then cast."""
     if type(codec) is not RawCodec:

@@ -5,7 +5,8 @@ store is never entered twice at once. Every request gets a reply frame from here
 exception: "bad_request" for what the protocol or this worker refuses, "internal" for a bug on
 this side (logged with its traceback; the worker goes on serving).
 
-DISPATCHes of one layer from several connections may run as one expert call (`batch`,
+A DISPATCH whose metadata bytes were answered before goes the express lane when it can
+(worker/express.py: the same bits in one C call). DISPATCHes of one layer from several connections may run as one expert call (`batch`,
 worker/merge.py decides which may merge and keeps the bits); each is answered exactly as `one`
 would have answered it alone.
 """
@@ -21,6 +22,7 @@ from moeswarm.errors import MoeSwarmError, printable
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import Frame
 from moeswarm.wire.messages import Dispatch, ErrorReply, Result
+from moeswarm.worker.express import Express
 from moeswarm.worker.limits import WorkerLimits, check_dispatch_size, check_reply_size
 from moeswarm.worker.merge import merge, partners, split
 from moeswarm.worker.replies import check_reply_bytes
@@ -44,16 +46,22 @@ class Computation:
         self.model_top_k = model_top_k
         self.merged_calls = 0  # expert calls that served several connections' DISPATCHes at once
         self.merged_requests = 0  # the DISPATCHes they served
+        self.express = Express(store)  # metadata seen before: answered from the frame's bytes in one C call
 
     def one(self, frame: Frame, sized: bool = False) -> Frame:
         """The reply to one DISPATCH frame: decoding, experts and encoding.
 
         sized: the frame's declared sizes were checked against the limits already (on the event
         loop, before it was queued: worker/requests.py)."""
+        reply = self.express.answer(frame)
+        if reply is not None:
+            return reply
         decoded = self._decode(frame, sized=sized)
         if isinstance(decoded, Frame):
             return decoded
-        return self._answer(frame.request_id, *decoded, self.store.run, timed=decoded[0].timed)
+        reply = self._answer(frame.request_id, *decoded, self.store.run, timed=decoded[0].timed)
+        self.express.learn(frame, decoded[0], reply)
+        return reply
 
     def batch(self, frames: list[Frame]) -> list[Frame | object]:
         """The runner's batch_work: frames[0]'s DISPATCH and those of other connections that may run

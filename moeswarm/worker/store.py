@@ -46,6 +46,7 @@ class ExpertStore:
         self._held = {int(layer): tuple(int(e) for e in h.experts) for layer, h in sorted(hosted.items())}
         self._runs = {int(layer): _split(h) for layer, h in hosted.items()}
         self._holds = {layer: np.isin(np.arange(num_experts), held) for layer, held in self._held.items()}  # [E] bool
+        self._locals = {layer: _local_ids(layer_runs, num_experts) for layer, layer_runs in self._runs.items()}  # [E + 3]
         self._dtypes = {layer: compute_dtype(layer_runs[0].module) for layer, layer_runs in self._runs.items()}
         self._num_experts = num_experts
         self._hidden_size = hidden_size
@@ -70,6 +71,19 @@ class ExpertStore:
         return {layer: layer_runs[0].module for layer, layer_runs in self._runs.items()
                 if len(self._held[layer]) == self._num_experts and len(layer_runs) == 1}
 
+    def sums_plan(self, layer: int):
+        """The C plan of the layer's experts where one call of it gives a partial DISPATCH's sums (one
+        run of quantized experts: `_sums`' case), else None."""
+        layer_runs = self._runs.get(layer)
+        if layer_runs is None or len(layer_runs) != 1 or not _sums_itself(layer_runs[0].module):
+            return None
+        return getattr(layer_runs[0].module, "_plan", None)
+
+    def ids_table(self, layer: int) -> np.ndarray:
+        """[E + 3] int64: at position id + 2 (clipped), the id within its run where held here, -1 for
+        -1, -2 otherwise (what `_check` looks the ids up in)."""
+        return self._locals[layer]
+
     def describe(self) -> str:
         """e.g. "layers 0-3, experts 0-3,9,17-20"; per layer when the layers hold different experts."""
         expert_sets = set(self._held.values())
@@ -79,10 +93,10 @@ class ExpertStore:
 
     @torch.inference_mode()
     def run(self, request: Dispatch) -> Result:
-        layer_runs, index = self._check(request)  # index: [T, k] int64, numpy
+        layer_runs, index, local = self._check(request)  # [T, k] int64 numpy each: ids, and ids within their run
         hidden, weights = request.hidden, request.top_k_weights  # [T, d], [T, k]
         if request.mode == CombineMode.PARTIAL and len(layer_runs) == 1 and _sums_itself(layer_runs[0].module):
-            return self._sums(request, layer_runs[0], index)
+            return self._sums(request, layer_runs[0], local)
         tokens_in = index.shape[0]
         # Every routed (token, slot) pair, grouped by expert ascending and, within an expert, slot-major
         # then token (eager's order): a stable sort of the slot-major flattening by expert id.
@@ -109,22 +123,24 @@ class ExpertStore:
             outputs = _by_token(outputs, token_ids, tokens_in)  # [T, d], experts added in ascending order
         return Result(request.layer, request.mode, outputs, hit, counts.tolist(), request.wire_combine)
 
-    def _sums(self, request: Dispatch, run: _Run, index: np.ndarray) -> Result:
+    def _sums(self, request: Dispatch, run: _Run, local: np.ndarray) -> Result:
         """Partial sums [T, d] in one call of a module that adds its experts' rows into each token
         itself, in eager's order (ascending experts, slot-major then token, from zero): the bits of
         the rows computed one pair at a time and added by `index_add_`, without building the pairs.
         A decode step's DISPATCH then costs its kernel and a few numpy calls: each torch call costs
-        15-100 us here when caches are cold and the OpenMP threads asleep."""
-        routed = index >= 0  # [T, k]
-        local = np.where(routed, index - run.experts.start, -1)  # [T, k]: every routed id is in the run (_check)
-        counts = np.bincount(index[routed], minlength=self._num_experts)  # [E]
+        15-100 us here when caches are cold and the OpenMP threads asleep.
+        local: [T, k] the run's own expert ids, -1 where another holder has the slot."""
+        counts = np.bincount(local.reshape(-1) + 1, minlength=len(run.experts) + 1)[1:]  # [n] rows per run expert
         hit = np.flatnonzero(counts)
         outputs = run.module(request.hidden, torch.from_numpy(local), request.top_k_weights)  # [T, d]
-        return Result(request.layer, request.mode, outputs, hit.tolist(), counts[hit].tolist(), request.wire_combine)
+        return Result(request.layer, request.mode, outputs, (hit + run.experts.start).tolist(), counts[hit].tolist(),
+                      request.wire_combine)
 
-    def _check(self, request: Dispatch) -> tuple[list[_Run], np.ndarray]:
-        """The layer's runs and the ids [T, k] as int64 numpy (the bookkeeping runs in numpy: a few
-        microseconds where torch's per-call cost is ~10 each), once the request is found sound."""
+    def _check(self, request: Dispatch) -> tuple[list[_Run], np.ndarray, np.ndarray]:
+        """The layer's runs, the ids [T, k] as int64 numpy and each id within its run [T, k] (-1 for
+        -1), once the request is found sound. The ids' test is one table lookup and two reductions
+        (numpy: a few microseconds where torch's per-call cost is ~10 each); what is wrong with them
+        is found, and named, only when the test fails."""
         layer_runs = self._runs.get(request.layer)
         if layer_runs is None:
             raise ProtocolError(f"layer {request.layer} is not served by this worker (it serves {self.describe()})")
@@ -139,6 +155,13 @@ class ExpertStore:
         if tokens == 0:
             raise ProtocolError("DISPATCH with no tokens")
         index = request.top_k_index.numpy().astype(np.int64, copy=False)  # [T, k]
+        local = self._locals[request.layer].take(index + 2, mode="clip")  # [T, k]: < -1 where not held here
+        if local.size and local.min() >= -1 and local.max() >= 0:
+            return layer_runs, index, local
+        self._refuse(request.layer, index)
+
+    def _refuse(self, layer: int, index: np.ndarray) -> None:
+        """ProtocolError naming what is wrong with the ids [T, k] of a DISPATCH of `layer`."""
         wrong = (index < -1) | (index >= self._num_experts)
         if wrong.any():
             bad = int(index[wrong][0])
@@ -146,13 +169,23 @@ class ExpertStore:
         chosen = index[index >= 0]
         if chosen.size == 0:
             raise ProtocolError("DISPATCH routes no token to any expert (every id is -1)")
-        outside = chosen[~self._holds[request.layer][chosen]]
+        outside = chosen[~self._holds[layer][chosen]]
         if outside.size:
             raise ProtocolError(
-                f"expert {int(outside[0])} of layer {request.layer} is not held by this worker "
-                f"(it holds experts {format_ids(self._held[request.layer])})"
+                f"expert {int(outside[0])} of layer {layer} is not held by this worker "
+                f"(it holds experts {format_ids(self._held[layer])})"
             )
-        return layer_runs, index
+        raise AssertionError(f"ids refused by their table but found sound: {index.tolist()}")
+
+
+def _local_ids(layer_runs: list[_Run], num_experts: int) -> np.ndarray:
+    """[E + 3]: at position id + 2 (clipped into the table), the id within its run where this store
+    holds it, -1 for -1 (another holder's slot), -2 for anything else (not held, < -1, >= E)."""
+    table = np.full(num_experts + 3, -2, dtype=np.int64)
+    table[1] = -1
+    for run in layer_runs:
+        table[run.experts.start + 2 : run.experts.stop + 2] = np.arange(len(run.experts))
+    return table
 
 
 def _by_token(rows: torch.Tensor, token_ids: np.ndarray, tokens: int) -> torch.Tensor:

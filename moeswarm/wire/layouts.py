@@ -1,0 +1,62 @@
+"""Checked layouts of received messages, known by their metadata bytes.
+
+A decode step sends the same metadata bytes on every call of a layer with the same token count:
+layer, mode, codecs, the tensors' shapes (everything but the tensors' bytes). Every check of a
+message's metadata is a function of those bytes alone, so a layout found sound once is sound again
+for the same bytes; what varies per frame is the payload (its length is the header's, checked per
+frame) and the tensors' values (checked where they are used). With the caches cold (a layer's
+experts just swept them) the checks cost 40-60 us a call; a lookup of the bytes costs 1-2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+import torch
+
+from moeswarm.wire.frames import Frame
+from moeswarm.wire.tensors import decode_tensor, raw_numpy
+
+L = TypeVar("L")
+
+
+@dataclass(frozen=True)
+class TensorAt:
+    """Where one checked tensor lies in its frame's payload, and how it decodes."""
+
+    offset: int
+    size: int
+    codec: object  # a wire.codecs codec
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def tensor(self, payload: memoryview) -> torch.Tensor:
+        return decode_tensor(self.codec, payload[self.offset : self.offset + self.size], self.shape, self.dtype)
+
+    def array(self, payload: memoryview) -> np.ndarray:
+        """The raw bytes as a read-only numpy array in the codec's own dtype (integer ids)."""
+        return np.frombuffer(payload, raw_numpy(self.codec), int(np.prod(self.shape)), self.offset).reshape(self.shape)
+
+
+class KnownLayouts(Generic[L]):
+    """{metadata bytes: the layout checked from them}, at most `limit` (then it starts over: a
+    peer sending ever new metadata costs this table nothing but the checks it would pay anyway)."""
+
+    def __init__(self, limit: int = 1024):
+        self._limit = limit
+        self._layouts: dict[bytes, L] = {}
+
+    def get(self, frame: Frame) -> L | None:
+        return None if frame.meta_bytes is None else self._layouts.get(frame.meta_bytes)
+
+    def remember(self, frame: Frame, layout: L) -> None:
+        if frame.meta_bytes is None:
+            return
+        if len(self._layouts) >= self._limit:
+            self._layouts.clear()
+        self._layouts[frame.meta_bytes] = layout
+
+    def __len__(self) -> int:
+        return len(self._layouts)

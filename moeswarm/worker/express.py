@@ -1,0 +1,101 @@
+"""A decode step's DISPATCH answered from its frame's bytes in one C call, without decoding it in Python.
+
+Where a layer call's time goes on loopback (OLMoE-shaped Q4_K_M, one token): the worker's own
+Python around the experts' kernel (the tensors made from the frame, the ids checked, the module
+called, the RESULT built) cost 200-300 us a call, several times its hot-loop time, because the
+kernel in between sweeps the caches. This lane does that work in C (weights/qkernels.c
+`qk_dispatch_sums`): the ids are mapped and checked through the store's table, the experts summed
+into a new array, and the RESULT's metadata is the one the full path made for the same request.
+
+A lane is learned from a request the full path answered (worker/compute.py): its metadata bytes
+(wire/layouts.py) fix everything the full path checked but the tensors' values, so the next frame
+with the same bytes passes the same checks. It applies to partial DISPATCHes in float32 to a layer
+whose experts here are one run of quantized experts (the store's `_sums` case: the same C call, the
+same bits). A frame whose ids the table refuses goes the full path, which names what is wrong.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeswarm.weights import qkernels
+from moeswarm.wire.config import CombineMode
+from moeswarm.wire.frames import Frame, Opcode
+from moeswarm.wire.layouts import KnownLayouts
+from moeswarm.wire.messages import Dispatch
+from moeswarm.wire.tensors import located
+
+
+@dataclass(frozen=True)
+class Lane:
+    """What a DISPATCH with known metadata bytes needs to be answered in one C call."""
+
+    plan: qkernels.ExpertsPlan
+    table: np.ndarray  # [E + 3] int64: the store's ids table for the layer
+    tokens: int
+    k: int
+    hidden_at: int  # payload offsets of x, ids, w
+    ids_at: int
+    id_bytes: int
+    weights_at: int
+    payload_bytes: int
+    timed: bool
+    meta: dict  # the RESULT's metadata (without cpu_us)
+    counts: np.ndarray  # [n] int64: the C call's count of rows per expert (scratch: partial RESULTs carry none)
+
+
+class Express:
+    """The lanes a worker has learned, and the answers they give (on the compute thread only)."""
+
+    def __init__(self, store):
+        self.store = store
+        self._lanes: KnownLayouts[Lane | bool] = KnownLayouts()  # False: metadata seen, no lane for it
+        self.answered = 0
+
+    def answer(self, frame: Frame) -> Frame | None:
+        """The RESULT for `frame`, or None: not known here (or refused: the full path says why)."""
+        lane = self._lanes.get(frame)
+        if not lane:
+            return None
+        payload = np.frombuffer(frame.payload, np.uint8)
+        if payload.nbytes != lane.payload_bytes:
+            return None
+        base = payload.__array_interface__["data"][0]
+        final = np.zeros((lane.tokens, lane.plan.hidden), np.float32)  # [T, d]
+        started = time.thread_time() if lane.timed else 0.0
+        code = qkernels.dispatch_sums(lane.plan, base + lane.hidden_at, lane.tokens, base + lane.ids_at, lane.id_bytes,
+                                      lane.k, base + lane.weights_at, lane.table, final, lane.counts,
+                                      torch.get_num_threads())
+        if code != 0:
+            return None
+        meta = lane.meta
+        if lane.timed:
+            meta = {**meta, "cpu_us": int((time.thread_time() - started) * 1e6)}
+        self.answered += 1
+        return Frame(Opcode.RESULT, frame.request_id, meta, (memoryview(final).cast("B"),))
+
+    def learn(self, frame: Frame, request: Dispatch, reply: Frame) -> None:
+        """Remember how `frame`'s metadata is answered, where this lane can answer it: `request` is its
+        decoded DISPATCH and `reply` the RESULT the full path gave it."""
+        if frame.meta_bytes is None or reply.opcode != Opcode.RESULT or self._lanes.get(frame) is not None:
+            return  # learned from answers only (an ERROR may be about the values), once per metadata
+        self._lanes.remember(frame, self._lane(frame, request, reply))
+
+    def _lane(self, frame: Frame, request: Dispatch, reply: Frame) -> Lane | bool:
+        sums_plan = getattr(self.store, "sums_plan", None)  # a stand-in store (tests) has no C plans
+        plan = sums_plan(request.layer) if sums_plan is not None else None
+        if (plan is None or request.mode != CombineMode.PARTIAL or request.wire_combine != "f32" or request.hidden.dtype != torch.float32
+                or request.top_k_weights.dtype != torch.float32):
+            return False
+        at = located(frame.meta["tensors"])  # {name: (offset, size, codec, dtype, shape)}
+        if at["x"][2].name != "f32" or at["w"][2].name != "f32":
+            return False
+        tokens, k = request.top_k_index.shape
+        meta = {key: value for key, value in reply.meta.items() if key != "cpu_us"}
+        return Lane(plan, self.store.ids_table(request.layer), tokens, k, at["x"][0], at["ids"][0],
+                    at["ids"][1] // (tokens * k), at["w"][0], len(memoryview(frame.payload)), request.timed, meta,
+                    np.empty(plan.num_experts, np.int64))
