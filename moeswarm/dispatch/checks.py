@@ -5,10 +5,13 @@ Legend: T_w = tokens sent to the worker, d = hidden size, n_e = rows routed to e
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from moeswarm.dispatch.plan import WorkerShare
+from moeswarm.weights.qkernels import peak
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.messages import Result
 
@@ -41,7 +44,10 @@ def result_problem(share: WorkerShare, layer: int, mode: CombineMode, width: int
 
 
 def _finite(tensor: torch.Tensor) -> bool:
-    """Whether every value is finite (numpy's test where it has the dtype: a few us where torch's takes ~6)."""
-    if tensor.dtype in (torch.float32, torch.float16, torch.float64):
+    """Whether every value is finite: float32 in one C pass (qkernels.peak), numpy's test where it has
+    the dtype (a few us where torch's takes ~6)."""
+    if tensor.dtype == torch.float32:
+        return math.isfinite(peak(tensor.detach().numpy()))
+    if tensor.dtype in (torch.float16, torch.float64):
         return bool(np.isfinite(tensor.detach().numpy()).all())
     return bool(torch.isfinite(tensor).all())

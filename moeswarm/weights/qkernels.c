@@ -1032,6 +1032,19 @@ done:
     return status;
 }
 
+/* The largest |x| of count float32 values, NaN when one is NaN (infinite when one is): a RESULT's
+ * checks in one pass over its rows (moeswarm/dispatch/checks.py, plausible.py). */
+double qk_peak(const float *x, int64_t count) {
+    float top = 0.0f;
+    int nan = 0;
+    for (int64_t i = 0; i < count; i++) {
+        float a = fabsf(x[i]);
+        nan |= a != a;
+        top = a > top ? a : top;
+    }
+    return nan ? (double)NAN : (double)top;
+}
+
 /* Decode rows [0, rows) into out [rows, K] float32 (tests compare it with gguf-py's decoder). */
 int qk_dequantize(int type, const void *w, int64_t rows, int64_t K, int64_t row_bytes, float *out) {
     if (!qk_supported(type, K) || row_bytes != K / block_size(type) * block_bytes(type)) return -1;
