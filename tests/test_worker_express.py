@@ -7,6 +7,7 @@ the worker's Computation over a store of quantized experts (random Q4_K blocks, 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moeswarm.ids import LayerId
@@ -42,10 +43,12 @@ def routing(tokens: int, k: int, held: tuple[int, ...], seed: int) -> tuple[torc
     return torch.randn(tokens, 512), index, torch.rand(tokens, k)
 
 
-def test_known_metadata_is_answered_in_one_c_call_with_the_full_paths_bits_and_frame():
+@pytest.mark.parametrize("mode", [CombineMode.PARTIAL, CombineMode.EXACT])
+def test_known_metadata_is_answered_in_one_c_call_with_the_full_paths_bits_and_frame(mode):
     """Per store (every expert; experts 2-4 with the others' slots -1), token count and timing: the
     first DISPATCH goes the full path, the next ones with the same metadata and new values the express
-    lane; every RESULT decodes to the store's own answer, bit for bit, under the same metadata."""
+    lane; every RESULT decodes to the store's own answer, bit for bit (partial: each token's sum;
+    exact: each pair's row, and the same experts and counts), with the full path's metadata fields."""
     for held in ((0, 1, 2, 3, 4), (2, 3, 4)):
         store = store_of(held)
         computation = Computation(store, WorkerLimits())
@@ -53,49 +56,51 @@ def test_known_metadata_is_answered_in_one_c_call_with_the_full_paths_bits_and_f
             before = computation.express.answered
             for seed in range(4):
                 hidden, index, weights = routing(tokens, k, held, seed)
-                request = Dispatch(0, hidden, index, weights, CombineMode.PARTIAL, timed=timed)
+                request = Dispatch(0, hidden, index, weights, mode, timed=timed)
                 reply = computation.one(received(request))
                 assert reply.opcode == Opcode.RESULT
                 result = Result.from_frame(decode_frame(*_parsed(reply)))
                 expected = store.run(request)
                 assert torch.equal(result.outputs, expected.outputs)
-                assert (result.layer, result.mode) == (0, CombineMode.PARTIAL)
-                assert {key for key in reply.meta if key != "cpu_us"} == {"layer", "mode", "tensors"}
-                assert ("cpu_us" in reply.meta) == timed
+                assert (result.layer, result.mode) == (0, mode)
+                if mode == CombineMode.EXACT:
+                    assert (result.experts, result.counts) == (expected.experts, expected.counts)
+                assert list(reply.meta) == list(expected.to_frame(7, 0.0 if timed else None).meta)
             assert computation.express.answered == before + 3  # all but the first of each metadata
 
 
-def test_values_the_table_refuses_go_the_full_path_and_are_named():
+@pytest.mark.parametrize("mode", [CombineMode.PARTIAL, CombineMode.EXACT])
+def test_values_the_table_refuses_go_the_full_path_and_are_named(mode):
     """After the lane is known: an expert held elsewhere, an id out of range and a DISPATCH routing no
     slot here are each answered ERROR by the full path's checks, and the lane goes on serving."""
     held = (2, 3, 4)
     store = store_of(held)
     computation = Computation(store, WorkerLimits())
     hidden, index, weights = routing(1, 3, held, 0)
-    computation.one(received(Dispatch(0, hidden, index, weights, CombineMode.PARTIAL)))
+    computation.one(received(Dispatch(0, hidden, index, weights, mode)))
     for bad, message in ((1, "expert 1 of layer 0 is not held by this worker"),
                          (200, "expert id 200 out of range"),
                          (-1, "routes no token to any expert")):
         ids = torch.full_like(index, -1)
         ids[0, 0] = bad
-        reply = computation.one(received(Dispatch(0, hidden, ids, weights, CombineMode.PARTIAL)))
+        reply = computation.one(received(Dispatch(0, hidden, ids, weights, mode)))
         assert reply.opcode == Opcode.ERROR and message in ErrorReply.from_frame(reply).message
     answered = computation.express.answered
-    reply = computation.one(received(Dispatch(0, hidden, index, weights, CombineMode.PARTIAL)))
+    reply = computation.one(received(Dispatch(0, hidden, index, weights, mode)))
     assert torch.equal(Result.from_frame(decode_frame(*_parsed(reply))).outputs,
-                       store.run(Dispatch(0, hidden, index, weights, CombineMode.PARTIAL)).outputs)
+                       store.run(Dispatch(0, hidden, index, weights, mode)).outputs)
     assert computation.express.answered == answered + 1
 
 
-def test_exact_and_reduced_wire_dispatches_never_take_the_lane():
-    """Exact mode (rows per pair) and a bf16 dispatch codec go the full path every time."""
+def test_reduced_wire_dispatches_never_take_the_lane():
+    """A bf16 dispatch codec and a bf16 combine codec go the full path every time."""
     held = (0, 1, 2, 3, 4)
     store = store_of(held)
     computation = Computation(store, WorkerLimits())
-    for mode, codec in ((CombineMode.EXACT, "f32"), (CombineMode.PARTIAL, "bf16")):
+    for dispatch_codec, combine_codec in (("bf16", "f32"), ("f32", "bf16")):
         for seed in range(3):
             hidden, index, weights = routing(2, 3, held, seed)
-            request = Dispatch(0, hidden, index, weights, mode, wire_dispatch=codec)
+            request = Dispatch(0, hidden, index, weights, CombineMode.PARTIAL, dispatch_codec, combine_codec)
             reply = computation.one(received(request))
             assert reply.opcode == Opcode.RESULT
     assert computation.express.answered == 0

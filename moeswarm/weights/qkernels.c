@@ -1032,6 +1032,86 @@ done:
     return status;
 }
 
+/* An exact DISPATCH's rows straight from its frame's bytes (moeswarm/worker/express.py): the ids and
+ * weights as in qk_dispatch_sums; each routed (token, slot) pair's row w * E(x) into rows [pairs, H]
+ * (zeros), experts ascending and, within an expert, slot-major then token (eager's order): the
+ * pairs' rows gathered and run as one-slot tokens through qk_experts, as the store's exact path
+ * does. hit [n] gets the hit experts (within the module) ascending, counts [n] their rows, *n_hit
+ * how many; rows_cap is rows' capacity (T x k). Returns -3, computing nothing, when an id is not
+ * held or no slot is routed; otherwise what qk_experts returns. */
+int qk_dispatch_rows(int64_t n_experts, const int64_t *gate, const int64_t *up, const int64_t *down,
+                     int gate_type, int up_type, int down_type, int64_t H, int64_t I,
+                     const float *hidden, int64_t S, const void *ids, int id_bytes, int64_t k, const void *weights,
+                     const int64_t *table, int64_t table_len,
+                     const float *gate_bias, const float *up_bias, const float *down_bias,
+                     int activation, float alpha, float limit, float *rows, int64_t rows_cap,
+                     int64_t *hit, int64_t *counts, int64_t *n_hit, int threads, int int8) {
+    int64_t pairs = S * k, routed = 0;
+    int64_t *local = malloc((size_t)(pairs > 0 ? pairs : 1) * sizeof(int64_t));
+    int64_t *start = calloc((size_t)n_experts + 1, sizeof(int64_t));
+    int64_t *pair_expert = malloc((size_t)(pairs > 0 ? pairs : 1) * sizeof(int64_t));
+    float *pair_weight = malloc((size_t)(pairs > 0 ? pairs : 1) * sizeof(float));
+    float *xs = NULL;
+    const float *w = NULL;
+    int status = -3;
+    if (!local || !start || !pair_expert || !pair_weight) { status = -1; goto done; }
+    *n_hit = 0;
+    for (int64_t p = 0; p < pairs; p++) {
+        int64_t id;
+        const uint8_t *at = (const uint8_t *)ids + p * id_bytes;
+        if (id_bytes == 1) {
+            id = at[0] == 255 ? -1 : at[0];
+        } else if (id_bytes == 2) {
+            int16_t v; memcpy(&v, at, sizeof v); id = v;
+        } else if (id_bytes == 4) {
+            int32_t v; memcpy(&v, at, sizeof v); id = v;
+        } else if (id_bytes == 8) {
+            memcpy(&id, at, sizeof id);
+        } else {
+            status = -1;
+            goto done;
+        }
+        int64_t slot = id < -1 ? 0 : id >= table_len - 2 ? table_len - 1 : id + 2;
+        int64_t e = table[slot];
+        if (e < -1 || e >= n_experts) goto done;
+        local[p] = e;
+        if (e >= 0) {
+            start[e + 1]++;
+            routed++;
+        }
+    }
+    if (routed == 0 || routed > rows_cap) goto done;
+    for (int64_t e = 0; e < n_experts; e++) {
+        if (start[e + 1] > 0) {
+            hit[*n_hit] = e;
+            counts[*n_hit] = start[e + 1];
+            ++*n_hit;
+        }
+        start[e + 1] += start[e];
+    }
+    xs = malloc((size_t)routed * (size_t)H * sizeof(float));
+    if (!xs) { status = -1; goto done; }
+    w = (const float *)weights;
+    for (int64_t slot = 0; slot < k; slot++)  /* each expert's pairs slot-major, then token */
+        for (int64_t t = 0; t < S; t++) {
+            int64_t e = local[t * k + slot];
+            if (e < 0) continue;
+            int64_t r = start[e]++;
+            memcpy(xs + r * H, hidden + t * H, (size_t)H * sizeof(float));
+            memcpy(pair_weight + r, (const uint8_t *)w + (t * k + slot) * sizeof(float), sizeof(float));
+            pair_expert[r] = e;
+        }
+    status = qk_experts(n_experts, gate, up, down, gate_type, up_type, down_type, H, I, xs, routed, H, pair_expert, 1,
+                        pair_weight, gate_bias, up_bias, down_bias, activation, alpha, limit, rows, threads, int8);
+done:
+    free(xs);
+    free(pair_weight);
+    free(pair_expert);
+    free(start);
+    free(local);
+    return status;
+}
+
 /* The largest |x| of count float32 values, NaN when one is NaN (infinite when one is): a RESULT's
  * checks in one pass over its rows (moeswarm/dispatch/checks.py, plausible.py). */
 double qk_peak(const float *x, int64_t count) {

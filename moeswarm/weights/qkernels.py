@@ -49,6 +49,10 @@ def _library() -> ctypes.CDLL | None:
                                              _PTR, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                                              ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _PTR, ctypes.c_int,
                                              ctypes.c_int]
+            lib.qk_dispatch_rows.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
+                                             _PTR, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+                                             ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _I64, _PTR, _PTR, _PTR,
+                                             ctypes.c_int, ctypes.c_int]
             lib.qk_peak.argtypes, lib.qk_peak.restype = [_PTR, _I64], ctypes.c_double
             lib.qk_use_isa.argtypes = [ctypes.c_int]
             lib.qk_isa.argtypes = []
@@ -216,6 +220,22 @@ def dispatch_sums(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_byte
     assert counts.dtype == np.int64 and counts.shape == (plan.num_experts,) and table.dtype == np.int64
     return _library().qk_dispatch_sums(*plan._head, hidden, tokens, ids, id_bytes, k, weights, _address(table),
                                        len(table), *plan._tail, _address(final), _address(counts), threads, 1)
+
+
+def dispatch_rows(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_bytes: int, k: int, weights: int,
+                  table: np.ndarray, rows: np.ndarray, found: np.ndarray, threads: int) -> int:
+    """An exact DISPATCH's rows from its frame's bytes, in one C call (the bits of `experts` over the
+    pairs' rows, as the worker's exact path runs it): addresses and table as in `dispatch_sums`.
+    rows [tokens * k, H] float32 zeros: the routed pairs' rows w * E(x) first, experts ascending,
+    each slot-major then token. found [2 n + 1] int64: the hit experts (within this module)
+    ascending, then their row counts, then how many were hit. 0, REFUSED, or a failure code."""
+    n = plan.num_experts
+    assert rows.dtype == np.float32 and rows.shape == (tokens * k, plan.hidden) and rows.flags.c_contiguous
+    assert found.dtype == np.int64 and found.shape == (2 * n + 1,) and table.dtype == np.int64
+    base = _address(found)
+    return _library().qk_dispatch_rows(*plan._head, hidden, tokens, ids, id_bytes, k, weights, _address(table),
+                                       len(table), *plan._tail, _address(rows), rows.shape[0], base, base + 8 * n,
+                                       base + 16 * n, threads, 1)
 
 
 def peak(values: np.ndarray) -> float:

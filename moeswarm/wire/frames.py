@@ -67,8 +67,9 @@ Buffer = bytes | bytearray | memoryview
 class Frame:
     """One message. `payload` is one buffer (as received) or a tuple of buffers (as built for
     sending: each tensor's bytes stay where the codec put them and go to the socket uncopied).
-    meta_bytes: the metadata as it came off the wire (received frames only): the key under which
-    its checked layout may be known already (wire/layouts.py)."""
+    meta_bytes: `meta` as msgpack bytes, where known: as it came off the wire (the key under which
+    its checked layout may be known already: wire/layouts.py), or packed once for frames built
+    from one template (encode then sends them as they are)."""
 
     opcode: Opcode
     request_id: int
@@ -82,13 +83,17 @@ class Frame:
 
     def encode(self) -> list[Buffer]:
         """The frame as buffers ready for `sendmsg`/`writelines` (the payload is not copied)."""
-        meta = msgpack.packb(self.meta, use_bin_type=True)
+        meta = self.meta_bytes if self.meta_bytes is not None else pack_meta(self.meta)
         parts = [part for part in self.parts if _nbytes(part)]
         header = HEADER.pack(MAGIC, VERSION, int(self.opcode), 0, self.request_id, len(meta), sum(map(_nbytes, parts)))
         return [header + meta, *parts]
 
     def to_bytes(self) -> bytes:
         return b"".join(bytes(b) for b in self.encode())
+
+
+def pack_meta(meta: dict[str, Any]) -> bytes:
+    return msgpack.packb(meta, use_bin_type=True)
 
 
 def _nbytes(buffer: Buffer) -> int:

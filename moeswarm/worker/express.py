@@ -4,14 +4,15 @@ Where a layer call's time goes on loopback (OLMoE-shaped Q4_K_M, one token): the
 Python around the experts' kernel (the tensors made from the frame, the ids checked, the module
 called, the RESULT built) cost 200-300 us a call, several times its hot-loop time, because the
 kernel in between sweeps the caches. This lane does that work in C (weights/qkernels.c
-`qk_dispatch_sums`): the ids are mapped and checked through the store's table, the experts summed
-into a new array, and the RESULT's metadata is the one the full path made for the same request.
+`qk_dispatch_sums`, `qk_dispatch_rows`): the ids are mapped and checked through the store's table,
+the experts run into a new array (partial: each token's sum; exact: each routed pair's row, experts
+ascending, slot-major then token), and the RESULT's metadata is the full path's for the same request.
 
 A lane is learned from a request the full path answered (worker/compute.py): its metadata bytes
 (wire/layouts.py) fix everything the full path checked but the tensors' values, so the next frame
-with the same bytes passes the same checks. It applies to partial DISPATCHes in float32 to a layer
-whose experts here are one run of quantized experts (the store's `_sums` case: the same C call, the
-same bits). A frame whose ids the table refuses goes the full path, which names what is wrong.
+with the same bytes passes the same checks. It applies to DISPATCHes in float32 to a layer whose experts here
+are one run of quantized experts: the C calls are the ones the store's paths make (`_sums`; the
+pairs' rows through `qk_experts`), so the bits are the same. A frame whose ids the table refuses goes the full path, which names what is wrong.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from moeswarm.weights import qkernels
 from moeswarm.wire.config import CombineMode
-from moeswarm.wire.frames import Frame, Opcode
+from moeswarm.wire.frames import Frame, Opcode, pack_meta
 from moeswarm.wire.layouts import KnownLayouts
 from moeswarm.wire.messages import Dispatch
 from moeswarm.wire.tensors import located
@@ -34,7 +35,9 @@ from moeswarm.wire.tensors import located
 class Lane:
     """What a DISPATCH with known metadata bytes needs to be answered in one C call."""
 
+    mode: CombineMode
     plan: qkernels.ExpertsPlan
+    first: int  # the run's first expert: the C call's expert i is expert first + i
     table: np.ndarray  # [E + 3] int64: the store's ids table for the layer
     tokens: int
     k: int
@@ -44,8 +47,9 @@ class Lane:
     weights_at: int
     payload_bytes: int
     timed: bool
-    meta: dict  # the RESULT's metadata (without cpu_us)
-    counts: np.ndarray  # [n] int64: the C call's count of rows per expert (scratch: partial RESULTs carry none)
+    meta: dict  # partial: the RESULT's metadata (without cpu_us); exact: its fixed fields
+    meta_bytes: bytes | None  # partial, untimed: every RESULT's metadata, packed
+    found: np.ndarray  # [2 n + 1] int64 scratch: the C call's hit experts, their counts, how many
 
 
 class Express:
@@ -65,18 +69,34 @@ class Express:
         if payload.nbytes != lane.payload_bytes:
             return None
         base = payload.__array_interface__["data"][0]
-        final = np.zeros((lane.tokens, lane.plan.hidden), np.float32)  # [T, d]
+        width = lane.plan.hidden
         started = time.thread_time() if lane.timed else 0.0
-        code = qkernels.dispatch_sums(lane.plan, base + lane.hidden_at, lane.tokens, base + lane.ids_at, lane.id_bytes,
-                                      lane.k, base + lane.weights_at, lane.table, final, lane.counts,
-                                      torch.get_num_threads())
+        if lane.mode == CombineMode.PARTIAL:
+            out = np.zeros((lane.tokens, width), np.float32)  # [T, d]: each token's sum
+            code = qkernels.dispatch_sums(lane.plan, base + lane.hidden_at, lane.tokens, base + lane.ids_at,
+                                          lane.id_bytes, lane.k, base + lane.weights_at, lane.table, out,
+                                          lane.found[: lane.plan.num_experts], torch.get_num_threads())
+            meta = lane.meta
+        else:
+            out = np.zeros((lane.tokens * lane.k, width), np.float32)  # [T k, d]: the pairs' rows first
+            code = qkernels.dispatch_rows(lane.plan, base + lane.hidden_at, lane.tokens, base + lane.ids_at,
+                                          lane.id_bytes, lane.k, base + lane.weights_at, lane.table, out, lane.found,
+                                          torch.get_num_threads())
+            if code != 0:
+                return None
+            n, hit = lane.plan.num_experts, int(lane.found[-1])
+            counts = lane.found[n : n + hit].tolist()
+            out = out[: sum(counts)]  # [S, d]
+            meta = {**lane.meta, "tensors": [["y", "f32", "f32", [out.shape[0], width]]],
+                    "experts": (lane.found[:hit] + lane.first).tolist(), "counts": counts}
         if code != 0:
             return None
-        meta = lane.meta
-        if lane.timed:
-            meta = {**meta, "cpu_us": int((time.thread_time() - started) * 1e6)}
         self.answered += 1
-        return Frame(Opcode.RESULT, frame.request_id, meta, (memoryview(final).cast("B"),))
+        body = (memoryview(out).cast("B"),)
+        if lane.timed:
+            return Frame(Opcode.RESULT, frame.request_id, {**meta, "cpu_us": int((time.thread_time() - started) * 1e6)},
+                         body)
+        return Frame(Opcode.RESULT, frame.request_id, meta, body, lane.meta_bytes)
 
     def learn(self, frame: Frame, request: Dispatch, reply: Frame) -> None:
         """Remember how `frame`'s metadata is answered, where this lane can answer it: `request` is its
@@ -86,16 +106,20 @@ class Express:
         self._lanes.remember(frame, self._lane(frame, request, reply))
 
     def _lane(self, frame: Frame, request: Dispatch, reply: Frame) -> Lane | bool:
-        sums_plan = getattr(self.store, "sums_plan", None)  # a stand-in store (tests) has no C plans
-        plan = sums_plan(request.layer) if sums_plan is not None else None
-        if (plan is None or request.mode != CombineMode.PARTIAL or request.wire_combine != "f32" or request.hidden.dtype != torch.float32
+        express_plan = getattr(self.store, "express_plan", None)  # a stand-in store (tests) has no C plans
+        found = express_plan(request.layer) if express_plan is not None else None
+        if (found is None or request.wire_combine != "f32" or request.hidden.dtype != torch.float32
                 or request.top_k_weights.dtype != torch.float32):
             return False
         at = located(frame.meta["tensors"])  # {name: (offset, size, codec, dtype, shape)}
         if at["x"][2].name != "f32" or at["w"][2].name != "f32":
             return False
+        plan, first = found
         tokens, k = request.top_k_index.shape
-        meta = {key: value for key, value in reply.meta.items() if key != "cpu_us"}
-        return Lane(plan, self.store.ids_table(request.layer), tokens, k, at["x"][0], at["ids"][0],
-                    at["ids"][1] // (tokens * k), at["w"][0], len(memoryview(frame.payload)), request.timed, meta,
-                    np.empty(plan.num_experts, np.int64))
+        partial = request.mode == CombineMode.PARTIAL
+        meta = {key: value for key, value in reply.meta.items() if key in ("layer", "mode", "tensors") and
+                (partial or key != "tensors")}
+        return Lane(request.mode, plan, first, self.store.ids_table(request.layer), tokens, k, at["x"][0],
+                    at["ids"][0], at["ids"][1] // (tokens * k), at["w"][0], len(memoryview(frame.payload)),
+                    request.timed, meta, pack_meta(meta) if partial and not request.timed else None,
+                    np.empty(2 * plan.num_experts + 1, np.int64))

@@ -16,11 +16,13 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, printable
 from moeswarm.wire.frames import Frame, Opcode
+from moeswarm.wire.layouts import KnownLayouts
 from moeswarm.wire.messages import ErrorReply, Hello, WorkerInfo
 from moeswarm.wire.stream import decode_frame
 from moeswarm.worker.compute import Computation
@@ -34,6 +36,16 @@ if TYPE_CHECKING:
     from moeswarm.worker.session import Session
 
 log = logging.getLogger("moeswarm.worker")
+
+
+@dataclass(frozen=True)
+class Sized:
+    """What a DISPATCH's metadata says of its size, checked against the limits: the same for every
+    frame with the same metadata bytes (wire/layouts.py)."""
+
+    owed: int  # bytes its RESULT may take at most
+    cost: int  # tokens: the compute thread is shared by them
+    merge_key: Hashable | None
 
 
 class Requests:
@@ -50,6 +62,7 @@ class Requests:
         self.computation = computation
         self.sessions = sessions  # every open connection's Session: the reply budget counts them all
         self.inline_tokens = inline_tokens
+        self._sized: KnownLayouts[Sized] = KnownLayouts()
 
     def handle(self, session: Session, incoming: Incoming) -> Frame | AwaitRoom | None:
         """The immediate reply to one frame, None when a DISPATCH went to the runner, or AwaitRoom
@@ -67,18 +80,16 @@ class Requests:
             if frame.opcode == Opcode.DISPATCH:
                 if not session.greeted:
                     raise ProtocolError("DISPATCH before HELLO: send HELLO with the model fingerprint first")
-                shapes = declared_shapes(frame.meta)
-                check_dispatch_size(frame.meta, self.limits, shapes, self.computation.model_top_k)
-                # The RESULT's size, counted before the request is queued: a bound from the declared
-                # shapes, never over what one connection may hold (a larger exact size is refused
-                # on the compute thread before any expert runs).
-                owed = min(reply_bound(frame.meta, self.info.hidden_size, self.info.num_experts, shapes),
-                           self.limits.max_unsent_bytes)
+                sized = self._sized.get(frame)  # metadata bytes found within the limits before
+                if sized is None:
+                    sized = self._size(frame)
+                    self._sized.remember(frame, sized)
+                owed = sized.owed
                 unsent = session.unsent
                 handed_over = True  # from here the body's reservation is given back by _submit, or once done
                 if unsent and unsent + owed > self.limits.max_unsent_bytes:  # it waits, its body still reserved
-                    return AwaitRoom(owed, functools.partial(self._submit, session, incoming, frame, shapes, owed))
-                return self._submit(session, incoming, frame, shapes, owed)
+                    return AwaitRoom(owed, functools.partial(self._submit, session, incoming, frame, sized))
+                return self._submit(session, incoming, frame, sized)
             raise ProtocolError(f"unexpected opcode {frame.opcode.name} from a client")
         except WorkerBusy as busy:
             log.info("request %d refused: %s", rid, busy)
@@ -90,21 +101,32 @@ class Requests:
             if not handed_over:
                 self.budget.give(incoming.reserved)
 
-    def _submit(self, session: Session, incoming: Incoming, frame: Frame, shapes: dict, owed: int) -> Frame | None:
-        """Queue a DISPATCH whose RESULT (`owed` bytes at most) fits the connection's bound; None once
-        queued, else the ERROR that answers it (its body's reservation is then given back)."""
+    def _size(self, frame: Frame) -> Sized:
+        """A DISPATCH's declared sizes checked against the limits, from its metadata alone."""
+        shapes = declared_shapes(frame.meta)
+        check_dispatch_size(frame.meta, self.limits, shapes, self.computation.model_top_k)
+        # The RESULT's size, counted before the request is queued: a bound from the declared
+        # shapes, never over what one connection may hold (a larger exact size is refused
+        # on the compute thread before any expert runs).
+        owed = min(reply_bound(frame.meta, self.info.hidden_size, self.info.num_experts, shapes),
+                   self.limits.max_unsent_bytes)
+        shape = shapes.get("x")
+        return Sized(owed, shape[0] if shape else 1, merge_key(frame.meta))
+
+    def _submit(self, session: Session, incoming: Incoming, frame: Frame, sized: Sized) -> Frame | None:
+        """Queue a DISPATCH whose RESULT (`sized.owed` bytes at most) fits the connection's bound; None
+        once queued, else the ERROR that answers it (its body's reservation is then given back)."""
         rid = incoming.header.request_id
+        owed, cost = sized.owed, sized.cost
         try:
             reply_room(self.sessions.values(), session, owed, self.limits.max_reply_bytes)
-            shape = shapes.get("x")
-            cost = shape[0] if shape else 1  # tokens: the compute thread is shared by them
             session.owe(owed)
             session.held_bytes_peak = max(session.held_bytes_peak, owed)
             work = functools.partial(self.computation.one, frame, True)
             done = functools.partial(self._done, session, incoming.reserved, owed, rid)
             try:
                 if not (cost <= self.inline_tokens and self.runner.run_here(session, work, cost, done)):
-                    self.runner.submit(session, work, cost, merge_key(frame.meta), frame, done=done)
+                    self.runner.submit(session, work, cost, sized.merge_key, frame, done=done)
             except BaseException:
                 session.settle(owed)
                 raise

@@ -71,13 +71,14 @@ class ExpertStore:
         return {layer: layer_runs[0].module for layer, layer_runs in self._runs.items()
                 if len(self._held[layer]) == self._num_experts and len(layer_runs) == 1}
 
-    def sums_plan(self, layer: int):
-        """The C plan of the layer's experts where one call of it gives a partial DISPATCH's sums (one
-        run of quantized experts: `_sums`' case), else None."""
+    def express_plan(self, layer: int):
+        """(the C plan of the layer's experts, its first expert) where they are one run of quantized
+        experts (one C call gives a DISPATCH's sums or rows: worker/express.py), else None."""
         layer_runs = self._runs.get(layer)
         if layer_runs is None or len(layer_runs) != 1 or not _sums_itself(layer_runs[0].module):
             return None
-        return getattr(layer_runs[0].module, "_plan", None)
+        plan = getattr(layer_runs[0].module, "_plan", None)
+        return None if plan is None else (plan, layer_runs[0].experts.start)
 
     def ids_table(self, layer: int) -> np.ndarray:
         """[E + 3] int64: at position id + 2 (clipped), the id within its run where held here, -1 for
