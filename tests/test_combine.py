@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moeswarm.dispatch.combine import RANK_ADD_TOKENS, combine_exact, combine_partial
+from moeswarm.dispatch.combine import RANK_ADD_TOKENS, combine_exact, combine_partial, combine_token
 from moeswarm.dispatch.plan import plan_layer
 from moeswarm.model.experts import experts_modules
 from moeswarm.worker.store import _by_token
@@ -240,3 +240,26 @@ def test_a_workers_partial_adds_are_index_adds(rows):
     got = _by_token(outputs, token_ids.numpy(), tokens)
     want = torch.zeros(tokens, 16).index_add_(0, token_ids, outputs)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("first_sum", [False, True])
+def test_a_decode_tokens_exact_rows_go_in_as_they_came(first_sum):
+    """combine_token: each exact holder's rows (its experts ascending, a repeated expert's two rows in
+    order) added into the token in one call per holder, with or without a first holder's sum, has the
+    bits of combine_exact's per-expert adds, -0.0 and inf included; holders whose experts interleave
+    are left to combine_exact (None)."""
+    torch.manual_seed(3)
+    index = torch.tensor([[1, 4, 9, 9, 12, 20]])  # expert 9 twice: a hash-routed row
+    hidden = torch.zeros(1, 16)
+    sums = [(torch.tensor([0]), torch.randn(1, 16))] if first_sum else []
+    b_experts, c_experts = [4, 9], [12, 20]
+    b_rows, c_rows = torch.randn(3, 16), torch.randn(2, 16)  # [n, d]: expert 9 has two rows
+    b_rows[0, 0], c_rows[1, 1] = -0.0, float("inf")
+    per_expert = {4: b_rows[0:1], 9: b_rows[1:3], 12: c_rows[0:1], 20: c_rows[1:2]}
+    if not first_sum:
+        per_expert[1] = torch.randn(1, 16)
+        b_experts, b_rows = [1] + b_experts, torch.cat([per_expert[1], b_rows])
+    want = combine_exact(hidden, index, per_expert, sums)
+    got = combine_token(hidden, sums, [(c_experts, c_rows), (b_experts, b_rows)])  # any holder order
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert combine_token(hidden, sums, [([4, 20], c_rows), ([9, 12], b_rows[1:])]) is None

@@ -16,18 +16,24 @@ from moeswarm.wire.config import CombineMode
 from moeswarm.wire.messages import Result
 
 
+def expected_rows(share: WorkerShare) -> tuple[list[int], list[int]]:
+    """The experts an exact answer to `share` covers, ascending, and each one's rows (n_e)."""
+    index = share.top_k_index.numpy()
+    found, found_counts = np.unique(index[index >= 0], return_counts=True)
+    return found.tolist(), found_counts.tolist()
+
+
 def result_problem(share: WorkerShare, layer: int, mode: CombineMode, width: int, result: Result,
-                   hidden: torch.Tensor | None = None) -> str | None:
+                   hidden: torch.Tensor | None = None, expected: tuple[list[int], list[int]] | None = None) -> str | None:
     """What is wrong with `result` as the answer to `share`, or None.
 
-    hidden  [T_w, d] the rows sent: when they are all finite, so must the outputs be.
+    hidden    [T_w, d] the rows sent: when they are all finite, so must the outputs be.
+    expected  exact mode: `expected_rows(share)`, when the caller has it already.
     """
     if result.layer != layer or result.mode != mode:
         return f"RESULT for layer {result.layer} ({result.mode.value}), asked layer {layer} ({mode.value})"
     if mode == CombineMode.EXACT:
-        index = share.top_k_index.numpy()
-        found, found_counts = np.unique(index[index >= 0], return_counts=True)  # ascending experts, n_e each
-        experts, counts = found.tolist(), found_counts.tolist()
+        experts, counts = expected if expected is not None else expected_rows(share)
         if result.experts != experts or result.counts != counts:
             return f"RESULT covers experts {result.experts} x {result.counts} rows, expected {experts} x {counts}"
         rows = sum(counts)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moeswarm.weights.qkernels import add_rows
+
 # Up to this many tokens the adds go by rank (`_add_by_rank`: k vectorized rounds); above, one
 # indexing pass per expert reads less memory (it copies no outputs). 2048-wide rows of 64 experts,
 # top-8: 16 tokens 0.50 -> 0.18 ms, 128 tokens 0.92 -> 0.65 ms, 256 tokens 1.6 -> 2.1 ms.
@@ -71,6 +73,25 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
             rows[token.numpy()] += per_expert[expert].to(torch.float32).numpy()
         else:
             final.index_add_(0, token, per_expert[expert].to(final.dtype))
+    return final
+
+
+def combine_token(hidden: torch.Tensor, sums: list[tuple[torch.Tensor, torch.Tensor]],
+                  exact: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor | None:
+    """`combine_exact` of a decode step's one float32 token, from the exact holders' RESULTs as they
+    came: each holder's rows [n, d], its experts ascending (n_e rows each, in order), go into the
+    token in one C call (qkernels.add_rows), where `combine_exact` adds them one numpy call per row.
+    hidden [1, d]; sums as for `combine_exact` (the token's lowest experts' sum, if one holder made
+    it); exact [(experts, rows)]. The same adds in the same order: None when two holders' experts
+    interleave (then only `combine_exact`'s per-expert order is right)."""
+    exact = sorted(exact, key=lambda answer: answer[0][0])
+    if any(a[-1] >= b[0] for (a, _), (b, _) in zip(exact, exact[1:])) or \
+            any(rows.dtype != torch.float32 for _, rows in exact):
+        return None
+    final = combine_exact(hidden, None, {}, sums)  # [1, d]: +0.0, or the lowest experts' sum
+    total = final.numpy()[0]  # [d], a view of `final`
+    for _, rows in exact:
+        add_rows(total, rows.numpy())
     return final
 
 

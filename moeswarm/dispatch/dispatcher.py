@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from moeswarm.dispatch.accounting import Accounting, LayerCall, Resilience
-from moeswarm.dispatch.combine import combine_exact, combine_partial
+from moeswarm.dispatch.combine import combine_exact, combine_partial, combine_token
 from moeswarm.dispatch.flight import Flight
 from moeswarm.dispatch.health import REPLY_TIMEOUT_S, DeadlinePolicy
 from moeswarm.dispatch.membership import JOIN, LEFT_CAUSE, Change, MembershipQueue
@@ -126,12 +126,12 @@ class Dispatcher:
         self.pool.readmit(due_only=True)
         layer = LayerId(layer)
         shares = self.owners.plan(layer, top_k_index, top_k_weights)
-        self.routing.update(layer, top_k_index, top_k_weights)
         self.call_number += 1
         flight = Flight(self.pool, self.verification, self.wire, layer, hidden, top_k_index)
         flight.start(shares, chain=self.fanout == "chain")
         if flight.error is not None:
             flight.abort()
+        self.routing.update(layer, top_k_index, top_k_weights)  # once sent: the holders compute meanwhile
         remote = [n for worker, n in flight.pieces if worker not in self.pool.trusted]  # a local holder makes no trip
         round_trips = sum(remote) if self.fanout == "chain" else max(remote, default=0)  # a cut share's pieces go in turn
         self._flights.add(flight)
@@ -147,18 +147,7 @@ class Dispatcher:
         answers = flight.answers()  # [(share, reply, holder)]
         for holder in flight.unchecked():
             self.pool.ledger.used(holder, handle.call)
-        if self.wire.mode == CombineMode.EXACT:
-            per_expert, sums = {}, []  # {e: [n_e, d]}; [(tokens [T_w], [T_w, d])] of shares holding all their tokens' experts
-            for share, reply, _ in answers:
-                result = reply.result
-                if result.mode == CombineMode.PARTIAL:
-                    sums.append((share.tokens, result.outputs))
-                    continue
-                for expert, block in zip(result.experts, torch.split(result.outputs, result.counts)):
-                    per_expert[expert] = block
-            out = combine_exact(handle.hidden, handle.top_k_index, per_expert, sums)
-        else:
-            out = combine_partial(handle.hidden, [(share.tokens, reply.result.outputs) for share, reply, _ in answers])
+        out = self._combined(handle, answers)
         trusted = self.pool.trusted
         self.accounting.record(LayerCall(
             handle.layer, handle.hidden.shape[0], flight.bytes_out, flight.bytes_in, handle.round_trips,
@@ -169,6 +158,24 @@ class Dispatcher:
                         if reply.result.cpu_s is not None},
         ))
         return out
+
+    def _combined(self, handle: Handle, answers: list) -> torch.Tensor:
+        """The answers added into [T, d]: in exact mode as eager adds them, else summed."""
+        if self.wire.mode != CombineMode.EXACT:
+            return combine_partial(handle.hidden, [(share.tokens, reply.result.outputs) for share, reply, _ in answers])
+        # [(tokens [T_w], [T_w, d])] of shares holding all their tokens' experts; the others' Results
+        sums = [(share.tokens, reply.result.outputs) for share, reply, _ in answers
+                if reply.result.mode == CombineMode.PARTIAL]
+        exact = [reply.result for _, reply, _ in answers if reply.result.mode == CombineMode.EXACT]
+        if handle.hidden.shape[0] == 1 and handle.hidden.dtype == torch.float32:
+            out = combine_token(handle.hidden, sums, [(result.experts, result.outputs) for result in exact])
+            if out is not None:
+                return out
+        per_expert = {}  # {e: [n_e, d]}
+        for result in exact:
+            for expert, block in zip(result.experts, torch.split(result.outputs, result.counts)):
+                per_expert[expert] = block
+        return combine_exact(handle.hidden, handle.top_k_index, per_expert, sums)
 
     def _address(self, worker: int) -> str:
         return LOCAL_ADDRESS if worker == REFEREE else self.pool.address_of(worker)

@@ -31,7 +31,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from moeswarm.dispatch.checks import result_problem
+from moeswarm.dispatch.checks import expected_rows, result_problem
 from moeswarm.dispatch.chunks import ReplyTooLarge, cut_share
 from moeswarm.dispatch.errors import ExpertsUnavailable
 from moeswarm.dispatch.parts import CHECK, SERVE, Attempt, Part
@@ -174,6 +174,8 @@ class Flight:
         self.open.append(Attempt(part, worker, pending, now + timeout, timeout,
                                  None if hedge_after is None else now + hedge_after, hedge))
         self.bytes_out += pending.bytes_out
+        if part.expected is None and part.request.mode == CombineMode.EXACT:
+            part.expected = expected_rows(part.share)  # while the holder computes, not once it has answered
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -232,7 +234,7 @@ class Flight:
         if part.done:  # a hedged twin answered first; this reply is surplus
             return
         problem = result_problem(part.share, self.layer, part.request.mode, self.hidden.shape[1], reply.result,
-                                 part.request.hidden)
+                                 part.request.hidden, part.expected)
         if problem:
             self.holder_failed(attempt.worker, problem, [attempt])
             return

@@ -30,6 +30,7 @@ class Part:
     verifiers: list["Part"] = field(default_factory=list)  # role SERVE: open spot-check parts
     confirmed: bool = False  # role SERVE: a spot check computed the same answer
     after: "Part | None" = None  # a piece of a cut share (dispatch/chunks.py): sent once the piece before it is done
+    expected: tuple[list[int], list[int]] | None = None  # exact mode: the experts and rows its answer must carry
 
     @property
     def done(self) -> bool:

@@ -1112,6 +1112,13 @@ done:
     return status;
 }
 
+/* total[j] += rows[r][j] for r = 0..n-1 in order, one IEEE single add each (numpy's and torch's
+ * adds): a decode step's exact rows added into its token in one call (moeswarm/dispatch/combine.py). */
+void qk_add_rows(float *total, const float *rows, int64_t n, int64_t d) {
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t j = 0; j < d; j++) total[j] = total[j] + rows[r * d + j];
+}
+
 /* The largest |x| of count float32 values, NaN when one is NaN (infinite when one is): a RESULT's
  * checks in one pass over its rows (moeswarm/dispatch/checks.py, plausible.py). */
 double qk_peak(const float *x, int64_t count) {

@@ -53,6 +53,7 @@ def _library() -> ctypes.CDLL | None:
                                              _PTR, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                                              ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _I64, _PTR, _PTR, _PTR,
                                              ctypes.c_int, ctypes.c_int]
+            lib.qk_add_rows.argtypes, lib.qk_add_rows.restype = [_PTR, _PTR, _I64, _I64], None
             lib.qk_peak.argtypes, lib.qk_peak.restype = [_PTR, _I64], ctypes.c_double
             lib.qk_use_isa.argtypes = [ctypes.c_int]
             lib.qk_isa.argtypes = []
@@ -236,6 +237,18 @@ def dispatch_rows(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_byte
     return _library().qk_dispatch_rows(*plan._head, hidden, tokens, ids, id_bytes, k, weights, _address(table),
                                        len(table), *plan._tail, _address(rows), rows.shape[0], base, base + 8 * n,
                                        base + 16 * n, threads, 1)
+
+
+def add_rows(total: np.ndarray, rows: np.ndarray) -> None:
+    """total [d] += each row of rows [n, d] in order (float32, IEEE single adds: numpy's bits), in one
+    C call; numpy's adds where the C kernels are not built."""
+    library = _library()
+    if library is None or not (rows.flags.c_contiguous and total.flags.c_contiguous):
+        for row in rows:
+            np.add(total, row, out=total)
+        return
+    assert total.dtype == rows.dtype == np.float32 and rows.shape[1:] == total.shape
+    library.qk_add_rows(_address(total), _address(rows), rows.shape[0], total.shape[0])
 
 
 def peak(values: np.ndarray) -> float:
