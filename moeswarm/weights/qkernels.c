@@ -979,11 +979,40 @@ done:
     return status;
 }
 
+/* A DISPATCH's ids as they travel (id_bytes 1: u8 with 255 for -1; 2, 4, 8: little-endian signed),
+ * each mapped through table[id + 2] (clipped into [0, table_len)) into local[p]: its expert within
+ * the module, or -1 (another holder's slot); counts[e] += each expert's slots. The routed slots, or
+ * -3 when an id maps outside [-1, n_experts) (not held here), -1 for an unknown id width. */
+static int64_t read_ids(const void *ids, int id_bytes, int64_t pairs, const int64_t *table, int64_t table_len,
+                        int64_t n_experts, int64_t *local, int64_t *counts) {
+    int64_t routed = 0;
+    if (id_bytes != 1 && id_bytes != 2 && id_bytes != 4 && id_bytes != 8) return -1;
+    for (int64_t p = 0; p < pairs; p++) {
+        int64_t id;
+        const uint8_t *at = (const uint8_t *)ids + p * id_bytes;
+        if (id_bytes == 1) {
+            id = at[0] == 255 ? -1 : at[0];
+        } else if (id_bytes == 2) {
+            int16_t v; memcpy(&v, at, sizeof v); id = v;
+        } else if (id_bytes == 4) {
+            int32_t v; memcpy(&v, at, sizeof v); id = v;
+        } else {
+            memcpy(&id, at, sizeof id);
+        }
+        int64_t e = table[id < -1 ? 0 : id >= table_len - 2 ? table_len - 1 : id + 2];
+        if (e < -1 || e >= n_experts) return -3;
+        local[p] = e;
+        if (e >= 0) {
+            counts[e]++;
+            routed++;
+        }
+    }
+    return routed;
+}
+
 /* A partial DISPATCH's sums straight from its frame's bytes (moeswarm/worker/express.py): the ids as
- * they travel (id_bytes 1: u8 with 255 for -1; 2, 4, 8: little-endian signed), each mapped through
- * table[id + 2] (clipped into [0, table_len)) to its expert within this module, -1 (another
- * holder's slot) or < -1 (not held here); the routing weights as they travel (float32, copied to
- * aligned memory); then qk_experts into final [S, H] (zeros). counts [n_experts] gets each expert's
+ * they travel, mapped by read_ids; the routing weights as they travel (float32, copied to aligned
+ * memory); then qk_experts into final [S, H] (zeros). counts [n_experts] gets each expert's
  * routed slots. Returns -3, computing nothing, when an id is not held or no slot is routed (the
  * caller's own checks then name the fault); otherwise what qk_experts returns. */
 int qk_dispatch_sums(int64_t n_experts, const int64_t *gate, const int64_t *up, const int64_t *down,
@@ -999,31 +1028,11 @@ int qk_dispatch_sums(int64_t n_experts, const int64_t *gate, const int64_t *up, 
     if (!index || !w) { status = -1; goto done; }
     memcpy(w, weights, (size_t)pairs * sizeof(float));
     memset(counts, 0, (size_t)n_experts * sizeof(int64_t));
-    for (int64_t p = 0; p < pairs; p++) {
-        int64_t id;
-        const uint8_t *at = (const uint8_t *)ids + p * id_bytes;
-        if (id_bytes == 1) {
-            id = at[0] == 255 ? -1 : at[0];
-        } else if (id_bytes == 2) {
-            int16_t v; memcpy(&v, at, sizeof v); id = v;
-        } else if (id_bytes == 4) {
-            int32_t v; memcpy(&v, at, sizeof v); id = v;
-        } else if (id_bytes == 8) {
-            memcpy(&id, at, sizeof id);
-        } else {
-            status = -1;
-            goto done;
-        }
-        int64_t slot = id < -1 ? 0 : id >= table_len - 2 ? table_len - 1 : id + 2;
-        int64_t local = table[slot];
-        if (local < -1 || local >= n_experts) goto done;
-        index[p] = local;
-        if (local >= 0) {
-            counts[local]++;
-            routed++;
-        }
+    routed = read_ids(ids, id_bytes, pairs, table, table_len, n_experts, index, counts);
+    if (routed <= 0) {
+        status = routed == 0 ? -3 : (int)routed;
+        goto done;
     }
-    if (routed == 0) goto done;
     status = qk_experts(n_experts, gate, up, down, gate_type, up_type, down_type, H, I, hidden, S, H, index, k, w,
                         gate_bias, up_bias, down_bias, activation, alpha, limit, final, threads, int8);
 done:
@@ -1052,35 +1061,15 @@ int qk_dispatch_rows(int64_t n_experts, const int64_t *gate, const int64_t *up, 
     int64_t *pair_expert = malloc((size_t)(pairs > 0 ? pairs : 1) * sizeof(int64_t));
     float *pair_weight = malloc((size_t)(pairs > 0 ? pairs : 1) * sizeof(float));
     float *xs = NULL;
-    const float *w = NULL;
     int status = -3;
     if (!local || !start || !pair_expert || !pair_weight) { status = -1; goto done; }
     *n_hit = 0;
-    for (int64_t p = 0; p < pairs; p++) {
-        int64_t id;
-        const uint8_t *at = (const uint8_t *)ids + p * id_bytes;
-        if (id_bytes == 1) {
-            id = at[0] == 255 ? -1 : at[0];
-        } else if (id_bytes == 2) {
-            int16_t v; memcpy(&v, at, sizeof v); id = v;
-        } else if (id_bytes == 4) {
-            int32_t v; memcpy(&v, at, sizeof v); id = v;
-        } else if (id_bytes == 8) {
-            memcpy(&id, at, sizeof id);
-        } else {
-            status = -1;
-            goto done;
-        }
-        int64_t slot = id < -1 ? 0 : id >= table_len - 2 ? table_len - 1 : id + 2;
-        int64_t e = table[slot];
-        if (e < -1 || e >= n_experts) goto done;
-        local[p] = e;
-        if (e >= 0) {
-            start[e + 1]++;
-            routed++;
-        }
+    routed = read_ids(ids, id_bytes, pairs, table, table_len, n_experts, local, start + 1);
+    if (routed <= 0) {
+        status = routed == 0 ? -3 : (int)routed;
+        goto done;
     }
-    if (routed == 0 || routed > rows_cap) goto done;
+    if (routed > rows_cap) goto done;
     for (int64_t e = 0; e < n_experts; e++) {
         if (start[e + 1] > 0) {
             hit[*n_hit] = e;
@@ -1091,14 +1080,13 @@ int qk_dispatch_rows(int64_t n_experts, const int64_t *gate, const int64_t *up, 
     }
     xs = malloc((size_t)routed * (size_t)H * sizeof(float));
     if (!xs) { status = -1; goto done; }
-    w = (const float *)weights;
     for (int64_t slot = 0; slot < k; slot++)  /* each expert's pairs slot-major, then token */
         for (int64_t t = 0; t < S; t++) {
             int64_t e = local[t * k + slot];
             if (e < 0) continue;
             int64_t r = start[e]++;
             memcpy(xs + r * H, hidden + t * H, (size_t)H * sizeof(float));
-            memcpy(pair_weight + r, (const uint8_t *)w + (t * k + slot) * sizeof(float), sizeof(float));
+            memcpy(pair_weight + r, (const uint8_t *)weights + (t * k + slot) * sizeof(float), sizeof(float));
             pair_expert[r] = e;
         }
     status = qk_experts(n_experts, gate, up, down, gate_type, up_type, down_type, H, I, xs, routed, H, pair_expert, 1,

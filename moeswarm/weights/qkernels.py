@@ -206,9 +206,6 @@ class ExpertsPlan:
         self._tail = (*(_pointer(b) for b in self._biases), ACTIVATIONS[activation], alpha, limit)
 
 
-REFUSED = -3  # qk_dispatch_sums: an id not held here, or no slot routed; nothing computed
-
-
 def dispatch_sums(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_bytes: int, k: int, weights: int,
                   table: np.ndarray, final: np.ndarray, counts: np.ndarray, threads: int) -> int:
     """A partial DISPATCH's per-token sums from its frame's bytes, in one C call (the bits of `experts`
@@ -216,7 +213,7 @@ def dispatch_sums(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_byte
     they travel (float32 [tokens, H]; [tokens, k] ids of id_bytes each, u8 with 255 for -1; float32
     [tokens, k]), mapped through table [E + 3] (position id + 2, clipped: the id within this module,
     -1, or < -1 for not held). final [tokens, H] float32 zeros, counts [n] int64: written.
-    0, REFUSED (nothing computed), or another failure code."""
+    0, -3 (an id not held here, or no slot routed: nothing computed), or another failure code."""
     assert final.dtype == np.float32 and final.shape == (tokens, plan.hidden) and final.flags.c_contiguous
     assert counts.dtype == np.int64 and counts.shape == (plan.num_experts,) and table.dtype == np.int64
     return _library().qk_dispatch_sums(*plan._head, hidden, tokens, ids, id_bytes, k, weights, _address(table),
@@ -229,7 +226,7 @@ def dispatch_rows(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_byte
     pairs' rows, as the worker's exact path runs it): addresses and table as in `dispatch_sums`.
     rows [tokens * k, H] float32 zeros: the routed pairs' rows w * E(x) first, experts ascending,
     each slot-major then token. found [2 n + 1] int64: the hit experts (within this module)
-    ascending, then their row counts, then how many were hit. 0, REFUSED, or a failure code."""
+    ascending, then their row counts, then how many were hit. 0, -3 (nothing computed), or a failure code."""
     n = plan.num_experts
     assert rows.dtype == np.float32 and rows.shape == (tokens * k, plan.hidden) and rows.flags.c_contiguous
     assert found.dtype == np.int64 and found.shape == (2 * n + 1,) and table.dtype == np.int64

@@ -58,6 +58,3 @@ class KnownLayouts(Generic[L]):
         if len(self._layouts) >= self._limit:
             self._layouts.clear()
         self._layouts[frame.meta_bytes] = layout
-
-    def __len__(self) -> int:
-        return len(self._layouts)

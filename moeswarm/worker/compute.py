@@ -6,9 +6,9 @@ exception: "bad_request" for what the protocol or this worker refuses, "internal
 this side (logged with its traceback; the worker goes on serving).
 
 A DISPATCH whose metadata bytes were answered before goes the express lane when it can
-(worker/express.py: the same bits in one C call). DISPATCHes of one layer from several connections may run as one expert call (`batch`,
-worker/merge.py decides which may merge and keeps the bits); each is answered exactly as `one`
-would have answered it alone.
+(worker/express.py: the same bits in one C call). DISPATCHes of one layer from several
+connections may run as one expert call (`batch`, worker/merge.py decides which may merge and keeps
+the bits); each is answered exactly as `one` would have answered it alone.
 """
 
 from __future__ import annotations

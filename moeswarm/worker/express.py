@@ -10,9 +10,10 @@ ascending, slot-major then token), and the RESULT's metadata is the full path's 
 
 A lane is learned from a request the full path answered (worker/compute.py): its metadata bytes
 (wire/layouts.py) fix everything the full path checked but the tensors' values, so the next frame
-with the same bytes passes the same checks. It applies to DISPATCHes in float32 to a layer whose experts here
-are one run of quantized experts: the C calls are the ones the store's paths make (`_sums`; the
-pairs' rows through `qk_experts`), so the bits are the same. A frame whose ids the table refuses goes the full path, which names what is wrong.
+with the same bytes passes the same checks. It applies to DISPATCHes in float32 to a layer whose
+experts here are one run of quantized experts: the C calls are the ones the store's paths make
+(`_sums`; the pairs' rows through `qk_experts`), so the bits are the same. A frame whose ids the
+table refuses goes the full path, which names what is wrong.
 """
 
 from __future__ import annotations
@@ -73,24 +74,22 @@ class Express:
         started = time.thread_time() if lane.timed else 0.0
         if lane.mode == CombineMode.PARTIAL:
             out = np.zeros((lane.tokens, width), np.float32)  # [T, d]: each token's sum
-            code = qkernels.dispatch_sums(lane.plan, base + lane.hidden_at, lane.tokens, base + lane.ids_at,
-                                          lane.id_bytes, lane.k, base + lane.weights_at, lane.table, out,
-                                          lane.found[: lane.plan.num_experts], torch.get_num_threads())
+            if qkernels.dispatch_sums(lane.plan, base + lane.hidden_at, lane.tokens, base + lane.ids_at,
+                                      lane.id_bytes, lane.k, base + lane.weights_at, lane.table, out,
+                                      lane.found[: lane.plan.num_experts], torch.get_num_threads()) != 0:
+                return None
             meta = lane.meta
         else:
             out = np.zeros((lane.tokens * lane.k, width), np.float32)  # [T k, d]: the pairs' rows first
-            code = qkernels.dispatch_rows(lane.plan, base + lane.hidden_at, lane.tokens, base + lane.ids_at,
-                                          lane.id_bytes, lane.k, base + lane.weights_at, lane.table, out, lane.found,
-                                          torch.get_num_threads())
-            if code != 0:
+            if qkernels.dispatch_rows(lane.plan, base + lane.hidden_at, lane.tokens, base + lane.ids_at,
+                                      lane.id_bytes, lane.k, base + lane.weights_at, lane.table, out, lane.found,
+                                      torch.get_num_threads()) != 0:
                 return None
             n, hit = lane.plan.num_experts, int(lane.found[-1])
             counts = lane.found[n : n + hit].tolist()
             out = out[: sum(counts)]  # [S, d]
             meta = {**lane.meta, "tensors": [["y", "f32", "f32", [out.shape[0], width]]],
                     "experts": (lane.found[:hit] + lane.first).tolist(), "counts": counts}
-        if code != 0:
-            return None
         self.answered += 1
         body = (memoryview(out).cast("B"),)
         if lane.timed:
