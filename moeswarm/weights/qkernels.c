@@ -54,6 +54,7 @@
 #define FEW_TOKENS 4
 #define FEW_ROWS 8
 #define CHUNK 256
+#define TILES_PER_THREAD 8  /* a product's row tiles per thread: what a thread on a busy core may leave to the others */
 
 typedef float v16 __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
 typedef uint32_t u16 __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4)));
@@ -664,37 +665,32 @@ int qk_isa(void) {
 typedef struct {
     int type;
     const uint8_t *w;
-    int64_t row_bytes, K, row_start, row_stop;
+    int64_t row_bytes, K, rows, tile_rows;
     const float *x;
     int64_t n, ldx;
     float *y;
     int64_t ldy;
     const QX *qx;  /* the quantized x, for the integer types */
+    int64_t *next;  /* shared by a call's jobs: the next tile of rows to take */
     int status;
 } Job;
 
-static void *run_job(void *arg) {
-    Job *job = arg;
+/* Rows [a, b) of a job's product. scratch: the float path's decoded rows (NULL: the integer path). */
+static void run_range(const Job *job, int64_t a, int64_t b, float *scratch) {
     if (job->qx) {
-        INT_ROWS[qk_isa()](job->type, job->w + job->row_start * job->row_bytes, job->row_bytes,
-                           job->row_stop - job->row_start, job->qx, job->n, job->y + job->row_start, job->ldy);
-        job->status = 0;
-        return NULL;
+        INT_ROWS[qk_isa()](job->type, job->w + a * job->row_bytes, job->row_bytes, b - a, job->qx, job->n,
+                           job->y + a, job->ldy);
+        return;
     }
-    int64_t length = job->K > CHUNK ? job->K : CHUNK;
-    float *scratch = calloc((size_t)(ROW_TILE > FEW_ROWS ? ROW_TILE : FEW_ROWS) * length, sizeof(float));
-    if (!scratch) { job->status = -1; return NULL; }
     if (job->n <= FEW_TOKENS && block_size(job->type) >= 32) {
         const float *x[FEW_TOKENS];
         for (int i = 0; i < job->n; i++) x[i] = job->x + i * job->ldx;
-        rows_few_tokens(job->type, job->w + job->row_start * job->row_bytes, job->row_bytes, job->K,
-                        job->row_stop - job->row_start, x, (int)job->n, job->y + job->row_start, job->ldy, scratch);
-        free(scratch);
-        job->status = 0;
-        return NULL;
+        rows_few_tokens(job->type, job->w + a * job->row_bytes, job->row_bytes, job->K, b - a, x, (int)job->n,
+                        job->y + a, job->ldy, scratch);
+        return;
     }
-    for (int64_t r = job->row_start; r < job->row_stop; r += ROW_TILE) {
-        int nrows = (int)(job->row_stop - r < ROW_TILE ? job->row_stop - r : ROW_TILE);
+    for (int64_t r = a; r < b; r += ROW_TILE) {
+        int nrows = (int)(b - r < ROW_TILE ? b - r : ROW_TILE);
         decode_tile(job->type, job->w + r * job->row_bytes, job->row_bytes, job->K, nrows, scratch);
         for (int64_t t = 0; t < job->n; t += TOKEN_TILE) {
             int ntokens = (int)(job->n - t < TOKEN_TILE ? job->n - t : TOKEN_TILE);
@@ -702,6 +698,24 @@ static void *run_job(void *arg) {
             for (int i = 0; i < TOKEN_TILE; i++) x[i] = job->x + (t + (i < ntokens ? i : 0)) * job->ldx;
             dot_tile(scratch, job->K, nrows, x, ntokens, job->y + t * job->ldy + r, job->ldy);
         }
+    }
+}
+
+/* A call's jobs take tiles of rows in turn until none is left (`next`): a thread on a busier core
+ * takes fewer of them, where a fixed share each would make the call wait for the slowest. Which
+ * thread computes a row changes none of its bits. */
+static void *run_job(void *arg) {
+    Job *job = arg;
+    float *scratch = NULL;
+    if (!job->qx) {
+        int64_t length = job->K > CHUNK ? job->K : CHUNK;
+        scratch = calloc((size_t)(ROW_TILE > FEW_ROWS ? ROW_TILE : FEW_ROWS) * length, sizeof(float));
+        if (!scratch) { job->status = -1; return NULL; }
+    }
+    for (;;) {
+        int64_t a = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED) * job->tile_rows;
+        if (a >= job->rows) break;
+        run_range(job, a, a + job->tile_rows < job->rows ? a + job->tile_rows : job->rows, scratch);
     }
     free(scratch);
     job->status = 0;
@@ -742,20 +756,21 @@ static int valid_matrix(int type, int64_t K, int64_t row_bytes) {
     return qk_supported(type, K) && row_bytes == K / block_size(type) * block_bytes(type);
 }
 
-/* The rows split over `threads` threads (this one included); qx: x's int8 blocks (the integer
- * path), or NULL (the float path). Returns 0 or -1. */
+/* The rows in tiles that `threads` threads (this one included) take in turn (run_job); qx: x's
+ * int8 blocks (the integer path), or NULL (the float path). Returns 0 or -1. */
 static int run_rows(int type, const void *w, int64_t rows, int64_t K, int64_t row_bytes, const float *x,
                     int64_t n, int64_t ldx, float *y, int64_t ldy, int threads, const QX *qx) {
     if (rows <= 0 || n <= 0) return 0;
     if (threads < 1) threads = 1;
-    int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
-    if (threads > tiles) threads = (int)tiles;
     if (threads > 256) threads = 256;
+    /* TILES_PER_THREAD tiles a thread when the load is even, whole groups of 8 rows (rows8_kquant's) */
+    int64_t tile_rows = (rows + (int64_t)threads * TILES_PER_THREAD - 1) / ((int64_t)threads * TILES_PER_THREAD);
+    tile_rows = threads == 1 ? rows : (tile_rows + 7) / 8 * 8;
+    int64_t tiles = (rows + tile_rows - 1) / tile_rows, next = 0;
+    if (threads > tiles) threads = (int)tiles;
     Job jobs[256];
-    for (int i = 0; i < threads; i++) {
-        int64_t a = tiles * i / threads * ROW_TILE, b = tiles * (i + 1) / threads * ROW_TILE;
-        jobs[i] = (Job){type, w, row_bytes, K, a, b < rows ? b : rows, x, n, ldx, y, ldy, qx, -1};
-    }
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (Job){type, w, row_bytes, K, rows, tile_rows, x, n, ldx, y, ldy, qx, &next, -1};
     qk_pool_run(run_job, jobs, sizeof(Job), threads);  /* qk_pool.c: helpers kept between calls */
     for (int i = 0; i < threads; i++) if (jobs[i].status != 0) return -1;
     return 0;
@@ -851,11 +866,11 @@ done:
  * Returns 0, -1 (a kernel failed: unsupported type or out of memory) or -2 (an id >= n_experts). */
 /* qk_experts with few rows per expert (decode) on several threads: whole experts per thread, each
  * computed on one thread (a one-token product split over threads paid a hand-off per matrix,
- * three per expert). Thread g computes experts [e0, e1) into out (rows in `order`'s order), using
- * xs as its scratch for an expert's rows. */
+ * three per expert). The threads take experts in turn (`next`), each computing its expert into out
+ * (rows in `order`'s order) with xs as its scratch for the expert's rows. */
 #define SPLIT_EXPERTS_ROWS 32
 typedef struct {
-    int64_t e0, e1;
+    int64_t *next, n_experts;  /* shared by a call's jobs: the next expert to take */
     const int64_t *gate, *up, *down;
     int gate_type, up_type, down_type;
     int64_t H, I;
@@ -873,7 +888,9 @@ typedef struct {
 static void *run_experts_job(void *arg) {
     ExpertsJob *j = arg;
     int64_t H = j->H, I = j->I;
-    for (int64_t e = j->e0; e < j->e1; e++) {
+    for (;;) {
+        int64_t e = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
+        if (e >= j->n_experts) break;
         int64_t n = j->start[e + 1] - j->start[e];
         const int64_t *mine = j->order + j->start[e];
         if (n == 0) continue;
@@ -930,16 +947,12 @@ int qk_experts(int64_t n_experts, const int64_t *gate, const int64_t *up, const 
         int groups = threads > 256 ? 256 : threads;
         buffer = malloc((size_t)(start[n_experts] * H + groups * most * H) * sizeof(float) + 1);
         if (!buffer) goto done;
-        /* Contiguous groups of experts with about the same rows each, one per thread. */
-        int64_t e0 = 0;
-        for (int g = 0; g < groups; g++) {
-            int64_t e1 = e0, goal = start[n_experts] * (g + 1) / groups;
-            while (e1 < n_experts && (start[e1 + 1] <= goal || g == groups - 1)) e1++;
-            jobs[g] = (ExpertsJob){e0, e1, gate, up, down, gate_type, up_type, down_type, H, I, hidden, ldx, k,
+        /* The threads take experts in turn until none is left: one on a busier core takes fewer. */
+        int64_t next = 0;
+        for (int g = 0; g < groups; g++)
+            jobs[g] = (ExpertsJob){&next, n_experts, gate, up, down, gate_type, up_type, down_type, H, I, hidden, ldx, k,
                                    start, order, gate_bias, up_bias, down_bias, activation, alpha, limit, int8,
                                    buffer + start[n_experts] * H + g * most * H, buffer, -1};
-            e0 = e1;
-        }
         qk_pool_run(run_experts_job, jobs, sizeof(ExpertsJob), groups);
         for (int g = 0; g < groups; g++) if (jobs[g].status != 0) goto done;
         for (int64_t e = 0; e < n_experts; e++) {  /* the adds in the one-thread order: the same bits */
