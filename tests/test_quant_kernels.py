@@ -114,7 +114,7 @@ def test_bits_depend_only_on_the_row_and_the_token(qtype, int8):
         assert torch.equal(mm(int(qtype), raw, K, x, threads=threads), alone)
     for pick in ([4, 0, 8], [5, 6], [1, 2, 3, 7, 8]):  # other token tiles (K-quants: 5 in a wide tile of 8)
         assert torch.equal(mm(int(qtype), raw, K, x[pick], threads=1), alone[pick])
-    for threads in (1, 2, 3):  # 23 rows: the threads' tiles of rows end inside a group of 8, the last one short
+    for threads in (1, 2, 3):  # 23 rows: on 2 and 3 threads tiles of 8 rows, the last one 7
         assert torch.equal(mm(int(qtype), raw[17:40], K, x, threads=threads), alone[:, 17:40])
     shifted_x = torch.empty(9 * K + 3)[3:].view(9, K)  # 12 bytes off torch's 64-byte alignment
     shifted_x.copy_(x)

@@ -763,9 +763,9 @@ static int run_rows(int type, const void *w, int64_t rows, int64_t K, int64_t ro
     if (rows <= 0 || n <= 0) return 0;
     if (threads < 1) threads = 1;
     if (threads > 256) threads = 256;
-    /* TILES_PER_THREAD tiles a thread when the load is even, whole groups of 8 rows (rows8_kquant's) */
-    int64_t tile_rows = (rows + (int64_t)threads * TILES_PER_THREAD - 1) / ((int64_t)threads * TILES_PER_THREAD);
-    tile_rows = threads == 1 ? rows : (tile_rows + 7) / 8 * 8;
+    /* one tile on one thread; else about TILES_PER_THREAD a thread, whole groups of 8 rows (rows8_kquant's) */
+    int64_t share = (int64_t)threads * TILES_PER_THREAD;
+    int64_t tile_rows = threads == 1 ? rows : ((rows + share - 1) / share + 7) / 8 * 8;
     int64_t tiles = (rows + tile_rows - 1) / tile_rows, next = 0;
     if (threads > tiles) threads = (int)tiles;
     Job jobs[256];
