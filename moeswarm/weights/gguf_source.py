@@ -27,6 +27,7 @@ from moeswarm.model.experts import expert_parameter_names, experts_modules
 from moeswarm.model.skeleton import meta_model
 from moeswarm.weights.gguf_backbone import encode_backbone, tie_encoded
 from moeswarm.weights.row_invariant import make_rows_invariant
+from moeswarm.weights.row_ops import use_row_ops
 from moeswarm.weights.quant_linear import check_dtype
 from moeswarm.weights.gguf_config import config_from_gguf
 from moeswarm.weights.gguf_dequant import dequantize
@@ -103,6 +104,7 @@ class GGUFCheckpoint:
             model.tie_weights()
         if self.backbone_dtype == "file":
             make_rows_invariant(model)  # the F32 matrices left (routers): a row's bits whatever the batch
+            use_row_ops(model)  # norms and rotary in one C call each
 
     def load_experts(self, model: PreTrainedModel, hosted: dict[LayerId, str], experts: Sequence[int], num_experts: int) -> None:
         """Fill the experts modules named in `hosted` (shrunk to len(experts)) with those experts.

@@ -55,6 +55,9 @@ def _library() -> ctypes.CDLL | None:
                                              ctypes.c_int, ctypes.c_int]
             lib.qk_add_rows.argtypes, lib.qk_add_rows.restype = [_PTR, _PTR, _I64, _I64], None
             lib.qk_peak.argtypes, lib.qk_peak.restype = [_PTR, _I64], ctypes.c_double
+            lib.qk_rms_norm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
+            lib.qk_rope.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
+            lib.qk_rms_norm.restype = lib.qk_rope.restype = None
             lib.qk_use_isa.argtypes = [ctypes.c_int]
             lib.qk_isa.argtypes = []
             return lib
@@ -124,6 +127,27 @@ def matmul(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tensor, thr
     if code != 0:
         raise RuntimeError(f"qk_matmul failed for GGUF type {qtype} with rows of {row_length} values")
     return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    """out [N, d] (contiguous) = RMSNorm of x [N, d] (rows of stride >= d, values contiguous) with weight [d]."""
+    n, d = x.shape
+    assert x.dtype == weight.dtype == out.dtype == torch.float32 and x.stride(1) == 1 and weight.is_contiguous()
+    assert weight.shape == (d,) and out.is_contiguous() and out.numel() == n * d
+    _library().qk_rms_norm(x.data_ptr(), n, d, x.stride(0), weight.data_ptr(), eps, out.data_ptr())
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """torch's (x * cos) + (rotate_half(x) * sin) with cos, sin unsqueezed at 1, the same bits:
+    x [B, H, T, D] float32 (last dimension contiguous), cos, sin [B, T, D] -> [B, H, T, D], strided as x."""
+    out = torch.empty_like(x)
+    B, H, T, D = x.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    strides = (ctypes.c_int64 * 3)(*x.stride()[:3])
+    out_strides = (ctypes.c_int64 * 3)(*out.stride()[:3])
+    assert out.stride(3) == 1 and x.stride(3) == 1
+    _library().qk_rope(x.data_ptr(), strides, out.data_ptr(), out_strides, B, H, T, D, cos.data_ptr(), sin.data_ptr())
+    return out
 
 
 def dequantize(qtype: int, weight: np.ndarray, row_length: int) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""A GGUF backbone's RMSNorms and rotary embeddings in one C call each (qk_rows.c).
+
+At a decode step a real-dimension backbone's matrices are a few C calls per layer, and what is left
+of its time is PyTorch's per-operation cost: transformers' RMSNorm is 6 tensor operations and its
+rotary embedding 10, at several microseconds each for one row. `use_row_ops` replaces them where
+they are the plain ones, recognised by their bytecode being that of transformers' Llama (the
+families that copy it: OLMoE, Qwen3-MoE, Mixtral, DeepSeek, ...); anything else keeps its own code.
+
+- **Rotary**: `qk_rope` gives torch's bits exactly (elementwise, the same IEEE operations), so the
+  family module's `apply_rotary_pos_emb` is swapped process-wide; anything but float32 [B, H, T, D]
+  with cos, sin [B, T, D] goes to the original.
+- **RMSNorm**: `qk_rms_norm` sums the squares in its own fixed order, so its bits differ from
+  torch's in the last place (torch's own differ between AVX2 and AVX-512 builds of its kernels).
+  Each module of a GGUF backbone kept in the file's encoding is replaced by `RowRMSNorm`, as the
+  routers' float products are made row-invariant there (row_invariant.py): the local reference is
+  loaded the same way, so `--check-local` compares like with like, and a row's bits depend on that
+  row only, whatever the batch or the thread count.
+
+Legend: d = hidden (normalized) size, B = batch, H = heads, T = tokens, D = head size.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+from transformers.models.llama import modeling_llama as llama
+
+from moeswarm.weights import qkernels
+
+
+def _same_code(function, canonical) -> bool:
+    """Whether `function` compiles to `canonical`'s bytecode (a verbatim copy, docstring aside)."""
+    a, b = function.__code__, canonical.__code__
+    return (a.co_code == b.co_code and a.co_names == b.co_names and a.co_varnames == b.co_varnames
+            and _constants(function) == _constants(canonical))
+
+
+def _constants(function) -> tuple:
+    constants = function.__code__.co_consts
+    return constants[1:] if function.__doc__ is not None and constants[:1] == (function.__doc__,) else constants
+
+
+class RowRMSNorm(torch.nn.Module):
+    """y = w * (x * (1 / sqrt(mean(x^2) + eps))) per row of d values, one C call for float32 x."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = weight  # [d] float32
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.weight.shape[0]
+        if x.dtype != torch.float32 or x.shape[-1] != d or x.requires_grad:
+            raise ValueError(f"RowRMSNorm takes float32 rows of {d} values, got {x.dtype} {list(x.shape)}")
+        flat = x.reshape(-1, d)  # [N, d]
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        y = torch.empty(x.shape, dtype=torch.float32)
+        qkernels.rms_norm(flat, self.weight, self.variance_epsilon, y)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def _is_plain_rms_norm(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (_same_code(type(module).forward, llama.LlamaRMSNorm.forward) and isinstance(weight, torch.Tensor)
+            and weight.dim() == 1 and weight.dtype == torch.float32 and not weight.is_meta
+            and isinstance(getattr(module, "variance_epsilon", None), float))
+
+
+def _rope_pair(original: Callable) -> Callable:
+    """apply_rotary_pos_emb(q, k, cos, sin) on qk_rope where the shapes are the plain ones."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if unsqueeze_dim == 1 and _fits(q, cos, sin) and _fits(k, cos, sin):
+            return qkernels.rope(q, cos, sin), qkernels.rope(k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.original = original
+    return apply_rotary_pos_emb
+
+
+def _fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """x [B, H, T, D], cos and sin [B, T, D]: float32 on the CPU, x's last dimension contiguous."""
+    return (x.dim() == 4 and cos.dim() == 3 and x.dtype == cos.dtype == sin.dtype == torch.float32
+            and cos.shape == sin.shape == (x.shape[0], x.shape[2], x.shape[3]) and x.shape[3] % 2 == 0
+            and x.stride(3) == 1 and not (x.requires_grad or cos.requires_grad) and x.device.type == "cpu")
+
+
+def _use_rope(family) -> bool:
+    current = getattr(family, "apply_rotary_pos_emb", None)
+    if current is None or hasattr(current, "original"):
+        return current is not None
+    if not (_same_code(current, llama.apply_rotary_pos_emb) and _same_code(family.rotate_half, llama.rotate_half)):
+        return False
+    family.apply_rotary_pos_emb = _rope_pair(current)
+    return True
+
+
+def use_row_ops(model: torch.nn.Module) -> list[str]:
+    """Replace `model`'s plain RMSNorms by RowRMSNorm (in place) and swap its family's plain rotary
+    embedding for qk_rope's (process-wide: the same bits). Returns what was replaced: module names,
+    and "rotary" where it was."""
+    if not qkernels.available():
+        return []
+    replaced = [name for name, module in model.named_modules() if _is_plain_rms_norm(module)]
+    for name in replaced:
+        module = model.get_submodule(name)
+        model.set_submodule(name, RowRMSNorm(module.weight, module.variance_epsilon))
+    family = sys.modules.get(type(model).__module__)
+    if family is not None and _use_rope(family):
+        replaced.append("rotary")
+    return replaced
