@@ -132,8 +132,8 @@ def matmul(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tensor, thr
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     """out [N, d] (contiguous) = RMSNorm of x [N, d] (rows of stride >= d, values contiguous) with weight [d]."""
     n, d = x.shape
-    assert x.dtype == weight.dtype == out.dtype == torch.float32 and x.stride(1) == 1 and weight.is_contiguous()
-    assert weight.shape == (d,) and out.is_contiguous() and out.numel() == n * d
+    assert x.dtype is weight.dtype is out.dtype is torch.float32 and x.stride(1) == 1 and weight.stride(0) == 1
+    assert weight.shape[0] == d and out.is_contiguous() and out.numel() == n * d
     _library().qk_rms_norm(x.data_ptr(), n, d, x.stride(0), weight.data_ptr(), eps, out.data_ptr())
 
 

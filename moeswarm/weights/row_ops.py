@@ -57,7 +57,7 @@ class RowRMSNorm(torch.nn.Module):
         flat = x.reshape(-1, d)  # [N, d]
         if flat.stride(1) != 1:
             flat = flat.contiguous()
-        y = torch.empty(x.shape, dtype=torch.float32)
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
         qkernels.rms_norm(flat, self.weight, self.variance_epsilon, y)
         return y
 
