@@ -19,16 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define CLONES
-#endif
-
-#define LANES 16
-typedef float v16 __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
-
-static inline __attribute__((always_inline)) v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+#include "qk_vec.h"
 
 /* y[r] = w * (x[r] * (1 / sqrtf(sum(x[r]^2) / d + eps))) for `rows` rows of d values (x's rows
  * ldx apart, y's d apart; w: d values). */

@@ -41,14 +41,8 @@
 #include <string.h>
 
 #include "qk_pool.h"
+#include "qk_vec.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define CLONES
-#endif
-
-#define LANES 16
 #define ROW_TILE 4
 #define TOKEN_TILE 2
 #define FEW_TOKENS 4
@@ -56,7 +50,6 @@
 #define CHUNK 256
 #define TILES_PER_THREAD 8  /* a product's row tiles per thread: what a thread on a busy core may leave to the others */
 
-typedef float v16 __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
 typedef uint32_t u16 __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4)));
 typedef uint16_t h16 __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
 
@@ -311,7 +304,6 @@ static inline __attribute__((always_inline)) float reduce16(v16 acc) {
     return a[0];
 }
 
-static inline __attribute__((always_inline)) v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 
 /* Finish one accumulator: the tail k >= main in lane k mod 16, then the fixed tree. */
 static inline __attribute__((always_inline)) float finish(v16 acc, const float *w, const float *x, int64_t main, int64_t K) {
@@ -698,6 +690,9 @@ typedef struct {
     int status;
 } Job;
 
+/* Whether a float-path job's rows are F32 read in place (f32_rows: no decoded scratch). */
+static int f32_in_place(const Job *job) { return job->type == T_F32 && job->n <= FEW_TOKENS; }
+
 /* Rows [a, b) of a job's product. scratch: the float path's decoded rows (NULL: the integer path). */
 static void run_range(const Job *job, int64_t a, int64_t b, float *scratch) {
     if (job->qx) {
@@ -705,7 +700,7 @@ static void run_range(const Job *job, int64_t a, int64_t b, float *scratch) {
                            job->y + a, job->ldy);
         return;
     }
-    if (job->n <= FEW_TOKENS && job->type == T_F32) {
+    if (f32_in_place(job)) {
         f32_rows((const float *)(job->w + a * job->row_bytes), job->K, b - a, job->x, job->n, job->ldx, job->y + a, job->ldy);
         return;
     }
@@ -734,7 +729,7 @@ static void run_range(const Job *job, int64_t a, int64_t b, float *scratch) {
 static void *run_job(void *arg) {
     Job *job = arg;
     float *scratch = NULL;
-    if (!job->qx && !(job->n <= FEW_TOKENS && job->type == T_F32)) {  /* f32_rows needs no scratch */
+    if (!job->qx && !f32_in_place(job)) {
         int64_t length = job->K > CHUNK ? job->K : CHUNK;
         scratch = calloc((size_t)(ROW_TILE > FEW_ROWS ? ROW_TILE : FEW_ROWS) * length, sizeof(float));
         if (!scratch) { job->status = -1; return NULL; }
