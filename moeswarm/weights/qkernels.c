@@ -61,6 +61,12 @@ typedef int32_t i16v __attribute__((vector_size(LANES * sizeof(int32_t)), aligne
  * to 4 lanes (one permute) and shifted (one variable shift). The load reads up to 48 bytes past
  * p + 16: decode_row makes sure they are readable (OVERREAD). */
 #define OVERREAD 64
+/* How the dots prefetch the next tile's weight rows (qk_use_isa chooses): non-temporal on AMD, where
+ * such lines are not kept in the shared L3 when they leave L2, so a product that streams tens of MB of
+ * weights once does not evict what the process reads again (its Python, the KV cache, the next
+ * layer's activations); measured on a Zen 3 EPYC: a decode step 3 % faster, the Python of a layer call
+ * after a worker's experts about a fifth cheaper. Elsewhere into L2, as before (not measured there). */
+static int prefetch_nta = 0;
 static const u16 BYTE_SHIFT = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
 static inline __attribute__((always_inline)) u16 top_bytes16(const uint8_t *p) {
     u16 words;
@@ -661,6 +667,10 @@ static int chosen_isa = -1;  /* -1: not chosen yet */
  * run; returns the level in use. All give the same bits: this exists so that tests can prove it. */
 int qk_use_isa(int level) {
     if (level < 0 || !runs_isa(level)) level = best_isa();
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    __builtin_cpu_init();
+    prefetch_nta = __builtin_cpu_is("amd");
+#endif
     __atomic_store_n(&chosen_isa, level, __ATOMIC_RELAXED);
     return level;
 }
@@ -1250,10 +1260,15 @@ static inline AI __m256i S(words_s8)(const int8_t *p) {
     return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* The cache lines of p[0..n) into L2 (a hint: no fault, no result changed). */
+/* The cache lines of p[0..n) on their way (a hint: no fault, no result changed; prefetch_nta says where). */
 static inline AI void S(prefetch)(const uint8_t *p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
-    _mm_prefetch((const char *)p + n - 1, _MM_HINT_T1);
+    if (prefetch_nta) {
+        for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_NTA);
+        _mm_prefetch((const char *)p + n - 1, _MM_HINT_NTA);
+    } else {
+        for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
+        _mm_prefetch((const char *)p + n - 1, _MM_HINT_T1);
+    }
 }
 
 /* The 32 values of a 32-value block, in order: signed, or 0..31 for the types with a min. */
