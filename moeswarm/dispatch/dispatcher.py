@@ -4,7 +4,9 @@ plan -> send -> gather -> combine. `dispatch` plans the layer (who gets which ro
 every share and returns a handle at once; `combine` gathers the replies (failing over, hedging
 and spot-checking as dispatch/flight.py describes), checks them and adds them up. Between the
 two the caller may compute local work (shared experts): the pair is joined by the handle, as in
-DeepEP.
+DeepEP. A decode step's call that can meet none of a flight's cases goes express
+(dispatch/express.py): the same requests and checks without the flight's bookkeeping, made again
+as a flight when anything goes wrong.
 
 Its collaborators, each held and called, none reaching into another:
 - the holder pool (dispatch/pool.py): links, standing, the placement table; choose, probe, take
@@ -33,7 +35,8 @@ import torch
 
 from moeswarm.dispatch.accounting import Accounting, LayerCall, Resilience
 from moeswarm.dispatch.combine import combine_exact, combine_partial, combine_token
-from moeswarm.dispatch.flight import Flight
+from moeswarm.dispatch import express
+from moeswarm.dispatch.flight import Flight, share_request
 from moeswarm.dispatch.health import REPLY_TIMEOUT_S, DeadlinePolicy
 from moeswarm.dispatch.membership import JOIN, LEFT_CAUSE, Change, MembershipQueue
 from moeswarm.dispatch.owners import Owners
@@ -62,7 +65,7 @@ class Handle:
     layer: LayerId
     hidden: torch.Tensor  # [T, d]
     top_k_index: torch.Tensor  # [T, k] long
-    flight: Flight
+    flight: Flight | express.ExpressCall
     round_trips: int
     started: float  # time.perf_counter()
     call: int = 0  # the layer call's number (Dispatcher.call_number)
@@ -127,30 +130,50 @@ class Dispatcher:
         layer = LayerId(layer)
         shares = self.owners.plan(layer, top_k_index, top_k_weights)
         self.call_number += 1
-        flight = Flight(self.pool, self.verification, self.wire, layer, hidden, top_k_index)
-        flight.start(shares, chain=self.fanout == "chain")
-        if flight.error is not None:
-            flight.abort()
+        flight = self._express(layer, hidden, top_k_index, top_k_weights, shares)
+        if not isinstance(flight, express.ExpressCall):
+            if flight == express.FAILED:  # a holder was taken down: plan again (probing it first)
+                shares = self.owners.plan(layer, top_k_index, top_k_weights)
+            flight = self._flight(layer, hidden, top_k_index, shares)
+            pieces = flight.pieces
+        else:
+            pieces = [(sent.worker, 1) for sent in flight.sent]
         self.routing.update(layer, top_k_index, top_k_weights)  # once sent: the holders compute meanwhile
-        remote = [n for worker, n in flight.pieces if worker not in self.pool.trusted]  # a local holder makes no trip
+        remote = [n for worker, n in pieces if worker not in self.pool.trusted]  # a local holder makes no trip
         round_trips = sum(remote) if self.fanout == "chain" else max(remote, default=0)  # a cut share's pieces go in turn
         self._flights.add(flight)
         return Handle(layer, hidden, top_k_index, flight, round_trips, started, self.call_number)
 
+    def _flight(self, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor, shares: list) -> Flight:
+        flight = Flight(self.pool, self.verification, self.wire, layer, hidden, top_k_index)
+        flight.start(shares, chain=self.fanout == "chain")
+        if flight.error is not None:
+            flight.abort()
+        return flight
+
+    def _express(self, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 shares: list) -> express.ExpressCall | str:
+        """The call sent express (dispatch/express.py), or why not (express.UNFIT or FAILED): it goes as a flight."""
+        if not express.eligible(self.wire, self.fanout, self.verification.checker.policy.fraction, hidden) \
+                or self.owners.replicated(layer):
+            return express.UNFIT
+        call = express.ExpressCall(layer, hidden, top_k_index, top_k_weights)
+        requests = [share_request(self.wire, layer, hidden, top_k_index, share) for share in shares]
+        sent = express.send(self.pool, call, shares, requests)
+        return call if sent == express.SENT else sent
+
     def combine(self, handle: Handle) -> torch.Tensor:
         """Gather the replies and add them into [T, d]."""
-        flight = handle.flight
         try:
-            flight.run(chain=self.fanout == "chain")
+            answers, unchecked, bytes_out, bytes_in = self._gather(handle)
         finally:
-            self._flights.discard(flight)
-        answers = flight.answers()  # [(share, reply, holder)]
-        for holder in flight.unchecked():
+            self._flights.discard(handle.flight)
+        for holder in unchecked:
             self.pool.ledger.used(holder, handle.call)
         out = self._combined(handle, answers)
         trusted = self.pool.trusted
         self.accounting.record(LayerCall(
-            handle.layer, handle.hidden.shape[0], flight.bytes_out, flight.bytes_in, handle.round_trips,
+            handle.layer, handle.hidden.shape[0], bytes_out, bytes_in, handle.round_trips,
             time.perf_counter() - handle.started,
             {self._address(holder): reply.seconds for _, reply, holder in answers},
             _rows(share.tokens for share, _, holder in answers if holder not in trusted and holder != REFEREE),
@@ -158,6 +181,20 @@ class Dispatcher:
                         if reply.result.cpu_s is not None},
         ))
         return out
+
+    def _gather(self, handle: Handle) -> tuple[list, set[int], int, int]:
+        """The call's [(share, reply, holder)] in plan order, the holders whose answers in it no spot
+        check confirmed, and its bytes out and in."""
+        flight = handle.flight
+        if isinstance(flight, express.ExpressCall):
+            answers = express.gather(self.pool, self.verification.gate, flight)
+            if answers is not None:
+                unchecked = {holder for _, _, holder in answers if holder not in self.pool.trusted}
+                return answers, unchecked, flight.bytes_out, flight.bytes_in
+            shares = self.owners.plan(handle.layer, flight.top_k_index, flight.top_k_weights)  # given up: a flight
+            flight = self._flight(handle.layer, flight.hidden, flight.top_k_index, shares)
+        flight.run(chain=self.fanout == "chain")
+        return flight.answers(), flight.unchecked(), flight.bytes_out, flight.bytes_in
 
     def _combined(self, handle: Handle, answers: list) -> torch.Tensor:
         """The answers added into [T, d]: in exact mode as eager adds them, else summed."""

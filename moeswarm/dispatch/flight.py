@@ -65,41 +65,7 @@ class Flight:
         self.pieces: list[tuple[int, int]] = []  # (holder, DISPATCHes) per planned share: more than 1 when cut
 
     def request(self, share: WorkerShare) -> Dispatch:
-        """The DISPATCH of `share`'s rows: hidden [T_w, d] and its routing, in this call's wire.
-
-        In exact mode a share whose experts come first in each of its tokens (every other expert of
-        the token has a higher id; a share holding all of them too) asks for their sums (partial
-        mode): its holder adds each token's expert rows in ascending expert order from zero, the
-        first adds `combine_exact` makes here, which then goes on from that sum with the other
-        holders' rows. The bits are the same and the RESULT is smaller (one row per token, not one
-        per expert): with experts split in ranges, the holder of the lowest range sums every time."""
-        lossless = lossless_codec(self.hidden.dtype)
-        mode = CombineMode.PARTIAL if self.wire.mode == CombineMode.EXACT and self._first(share) else self.wire.mode
-        whole = share.tokens.shape[0] == self.hidden.shape[0]  # distinct, ascending tokens: all of them, no gather
-        hidden = self.hidden if whole else self.hidden[share.tokens]  # [T_w, d]
-        return Dispatch(self.layer, hidden, share.top_k_index, share.top_k_weights,
-                        mode, self.wire.dispatch_codec or lossless, self.wire.combine_codec or lossless,
-                        self.wire.timings)
-
-    def _first(self, share: WorkerShare) -> bool:
-        """Whether, for each token of `share`, its experts come before the token's other routed experts
-        (all of them, where it holds them all); float32 over a lossless combine codec only."""
-        if self.hidden.dtype != torch.float32 or self.wire.combine_codec is not None:
-            return False
-        if share.top_k_index is self.top_k_index:  # the call's whole routing (one holder)
-            return True
-        if share.tokens.shape[0] == 1:  # a decode step's token: plain Python (numpy's calls cost more here)
-            mine_row, routed_row = share.top_k_index.tolist()[0], self.top_k_index[share.tokens[0]].tolist()
-            others_row = [e for e, m in zip(routed_row, mine_row) if e >= 0 and m < 0]
-            return not others_row or max(mine_row) < min(others_row)
-        mine = share.top_k_index.numpy()  # [T_w, k]: -1 where another holder has the slot
-        routed = self.top_k_index.numpy()[share.tokens.numpy()]  # [T_w, k]: the tokens' whole routing
-        others = (routed >= 0) & (mine < 0)  # [T_w, k]: slots other holders compute
-        if not others.any():
-            return True
-        highest_mine = mine.max(axis=1)  # [T_w]: every token of a share has a slot here (-1 is lowest)
-        lowest_other = np.where(others, routed, np.iinfo(routed.dtype).max).min(axis=1)  # [T_w]
-        return bool((highest_mine < lowest_other).all())
+        return share_request(self.wire, self.layer, self.hidden, self.top_k_index, share)
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -327,3 +293,43 @@ class Flight:
         """The holders (not trusted) whose answers count in this call without a spot check confirming them."""
         return {p.winner for p in self.parts
                 if p.counts and not p.confirmed and p.winner not in self.pool.trusted and p.winner >= 0}
+
+
+def share_request(wire: WireConfig, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  share: WorkerShare) -> Dispatch:
+    """The DISPATCH of `share`'s rows: hidden [T_w, d] and its routing, in this call's wire.
+
+    In exact mode a share whose experts come first in each of its tokens (every other expert of
+    the token has a higher id; a share holding all of them too) asks for their sums (partial
+    mode): its holder adds each token's expert rows in ascending expert order from zero, the
+    first adds `combine_exact` makes here, which then goes on from that sum with the other
+    holders' rows. The bits are the same and the RESULT is smaller (one row per token, not one
+    per expert): with experts split in ranges, the holder of the lowest range sums every time."""
+    lossless = lossless_codec(hidden.dtype)
+    mode = CombineMode.PARTIAL if wire.mode == CombineMode.EXACT and _first(wire, hidden, top_k_index, share) else wire.mode
+    whole = share.tokens.shape[0] == hidden.shape[0]  # distinct, ascending tokens: all of them, no gather
+    rows = hidden if whole else hidden[share.tokens]  # [T_w, d]
+    return Dispatch(layer, rows, share.top_k_index, share.top_k_weights,
+                    mode, wire.dispatch_codec or lossless, wire.combine_codec or lossless,
+                    wire.timings)
+
+
+def _first(wire: WireConfig, hidden: torch.Tensor, top_k_index: torch.Tensor, share: WorkerShare) -> bool:
+    """Whether, for each token of `share`, its experts come before the token's other routed experts
+    (all of them, where it holds them all); float32 over a lossless combine codec only."""
+    if hidden.dtype != torch.float32 or wire.combine_codec is not None:
+        return False
+    if share.top_k_index is top_k_index:  # the call's whole routing (one holder)
+        return True
+    if share.tokens.shape[0] == 1:  # a decode step's token: plain Python (numpy's calls cost more here)
+        mine_row, routed_row = share.top_k_index.tolist()[0], top_k_index[share.tokens[0]].tolist()
+        others_row = [e for e, m in zip(routed_row, mine_row) if e >= 0 and m < 0]
+        return not others_row or max(mine_row) < min(others_row)
+    mine = share.top_k_index.numpy()  # [T_w, k]: -1 where another holder has the slot
+    routed = top_k_index.numpy()[share.tokens.numpy()]  # [T_w, k]: the tokens' whole routing
+    others = (routed >= 0) & (mine < 0)  # [T_w, k]: slots other holders compute
+    if not others.any():
+        return True
+    highest_mine = mine.max(axis=1)  # [T_w]: every token of a share has a slot here (-1 is lowest)
+    lowest_other = np.where(others, routed, np.iinfo(routed.dtype).max).min(axis=1)  # [T_w]
+    return bool((highest_mine < lowest_other).all())

@@ -49,6 +49,10 @@ class Owners:
         address = pool.address_of(worker) if worker is not None else "none"
         raise ExpertsUnavailable(address, cause or "out of use", layer, lacking)
 
+    def replicated(self, layer: LayerId) -> bool:
+        """Whether some expert of `layer` has more than one holder (known once the layer was planned)."""
+        return self._choices.get(layer, True)
+
     def _lacking(self, layer: LayerId, top_k_index: torch.Tensor) -> list[int]:
         """The routed experts of `top_k_index` [T, k] with no usable holder, ascending."""
         return sorted(set(top_k_index[self.of(layer)[top_k_index] < 0].tolist()))
