@@ -11,14 +11,16 @@ import time
 
 import pytest
 import torch
-from test_dispatcher import E, FakeWorker, _dispatcher, _routing, answer, reference, tcp_dispatcher
+from test_dispatcher import E, FakeLink, FakeWorker, _dispatcher, _routing, answer, reference, tcp_dispatcher
 from test_malicious_worker import BAD_ANSWERS, DEADLINE
 from test_spot_check import huge_row
 
 from moeswarm.dispatch.errors import ExpertsUnavailable
 from moeswarm.dispatch.express import ExpressCall
 from moeswarm.dispatch.flight import Flight
+from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.dispatch.spot_check import SpotCheckPolicy
+from moeswarm.placement.table import build_table
 from moeswarm.wire.config import CombineMode, WireConfig
 
 ALL = list(range(E))
@@ -38,6 +40,37 @@ def test_a_one_token_call_goes_express_with_the_bits_of_eager_and_of_a_flight(se
     call = express.accounting.calls[0]
     hit = {"ab"[e % 2] for e in index.flatten().tolist()}  # a holds the even experts, b the odd
     assert (call.tokens, call.round_trips, call.worker_seconds) == (1, 1, {holder: 0.001 for holder in hit})
+
+
+class Remote(FakeLink):
+    """A fake link with a socket to select on, that notes when it is awaited."""
+
+    def __init__(self, name, held, awaited):
+        super().__init__(name, held)
+        self.awaited = awaited
+
+    def fileno(self):
+        return 99
+
+    def wait(self, pending, deadline):
+        self.awaited.append(self.address)
+        return super().wait(pending, deadline)
+
+
+class Here(Remote):
+    def fileno(self):
+        return None  # computed when awaited, as this process's experts are
+
+
+def test_experts_computed_here_are_awaited_first_while_the_others_replies_are_on_the_wire():
+    awaited = []
+    links = [Remote("far", [0, 2, 4, 6], awaited), Here("here", [1, 3, 5, 7], awaited)]
+    dispatcher = Dispatcher(links, build_table({i: link.info.held for i, link in enumerate(links)}, E))
+    hidden, index, weights = _routing(1, 22)  # experts 5 and 4: both holders
+    handle = dispatcher.dispatch(0, hidden, index, weights)
+    assert isinstance(handle.flight, ExpressCall)
+    assert torch.equal(dispatcher.combine(handle), reference(hidden, index, weights))
+    assert awaited == ["here", "far"]
 
 
 def test_calls_that_may_need_a_flight_do_not_go_express():

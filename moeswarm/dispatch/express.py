@@ -100,10 +100,15 @@ def send(pool: HolderPool, call: ExpressCall, shares: list[WorkerShare], request
 
 def gather(pool: HolderPool, gate: NormGate, call: ExpressCall) -> list[tuple[WorkerShare, Reply, int]] | None:
     """(share, reply, holder) per share in plan order, each checked; None where the call must be made
-    again as a flight (nothing left in flight; a holder that erred taken down)."""
-    answers = []
+    again as a flight (nothing left in flight; a holder that erred taken down).
+
+    Holders with nothing to select on (this process's experts: transport/local.py) compute when
+    awaited: they are awaited first, while the others' replies are on the wire."""
     width = call.hidden.shape[1]
-    for at, sent in enumerate(call.sent):
+    order = sorted(range(len(call.sent)), key=lambda i: pool.links[call.sent[i].worker].fileno() is not None)
+    answers: list = [None] * len(call.sent)
+    for i in order:
+        sent = call.sent[i]
         link, holder = pool.links[sent.worker], pool.holders[sent.worker]
         try:
             reply = link.wait(sent.pending, sent.deadline)
@@ -111,26 +116,26 @@ def gather(pool: HolderPool, gate: NormGate, call: ExpressCall) -> list[tuple[Wo
             if time.monotonic() >= sent.deadline:
                 pool.stats.deadline_misses += 1
                 holder.stalled(time.monotonic())
-            give_up(pool, call, sent.worker, error.cause, answered=at + 1)
+            give_up(pool, call, sent.worker, error.cause)
             return None
         call.bytes_in += reply.bytes_in
         problem = result_problem(sent.share, call.layer, sent.request.mode, width, reply.result, sent.request.hidden)
         if problem:
-            give_up(pool, call, sent.worker, problem, answered=at + 1)
+            give_up(pool, call, sent.worker, problem)
             return None
         if sent.worker not in pool.trusted and gate.problem(call.layer, reply.result.outputs, sent.request.hidden):
-            give_up(pool, call, None, "", answered=at + 1)  # the flight asks again and settles who is right
+            give_up(pool, call, None, "")  # the flight asks again and settles who is right
             return None
         holder.round_trips.record(reply.seconds, 1)
         holder.on_time()
-        answers.append((sent.share, reply, sent.worker))
+        answers[i] = (sent.share, reply, sent.worker)
     return answers
 
 
-def give_up(pool: HolderPool, call: ExpressCall, worker: int | None, cause: str, answered: int = 0) -> None:
-    """End `call`: forget its requests not yet answered (from `answered` on in send order) and take
+def give_up(pool: HolderPool, call: ExpressCall, worker: int | None, cause: str) -> None:
+    """End `call`: forget its requests (an answered one is forgotten already: a no-op) and take
     `worker` down for `cause` (None: nobody failed)."""
-    for sent in call.sent[answered:]:
+    for sent in call.sent:
         pool.links[sent.worker].forget(sent.pending)
     call.sent = []
     if worker is not None:
