@@ -130,14 +130,14 @@ class Dispatcher:
         layer = LayerId(layer)
         shares = self.owners.plan(layer, top_k_index, top_k_weights)
         self.call_number += 1
-        flight = self._express(layer, hidden, top_k_index, top_k_weights, shares)
-        if not isinstance(flight, express.ExpressCall):
-            if flight == express.FAILED:  # a holder was taken down: plan again (probing it first)
+        sent = self._express(layer, hidden, top_k_index, top_k_weights, shares)
+        if isinstance(sent, express.ExpressCall):
+            flight, pieces = sent, [(one.worker, 1) for one in sent.sent]
+        else:
+            if sent == express.FAILED:  # a holder was taken down: plan again (probing it first)
                 shares = self.owners.plan(layer, top_k_index, top_k_weights)
             flight = self._flight(layer, hidden, top_k_index, shares)
             pieces = flight.pieces
-        else:
-            pieces = [(sent.worker, 1) for sent in flight.sent]
         self.routing.update(layer, top_k_index, top_k_weights)  # once sent: the holders compute meanwhile
         remote = [n for worker, n in pieces if worker not in self.pool.trusted]  # a local holder makes no trip
         round_trips = sum(remote) if self.fanout == "chain" else max(remote, default=0)  # a cut share's pieces go in turn
