@@ -134,7 +134,7 @@ def ragged_attention(module, query, key, value, attention_mask, **kwargs):
         mask = layout.mask(segment, window, query.dtype, sdpa)
         out, _ = inner(module, query[:, :, segment.start : segment.end], keys, values, mask, **kwargs)
         outputs.append(out)  # [1, n, Hq, Dv]
-    return torch.cat(outputs, dim=1), None
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
 def ragged_mask(*args, config=None, **kwargs):

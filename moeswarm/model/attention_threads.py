@@ -8,10 +8,15 @@ stage had to run with its gateway reference's thread count. Every matrix around 
 already thread-invariant on a GGUF file (qkernels' threads split rows, never a dot product). With
 the attention on one thread the three requests give the same text at 1 and 2 threads.
 
-The cost: a decode step's attention is one query per sequence (a real-dimension decode step took
-the same time within noise: 67.7 against 70.0 ms, one worker, 4 alternating pairs); a long
-prompt's attention loses its second thread. Only transformers' "sdpa" implementation is wrapped;
-a family that runs its own eager attention keeps torch's threads.
+The cost: a long prompt's attention loses its second thread (a decode step's is one query per
+sequence: 67.7 against 70.0 ms per real-dimension step, one worker, 4 alternating pairs).
+
+A decode step's attention (one query, no mask) is one C call instead (qkernels.attend_one: a fixed
+order of sums, on this thread): for 16 heads of 128 over 100 positions torch's sdpa took 86 us on one
+thread (135 us a layer in a real-dimension decode step, with transformers' wrapper around it), the
+C call 52-60 us; the output never carries a gradient (nothing here trains). Its bits differ from sdpa's in the last places; the local reference takes the same path, so
+`--check-local` compares like with like. Only transformers' "sdpa" implementation is wrapped; a
+family that runs its own eager attention keeps torch's threads.
 """
 
 from __future__ import annotations
@@ -22,22 +27,43 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from moeswarm.weights import qkernels
+
 # torch.set_num_threads is partly process-wide (MKL's count): one thread toggles it at a time, and
 # puts back what it found (serve's groups in flight run forwards on two threads).
 _LOCK = threading.Lock()
 
 
-def sdpa_one_thread(*args, **kwargs):
-    """transformers' sdpa attention, computed on one torch thread."""
+def sdpa_one_thread(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' sdpa attention, computed on one torch thread; a single unmasked query in C."""
+    if _one_query(query, key, value, attention_mask, args, kwargs):
+        scaling = kwargs.get("scaling")
+        scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        return qkernels.attend_one(query, key, value, scale), None  # [B, 1, Hq, Dv]
     with _LOCK:
         threads = torch.get_num_threads()
         if threads == 1:
-            return sdpa_attention_forward(*args, **kwargs)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
         torch.set_num_threads(1)
         try:
-            return sdpa_attention_forward(*args, **kwargs)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
         finally:
             torch.set_num_threads(threads)
+
+
+# Arguments that change what sdpa_attention_forward computes (anything else it ignores).
+_CHANGES_RESULT = ("softcap", "position_bias", "cache", "s_aux", "sinks", "output_attentions")
+
+
+def _one_query(query, key, value, attention_mask, args, kwargs) -> bool:
+    """Whether this call is one query per batch row with no mask and no dropout: query [B, Hq, 1, D],
+    key [B, Hkv, p, D], value [B, Hkv, p, Dv], float32 on the CPU, last dimensions contiguous."""
+    return (not args and attention_mask is None and query.dim() == 4 and query.shape[2] == 1
+            and key.dim() == 4 and value.dim() == 4 and key.shape[2] >= 1 and qkernels.available()
+            and query.dtype is key.dtype is value.dtype is torch.float32 and query.device.type == "cpu"
+            and not kwargs.get("dropout") and not any(kwargs.get(name) for name in _CHANGES_RESULT)
+            and key.shape[:3] == value.shape[:3] and key.shape[0] == query.shape[0] and key.shape[3] == query.shape[3]
+            and query.shape[1] % key.shape[1] == 0 and query.stride(3) == key.stride(3) == value.stride(3) == 1)
 
 
 def is_sdpa(attention) -> bool:

@@ -1,9 +1,10 @@
-/* A decoder layer's row operations around its matrices, float32: RMSNorm and the rotary embedding.
+/* A decoder layer's row operations around its matrices, float32: RMSNorm, the rotary embedding,
+ * and a decode step's attention (one query against its cached keys and values).
  *
  * Each is one C call where transformers' PyTorch code runs 6-10 tensor operations (each a few
  * microseconds of dispatch at a decode step's one row: about a third of a real-dimension backbone's
- * Python time per token). Loaded with ctypes by moeswarm/weights/row_ops.py, which says where each
- * is used.
+ * Python time per token). Loaded with ctypes by moeswarm/weights/row_ops.py and
+ * moeswarm/model/attention_threads.py, which say where each is used.
  *
  * Exactness: every output value depends on its own row only (never on the other rows, the batch or a
  * thread count), and both local references and remote paths call the same function.
@@ -13,6 +14,9 @@
  *   16 lanes (lane k mod 16, in the order of k), the lanes by a fixed tree, then / d. torch's sum has
  *   another association (and another per instruction set), so its bits differ from transformers'
  *   in the last place; it is only used where the reference uses it too.
+ * - attend_one sums in its own fixed orders too (dot products as rms_norm's sum; the softmax and the
+ *   values position by position), so its bits differ from torch's sdpa in the last places; the
+ *   same holds: only where the reference uses it too.
  */
 
 #include <math.h>
@@ -58,4 +62,86 @@ CLONES void qk_rope(const float *x, const int64_t *xs, float *out, const int64_t
                 for (int64_t i = 0; i < h; i++) o[i] = xr[i] * c[i] + (-xr[i + h]) * s[i];
                 for (int64_t i = h; i < D; i++) o[i] = xr[i] * c[i] + xr[i - h] * s[i];
             }
+}
+
+/* 8-lane float vectors: a 16-lane accumulator lives in memory on AVX2 (GCC spills it every
+ * iteration), two of these stay in registers. */
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float v8u __attribute__((vector_size(8 * sizeof(float)), aligned(4), may_alias));  /* any float address */
+typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+static inline __attribute__((always_inline)) v8 load8(const float *p) { return *(const v8u *)p; }
+
+/* Dot product of a and b (n values) with a fixed association: 16 lanes (value k in lane k mod 16,
+ * in the order of k; lanes 0-7 in lo, 8-15 in hi), the lanes added by a fixed tree (+8, +4, +2, +1). */
+static inline __attribute__((always_inline)) float fixed_dot(const float *a, const float *b, int64_t n) {
+    v8 lo = {0}, hi = {0};
+    int64_t main = n - n % 16, k = 0;
+    for (; k < main; k += 16) {
+        lo = lo + load8(a + k) * load8(b + k);
+        hi = hi + load8(a + k + 8) * load8(b + k + 8);
+    }
+    if (k < n) {  /* at most one more value a lane (a vector indexed by a variable would live in memory) */
+        float tail[16] = {0};
+        for (; k < n; k++) tail[k % 16] = a[k] * b[k];
+        lo = lo + load8(tail);
+        hi = hi + load8(tail + 8);
+    }
+    v8 half = lo + hi;
+    v4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
+    float pair0 = quarter[0] + quarter[2], pair1 = quarter[1] + quarter[3];
+    return pair0 + pair1;
+}
+
+/* One query per batch row attending to p keys and values, as scaled_dot_product_attention without
+ * a mask: q [B, Hq, 1, D] (strides qs: batch, head), k [B, Hkv, p, D] and v [B, Hkv, p, Dv]
+ * (strides ks, vs: batch, head, position; values contiguous), query head h reading key/value head
+ * h / (Hq / Hkv); out [B, 1, Hq, Dv] contiguous. Per head, with s_j = dot(q, k_j) * scale:
+ *   out = sum_j exp(s_j - max s) v_j / sum_j exp(s_j - max s)
+ * each sum over the positions in turn, on this thread. scratch: p floats. */
+CLONES void qk_attend_one(const float *q, const int64_t *qs, const float *k, const int64_t *ks, const float *v,
+                          const int64_t *vs, int64_t B, int64_t Hq, int64_t Hkv, int64_t p, int64_t D, int64_t Dv,
+                          float scale, float *out, float *scratch) {
+    int64_t group = Hq / Hkv;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *qh = q + b * qs[0] + h * qs[1];
+            const float *kh = k + b * ks[0] + (h / group) * ks[1];
+            const float *vh = v + b * vs[0] + (h / group) * vs[1];
+            float *o = out + (b * Hq + h) * Dv;
+            float top = -INFINITY;
+            for (int64_t j = 0; j < p; j++) {
+                scratch[j] = fixed_dot(qh, kh + j * ks[2], D) * scale;
+                if (scratch[j] > top) top = scratch[j];
+            }
+            float total = 0.0f;
+            for (int64_t j = 0; j < p; j++) {
+                scratch[j] = expf(scratch[j] - top);
+                total = total + scratch[j];
+            }
+            int64_t wide = Dv - Dv % 32, main = Dv - Dv % 8, c = 0;
+            for (; c < wide; c += 32) {  /* four accumulators: four additions in flight */
+                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int64_t j = 0; j < p; j++) {
+                    const float *vj = vh + j * vs[2] + c;
+                    a0 = a0 + scratch[j] * load8(vj);
+                    a1 = a1 + scratch[j] * load8(vj + 8);
+                    a2 = a2 + scratch[j] * load8(vj + 16);
+                    a3 = a3 + scratch[j] * load8(vj + 24);
+                }
+                *(v8u *)(o + c) = a0 / total;
+                *(v8u *)(o + c + 8) = a1 / total;
+                *(v8u *)(o + c + 16) = a2 / total;
+                *(v8u *)(o + c + 24) = a3 / total;
+            }
+            for (; c < main; c += 8) {
+                v8 acc = {0};
+                for (int64_t j = 0; j < p; j++) acc = acc + scratch[j] * load8(vh + j * vs[2] + c);
+                *(v8u *)(o + c) = acc / total;
+            }
+            for (; c < Dv; c++) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < p; j++) acc = acc + scratch[j] * vh[j * vs[2] + c];
+                o[c] = acc / total;
+            }
+        }
 }

@@ -6,7 +6,9 @@
   wan     the same through one emulated WAN link per worker (moeswarm.tools.wan), its RTT set per run
 then answers `run` requests (real_proc.serve): a fresh cache, the prompt as one forward (timed:
 prompt speed), then greedy decode steps, one token per forward with the argmax of its logits
-(timed together: decode speed), as real_llama times llama.cpp's. Over the decode steps it also
+(timed together: decode speed), as real_llama times llama.cpp's. The forwards are the packed ones
+of `generate` and `serve` (generation/ragged.py: the sequence's own cache, the decode query's
+attention in C) where the model's layers allow them, else transformers' cache (Stepper). Over the decode steps it also
 reads the dispatcher's accounting (each layer call's time, each worker's round trips) and every
 process's CPU time per thread (/proc), and with `profile` the step's time by part (real_profile).
 """
@@ -29,6 +31,7 @@ def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
     import torch
 
     from moeswarm.tools.bench.real_profile import StepProfile
+    from moeswarm.generation.ragged import PackedStepper, install, supports_ragged
     from moeswarm.generation.stepper import Stepper
     from moeswarm.heap import freeze_loaded
     from moeswarm.swarm import open_swarm
@@ -56,18 +59,23 @@ def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
     # the dispatcher names a worker by the address it connected to: a proxy's, in the workers' order
     addresses = links.addresses if links is not None else [address for address, _ in workers]
     pids = {address: pid for address, (_, pid) in zip(addresses, workers)}
+    packed = supports_ragged(swarm.model)
+    if packed:
+        install(swarm.model)
 
     def run(request: dict) -> dict:
         if links is not None:
             links.set_all(rtt_s=request.get("rtt_ms", 0.0) / 1e3)
         profile = StepProfile(swarm.model) if request.get("profile") else None
         try:
-            return _run(swarm, Stepper(swarm.model), request["prompt"], request["decode"], pids, profile)
+            stepper = PackedStepper(swarm.model) if packed else Stepper(swarm.model)
+            return _run(swarm, stepper, request["prompt"], request["decode"], pids, profile)
         finally:
             if profile is not None:
                 profile.close()
 
-    info = {"opened": opened, "threads": threads, "moe_layers": len(swarm.moe_layers), "holders": swarm.workers,
+    info = {"opened": opened, "forwards": "packed" if packed else "transformers' cache", "threads": threads,
+            "moe_layers": len(swarm.moe_layers), "holders": swarm.workers,
             "wire": swarm.wire.describe()}
     return info, run
 
