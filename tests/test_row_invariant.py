@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,3 +121,33 @@ def test_greedy_requests_batched_on_the_engine_equal_each_alone(qwen3_q4_k_m):
             engine.stop()
     assert got == alone
     assert engine.checked_rows > 0 and engine.mismatched_rows == 0
+
+
+def _fixed_dot(a: np.ndarray, b: np.ndarray) -> np.float32:
+    """The float path's documented association in float32 (weights/qk_vec.h, fixed_dot): lane k mod 16
+    gets a[k] * b[k] in the order of k, then the lanes are added +8, +4, +2, +1."""
+    products = (a.astype(np.float32) * b.astype(np.float32)).astype(np.float32)
+    lanes = np.zeros(16, dtype=np.float32)
+    for k, p in enumerate(products):
+        lanes[k % 16] = np.float32(lanes[k % 16] + p)
+    for width in (8, 4, 2, 1):
+        lanes[:width] = (lanes[:width] + lanes[width : 2 * width]).astype(np.float32)
+    return lanes[0]
+
+
+@pytest.mark.parametrize("in_features,rows", [(2048, 1), (100, 3), (8, 2), (33, 4)])
+def test_the_float_path_sums_in_its_documented_order(in_features, rows):
+    # the bits of a router's product and of a norm's sum are pinned: any rewrite of the kernels keeps them
+    torch.manual_seed(3)
+    weight, x = torch.randn(7, in_features), torch.randn(rows, in_features)
+    got = qkernels.matmul(0, weight.numpy().view(np.uint8), in_features, x, 2)  # F32 rows, 2 threads
+    expected = torch.tensor([[_fixed_dot(weight[o].numpy(), x[t].numpy()) for o in range(7)] for t in range(rows)])
+    assert torch.equal(got, expected)
+    d = in_features
+    norm_weight = torch.randn(d)
+    normed = torch.empty(rows, d)
+    qkernels.rms_norm(x, norm_weight, 1e-6, normed)
+    for t in range(rows):
+        row = x[t].numpy()
+        scale = np.float32(1.0) / np.sqrt(np.float32(_fixed_dot(row, row) / np.float32(d)) + np.float32(1e-6))
+        assert torch.equal(normed[t], torch.from_numpy(norm_weight.numpy() * (row * np.float32(scale))))

@@ -29,19 +29,8 @@
  * ldx apart, y's d apart; w: d values). */
 CLONES void qk_rms_norm(const float *x, int64_t rows, int64_t d, int64_t ldx, const float *w, float eps, float *y) {
     for (int64_t r = 0; r < rows; r++, x += ldx, y += d) {
-        v16 acc = {0};
-        int64_t main = d - d % LANES, k = 0;
-        for (; k < main; k += LANES) {
-            v16 v = load16(x + k);
-            acc = acc + v * v;
-        }
-        float lanes[LANES];
-        memcpy(lanes, &acc, sizeof lanes);
-        for (; k < d; k++) lanes[k % LANES] = lanes[k % LANES] + x[k] * x[k];
-        for (int width = LANES / 2; width > 0; width /= 2)
-            for (int i = 0; i < width; i++) lanes[i] = lanes[i] + lanes[i + width];
-        float scale = 1.0f / sqrtf(lanes[0] / (float)d + eps);
-        for (k = 0; k < d; k++) y[k] = w[k] * (x[k] * scale);
+        float scale = 1.0f / sqrtf(fixed_dot(x, x, d) / (float)d + eps);
+        for (int64_t k = 0; k < d; k++) y[k] = w[k] * (x[k] * scale);
     }
 }
 
@@ -62,34 +51,6 @@ CLONES void qk_rope(const float *x, const int64_t *xs, float *out, const int64_t
                 for (int64_t i = 0; i < h; i++) o[i] = xr[i] * c[i] + (-xr[i + h]) * s[i];
                 for (int64_t i = h; i < D; i++) o[i] = xr[i] * c[i] + xr[i - h] * s[i];
             }
-}
-
-/* 8-lane float vectors: a 16-lane accumulator lives in memory on AVX2 (GCC spills it every
- * iteration), two of these stay in registers. */
-typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float v8u __attribute__((vector_size(8 * sizeof(float)), aligned(4), may_alias));  /* any float address */
-typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
-static inline __attribute__((always_inline)) v8 load8(const float *p) { return *(const v8u *)p; }
-
-/* Dot product of a and b (n values) with a fixed association: 16 lanes (value k in lane k mod 16,
- * in the order of k; lanes 0-7 in lo, 8-15 in hi), the lanes added by a fixed tree (+8, +4, +2, +1). */
-static inline __attribute__((always_inline)) float fixed_dot(const float *a, const float *b, int64_t n) {
-    v8 lo = {0}, hi = {0};
-    int64_t main = n - n % 16, k = 0;
-    for (; k < main; k += 16) {
-        lo = lo + load8(a + k) * load8(b + k);
-        hi = hi + load8(a + k + 8) * load8(b + k + 8);
-    }
-    if (k < n) {  /* at most one more value a lane (a vector indexed by a variable would live in memory) */
-        float tail[16] = {0};
-        for (; k < n; k++) tail[k % 16] = a[k] * b[k];
-        lo = lo + load8(tail);
-        hi = hi + load8(tail + 8);
-    }
-    v8 half = lo + hi;
-    v4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
-    float pair0 = quarter[0] + quarter[2], pair1 = quarter[1] + quarter[3];
-    return pair0 + pair1;
 }
 
 /* One query per batch row attending to p keys and values, as scaled_dot_product_attention without

@@ -388,13 +388,19 @@ CLONES static void rows_few_tokens(int type, const uint8_t *w, int64_t row_bytes
  * dot_tile's second, duplicated token at n = 1 (a router's product: 64 x 2048 took 158 us). */
 static inline __attribute__((always_inline)) void f32_tile(const float *w, int64_t K, const float *x, float *y, const int R) {
     int64_t main = K - K % LANES;
-    v16 acc[ROW_TILE];
-    for (int r = 0; r < R; r++) acc[r] = (v16){0};
+    v8 lo[ROW_TILE], hi[ROW_TILE];  /* lanes 0-7 and 8-15 of each row's 16 (qk_vec.h) */
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = (v8){0};
     for (int64_t k = 0; k < main; k += LANES) {
-        v16 xv = load16(x + k);
-        for (int r = 0; r < R; r++) acc[r] = acc[r] + load16(w + r * K + k) * xv;
+        v8 xl = load8(x + k), xh = load8(x + k + 8);
+        for (int r = 0; r < R; r++) {
+            lo[r] = lo[r] + load8(w + r * K + k) * xl;
+            hi[r] = hi[r] + load8(w + r * K + k + 8) * xh;
+        }
     }
-    for (int r = 0; r < R; r++) y[r] = finish(acc[r], w + r * K, x, main, K);
+    for (int r = 0; r < R; r++) {
+        add_tail(&lo[r], &hi[r], w + r * K, x, main, K);
+        y[r] = tree16(lo[r], hi[r]);
+    }
 }
 
 CLONES static void f32_rows(const float *w, int64_t K, int64_t rows, const float *x, int64_t n, int64_t ldx,
