@@ -133,3 +133,14 @@ def test_a_masked_or_dropped_out_query_keeps_transformers_attention():
     expected, _ = sdpa_attention_forward(_Module(), query, key, value, mask)
     assert torch.equal(got, expected)
     assert not torch.allclose(got, qkernels.attend_one(query, key, value, 32 ** -0.5), atol=1e-4)
+
+
+@pytest.mark.skipif(not qkernels.available(), reason="needs the C kernels")
+def test_a_single_query_with_a_position_bias_keeps_transformers_attention():
+    # a tensor argument that changes the result (a relative position bias) is never taken for "none given"
+    torch.manual_seed(3)
+    query, key, value = torch.randn(1, 4, 1, 32), torch.randn(1, 4, 6, 32), torch.randn(1, 4, 6, 32)
+    bias = torch.randn(1, 4, 1, 6)
+    got, _ = sdpa_one_thread(_Module(), query, key, value, None, position_bias=bias)
+    expected, _ = sdpa_attention_forward(_Module(), query, key, value, None, position_bias=bias)
+    assert torch.equal(got, expected)

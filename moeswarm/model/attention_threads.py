@@ -14,9 +14,10 @@ sequence: 67.7 against 70.0 ms per real-dimension step, one worker, 4 alternatin
 A decode step's attention (one query, no mask) is one C call instead (qkernels.attend_one: a fixed
 order of sums, on this thread): for 16 heads of 128 over 100 positions torch's sdpa took 86 us on one
 thread (135 us a layer in a real-dimension decode step, with transformers' wrapper around it), the
-C call 52-60 us; the output never carries a gradient (nothing here trains). Its bits differ from sdpa's in the last places; the local reference takes the same path, so
-`--check-local` compares like with like. Only transformers' "sdpa" implementation is wrapped; a
-family that runs its own eager attention keeps torch's threads.
+C call 52-60 us; the output never carries a gradient (nothing here trains). Its bits differ from
+sdpa's in the last places; the local reference takes the same path, so `--check-local` compares
+like with like. Only transformers' "sdpa" implementation is wrapped; a family that runs its own
+eager attention keeps torch's threads.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def sdpa_one_thread(module, query, key, value, attention_mask, *args, **kwargs):
             torch.set_num_threads(threads)
 
 
-# Arguments that change what sdpa_attention_forward computes (anything else it ignores).
-_CHANGES_RESULT = ("softcap", "position_bias", "cache", "s_aux", "sinks", "output_attentions")
+# Arguments that change what sdpa_attention_forward computes when given (anything else it ignores).
+_CHANGES_RESULT = ("softcap", "position_bias", "cache", "s_aux", "sinks")
 
 
 def _one_query(query, key, value, attention_mask, args, kwargs) -> bool:
@@ -61,7 +62,8 @@ def _one_query(query, key, value, attention_mask, args, kwargs) -> bool:
     return (not args and attention_mask is None and query.dim() == 4 and query.shape[2] == 1
             and key.dim() == 4 and value.dim() == 4 and key.shape[2] >= 1 and qkernels.available()
             and query.dtype is key.dtype is value.dtype is torch.float32 and query.device.type == "cpu"
-            and not kwargs.get("dropout") and not any(kwargs.get(name) for name in _CHANGES_RESULT)
+            and not kwargs.get("dropout") and not kwargs.get("output_attentions")
+            and all(kwargs.get(name) is None for name in _CHANGES_RESULT)
             and key.shape[:3] == value.shape[:3] and key.shape[0] == query.shape[0] and key.shape[3] == query.shape[3]
             and query.shape[1] % key.shape[1] == 0 and query.stride(3) == key.stride(3) == value.stride(3) == 1)
 

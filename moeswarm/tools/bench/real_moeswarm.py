@@ -8,9 +8,10 @@ then answers `run` requests (real_proc.serve): a fresh cache, the prompt as one 
 prompt speed), then greedy decode steps, one token per forward with the argmax of its logits
 (timed together: decode speed), as real_llama times llama.cpp's. The forwards are the packed ones
 of `generate` and `serve` (generation/ragged.py: the sequence's own cache, the decode query's
-attention in C) where the model's layers allow them, else transformers' cache (Stepper). Over the decode steps it also
-reads the dispatcher's accounting (each layer call's time, each worker's round trips) and every
-process's CPU time per thread (/proc), and with `profile` the step's time by part (real_profile).
+attention in C) where the model's layers allow them, else transformers' cache (Stepper). Over the
+decode steps it also reads the dispatcher's accounting (each layer call's time, each worker's round
+trips) and every process's CPU time per thread (/proc), and with `profile` the step's time by part
+(real_profile).
 """
 
 from __future__ import annotations
