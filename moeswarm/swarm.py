@@ -19,6 +19,7 @@ from moeswarm.dispatch.referee import Referee
 from moeswarm.dispatch.spot_check import SpotCheckPolicy
 from moeswarm.dispatch.taint import Taint
 from moeswarm.errors import MoeSwarmError
+from moeswarm.generation.ragged import set_kv_cache
 from moeswarm.ids import WorkerId
 from moeswarm.model.backend import attach, set_overlap
 from moeswarm.model.experts import experts_modules, num_experts_in_config, num_experts_of
@@ -222,6 +223,7 @@ def open_swarm(model_path, workers: Sequence[str], config: SwarmConfig | None = 
 def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, following, span: range | None,
           ends: bool) -> Swarm:
     model, source = load_backbone(model_path, span, ends)
+    set_kv_cache(model, config.kv_cache)
     num_experts, hidden_size = num_experts_of(model), model.config.hidden_size
     local_experts = config.local_experts
     if config.discovery is None and not workers and not local_experts:

@@ -59,6 +59,10 @@ def add_swarm_flags(parser: argparse.ArgumentParser) -> None:
     add("--threads", type=positive, default=None,
         help="CPU threads of the backbone, torch's and the kernels' (default: every core: the backbone and its "
              "workers take turns)")
+    add("--kv-cache", choices=("model", "f16"), default="model",
+        help="how the backbone keeps each sequence's keys and values: model (its own dtype, float32 for a GGUF "
+             "file) or f16 (float16, as llama.cpp does: half the memory a position and half the bytes a decode "
+             "step's attention reads; a stage and its gateway must agree for --check-local)")
     add_local_experts(parser)
     add_backbone_swarm(parser)
     add_swarm_key(parser)
@@ -72,4 +76,4 @@ def swarm_config(args: argparse.Namespace, source, report=None) -> SwarmConfig:
         wire=WireConfig.from_flags(args.wire, args.combine, args.wire_dispatch, args.wire_combine),
         fanout=args.fanout, reply_timeout_s=args.reply_timeout, hedge=not args.no_hedge, spot_check=args.spot_check,
         local_experts=resolve_local_experts(args, source), tls=client_tls(args.swarm_key),
-        discovery=discovery_options(args, report=report))
+        discovery=discovery_options(args, report=report), kv_cache=args.kv_cache)

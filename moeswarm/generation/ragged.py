@@ -31,11 +31,13 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from moeswarm.generation.sequence_cache import SequenceCache
-from moeswarm.model.attention_threads import is_sdpa
+from moeswarm.model.attention_threads import is_sdpa, sdpa_one_thread
 
 RAGGED = "moeswarm_ragged"
 _INNER = "_moeswarm_inner_attention"
 JOURNAL = "_moeswarm_journal"  # set on a gateway's model: the journal its sequence caches record in  # set on each config: the implementation a plain forward keeps using
+KV_DTYPE = "_moeswarm_kv_dtype"  # set on a model (set_kv_cache): the dtype its packed forwards' caches keep
+KV_CACHES = {"model": None, "f16": torch.float16}  # --kv-cache: None keeps keys and values in the model's dtype
 _LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Attention that caches something other than the keys and values it attends to: multi-head latent
 # attention (DeepSeek V2/V3, GLM-4 Lite) caches a compressed latent and expands it after the cache.
@@ -131,6 +133,8 @@ def ragged_attention(module, query, key, value, attention_mask, **kwargs):
         raise ValueError(f"{type(module).__name__} attends to other keys than it caches: it cannot be packed")
     for segment in layout.segments:
         keys, values = segment.cache.view(layer, segment.row)  # [1, H, p + n, D]
+        if keys.dtype != query.dtype and inner is not sdpa_one_thread:  # a float16 cache (sequence_cache.py)
+            keys, values = keys.to(query.dtype), values.to(query.dtype)  # only the C one-query call reads it as it is
         mask = layout.mask(segment, window, query.dtype, sdpa)
         out, _ = inner(module, query[:, :, segment.start : segment.end], keys, values, mask, **kwargs)
         outputs.append(out)  # [1, n, Hq, Dv]
@@ -179,6 +183,23 @@ def install(model: PreTrainedModel) -> None:
         if config is not None and not hasattr(config, _INNER):
             setattr(config, _INNER, config._attn_implementation or "sdpa")
     model.set_attn_implementation(RAGGED)
+
+
+def set_kv_cache(model: PreTrainedModel, name: str) -> None:
+    """Keep the keys and values of `model`'s packed forwards as `name` says (KV_CACHES; sequence_cache.py)."""
+    if name not in KV_CACHES:
+        raise ValueError(f"--kv-cache {name!r}: one of {', '.join(KV_CACHES)}")
+    setattr(model, KV_DTYPE, KV_CACHES[name])
+
+
+def kv_dtype(model: PreTrainedModel) -> torch.dtype | None:
+    """The dtype `model`'s sequence caches keep (None: the model's own)."""
+    return getattr(model, KV_DTYPE, None)
+
+
+def kv_cache_name(model: PreTrainedModel) -> str:
+    """`model`'s --kv-cache choice (a stage says it at HELLO: its gateway must keep its own cache alike)."""
+    return next(name for name, dtype in KV_CACHES.items() if dtype == kv_dtype(model))
 
 
 @dataclass
@@ -252,7 +273,8 @@ class PackedStepper:
     def __init__(self, model: PreTrainedModel):
         self.model = model
         self.journal = getattr(model, JOURNAL, None)  # a gateway's: its stages mirror every cache (stages/)
-        self._cache = SequenceCache(self.journal)
+        self.dtype = kv_dtype(model)
+        self._cache = SequenceCache(self.journal, self.dtype)
 
     @property
     def cache(self) -> SequenceCache:
@@ -260,7 +282,7 @@ class PackedStepper:
 
     @cache.setter
     def cache(self, cache: SequenceCache | None) -> None:
-        self._cache = cache if cache is not None else SequenceCache(self.journal)  # None: start afresh, as Stepper does
+        self._cache = cache if cache is not None else SequenceCache(self.journal, self.dtype)  # None: afresh, as Stepper
 
     @property
     def length(self) -> int:

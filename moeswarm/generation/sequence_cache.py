@@ -4,6 +4,13 @@ Per attention layer, the keys and values of every position the sequence has fed,
 grow by doubling (a decode step appends in place instead of copying the whole cache); alternative
 draft rows keep theirs aside until one is kept.
 
+The entries are kept in the model's dtype (float32 for every backbone here) or, with `--kv-cache
+f16`, as float16, as llama.cpp keeps its cache: half the bytes a position, so half the memory a
+sequence holds and half the bytes a decode step's attention reads. Every entry is rounded to the
+cache's dtype once, as it is filed (a branch row's too, kept aside), so a position attends to the
+same values whichever way its keys were fed; the attention widens them where it reads them
+(qkernels.attend_one reads float16 directly).
+
 Legend: H = key/value heads, D = head size, n = new positions, m = a branch's positions aside.
 """
 
@@ -19,7 +26,9 @@ class SequenceCache:
     is kept. With a `journal` (generation/cache_journal.py), every keep, crop, copy and close is
     recorded under this cache's `id`, for the stages that hold this sequence's other layers."""
 
-    def __init__(self, journal=None):
+    def __init__(self, journal=None, dtype: torch.dtype | None = None):
+        """dtype: what the entries are kept as (None: the dtype of the first keys and values filed)."""
+        self.dtype = dtype
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [1, H, capacity, D]
         self.values: dict[int, torch.Tensor] = {}
         self.lengths: dict[int, int] = {}
@@ -40,6 +49,8 @@ class SequenceCache:
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor, row: int | None) -> None:
         """keys, values [1, H, n, D*]: new positions, committed (row None) or aside for branch `row`."""
+        if self.dtype is not None:
+            keys, values = keys.to(self.dtype), values.to(self.dtype)
         if row is not None:
             held = self.pending.setdefault(layer, {})
             if row in held:
@@ -85,7 +96,7 @@ class SequenceCache:
 
     def copy(self, length: int) -> "SequenceCache":
         """A cache of its own holding this one's first `length` committed positions (no branches)."""
-        twin = SequenceCache(self.journal)
+        twin = SequenceCache(self.journal, self.dtype)
         if self.journal is not None:
             self.journal.record(("copy", twin.id, self.id, length))
         for layer in self.lengths:

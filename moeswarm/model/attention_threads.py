@@ -41,6 +41,8 @@ def sdpa_one_thread(module, query, key, value, attention_mask, *args, **kwargs):
         scaling = kwargs.get("scaling")
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         return qkernels.attend_one(query, key, value, scale), None  # [B, 1, Hq, Dv]
+    if key.dtype != query.dtype:  # a float16 cache (generation/sequence_cache.py): widened for torch
+        key, value = key.to(query.dtype), value.to(query.dtype)
     with _LOCK:
         threads = torch.get_num_threads()
         if threads == 1:
@@ -52,16 +54,19 @@ def sdpa_one_thread(module, query, key, value, attention_mask, *args, **kwargs):
             torch.set_num_threads(threads)
 
 
+_CACHED = (torch.float32, torch.float16)  # the keys and values qkernels.attend_one reads (float16: a float16 cache)
 # Arguments that change what sdpa_attention_forward computes when given (anything else it ignores).
 _CHANGES_RESULT = ("softcap", "position_bias", "cache", "s_aux", "sinks")
 
 
 def _one_query(query, key, value, attention_mask, args, kwargs) -> bool:
     """Whether this call is one query per batch row with no mask and no dropout: query [B, Hq, 1, D],
-    key [B, Hkv, p, D], value [B, Hkv, p, Dv], float32 on the CPU, last dimensions contiguous."""
+    key [B, Hkv, p, D], value [B, Hkv, p, Dv] on the CPU, query float32, key and value float32 or
+    float16, last dimensions contiguous."""
     return (not args and attention_mask is None and query.dim() == 4 and query.shape[2] == 1
             and key.dim() == 4 and value.dim() == 4 and key.shape[2] >= 1 and qkernels.available()
-            and query.dtype is key.dtype is value.dtype is torch.float32 and query.device.type == "cpu"
+            and query.dtype is torch.float32 and key.dtype is value.dtype and key.dtype in _CACHED
+            and query.device.type == "cpu"
             and not kwargs.get("dropout") and not kwargs.get("output_attentions")
             and all(kwargs.get(name) is None for name in _CHANGES_RESULT)
             and key.shape[:3] == value.shape[:3] and key.shape[0] == query.shape[0] and key.shape[3] == query.shape[3]

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import PreTrainedModel
 
-from moeswarm.generation.ragged import Item, PackedStepper, forward_packed, install, supports_ragged
+from moeswarm.errors import MoeSwarmError
+from moeswarm.generation.ragged import KV_DTYPE, Item, PackedStepper, forward_packed, install, kv_dtype, supports_ragged
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.backend import attach, set_overlap
 from moeswarm.serve.batcher import StepBatcher
@@ -36,6 +37,12 @@ def build_runners(backbone: Swarm | WholeModel, reference: PreTrainedModel | Non
     sequence. A swarm's MoE layers go through the runner's meeting point (`swarm.interpose`); a
     model that computes its own experts (a WholeModel's, the reference) runs as `local_runner`."""
     packed = supports_ragged(backbone.model) and (reference is None or supports_ragged(reference))
+    if kv_dtype(backbone.model) is not None:
+        if not packed:
+            raise MoeSwarmError(f"--kv-cache f16: {backbone.model.config.model_type}'s layers keep a state packed "
+                                "forwards cannot hold (recurrent or latent attention): its cache stays in the model's dtype")
+        if reference is not None:
+            setattr(reference, KV_DTYPE, kv_dtype(backbone.model))  # the local check keeps its cache as the backbone does
     reference_runner = local_runner(reference, packed, max_batch) if reference is not None else None
     if isinstance(backbone, WholeModel):
         return local_runner(backbone.model, packed, max_batch), reference_runner

@@ -16,6 +16,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import torch
+
 from moeswarm.errors import ProtocolError
 from moeswarm.generation.sequence_cache import SequenceCache
 from moeswarm.stages.protocol import Segment
@@ -29,8 +31,10 @@ class CacheLimits:
 
 
 class StageCaches:
-    def __init__(self, limits: CacheLimits | None = None, clock=time.monotonic):
+    def __init__(self, limits: CacheLimits | None = None, dtype: torch.dtype | None = None, clock=time.monotonic):
+        """dtype: what the caches keep (None: the model's dtype; torch.float16 with `--kv-cache f16`)."""
         self.limits = limits or CacheLimits()
+        self.dtype = dtype
         self._clock = clock
         self._caches: OrderedDict[tuple[str, int], tuple[SequenceCache, float]] = OrderedDict()  # oldest use first
 
@@ -73,7 +77,7 @@ class StageCaches:
                     self._evict(set(), need=1)
                 if len(self._caches) >= self.limits.max_sequences:
                     raise ProtocolError(f"this stage holds {self.limits.max_sequences} sequences, its limit")
-                cache = self._put(session, segment.seq, SequenceCache())
+                cache = self._put(session, segment.seq, SequenceCache(dtype=self.dtype))
             else:
                 cache = found[0]
                 held = cache.length + (cache.pending_length if segment.row is not None else 0)

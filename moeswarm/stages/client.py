@@ -70,6 +70,11 @@ class StageLink:
         if self.layers is None:
             sock.close()
             raise StageError(f"stage {self.address} answered HELLO without its layers")
+        kept = reply.meta.get("kv_cache", "model")
+        if kept != self.chain.kv_cache:
+            sock.close()
+            raise StageError(f"stage {self.address} keeps its keys and values as {printable(str(kept), 20)}, this "
+                             f"gateway as {self.chain.kv_cache}: start both with the same --kv-cache")
         sock.settimeout(None)
         self._sock = sock
         threading.Thread(target=self._read, name=f"moeswarm-stage-{self.address}", daemon=True).start()
@@ -128,11 +133,14 @@ class Chain:
     caches, and the outputs after them, are bit for bit what they were. Past `max_log_bytes` of
     logged hidden states the log is dropped and a failed stage fails its steps instead.
     `timeout_s`: the most a step waits for the chain's answer (the swarm's reply timeout, SwarmConfig).
+    `kv_cache`: the gateway's --kv-cache; a stage keeping its cache otherwise is passed over at HELLO.
     """
 
     def __init__(self, positions: list[list[str]], fingerprint: str, hidden_size: int, num_layers: int,
-                 timeout_s: float, tls: ssl.SSLContext | None = None, max_log_bytes: int = 1 << 30):
+                 timeout_s: float, tls: ssl.SSLContext | None = None, max_log_bytes: int = 1 << 30,
+                 kv_cache: str = "model"):
         self.positions = [list(replicas) for replicas in positions]
+        self.kv_cache = kv_cache  # --kv-cache: every stage must keep its cache as this gateway's reference does
         self.fingerprint, self.hidden_size, self.num_layers = fingerprint, hidden_size, num_layers
         self.timeout_s, self.tls, self.max_log_bytes = timeout_s, tls, max_log_bytes
         self.session = ""

@@ -65,7 +65,7 @@ def open_gateway(model_path, stages: list[str] | list[list[str]], config: SwarmC
     try:
         num_layers = len(decoder_layers(model))
         chain = Chain(positions, swarm.source.fingerprint, model.config.hidden_size, num_layers,
-                      timeout_s=config.reply_timeout_s, tls=config.tls).connect()
+                      timeout_s=config.reply_timeout_s, tls=config.tls, kv_cache=config.kv_cache).connect()
     except BaseException:
         swarm.close()
         raise

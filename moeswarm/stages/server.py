@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from moeswarm.errors import MoeSwarmError, ProtocolError, one_line, printable
 from moeswarm.stages.caches import CacheLimits, StageCaches
 from moeswarm.stages.dial import DialError, dial
+from moeswarm.generation.ragged import kv_cache_name, kv_dtype
 from moeswarm.stages.forward import run_span
 from moeswarm.stages.protocol import Step, error_frame, result_frame
 from moeswarm.wire.frames import Frame, Opcode
@@ -70,7 +71,7 @@ class StageServer:
         self.model, self.span, self.fingerprint = model, span, fingerprint
         self.hidden_size = model.config.hidden_size
         self.limits = limits or StageLimits()
-        self.caches = StageCaches(self.limits.caches)
+        self.caches = StageCaches(self.limits.caches, kv_dtype(model))
         self._tls_server, self._tls_client = tls_server, tls_client
         self._queue: queue.Queue = queue.Queue(self.limits.max_queued_steps)
         self._sessions: dict[str, Connection] = {}
@@ -199,7 +200,7 @@ class StageServer:
             raise ProtocolError(f"HELLO role must be gateway or stage, got {printable(str(role), 40)}")
         connection.send(Frame(Opcode.HELLO, frame.request_id, {
             "role": "stage", "fingerprint": self.fingerprint, "layers": [self.span.start, self.span.stop - 1],
-            "hidden_size": self.hidden_size}))
+            "hidden_size": self.hidden_size, "kv_cache": kv_cache_name(self.model)}))
 
     # -- compute ---------------------------------------------------------------------------------
 

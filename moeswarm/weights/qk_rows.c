@@ -53,6 +53,55 @@ CLONES void qk_rope(const float *x, const int64_t *xs, float *out, const int64_t
             }
 }
 
+/* The body of attend_one, over keys and values read through DOT(q, key row, D) (a fixed_dot) and
+ * LOADV(address) (8 values as a v8) / VALUE(address) (one), so that both storages share one order. */
+#define ATTEND_ONE_BODY(DOT, LOADV, VALUE)                                                              \
+    int64_t group = Hq / Hkv;                                                                           \
+    for (int64_t b = 0; b < B; b++)                                                                     \
+        for (int64_t h = 0; h < Hq; h++) {                                                              \
+            const float *qh = q + b * qs[0] + h * qs[1];                                                \
+            const __typeof__(*k) *kh = k + b * ks[0] + (h / group) * ks[1];                             \
+            const __typeof__(*v) *vh = v + b * vs[0] + (h / group) * vs[1];                             \
+            float *o = out + (b * Hq + h) * Dv;                                                         \
+            float top = -INFINITY;                                                                      \
+            for (int64_t j = 0; j < p; j++) {                                                           \
+                scratch[j] = DOT(qh, kh + j * ks[2], D) * scale;                                        \
+                if (scratch[j] > top) top = scratch[j];                                                 \
+            }                                                                                           \
+            float total = 0.0f;                                                                         \
+            for (int64_t j = 0; j < p; j++) {                                                           \
+                scratch[j] = expf(scratch[j] - top);                                                    \
+                total = total + scratch[j];                                                             \
+            }                                                                                           \
+            int64_t wide = Dv - Dv % 32, main = Dv - Dv % 8, c = 0;                                     \
+            for (; c < wide; c += 32) { /* four accumulators: four additions in flight */               \
+                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                              \
+                for (int64_t j = 0; j < p; j++) {                                                       \
+                    const __typeof__(*v) *vj = vh + j * vs[2] + c;                                      \
+                    a0 = a0 + scratch[j] * LOADV(vj);                                                   \
+                    a1 = a1 + scratch[j] * LOADV(vj + 8);                                               \
+                    a2 = a2 + scratch[j] * LOADV(vj + 16);                                              \
+                    a3 = a3 + scratch[j] * LOADV(vj + 24);                                              \
+                }                                                                                       \
+                *(v8u *)(o + c) = a0 / total;                                                           \
+                *(v8u *)(o + c + 8) = a1 / total;                                                       \
+                *(v8u *)(o + c + 16) = a2 / total;                                                      \
+                *(v8u *)(o + c + 24) = a3 / total;                                                      \
+            }                                                                                           \
+            for (; c < main; c += 8) {                                                                  \
+                v8 acc = {0};                                                                           \
+                for (int64_t j = 0; j < p; j++) acc = acc + scratch[j] * LOADV(vh + j * vs[2] + c);     \
+                *(v8u *)(o + c) = acc / total;                                                          \
+            }                                                                                           \
+            for (; c < Dv; c++) {                                                                       \
+                float acc = 0.0f;                                                                       \
+                for (int64_t j = 0; j < p; j++) acc = acc + scratch[j] * VALUE(vh + j * vs[2] + c);     \
+                o[c] = acc / total;                                                                     \
+            }                                                                                           \
+        }
+
+#define FLOAT_VALUE(address) (*(address))
+
 /* One query per batch row attending to p keys and values, as scaled_dot_product_attention without
  * a mask: q [B, Hq, 1, D] (strides qs: batch, head), k [B, Hkv, p, D] and v [B, Hkv, p, Dv]
  * (strides ks, vs: batch, head, position; values contiguous), query head h reading key/value head
@@ -62,47 +111,44 @@ CLONES void qk_rope(const float *x, const int64_t *xs, float *out, const int64_t
 CLONES void qk_attend_one(const float *q, const int64_t *qs, const float *k, const int64_t *ks, const float *v,
                           const int64_t *vs, int64_t B, int64_t Hq, int64_t Hkv, int64_t p, int64_t D, int64_t Dv,
                           float scale, float *out, float *scratch) {
-    int64_t group = Hq / Hkv;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < Hq; h++) {
-            const float *qh = q + b * qs[0] + h * qs[1];
-            const float *kh = k + b * ks[0] + (h / group) * ks[1];
-            const float *vh = v + b * vs[0] + (h / group) * vs[1];
-            float *o = out + (b * Hq + h) * Dv;
-            float top = -INFINITY;
-            for (int64_t j = 0; j < p; j++) {
-                scratch[j] = fixed_dot(qh, kh + j * ks[2], D) * scale;
-                if (scratch[j] > top) top = scratch[j];
-            }
-            float total = 0.0f;
-            for (int64_t j = 0; j < p; j++) {
-                scratch[j] = expf(scratch[j] - top);
-                total = total + scratch[j];
-            }
-            int64_t wide = Dv - Dv % 32, main = Dv - Dv % 8, c = 0;
-            for (; c < wide; c += 32) {  /* four accumulators: four additions in flight */
-                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                for (int64_t j = 0; j < p; j++) {
-                    const float *vj = vh + j * vs[2] + c;
-                    a0 = a0 + scratch[j] * load8(vj);
-                    a1 = a1 + scratch[j] * load8(vj + 8);
-                    a2 = a2 + scratch[j] * load8(vj + 16);
-                    a3 = a3 + scratch[j] * load8(vj + 24);
-                }
-                *(v8u *)(o + c) = a0 / total;
-                *(v8u *)(o + c + 8) = a1 / total;
-                *(v8u *)(o + c + 16) = a2 / total;
-                *(v8u *)(o + c + 24) = a3 / total;
-            }
-            for (; c < main; c += 8) {
-                v8 acc = {0};
-                for (int64_t j = 0; j < p; j++) acc = acc + scratch[j] * load8(vh + j * vs[2] + c);
-                *(v8u *)(o + c) = acc / total;
-            }
-            for (; c < Dv; c++) {
-                float acc = 0.0f;
-                for (int64_t j = 0; j < p; j++) acc = acc + scratch[j] * vh[j * vs[2] + c];
-                o[c] = acc / total;
-            }
-        }
+    ATTEND_ONE_BODY(fixed_dot, load8, FLOAT_VALUE)
+}
+
+/* attend_one over keys and values stored as IEEE half floats (a float16 KV cache): every value is
+ * widened to float32 (exactly: each half is a float) where it is read, then the same sums in the
+ * same order, so the output is attend_one's on the widened tensors, bit for bit. The x86-64-v3
+ * clone widens 8 at a time (F16C); the baseline one value at a time. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HALF_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HALF_CLONES
+#endif
+
+typedef _Float16 h8u __attribute__((vector_size(8 * sizeof(_Float16)), aligned(2), may_alias));
+static inline __attribute__((always_inline)) v8 load8h(const _Float16 *p) {
+    return __builtin_convertvector(*(const h8u *)p, v8);
+}
+#define HALF_VALUE(address) ((float)*(address))
+
+/* fixed_dot(a, b) of float a and half b: the same lanes, order and tree. */
+static inline __attribute__((always_inline)) float half_dot(const float *a, const _Float16 *b, int64_t n) {
+    v8 lo = {0}, hi = {0};
+    int64_t main = n - n % 16;
+    for (int64_t k = 0; k < main; k += 16) {
+        lo = lo + load8(a + k) * load8h(b + k);
+        hi = hi + load8(a + k + 8) * load8h(b + k + 8);
+    }
+    if (main < n) {
+        float tail[16] = {0};
+        for (int64_t k = main; k < n; k++) tail[k % 16] = a[k] * (float)b[k];
+        lo = lo + load8(tail);
+        hi = hi + load8(tail + 8);
+    }
+    return tree16(lo, hi);
+}
+
+HALF_CLONES void qk_attend_one_h(const float *q, const int64_t *qs, const _Float16 *k, const int64_t *ks,
+                                 const _Float16 *v, const int64_t *vs, int64_t B, int64_t Hq, int64_t Hkv, int64_t p,
+                                 int64_t D, int64_t Dv, float scale, float *out, float *scratch) {
+    ATTEND_ONE_BODY(half_dot, load8h, HALF_VALUE)
 }
