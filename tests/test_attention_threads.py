@@ -116,7 +116,8 @@ def test_a_single_query_is_attended_in_c_with_the_same_bits_at_any_thread_count(
         torch.set_num_threads(before)
     assert weights is None and runs[0].shape == (batch, 1, heads, head_dim) and runs[0].is_contiguous()
     assert torch.equal(runs[0], runs[1])
-    assert torch.equal(runs[0], qkernels.attend_one(query, key, value, 0.1))
+    for threads in (1, 2, 3, 7):  # the heads split among threads, each whole on one: the same bits
+        assert torch.equal(runs[0], qkernels.attend_one(query, key, value, 0.1, threads))
     assert torch.allclose(runs[0].double(), _reference(query, key, value, 0.1), rtol=0, atol=2e-6)
     # transformers' sdpa path computes the same attention, up to the order of its sums
     expected, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.1)

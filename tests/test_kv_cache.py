@@ -102,3 +102,15 @@ def test_a_float16_cache_on_layers_that_cannot_be_packed_is_refused_in_one_line(
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "--kv-cache f16: jamba's layers keep a state packed forwards cannot hold" in done.stderr
+
+
+def test_bench_kv_cache_reports_half_the_cache_bytes_side_by_side():
+    done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "bench", "kv-cache", "--model", MODEL, "--contexts",
+                           "48,160", "--tokens", "3", "--repeats", "1", "--json"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout)["rows"]
+    assert [row["context"] for row in rows] == [48, 160]
+    for row in rows:
+        assert row["f16_cache_mb"] * 2 == pytest.approx(row["model_cache_mb"]) and row["model_cache_mb"] > 0
+        assert row["model_ms_per_token"] > 0 and row["f16_ms_per_token"] > 0

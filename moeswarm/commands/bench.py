@@ -52,6 +52,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "islands": Benchmark("a star of remote experts against chains of 1, 2 and 4 stages (islands) over the same emulated "
                          "WAN links at 20/50/100 ms, on the real-dimension OLMoE-shaped file (docs/bench-islands.md)",
                          bench_islands.flags, bench_islands.run),
+    "kv-cache": Benchmark("decode ms/token and cache memory at long contexts, keys and values in float32 or float16 "
+                          "(--kv-cache f16), side by side on the real-dimension OLMoE-shaped file (docs/kv-cache.md)",
+                          flags.kv_cache, runs.kv_cache),
     "fetch-slice": Benchmark("fetch-slice throughput from a seeder on loopback and through a 100 Mbit/s emulated link "
                              "(docs/slices.md)", flags.fetch_slice, runs.fetch_slice),
 }

@@ -155,6 +155,25 @@ def json_only(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
+def kv_cache(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or model directory (default: the OLMoE-shaped Q4_K_M file of `bench real`, built "
+                             "first if missing)")
+    parser.add_argument("--contexts", type=_positive_ints, default=(256, 2048), metavar="N,...",
+                        help="context lengths, in tokens (default 256,2048)")
+    parser.add_argument("--tokens", type=positive, default=16, help="greedy decode steps a run (default 16)")
+    parser.add_argument("--repeats", type=positive, default=3, help="runs a cache and context, alternating (default 3)")
+    parser.add_argument("--threads", type=positive, default=2, help="torch and kernel threads (default 2)")
+    parser.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    values = tuple(int(t) for t in text.split(",") if t.strip().isdigit())
+    if not values or len(values) != len([t for t in text.split(",") if t.strip()]) or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: positive whole numbers, comma-separated, like 256,2048")
+    return values
+
+
 def fetch_slice(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mb", type=float, default=64.0, help="expert bytes of the random GGUF model (default 64)")
     parser.add_argument("--json", action="store_true", help=JSON_HELP)

@@ -125,6 +125,18 @@ def drafters(args: argparse.Namespace) -> None:
     print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
 
 
+def kv_cache(args: argparse.Namespace) -> None:
+    from moeswarm.tools.bench.kv_cache import run_kv_cache_bench, table_lines
+
+    if args.model is None:
+        from moeswarm.tools.bench.real_build import DEFAULT_CACHE, model_file
+        from moeswarm.tools.bench.real_shapes import SHAPES
+
+        args.model = str(model_file(SHAPES["olmoe"], DEFAULT_CACHE))
+    result = run_kv_cache_bench(args.model, args.contexts, args.tokens, args.repeats, args.threads)
+    print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
+
+
 def fetch_slice(args: argparse.Namespace) -> None:
     from moeswarm.tools.bench.fetch_slice import report_lines, run_fetch_bench
 

@@ -58,7 +58,8 @@ def _library() -> ctypes.CDLL | None:
             lib.qk_rms_norm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
             lib.qk_rope.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
             lib.qk_attend_one.argtypes = lib.qk_attend_one_h.argtypes = [
-                _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR]
+                _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR,
+                ctypes.c_int]
             lib.qk_rms_norm.restype = lib.qk_rope.restype = lib.qk_attend_one.restype = None
             lib.qk_attend_one_h.restype = None
             lib.qk_use_isa.argtypes = [ctypes.c_int]
@@ -154,25 +155,26 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v for one query per batch row, on this thread, no mask:
-    q [B, Hq, 1, D], k [B, Hkv, p, D], v [B, Hkv, p, Dv] (q float32; k and v both float32, or both
-    float16: a float16 cache, each value widened where it is read, so the result is the float32
-    call's on k.float(), v.float(), bit for bit; last dimensions contiguous, Hq a multiple of Hkv,
-    p >= 1) -> [B, 1, Hq, Dv] contiguous. Each output's bits depend on its own query, keys and
-    values only."""
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:
+    """softmax(q k^T * scale) v for one query per batch row, no mask: q [B, Hq, 1, D], k [B, Hkv, p, D],
+    v [B, Hkv, p, Dv] (q float32; k and v both float32, or both float16: a float16 cache, each value
+    widened where it is read, so the result is the float32 call's on k.float(), v.float(), bit for
+    bit; last dimensions contiguous, Hq a multiple of Hkv, p >= 1) -> [B, 1, Hq, Dv] contiguous.
+    The B * Hq heads are split among `threads` threads, each head whole on one: every output's bits
+    depend on its own query, keys and values only, never on the thread count."""
     B, Hq, _, D = q.shape
     _, Hkv, p, Dv = v.shape
     assert q.dtype is torch.float32 and k.dtype is v.dtype and k.dtype in (torch.float32, torch.float16)
     assert q.shape[2] == 1 and p >= 1 and Hq % Hkv == 0
     assert k.shape == (B, Hkv, p, D) and q.stride(3) == k.stride(3) == v.stride(3) == 1
+    threads = max(1, min(threads, B * Hq))
     out = torch.empty(B, 1, Hq, Dv, dtype=torch.float32)
-    scratch = torch.empty(p, dtype=torch.float32)
+    scratch = torch.empty(threads * p, dtype=torch.float32)
     qs, ks, vs = ((ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (q, k, v))
     library = _library()
     kernel = library.qk_attend_one if k.dtype is torch.float32 else library.qk_attend_one_h
     kernel(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, B, Hq, Hkv, p, D, Dv, scale, out.data_ptr(),
-           scratch.data_ptr())
+           scratch.data_ptr(), threads)
     return out
 
 
