@@ -5,7 +5,11 @@ CPU buffers (without llama.cpp's "extra buffer types", which crash on this proje
 worker_real_llamacpp.plain_cpu_buffers) and answers `run` requests (real_proc.serve): a fresh
 context state, the prompt as one batch (timed: prompt speed), then greedy decode steps, one
 token per eval with the argmax of its logits (timed together: decode speed), exactly as the
-moeswarm children time theirs.
+moeswarm children time theirs. An optional third argument sets the context size (default N_CTX).
+
+A request with `reuse` and the prompt the context already starts with keeps the prompt's cache:
+it drops what came after the prompt's last token and evaluates that token again (`bench kv-cache`
+decodes many times from one long prompt).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from moeswarm.tools.bench.real_proc import serve
 N_CTX = 512  # the 64-token prompt and 32 decoded tokens, with room
 
 
-def load(path: str, threads: int):
+def load(path: str, threads: int, n_ctx: int = N_CTX):
     from moeswarm.tools.bench.llamacpp_convert import require_llama_cpp
     from moeswarm.tools.bench.worker_real_llamacpp import plain_cpu_buffers
 
@@ -28,7 +32,7 @@ def load(path: str, threads: int):
     import llama_cpp.llama_cpp as low
 
     low.llama_model_default_params = plain_cpu_buffers(low.llama_model_default_params)
-    model = llama_cpp.Llama(path, n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=threads,
+    model = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
                             n_threads_batch=threads, use_mmap=True, logits_all=False, verbose=False)
     vocab = model.n_vocab()
 
@@ -38,9 +42,15 @@ def load(path: str, threads: int):
 
     def run(request: dict) -> dict:
         prompt, steps = request["prompt"], request["decode"]
-        model.reset()
+        held = model.n_tokens >= len(prompt) and list(model.input_ids[: len(prompt)]) == prompt
         cpu_start, start = time.process_time(), time.perf_counter()
-        model.eval(prompt)
+        if request.get("reuse") and held:
+            model._ctx.kv_cache_seq_rm(-1, len(prompt) - 1, -1)  # as Llama.generate reuses a prefix
+            model.n_tokens = len(prompt) - 1
+            model.eval(prompt[-1:])
+        else:
+            model.reset()
+            model.eval(prompt)
         token = next_token()
         prompt_s = time.perf_counter() - start
         tokens, step_s = [token], []
@@ -61,5 +71,5 @@ def load(path: str, threads: int):
 
 
 if __name__ == "__main__":
-    file, thread_count = sys.argv[1:]
-    serve(lambda: load(file, int(thread_count)))
+    file, thread_count, *context = sys.argv[1:]
+    serve(lambda: load(file, int(thread_count), int(context[0]) if context else N_CTX))
