@@ -114,3 +114,32 @@ def test_bench_kv_cache_reports_half_the_cache_bytes_side_by_side():
     for row in rows:
         assert row["f16_cache_mb"] * 2 == pytest.approx(row["model_cache_mb"]) and row["model_cache_mb"] > 0
         assert row["model_ms_per_token"] > 0 and row["f16_ms_per_token"] > 0
+
+
+def test_serve_with_a_float16_cache_answers_each_prompt_as_a_float16_run_alone(trained_workers):
+    """Concurrent greedy requests share steps (batched forwards, groups, drafts) and each equals the
+    same prompt run alone in the local mode with a float16 cache; the server's local check agrees."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from moeswarm.generation.run import generate
+    from moeswarm.model.tokenizer import load_text_codec
+    from moeswarm.tools.serve_process import ServeProcess
+
+    prompts = ["def main(", "class Stack:", "import os\n", "for i in range("]
+    with open_swarm(MODEL, [], SwarmConfig(kv_cache="f16")) as local:
+        codec = load_text_codec(MODEL, local.model.config.vocab_size)
+        alone = {p: codec.decode([t for t in generate(local, codec.encode(p), 12, codec=codec).tokens
+                                  if t != codec.eos_token_id]) for p in prompts}
+    with ServeProcess(MODEL, trained_workers, "--model-name", "pymoe", "--kv-cache", "f16", "--check-local",
+                      "--speculate", "3") as server:
+        server.wait_ready()
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda p: client.completions.create(model="pymoe", prompt=p, max_tokens=12,
+                                                                      temperature=0).choices[0].text, prompts))
+        metrics = server.metrics()
+    assert texts == [alone[p] for p in prompts]
+    assert metrics["moeswarm_check_local_logits_total"] > 0
+    assert metrics["moeswarm_check_local_mismatched_logits_total"] == 0
