@@ -10,6 +10,9 @@ from moeswarm.tools.bench.markdown import markdown_table as table
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
+NOTES = "<!-- notes: written by hand, kept by --report -->"  # what follows it in the page survives a new report
+
+
 def write_report(result: dict, command: str, docs: Path = DOCS) -> Path:
     (docs / "bench").mkdir(parents=True, exist_ok=True)
     (docs / "bench" / "islands.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -46,7 +49,8 @@ Issue 25's targets (no drafts):
 ![ms per token by RTT](bench/islands.png)
 """
     path = docs / "bench-islands.md"
-    path.write_text(text)
+    kept = path.read_text().partition(NOTES)[1:] if path.is_file() else ("", "")
+    path.write_text(text + ("\n" + "".join(kept) if kept[0] else ""))
     return path
 
 
