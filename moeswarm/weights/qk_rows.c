@@ -16,7 +16,9 @@
  *   in the last place; it is only used where the reference uses it too.
  * - attend_one sums in its own fixed orders too (dot products as rms_norm's sum; the softmax and the
  *   values position by position), so its bits differ from torch's sdpa in the last places; the
- *   same holds: only where the reference uses it too.
+ *   same holds: only where the reference uses it too. Its heads are split over the kernels' threads,
+ *   each computed whole by one; a float16 cache's values are widened where they are read, giving
+ *   the float32 call's bits on the widened values (`--kv-cache f16`, docs/kv-cache.md).
  */
 
 #include <math.h>
