@@ -41,6 +41,20 @@ def test_a_float16_cache_attends_as_the_float32_kernel_on_its_widened_values(B, 
     assert torch.allclose(got, expected.transpose(1, 2), atol=1e-5)
 
 
+def test_the_baseline_float16_path_gives_the_same_bits_as_f16c():
+    """Without F16C (forced here as the scalar implementation) halves are widened one at a time."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 8, 1, 72)
+    keys, values = torch.randn(2, 2, 41, 72).half(), torch.randn(2, 2, 41, 40).half()
+    fast = qkernels.attend_one(q, keys, values, 0.1, 2)
+    try:
+        assert qkernels.use_isa("scalar") == "scalar"
+        plain = qkernels.attend_one(q, keys, values, 0.1, 2)
+    finally:
+        qkernels.use_isa(None)
+    assert torch.equal(plain, fast) and torch.equal(plain, qkernels.attend_one(q, keys.float(), values.float(), 0.1))
+
+
 def test_a_float16_sequence_cache_rounds_every_entry_once_branches_included():
     cache = SequenceCache(dtype=torch.float16)
     first, second = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 2, 4)

@@ -176,14 +176,15 @@ __attribute__((target("avx2,f16c"))) static void *attend_half_f16c_job(void *arg
     ATTEND_HEADS(arg, _Float16, half_dot_f16c, load8h_f16c, HALF_VALUE)
 }
 
+int qk_isa(void); /* qkernels.c: the implementation in use; 0 (scalar) where a test forces it (qk_use_isa) */
+
 static qk_job_fn half_job(void) {
-    static qk_job_fn chosen = NULL;
-    if (chosen == NULL) {
+    static int f16c = -1;
+    if (f16c < 0) {
         __builtin_cpu_init();
-        chosen = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? attend_half_f16c_job
-                                                                                   : attend_half_job;
+        f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
     }
-    return chosen;
+    return f16c && qk_isa() != 0 ? attend_half_f16c_job : attend_half_job;
 }
 #else
 static qk_job_fn half_job(void) { return attend_half_job; }
