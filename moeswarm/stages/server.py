@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, one_line, printable
+from moeswarm.generation.ragged import kv_cache_name, kv_dtype
 from moeswarm.stages.caches import CacheLimits, StageCaches
 from moeswarm.stages.dial import DialError, dial
-from moeswarm.generation.ragged import kv_cache_name, kv_dtype
 from moeswarm.stages.forward import run_span
 from moeswarm.stages.protocol import Step, error_frame, result_frame
 from moeswarm.wire.frames import Frame, Opcode

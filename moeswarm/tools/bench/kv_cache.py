@@ -27,8 +27,8 @@ import time
 import torch
 
 from moeswarm.generation.ragged import PackedStepper, install
-from moeswarm.model.source import is_gguf_path
 from moeswarm.generation.sequence_cache import SequenceCache
+from moeswarm.model.source import is_gguf_path
 from moeswarm.progress import progress
 from moeswarm.swarm import open_swarm
 from moeswarm.tools.bench.real_proc import Child
@@ -44,7 +44,6 @@ TURNS = ("model", "f16", "llama.cpp")  # each repeat's order (reversed every oth
 
 def run_kv_cache_bench(path: str, contexts=CONTEXTS, tokens: int = DECODE_TOKENS, repeats: int = REPEATS,
                        threads: int = 2) -> dict:
-    rows = []
     with contextlib.ExitStack() as stack:
         llama = _llama(path, threads, max(contexts) + tokens + 16)
         if llama is not None:
@@ -73,9 +72,8 @@ def _measure(path: str, contexts, tokens: int, repeats: int, threads: int, llama
             prompt = [(7 * i + 3) % 1000 + 10 for i in range(context)]
             stepper = PackedStepper(swarm.model)
             for start in range(0, context, CHUNK):
-                stepper.forward(prompt[start : start + CHUNK], last_only=True)
-            first = int(stepper.forward([prompt[-1]], last_only=True)[-1].argmax())  # the token after the prompt
-            stepper.crop(context)
+                logits = stepper.forward(prompt[start : start + CHUNK], last_only=True)  # [1, V]
+            first = int(logits[-1].argmax())  # the token after the prompt
             caches = {"model": stepper.cache, "f16": _converted(stepper.cache, torch.float16)}
             if llama is not None:
                 llama.request(op="run", prompt=prompt, decode=0)  # its prompt, once
