@@ -29,7 +29,9 @@ def flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtts", type=_rtts, default=(20.0, 50.0, 100.0), metavar="MS,...",
                         help="RTTs of the emulated links, in ms (default 20,50,100)")
     parser.add_argument("--stages", type=_counts, default=(1, 2, 4), metavar="N,...",
-                        help="chains of this many stages, some of 1,2,4 (default all three)")
+                        help="chains of this many stages, some of 1,2,4, each run twice: islands (each stage "
+                             "with a worker on loopback) and a layer split (each stage holding its experts) "
+                             "(default all three)")
     parser.add_argument("--tokens", type=positive, default=8, help="greedy tokens decoded per run (default 8)")
     parser.add_argument("--speculate", type=non_negative, default=4,
                         help="drafts per step in the runs with drafts (suffix drafts; 0: no such runs) (default 4)")

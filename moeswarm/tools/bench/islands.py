@@ -8,6 +8,10 @@ Topologies, each decoding the same prompt greedily:
   with all of that span's experts next to it (loopback: the LAN); this process is the gateway.
   The gateway-to-stage, stage-to-stage and last-stage-to-gateway hops each cross one emulated link:
   a step costs (stages + 1) one-way trips;
+- N-way split: the same N stages each holding its span's experts itself (no workers): a pure layer
+  split (Petals', prima.cpp's shape) over the same links, what a chain of islands is measured
+  against: the islands' price is their layer calls on the LAN, their gain that no stage holds
+  its span's experts;
 - local: the whole model in this process (no network), with the threads of a stage: the compute
   every other figure is over.
 
@@ -48,7 +52,7 @@ SPECULATE = 4
 
 @dataclass(frozen=True)
 class Row:
-    topology: str  # "local", "star", "1 stage", "2 stages", "4 stages"
+    topology: str  # "local", "star", "1 stage", "2 stages", "4 stages", "1-way split", "2-way split", ...
     rtt_ms: float
     speculate: int
     ms_per_token: float  # decode: the steps after the prompt's, per token produced
@@ -65,7 +69,7 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
     layers, experts = source.config.num_hidden_layers, num_experts_in_config(source.config)
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(PROMPT_TOKENS // 2)] * 2  # repeats: something to draft from
     rows: list[Row] = []
-    runs = (1 + len(stage_counts)) * len(rtts_ms) * len({0, speculate})
+    runs = (1 + 2 * len(stage_counts)) * len(rtts_ms) * len({0, speculate})
     with torch_threads(threads), progress(desc="bench islands", total=runs, unit="run") as bar:  # this process too
         with open_swarm(source, []) as local:
             freeze_loaded()  # as the commands do once the model is in (heap.py); the stages' processes do too
@@ -80,21 +84,22 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
                     result = generate(star, prompt, tokens, speculate=k)
                     rows.append(_row("star", rtt, k, result, 2 * len(star.moe_layers), reference.tokens))
                     bar.update(1)
-        for count in stage_counts:
-            with _islands(path, SPANS[count], experts, threads) as stages, \
+        for count, split in [(count, split) for count in stage_counts for split in (False, True)]:
+            with _islands(path, SPANS[count], experts, threads, split) as stages, \
                     wan_links(stages, LinkProfile(rtt_s=rtts_ms[0] / 1000)) as links, \
                     open_gateway(source, links.addresses) as gateway:
                 freeze_loaded()
+                name = f"{count}-way split" if split else f"{count} stage{'s' if count > 1 else ''}"
                 for rtt in rtts_ms:
                     links.set_all(rtt_s=rtt / 1000)
                     for k in sorted({0, speculate}):
                         result = generate(gateway, prompt, tokens, speculate=k)
-                        name = f"{count} stage{'s' if count > 1 else ''}"
                         rows.append(_row(name, rtt, k, result, count + 1, reference.tokens))
                         bar.update(1)
     thaw()
     return {"model": path, "layers": layers, "prompt_tokens": len(prompt), "decode_tokens": tokens,
-            "speculate": speculate, "island_threads": threads, "rows": [asdict(row) for row in rows], "targets": _targets(rows)}
+            "speculate": speculate, "island_threads": threads, "rows": [asdict(row) for row in rows],
+            "targets": _targets(rows), "against_split": _against_split(rows)}
 
 
 def _row(topology: str, rtt: float, speculate: int, result, trips: int, local_tokens: list[int]) -> Row:
@@ -120,6 +125,20 @@ def _targets(rows: list[Row]) -> list[dict]:
              "measured": two.ms_per_token, "met": two.ms_per_token <= bound}]
 
 
+def _against_split(rows: list[Row]) -> list[dict]:
+    """Each chain of islands beside the layer split of the same spans, at the same RTT and drafts:
+    the per-token price of holding the experts on the LAN rather than in the stage."""
+    split = {(r.topology.split("-")[0], r.rtt_ms, r.speculate): r for r in rows if r.topology.endswith("split")}
+    out = []
+    for row in rows:
+        other = split.get((row.topology.split(" ")[0], row.rtt_ms, row.speculate)) if "stage" in row.topology else None
+        if other is not None:
+            out.append({"islands": row.topology, "rtt_ms": row.rtt_ms, "speculate": row.speculate,
+                        "islands_ms": row.ms_per_token, "split_ms": other.ms_per_token,
+                        "ratio": row.ms_per_token / other.ms_per_token})
+    return out
+
+
 @contextlib.contextmanager
 def _star_workers(path: str, num_experts: int):
     processes = [spawn_worker(path, range(0, num_experts // 2)), spawn_worker(path, range(num_experts // 2, num_experts))]
@@ -130,15 +149,17 @@ def _star_workers(path: str, num_experts: int):
 
 
 @contextlib.contextmanager
-def _islands(path: str, spans: list[str], num_experts: int, threads: int):
-    """One worker (every expert of the span) and one stage per span, `threads` each; yields the stages' addresses."""
+def _islands(path: str, spans: list[str], num_experts: int, threads: int, split: bool = False):
+    """One worker (every expert of the span) and one stage per span, `threads` each; yields the
+    stages' addresses. split: no workers, each stage holds its span's experts (a layer split)."""
     workers, stages = [], []
     try:
-        for span in spans:
-            workers.append(spawn_worker(path, range(num_experts), extra_args=("--layers", span), threads=threads))
-        worker_addresses = [wait_listening(p) for p in workers]
-        for span, worker in zip(spans, worker_addresses):
-            stages.append(spawn_stage(path, span, [worker], threads=threads))
+        if not split:
+            for span in spans:
+                workers.append(spawn_worker(path, range(num_experts), extra_args=("--layers", span), threads=threads))
+        worker_addresses = [[wait_listening(p)] for p in workers] or [[] for _ in spans]
+        for span, holders in zip(spans, worker_addresses):
+            stages.append(spawn_stage(path, span, holders, threads=threads))
         yield [wait_listening(p) for p in stages]
     finally:
         stop(stages + workers)

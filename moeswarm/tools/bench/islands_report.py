@@ -21,6 +21,8 @@ def write_report(result: dict, command: str, docs: Path = DOCS) -> Path:
              r["one_way_trips_per_step"], f"{r['prefill_s']:.2f}", "yes" if r["tokens_equal_local"] else "no"]
             for r in result["rows"]]
     targets = [[t["target"], f"{t['measured']:.3g}", "yes" if t["met"] else "no"] for t in result["targets"]]
+    split = [[s["islands"], f"{s['rtt_ms']:g}", s["speculate"], f"{s['islands_ms']:.0f}", f"{s['split_ms']:.0f}",
+              f"{s['ratio']:.2f}"] for s in result.get("against_split", [])]
     text = f"""# Islands against a star over the WAN (`moeswarm bench islands`)
 
 Measured with `{command}`: the OLMoE-1B-7B-shaped Q4_K_M file of `moeswarm bench real` ({result['layers']}
@@ -33,6 +35,9 @@ greedy tokens, with and without suffix drafts (up to {result['speculate']} per s
   all of that span's experts next to it on loopback (the LAN); this process is the gateway
   (embeddings, head, sampling, drafts). Each stage's address is behind its own emulated link, so
   gateway -> stage 1 -> ... -> stage N -> gateway crosses N + 1 one-way links per step.
+- **N-way split**: the same N stages, each holding its span's experts itself (no workers): a pure
+  layer split (Petals', prima.cpp's shape) over the same links. Islands pay their layer calls on
+  the LAN for what they buy: no stage has to hold its span's experts.
 - **local**: the whole model in this process: the compute time every figure is over.
 - Threads: {result.get('island_threads', 1)} in this process (local, the star's backbone, the gateway),
   each stage and each island's worker; one in each of the star's 2 workers, which compute at once.
@@ -41,6 +46,10 @@ greedy tokens, with and without suffix drafts (up to {result['speculate']} per s
   equal the local run's.
 
 {table(["topology", "RTT ms", "drafts", "ms/token", "tokens/step", "one-way WAN trips/step", "prompt s", "tokens = local"], rows)}
+
+Each chain of islands beside the layer split of the same spans (same links, same drafts):
+
+{table(["islands", "RTT ms", "drafts", "islands ms/token", "layer split ms/token", "islands / split"], split)}
 
 Issue 25's targets (no drafts):
 
