@@ -25,7 +25,7 @@ def table_lines(result: dict) -> list[str]:
              f"{row['ms_per_token']:8.0f} ms/token, {row['tokens_per_step']:.2f} tokens/step, "
              f"{row['one_way_trips_per_step']} one-way trips/step, tokens = local: {row['tokens_equal_local']}"
              for row in result["rows"]]
-    lines += [f"{s['islands']:>9} rtt {s['rtt_ms']:>5g} ms drafts {s['speculate']}: {s['ratio']:.2f}x the "
+    lines += [f"{s['islands']:>11} rtt {s['rtt_ms']:>5g} ms drafts {s['speculate']}: {s['ratio']:.2f}x the "
               f"layer split's per-token time ({s['islands_ms']:.0f} against {s['split_ms']:.0f} ms)"
               for s in result.get("against_split", [])]
     return lines + [f"target: {target['target']}: {target['measured']:.3g} ({'met' if target['met'] else 'not met'})"
