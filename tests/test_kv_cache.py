@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moeswarm.generation.ragged import PackedStepper, install
-from moeswarm.generation.sequence_cache import SequenceCache
+from moeswarm.generation.sequence_cache import SequenceCache, cache_bytes
 from moeswarm.swarm import open_swarm
 from moeswarm.swarm_config import SwarmConfig
 from moeswarm.tools.local_stages import local_stages
@@ -67,6 +67,25 @@ def test_a_float16_sequence_cache_rounds_every_entry_once_branches_included():
     twin = cache.copy(4)
     assert twin.dtype is torch.float16 and torch.equal(twin.view(0, None)[0], keys[:, :, :4])
     assert cache.length == 5 and torch.equal(cache.view(0, None)[0], keys)
+
+
+def test_a_cache_counts_the_bytes_it_holds_and_float16_holds_half():
+    from transformers import DynamicCache
+
+    caches = {dtype: SequenceCache(dtype=dtype) for dtype in (torch.float32, torch.float16)}
+    for layer in (0, 1):
+        for n in (5, 14):  # 19 positions: capacity 16, then doubled to 32
+            keys, values = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 4)  # [1, H, n, D] and [1, H, n, Dv]
+            for cache in caches.values():
+                cache.append(layer, keys, values, None)
+    assert caches[torch.float32].nbytes == 2 * 2 * 32 * (8 + 4) * 4 == 2 * caches[torch.float16].nbytes
+    caches[torch.float32].crop(3)  # a crop keeps the buffers
+    assert cache_bytes(caches[torch.float32]) == 2 * caches[torch.float16].nbytes
+    caches[torch.float16].append(0, torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 4), row=1)  # a branch's entries aside
+    assert caches[torch.float16].nbytes == 2 * 32 * (8 + 4) * 2 * 2 + 3 * 2 * (8 + 4) * 2
+    threaded = DynamicCache()  # a family that is not packed keeps transformers' cache
+    threaded.update(torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8), 0)
+    assert cache_bytes(threaded) == 2 * 2 * 7 * 8 * 4 and cache_bytes(None) == 0
 
 
 def test_a_float16_cache_changes_the_logits_a_little_and_is_what_the_stepper_keeps():
@@ -155,5 +174,6 @@ def test_serve_with_a_float16_cache_answers_each_prompt_as_a_float16_run_alone(t
                                                                       temperature=0).choices[0].text, prompts))
         metrics = server.metrics()
     assert texts == [alone[p] for p in prompts]
+    assert metrics["moeswarm_kv_cache_bytes"] > 0  # the finished sequences' caches, kept for their prefixes
     assert metrics["moeswarm_check_local_logits_total"] > 0
     assert metrics["moeswarm_check_local_mismatched_logits_total"] == 0

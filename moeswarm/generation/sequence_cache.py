@@ -42,6 +42,12 @@ class SequenceCache:
         return min(self.lengths.values(), default=0)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes its buffers hold: every layer's capacity (a crop keeps it), and branches' entries aside."""
+        aside = sum(k.nbytes + v.nbytes for held in self.pending.values() for k, v in held.values())
+        return sum(t.nbytes for t in self.keys.values()) + sum(t.nbytes for t in self.values.values()) + aside
+
+    @property
     def pending_length(self) -> int:
         """Positions each branch row holds aside (a branch continued over several forwards)."""
         held = next(iter(self.pending.values()), {})
@@ -112,3 +118,14 @@ class SequenceCache:
         for layer in self.lengths:
             self.lengths[layer] = min(self.lengths[layer], length)
 
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of keys and values a stepper's cache holds: a SequenceCache's buffers, or the tensors of a
+    transformers cache's layers (a threaded family's); 0 for none."""
+    if cache is None:
+        return 0
+    if isinstance(cache, SequenceCache):
+        return cache.nbytes
+    tensors = [getattr(layer, name, None) for layer in getattr(cache, "layers", ()) for name in ("keys", "values")]
+    return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))

@@ -23,6 +23,7 @@ import torch
 
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.generation.check import LocalCheck
+from moeswarm.generation.sequence_cache import cache_bytes
 from moeswarm.generation.draft_names import DEFAULT_DRAFT, check_draft_flags
 from moeswarm.generation.drafters import Drafter
 from moeswarm.model.tokenizer import TextCodec
@@ -195,6 +196,7 @@ class Engine:
             if sequence.job.cancelled.is_set():  # the client went away: free its slot now
                 self._remove(sequence)
         if not self._active:
+            self._count_cache_bytes()
             return
         sequences = list(self._active)
         for sequence in sequences:
@@ -265,8 +267,18 @@ class Engine:
             self.admission.prefix_cache.put(sequence.context[: sequence.stepper.length],
                                   (sequence.stepper.cache, sequence.reference.cache if sequence.reference else None))
         self.metrics.active.set(len(self._active))
+        self._count_cache_bytes()
         if failed_worker:
             self._health_due = 0.0  # find out now which holders are gone
+
+    def _count_cache_bytes(self) -> None:
+        """The backbone's keys and values in bytes, the batch's and the prefix cache's (the
+        --check-local reference's own copies are not counted). Not for a lone `generate`: nobody reads it."""
+        if isinstance(self.metrics, UnrecordedMetrics):
+            return
+        self.metrics.kv_cache_bytes.labels("sequences").set(sum(cache_bytes(s.stepper.cache) for s in self._active))
+        self.metrics.kv_cache_bytes.labels("prefix_cache").set(
+            sum(cache_bytes(backbone) for backbone, _ in self.admission.prefix_cache.held()))
 
     def _keep(self, sequence: Sequence) -> str:
         """Which of its feed's logits a sequence needs (called before it feeds): a prompt chunk's last

@@ -35,6 +35,8 @@ class ServeMetrics:
         self.step_seconds = Histogram("moeswarm_step_seconds", "wall time per step", buckets=_SECONDS, registry=r)
         self.queue_depth = Gauge("moeswarm_queue_depth", "requests waiting for a slot", registry=r)
         self.active = Gauge("moeswarm_active_sequences", "sequences in the batch", registry=r)
+        self.kv_cache_bytes = Gauge("moeswarm_kv_cache_bytes", "bytes of keys and values the backbone holds (--kv-cache), "
+                                    "by holder: the batch's sequences or the prefix cache", ["held_by"], registry=r)
         self.worker_rtt = Histogram("moeswarm_worker_rtt_seconds", "per-worker round-trip time of a layer call",
                                     ["worker"], buckets=_SECONDS, registry=r)
         self.first_token = Histogram("moeswarm_time_to_first_token_seconds", "from admission to the first token",

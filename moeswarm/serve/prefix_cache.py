@@ -32,6 +32,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def held(self) -> list[object]:
+        """The caches kept, oldest first (as `put` was given them)."""
+        return [cache for _, cache in self._entries.values()]
+
     def clear(self) -> None:
         self._entries.clear()
 
