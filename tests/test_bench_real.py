@@ -87,6 +87,9 @@ def test_layer_calls_and_workers(report):
         assert len(row["workers"]) == len(roles) and sum(w["trips_per_step"] for w in row["workers"]) >= 2
         assert row["worker_compute_ms"] > 0
         assert row["machinery_ms"] == pytest.approx(row["layer_call_ms"] - row["worker_compute_ms"])
+        busier = max(w["compute_ms_per_trip"] for w in row["workers"])  # per call, the slowest holder's kernel counts
+        assert row["kernel_imbalance_ms"] == pytest.approx(row["worker_compute_ms"] - busier)
+    assert rows["loopback1"]["kernel_imbalance_ms"] == pytest.approx(0, abs=1e-9)  # one holder: no split to be uneven
     assert rows["wan20"]["layer_call_ms"] >= 20 and rows["wan80"]["layer_call_ms"] >= 80  # no trip beats its RTT
 
 

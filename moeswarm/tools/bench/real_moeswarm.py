@@ -102,11 +102,14 @@ def _run(swarm, stepper, prompt: list[int], steps: int, pids: dict[str, int], pr
     decode_cpu_s = time.process_time() - cpu_decode
     after = {pid: thread_cpu(pid) for pid in pids.values()}
     calls = swarm.layer_calls()
+    timed = [c for c in calls if c.worker_cpu]
     reply = {"prompt_s": prompt_s, "decode_s": decode_s, "step_s": step_s, "tokens": tokens,
              "prompt_cpu_s": cpu_decode - cpu_start, "decode_cpu_s": decode_cpu_s,
              "layer_calls": len(calls), "layer_call_ms": 1e3 * statistics.fmean(c.seconds for c in calls),
              "layer_call_ms_median": 1e3 * statistics.median(c.seconds for c in calls),
-             "bytes_per_step": sum(c.bytes_out + c.bytes_in for c in calls) / steps, "workers": []}
+             "bytes_per_step": sum(c.bytes_out + c.bytes_in for c in calls) / steps, "workers": [],
+             # a call waits for its slowest holder: per call, the largest experts' CPU its RESULTs said
+             "slowest_kernel_ms": 1e3 * statistics.fmean(max(c.worker_cpu.values()) for c in timed) if timed else None}
     for address, pid in pids.items():
         trips = [c.worker_seconds[address] for c in calls if address in c.worker_seconds]
         said = [c.worker_cpu[address] for c in calls if address in c.worker_cpu]  # its experts' CPU, per RESULT

@@ -143,8 +143,10 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
         "- **Per layer call** (decode steps): `layer call ms` is the dispatcher's own accounting of a MoE layer "
         "call (plan, send, wait, combine); `worker RTT ms` a worker's round trip as the dispatcher timed it, the "
         "slower worker's; `worker kernel ms` the CPU time of the worker's experts per round trip, as its RESULTs "
-        "say (`cpu_us`, docs/protocol.md), the busier worker's (a decode step's experts run on the worker's event "
-        "loop when its compute thread is idle, so /proc's threads no longer split kernels from the rest); "
+        "say (`cpu_us`, docs/protocol.md), per call the slowest answering worker's, averaged over the calls (a call "
+        "waits for it; a decode step's experts run on the worker's event loop when its compute thread is idle, so "
+        "/proc's threads no longer split kernels from the rest; `kernel_imbalance_ms` in the JSON is what the "
+        "experts' uneven split adds over the busier worker's mean); "
         "`machinery ms` = layer call - worker kernel: what a call costs beyond the workers' kernels (the JSON also "
         "has `backbone_side_ms` = layer call - worker RTT, and each worker's event-loop CPU per trip).",
         "- **By part**: one more run of local and of both loopback configurations with forward hooks on the model's modules "

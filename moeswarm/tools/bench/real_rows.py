@@ -5,9 +5,11 @@ Every speed is the median over the timed repeats of that repeat's own figure (32
 Per layer call (decode steps only), from the dispatcher's accounting and /proc:
   layer_call_ms            the MoE layer call as the backbone sees it (plan, send, wait, combine)
   worker_rtt_ms            a worker's round trip as the dispatcher timed it (mean), the slower worker's
-  worker_compute_ms        per worker round trip, the CPU time of the worker's experts (kernels) as its
-                           RESULTs say (`cpu_us`), of the busier worker; where they do not say it, the
-                           worker's CPU off its main thread (/proc)
+  worker_compute_ms        per layer call, the CPU time of the experts (kernels) of its slowest holder,
+                           as the RESULTs say (`cpu_us`): the call cannot end before it; where they do
+                           not say it, the busier worker's CPU off its main thread per trip (/proc)
+  kernel_imbalance_ms      worker_compute_ms less the busier worker's mean kernel per trip: what the
+                           experts' uneven split between the workers adds to a call
   worker_loop_ms           per round trip, the worker's main thread (/proc: its event loop, frames,
                            socket; and a decode step's experts, which run there when the compute
                            thread is idle: worker/runner.py run_here)
@@ -86,7 +88,12 @@ def _layer_calls(runs: list[dict]) -> dict:
         })
     computed = [w["compute_ms_per_trip"] for w in workers if w["compute_ms_per_trip"] is not None]
     fields["workers"] = workers
-    fields["worker_compute_ms"] = max(computed) if computed else None
+    slowest = [run.get("slowest_kernel_ms") for run in runs]
+    if computed and all(ms is not None for ms in slowest):  # per call, its slowest holder's kernel
+        fields["worker_compute_ms"] = statistics.median(slowest)
+        fields["kernel_imbalance_ms"] = fields["worker_compute_ms"] - max(computed)
+    else:
+        fields["worker_compute_ms"] = max(computed) if computed else None
     fields["worker_loop_ms"] = max(w["loop_ms_per_trip"] for w in workers if w["loop_ms_per_trip"] is not None) \
         if computed else None
     fields["machinery_ms"] = fields["layer_call_ms"] - fields["worker_compute_ms"] if computed else None
