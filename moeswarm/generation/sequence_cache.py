@@ -119,7 +119,6 @@ class SequenceCache:
             self.lengths[layer] = min(self.lengths[layer], length)
 
 
-
 def cache_bytes(cache) -> int:
     """Bytes of keys and values a stepper's cache holds: a SequenceCache's buffers, or the tensors of a
     transformers cache's layers (a threaded family's); 0 for none."""

@@ -23,9 +23,9 @@ import torch
 
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.generation.check import LocalCheck
-from moeswarm.generation.sequence_cache import cache_bytes
 from moeswarm.generation.draft_names import DEFAULT_DRAFT, check_draft_flags
 from moeswarm.generation.drafters import Drafter
+from moeswarm.generation.sequence_cache import cache_bytes
 from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.job import Failed, Job
 from moeswarm.serve.admission import Admission
