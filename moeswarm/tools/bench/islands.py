@@ -161,8 +161,8 @@ def _islands(path: str, spans: list[str], num_experts: int, threads: int, split:
         if not split:
             for span in spans:
                 workers.append(spawn_worker(path, range(num_experts), extra_args=("--layers", span), threads=threads))
-        worker_addresses = [[wait_listening(p)] for p in workers] or [[] for _ in spans]
-        for span, holders in zip(spans, worker_addresses):
+        holders_of = [[] for _ in spans] if split else [[wait_listening(p)] for p in workers]  # per span
+        for span, holders in zip(spans, holders_of):
             stages.append(spawn_stage(path, span, holders, threads=threads))
         yield [wait_listening(p) for p in stages]
     finally:
