@@ -5,12 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moeswarm.tools.bench.markdown import markdown_table as table
+from moeswarm.tools.bench.markdown import markdown_table as table, write_page
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
-
-
-NOTES = "<!-- notes: written by hand, kept by --report -->"  # what follows it in the page survives a new report
 
 
 def write_report(result: dict, command: str, docs: Path = DOCS) -> Path:
@@ -57,10 +54,7 @@ Issue 25's targets (no drafts):
 
 ![ms per token by RTT](bench/islands.png)
 """
-    path = docs / "bench-islands.md"
-    kept = path.read_text().partition(NOTES)[1:] if path.is_file() else ("", "")
-    path.write_text(text + ("\n" + "".join(kept) if kept[0] else ""))
-    return path
+    return write_page(docs / "bench-islands.md", text)
 
 
 def plot(result: dict, path: Path) -> None:

@@ -1,6 +1,13 @@
-"""Markdown tables for the benchmark pages (docs/bench.md and its sections)."""
+"""Markdown for the benchmark pages (docs/bench.md and its sections): tables, and pages whose
+hand-written notes survive a new report."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+# What follows this line in a report's page is written by hand (runs on other hosts, what was tried):
+# `write_page` keeps it when a new report replaces the rest.
+NOTES = "<!-- notes: written by hand, kept by --report -->"
 
 
 def cell(value, digits: int = 3, booleans: tuple[str, str] = ("yes", "no")) -> str:
@@ -18,3 +25,12 @@ def markdown_table(headers: list[str], lines: list[list], booleans: tuple[str, s
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(cell(v, booleans=booleans) for v in line) + " |" for line in lines]
     return "\n".join(out)
+
+
+def write_page(path: Path, text: str) -> Path:
+    """Write a report's page: `text`, then the hand-written part of the page already there (from
+    NOTES on), if it has one."""
+    old = path.read_text() if path.is_file() else ""
+    _, marker, notes = old.partition(NOTES)
+    path.write_text(text.rstrip("\n") + "\n" + (f"\n{marker}{notes}" if marker else ""))
+    return path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moeswarm.tools.bench.markdown import markdown_table
+from moeswarm.tools.bench.markdown import markdown_table, write_page
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 MB = 1e6
@@ -165,9 +165,7 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
         "RSS once every run is done; file-backed pages are the GGUF file's, mapped (shared through the page cache "
         "by every process that maps the file).", "", markdown_table(*process_table(result["rows"])), "",
     ]
-    path = docs / "bench-real.md"
-    path.write_text("\n".join(text))
-    return path
+    return write_page(docs / "bench-real.md", "\n".join(text))
 
 
 def _plot(result: dict, path: Path) -> Path:
