@@ -8,6 +8,7 @@ import logging
 import signal
 from collections.abc import Callable, Sequence
 
+from moeswarm.deadline import within
 from moeswarm.relay.server import RelayLimits, RelayServer
 from moeswarm.stopping import stop_event
 from moeswarm.transport.member_cert import Authority
@@ -34,7 +35,7 @@ async def _relay(limits: RelayLimits, authority: Authority | None, host: str, po
     last = None
     while not stop.is_set():
         try:
-            await asyncio.wait_for(stop.wait(), STATUS_EVERY_S)
+            await within(STATUS_EVERY_S, stop.wait())
         except asyncio.TimeoutError:
             idle = relay.idle_counts()
             status = (*vars(relay.stats).values(), len(idle), sum(idle.values()))

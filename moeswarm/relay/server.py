@@ -32,6 +32,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+from moeswarm.deadline import within
 from moeswarm.errors import printable
 from moeswarm.transport.member_cert import Authority, CertError
 from moeswarm.relay.protocol import (CHALLENGE, CHALLENGE_BYTES, KEEPALIVE, OK, PAIRED, REQUEST_HEAD, ROLE_WORKER,
@@ -133,9 +134,9 @@ class RelayServer:
             if self.stats.connections > self.limits.max_connections:
                 raise RelayError(f"relay busy: {self.limits.max_connections} connections open; retry later")
             deadline = time.monotonic() + self.limits.handshake_timeout_s
-            role, name = await asyncio.wait_for(self._read_request(reader), self.limits.handshake_timeout_s)
+            role, name = await within(self.limits.handshake_timeout_s, self._read_request(reader))
             if role == ROLE_WORKER:
-                owner = await asyncio.wait_for(self._prove(name, host, reader, writer), max(deadline - time.monotonic(), 0))
+                owner = await within(max(deadline - time.monotonic(), 0), self._prove(name, host, reader, writer))
                 keep_open = await self._register(name, owner, host, reader, writer)
             else:
                 await self._connect(name, reader, writer)
@@ -213,7 +214,7 @@ class RelayServer:
                     log.info("worker %s: idle connection closed", name)
                     return False
                 writer.write(KEEPALIVE)
-                await asyncio.wait_for(writer.drain(), self.limits.keepalive_s)
+                await within(self.limits.keepalive_s, writer.drain())
         finally:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)  # a StreamReader serves one reader at a time
@@ -248,7 +249,7 @@ class RelayServer:
 
         async with self._registered:
             try:
-                await asyncio.wait_for(self._registered.wait_for(available), self.limits.wait_for_worker_s)
+                await within(self.limits.wait_for_worker_s, self._registered.wait_for(available))
             except asyncio.TimeoutError:
                 raise RelayError(f"no worker named {name} is registered at this relay") from None
         idle = self._idle[name].pop()

@@ -22,6 +22,7 @@ import secrets
 import socket
 from typing import TYPE_CHECKING
 
+from moeswarm.deadline import within
 from moeswarm.errors import printable
 from moeswarm.relay.protocol import (CHALLENGE, CHALLENGE_BYTES, ERROR, KEEPALIVE, OK, PAIRED, ROLE_WORKER,
                                          RelayError, challenge_bytes, encode_proof, encode_request, error_text,
@@ -81,7 +82,7 @@ class RelayAttachment:
     async def wait_registered(self, timeout_s: float) -> None:
         """Return once a connection is registered; RelayError naming the last problem after `timeout_s`."""
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
+            await within(timeout_s, self._ready.wait())
         except asyncio.TimeoutError:
             raise RelayError(f"cannot register at relay {self.relay[0]}:{self.relay[1]} within {timeout_s:g} s: "
                              f"{self._last_problem or 'no answer'}") from None
@@ -118,16 +119,16 @@ class RelayAttachment:
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await asyncio.wait_for(loop.sock_connect(sock, self.relay), CONNECT_TIMEOUT_S)
+            await within(CONNECT_TIMEOUT_S, loop.sock_connect(sock, self.relay))
             await loop.sock_sendall(sock, encode_request(ROLE_WORKER, self.name))
-            status = await asyncio.wait_for(_read_exactly(sock, 1), CONNECT_TIMEOUT_S)
+            status = await within(CONNECT_TIMEOUT_S, _read_exactly(sock, 1))
             if status == CHALLENGE:  # a keyed relay: prove the member key the name is bound to
-                challenge = await asyncio.wait_for(_read_exactly(sock, CHALLENGE_BYTES), CONNECT_TIMEOUT_S)
+                challenge = await within(CONNECT_TIMEOUT_S, _read_exactly(sock, CHALLENGE_BYTES))
                 if self.identity is None:
                     raise RelayError("the relay registers members of a keyed swarm only: give --swarm-key")
                 signature = self.identity.sign(challenge_bytes(challenge, self.name))
                 await loop.sock_sendall(sock, encode_proof(self.identity.certificate_der, signature))
-                status = await asyncio.wait_for(_read_exactly(sock, 1), CONNECT_TIMEOUT_S)
+                status = await within(CONNECT_TIMEOUT_S, _read_exactly(sock, 1))
             if status == ERROR:
                 raise RelayError(f"relay refused: {await _read_error(sock)}")
             if status != OK:
@@ -143,7 +144,7 @@ class RelayAttachment:
     async def _wait_paired(self, sock: socket.socket) -> None:
         """Read keepalives until "P": a backbone is spliced to this connection."""
         while True:
-            status = await asyncio.wait_for(_read_exactly(sock, 1), SILENCE_S)
+            status = await within(SILENCE_S, _read_exactly(sock, 1))
             if status == PAIRED:
                 return
             if status == ERROR:
@@ -178,5 +179,5 @@ async def _read_exactly(sock: socket.socket, size: int) -> bytes:
 
 
 async def _read_error(sock: socket.socket) -> str:
-    length = parse_error_length(await asyncio.wait_for(_read_exactly(sock, 2), CONNECT_TIMEOUT_S))
-    return error_text(await asyncio.wait_for(_read_exactly(sock, length), CONNECT_TIMEOUT_S))
+    length = parse_error_length(await within(CONNECT_TIMEOUT_S, _read_exactly(sock, 2)))
+    return error_text(await within(CONNECT_TIMEOUT_S, _read_exactly(sock, length)))

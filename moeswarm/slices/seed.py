@@ -27,6 +27,7 @@ from pathlib import Path
 import functools
 import time
 
+from moeswarm.deadline import within
 from moeswarm.errors import MoeSwarmError, ProtocolError, printable
 from moeswarm.slices.protocol import DATA, MAX_REQUEST, REQUEST, RESPONSE, decode_request, encode_error
 from moeswarm.worker.admission import ConnectionTable, CountedLog, StreamProtocol, handshake, loop_errors, peer_host
@@ -106,7 +107,7 @@ class Seeder:
             slot.greeted = True
             while True:
                 try:
-                    raw = await asyncio.wait_for(reader.readexactly(REQUEST.size), self.idle_timeout_s)
+                    raw = await within(self.idle_timeout_s, reader.readexactly(REQUEST.size))
                 except asyncio.IncompleteReadError:
                     return  # the fetcher is done
                 serving, slot.last_active = True, time.monotonic()
@@ -121,7 +122,7 @@ class Seeder:
                 writer.write(RESPONSE.pack(DATA, len(data)))
                 writer.write(data)
                 del data
-                await asyncio.wait_for(writer.drain(), self.idle_timeout_s)  # a peer that stops reading is dropped
+                await within(self.idle_timeout_s, writer.drain())  # a peer that stops reading is dropped
                 self.sent_bytes += length
                 serving, slot.last_active = False, time.monotonic()
         except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError) as error:

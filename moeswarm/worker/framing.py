@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from moeswarm.errors import ProtocolError
 from moeswarm.wire.frames import HEADER_SIZE, Header, parse_header
 from moeswarm.worker.limits import ByteBudget, WorkerLimits
-from moeswarm.worker.session import within
+from moeswarm.deadline import within
 
 DISCARD_CHUNK = 64 << 10
 _LENGTHS = struct.Struct("<II")  # meta_len, payload_len: the header's last 8 bytes

@@ -23,20 +23,13 @@ import socket
 import threading
 import time
 
+from moeswarm.deadline import within
 from moeswarm.errors import printable
 from moeswarm.wire.frames import Frame
 
 # A closed connection's unsent bytes (a last ERROR on its way) get this long to leave; then the
 # transport is aborted and its buffer released, whether the client read it or not.
 CLOSE_GRACE_S = 5.0
-
-
-async def within(seconds: float, awaitable):
-    """`await awaitable`, raising TimeoutError after `seconds`."""
-    if hasattr(asyncio, "timeout"):  # Python 3.11+: no extra task per wait
-        async with asyncio.timeout(seconds):
-            return await awaitable
-    return await asyncio.wait_for(awaitable, seconds)
 
 
 class Session:
