@@ -19,10 +19,10 @@ from moeswarm.tools.local_workers import local_swarm, split_experts
 from moeswarm.model.loading import load_local
 from moeswarm.tools.tiny import FAMILIES
 
-# Families whose layers keep a state packing cannot hold: multi-head latent attention caches a
-# latent (DeepSeek), recurrent and linear-attention layers (Jamba, Qwen3-Next, ZAYA); the engine
-# runs them one forward per sequence.
-NOT_PACKED = {"deepseek_v2", "deepseek_v3", "deepseek_v4", "jamba", "qwen3_next", "zaya"}
+# Families whose layers keep a state packing cannot hold: recurrent and linear-attention layers
+# (Jamba, Qwen3-Next, ZAYA), DeepSeek V4's compressed attention; the engine runs them one forward
+# per sequence. Multi-head latent attention (DeepSeek V2/V3) packs: its latents are cached.
+NOT_PACKED = {"deepseek_v4", "jamba", "qwen3_next", "zaya"}
 PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5, 77]
 OTHER = [5, 6, 7, 8, 9, 10]
 
@@ -63,7 +63,7 @@ def test_packed_alone_is_an_ordinary_forward_and_together_stays_close(family, ti
     assert caches[1].length == len(OTHER) + 3 and not caches[1].pending
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_a_packed_step_through_workers_equals_the_same_step_locally(family, tiny_models):
     path = tiny_models(family)
     local = load_local(path)

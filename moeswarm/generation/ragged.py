@@ -14,6 +14,13 @@ forward passes a `RaggedCache` as past_key_values (its `update` files each segme
 values in that sequence's cache) and the segment layout as the attention mask, which the model's
 mask building hands back untouched (`ragged_mask`).
 
+Multi-head latent attention (DeepSeek V2/V3, GLM-4.7-Flash) caches a latent and expands it
+into keys and values after the cache, in the module (`expand_kv`). For those layers `update` files
+the new latents, then returns every segment's whole context packed one after the other; the module
+expands them all at once, and the attention takes each segment's keys from where its context lies
+in the packed run (`Layout.contexts`). A segment alone gets its cache's own tensor back: the very
+expansion an ordinary forward makes.
+
 Legend: T = tokens of the step (all segments), n = one segment's tokens, p = its cached positions,
 H = key/value heads, D = head size, V = vocabulary.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import sys
 from dataclasses import dataclass
 
@@ -39,9 +47,8 @@ JOURNAL = "_moeswarm_journal"  # set on a gateway's model: the journal its seque
 KV_DTYPE = "_moeswarm_kv_dtype"  # set on a model (set_kv_cache): the dtype its packed forwards' caches keep
 KV_CACHES = {"model": None, "f16": torch.float16}  # --kv-cache: None keeps keys and values in the model's dtype
 _LAYER_TYPES = {"full_attention", "sliding_attention"}
-# Attention that caches something other than the keys and values it attends to: multi-head latent
-# attention (DeepSeek V2/V3, GLM-4 Lite) caches a compressed latent and expands it after the cache.
-_CACHES_OTHER_THAN_KEYS = ("kv_lora_rank",)
+_LATENT = "kv_lora_rank"  # an attention module with this caches a latent it expands after the cache
+_LATENT_LAYERS = "_moeswarm_latent_layers"  # set on a model: its latent attention layers, found once
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,11 @@ class Layout:
 
     ndim = 1  # not a 2D padding mask, to transformers' mask preprocessing
 
-    def __init__(self, segments: list[Segment]):
+    def __init__(self, segments: list[Segment], latent: frozenset[int] = frozenset()):
+        """latent: the layers whose attention caches a latent (`latent_layers`)."""
         self.segments = segments
+        self.latent = latent
+        self.contexts: dict[int, list[tuple[int, int]]] = {}  # latent layer -> per segment (start, length) in the packed run
         self._masks: dict[tuple, torch.Tensor | None] = {}
 
     def mask(self, segment: Segment, window: int | None, dtype: torch.dtype, sdpa: bool) -> torch.Tensor | None:
@@ -95,11 +105,23 @@ class RaggedCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states [1, H, T, D]: returned as they are (the attention reads each
-        sequence's cache)."""
-        for segment in self.layout.segments:
+        sequence's cache). At a latent layer ([1, 1, T, r] latents): every segment's whole context,
+        packed one after the other ([1, 1, sum(p + n), r]) in the model's dtype, for the module to
+        expand; where each one lies goes in the layout."""
+        segments = self.layout.segments
+        for segment in segments:
             segment.cache.append(layer_idx, key_states[:, :, segment.start : segment.end],
                                  value_states[:, :, segment.start : segment.end], segment.row)
-        return key_states, value_states
+        if layer_idx not in self.layout.latent:
+            return key_states, value_states
+        contexts = [segment.cache.view(layer_idx, segment.row) for segment in segments]  # ([1, 1, p + n, r*] x2)
+        starts = itertools.accumulate((keys.shape[2] for keys, _ in contexts), initial=0)
+        self.layout.contexts[layer_idx] = [(start, keys.shape[2]) for start, (keys, _) in zip(starts, contexts)]
+        if len(contexts) == 1:
+            latents, rotary = contexts[0]
+        else:
+            latents, rotary = (torch.cat(parts, dim=2) for parts in zip(*contexts))
+        return latents.to(key_states.dtype), rotary.to(value_states.dtype)  # a float16 cache widens here
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come as position_ids; nothing may derive them from here
@@ -128,11 +150,16 @@ def ragged_attention(module, query, key, value, attention_mask, **kwargs):
     window = kwargs.get("sliding_window")
     sdpa = is_sdpa(inner)
     outputs = []
+    contexts = layout.contexts.get(layer)  # a latent layer's: key, value [1, H, sum(p + n), D] expanded from them
     cached = layout.segments[0].cache.keys[layer]  # [1, H, capacity, D]
-    if key.shape[1] != cached.shape[1] or key.shape[-1] != cached.shape[-1]:
+    if contexts is None and (key.shape[1] != cached.shape[1] or key.shape[-1] != cached.shape[-1]):
         raise ValueError(f"{type(module).__name__} attends to other keys than it caches: it cannot be packed")
-    for segment in layout.segments:
-        keys, values = segment.cache.view(layer, segment.row)  # [1, H, p + n, D]
+    for i, segment in enumerate(layout.segments):
+        if contexts is not None:
+            start, length = contexts[i]
+            keys, values = key[:, :, start : start + length], value[:, :, start : start + length]  # [1, H, p + n, D]
+        else:
+            keys, values = segment.cache.view(layer, segment.row)  # [1, H, p + n, D]
         if keys.dtype != query.dtype and inner is not sdpa_one_thread:  # a float16 cache (sequence_cache.py)
             keys, values = keys.to(query.dtype), values.to(query.dtype)  # only the C one-query call reads it as it is
         mask = layout.mask(segment, window, query.dtype, sdpa)
@@ -162,9 +189,28 @@ def supports_ragged(model: PreTrainedModel) -> bool:
         return False
     attentions = [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
     chained = any(getattr(m, "takes_layout", False) for m in model.modules())  # layers held by stages (stages/)
-    return bool(attentions or chained) and all(_through_the_interface(type(m))
-                                    and not any(hasattr(m, name) for name in _CACHES_OTHER_THAN_KEYS)
-                                    for m in attentions)
+    return bool(attentions or chained) and all(_through_the_interface(type(m)) for m in attentions) \
+        and not any(_keeps_other_state(type(m)) for m in model.modules())
+
+
+def latent_layers(model: PreTrainedModel) -> frozenset[int]:
+    """The layers of `model` whose attention caches a latent (multi-head latent attention), found once."""
+    found = getattr(model, _LATENT_LAYERS, None)
+    if found is None:
+        found = frozenset(m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, _LATENT))
+        setattr(model, _LATENT_LAYERS, found)
+    return found
+
+
+@functools.cache
+def _keeps_other_state(module: type) -> bool:
+    """Whether a module class files state of its own in the cache (a sparse attention's indexer
+    keys: DeepSeek V3.2), which a packed forward's cache does not hold."""
+    forward = getattr(module, "forward", None)
+    try:
+        return forward is not None and "past_key_values.update_" in inspect.getsource(forward)
+    except (OSError, TypeError):  # no source (a C or generated class): nothing of the kind
+        return False
 
 
 @functools.cache
@@ -241,7 +287,7 @@ def forward_packed(model: PreTrainedModel, items: list[Item]) -> list[torch.Tens
                 ids += tokens
                 kept += range(len(ids) - len(tokens), len(ids))
     positions = [segment.past + i for segment in segments for i in range(segment.end - segment.start)]
-    layout = Layout(segments)
+    layout = Layout(segments, latent_layers(model))
     options = {}
     if _takes_logits_to_keep(type(model)) and len(kept) < len(ids):
         options["logits_to_keep"] = torch.tensor(kept, dtype=torch.long)

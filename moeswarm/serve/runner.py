@@ -40,7 +40,7 @@ def build_runners(backbone: Swarm | WholeModel, reference: PreTrainedModel | Non
     if kv_dtype(backbone.model) is not None:
         if not packed:
             raise MoeSwarmError(f"--kv-cache f16: {backbone.model.config.model_type}'s layers keep a state packed "
-                                "forwards cannot hold (recurrent or latent attention): its cache stays in the model's dtype")
+                                "forwards cannot hold (recurrent layers, or an index of its own): its cache stays in the model's dtype")
         if reference is not None:
             setattr(reference, KV_DTYPE, kv_dtype(backbone.model))  # the local check keeps its cache as the backbone does
     reference_runner = local_runner(reference, packed, max_batch) if reference is not None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from moeswarm.generation.ragged import Layout, RaggedCache
+from moeswarm.generation.ragged import Layout, RaggedCache, latent_layers
 from moeswarm.generation.ragged import Segment as PackedSegment
 from moeswarm.generation.sequence_cache import SequenceCache
 from moeswarm.stages.protocol import Segment
@@ -25,7 +25,7 @@ def run_span(model: PreTrainedModel, caches: list[SequenceCache], segments: tupl
         if segment.row is not None:
             cache.rows = max(cache.rows, segment.row + 1)
     positions = [s.past + i for s in segments for i in range(s.end - s.start)]
-    layout = Layout(packed)
+    layout = Layout(packed, latent_layers(model))
     out = model.base_model(inputs_embeds=hidden[None], position_ids=torch.tensor([positions]),
                            past_key_values=RaggedCache(layout), attention_mask=layout, use_cache=True)
     return out.last_hidden_state[0]  # [T, d]

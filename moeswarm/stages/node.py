@@ -178,7 +178,7 @@ def open_stage(model_path, span: range, workers: list[str], config: SwarmConfig 
     try:
         if not supports_ragged(swarm.model):
             raise MoeSwarmError(f"{swarm.model.config.model_type}: its layers keep a state a stage cannot pack "
-                                "(recurrent or latent attention): it cannot be staged")
+                                "(recurrent layers, or an index of its own): it cannot be staged")
         install(swarm.model)
         keep_span(swarm.model, span)
         config = config or SwarmConfig()
