@@ -1,6 +1,8 @@
-"""Multi-head latent attention in packed forwards (generation/ragged.py): DeepSeek V3's layers keep
-their latents in each sequence's cache, float16 ones with `--kv-cache f16`, and a model of that
-family generates through workers and through stages bit for bit as its local reference does.
+"""Multi-head latent attention in packed forwards (generation/ragged.py, generation/latent.py):
+DeepSeek V3's layers keep their latents in each sequence's cache, float16 ones with `--kv-cache
+f16`; a decode step attends absorbed, without expanding the cache; and a model of that family
+generates through workers, through stages and in the serving engine bit for bit as its local
+reference does.
 
 The tiny DeepSeek V3 (moeswarm/tools/tiny.py): 3 layers, the first dense, kv_lora_rank 16, rotary
 part 8, 4 heads of 8 + 8 (keys) and 8 (values), 8 routed experts.
@@ -15,8 +17,10 @@ import threading
 
 import torch
 
+from moeswarm.generation import latent
 from moeswarm.generation.ragged import PackedStepper, install, latent_layers
 from moeswarm.generation.sampling import SamplingParams
+from moeswarm.generation.stepper import Stepper
 from moeswarm.model.loading import load_local
 from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.serve.engine import Engine, EngineConfig
@@ -36,9 +40,60 @@ def _generate(model: str, *flags: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _expansions(model) -> list[int]:
+    """A counter of kv_b_proj's forwards (the cache's expansion), hooked on every latent layer."""
+    count = [0]
+    for module in model.modules():
+        if hasattr(module, "kv_b_proj"):
+            module.kv_b_proj.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    return count
+
+
+def test_decode_steps_attend_absorbed_and_a_prompt_from_nothing_expands(tiny_models):
+    """An ordinary forward expands the whole cache at every layer. Packed, a layer runs absorbed
+    where that costs fewer multiply-adds: a prompt fed to an empty cache expands (each of its
+    queries would pay 2 r + rope a position absorbed, nope + rope + v expanded), a decode token and
+    a 2-token draft do not call kv_b_proj at all. Logits within float rounding of the expanded
+    forward's, greedy choices equal."""
+    model = load_local(tiny_models("deepseek_v3"))
+    plain = Stepper(model)
+    expected = [plain.forward([3, 41, 7, 99]), plain.forward([12]), plain.forward([5, 6])]
+    install(model)
+    expansions = _expansions(model)
+    packed = PackedStepper(model)
+    got = [packed.forward([3, 41, 7, 99])]
+    assert expansions[0] == 3  # the prompt: once a layer
+    got += [packed.forward([12]), packed.forward([5, 6])]
+    assert expansions[0] == 3  # the decode token and the draft: absorbed
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-5, rtol=0) and torch.equal(g.argmax(-1), e.argmax(-1))
+
+
+def test_the_cheaper_form_by_multiply_adds_at_deepseek_v3s_shape():
+    shape = latent.Shape(512, 128, 64, 128)
+    assert shape.absorbs_cheaper(rows=1, positions=1025, pairs=1025)  # a decode step
+    assert shape.absorbs_cheaper(rows=4 * 3, positions=4 * 1027, pairs=4 * 3 * 1027)  # 4 draft rows of 3
+    assert shape.absorbs_cheaper(rows=64, positions=128, pairs=64 * 128)  # a prompt's second 64-token chunk
+    assert not shape.absorbs_cheaper(rows=256, positions=256, pairs=256 * 256)  # a prompt's first chunk
+
+
+def test_a_latent_module_not_known_to_absorb_is_expanded_as_alone(tiny_models, monkeypatch):
+    """The fallback for a latent attention whose expansion is not DeepSeek's: every segment's context
+    packed and expanded by the module itself, a sequence alone bit for bit an ordinary forward."""
+    monkeypatch.setattr(latent, "absorbs", lambda module: False)
+    model = load_local(tiny_models("deepseek_v3"))
+    plain = Stepper(model)
+    expected = [plain.forward([3, 41, 7, 99]), plain.forward([12])]
+    install(model)
+    expansions = _expansions(model)
+    packed = PackedStepper(model)
+    assert torch.equal(packed.forward([3, 41, 7, 99]), expected[0]) and torch.equal(packed.forward([12]), expected[1])
+    assert expansions[0] == 2 * 3  # each forward, each of the 3 layers
+
+
 def test_a_latent_layer_caches_its_latents_and_float16_halves_them(tiny_models):
     path = tiny_models("deepseek_v3")
-    assert latent_layers(load_local(path)) == frozenset({0, 1, 2})
+    assert latent_layers(load_local(path)) == {layer: latent.Shape(16, 8, 8, 8) for layer in range(3)}
     with open_swarm(path, []) as wide, open_swarm(path, [], SwarmConfig(kv_cache="f16")) as narrow:
         install(wide.model), install(narrow.model)
         steppers = PackedStepper(wide.model), PackedStepper(narrow.model)

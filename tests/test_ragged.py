@@ -21,8 +21,11 @@ from moeswarm.tools.tiny import FAMILIES
 
 # Families whose layers keep a state packing cannot hold: recurrent and linear-attention layers
 # (Jamba, Qwen3-Next, ZAYA), DeepSeek V4's compressed attention; the engine runs them one forward
-# per sequence. Multi-head latent attention (DeepSeek V2/V3) packs: its latents are cached.
+# per sequence. Multi-head latent attention (DeepSeek V2/V3) packs: its latents are cached, and
+# its attention runs absorbed (generation/latent.py), whose sums differ from the expanded form's
+# in the last places: alone, those families are close to an ordinary forward, not equal.
 NOT_PACKED = {"deepseek_v4", "jamba", "qwen3_next", "zaya"}
+ABSORBED = {"deepseek_v2", "deepseek_v3"}
 PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5, 77]
 OTHER = [5, 6, 7, 8, 9, 10]
 
@@ -50,8 +53,11 @@ def test_packed_alone_is_an_ordinary_forward_and_together_stays_close(family, ti
     expected = [plain.forward(PROMPT), plain.forward([3, 4]), None, torch.stack([_after(model, OTHER, row) for row in ([1, 2, 3], [1, 9, 9])])]
     install(model)
     alone = PackedStepper(model)
-    assert torch.equal(alone.forward(PROMPT), expected[0])
-    assert torch.equal(alone.forward([3, 4]), expected[1])
+    for got, want in [(alone.forward(PROMPT), expected[0]), (alone.forward([3, 4]), expected[1])]:
+        if family in ABSORBED:
+            assert torch.allclose(got, want, atol=1e-5, rtol=0) and torch.equal(got.argmax(-1), want.argmax(-1))
+        else:
+            assert torch.equal(got, want)
     caches = [SequenceCache() for _ in range(3)]
     together = _step(model, caches)
     for got, want in [(together[0], expected[1]), (together[1], expected[3])]:

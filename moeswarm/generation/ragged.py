@@ -38,6 +38,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from moeswarm.generation import latent
 from moeswarm.generation.sequence_cache import SequenceCache
 from moeswarm.model.attention_threads import is_sdpa, sdpa_one_thread
 
@@ -68,10 +69,11 @@ class Layout:
 
     ndim = 1  # not a 2D padding mask, to transformers' mask preprocessing
 
-    def __init__(self, segments: list[Segment], latent: frozenset[int] = frozenset()):
-        """latent: the layers whose attention caches a latent (`latent_layers`)."""
+    def __init__(self, segments: list[Segment], latent: dict[int, latent.Shape | None] | None = None):
+        """latent: the layers whose attention caches a latent, with their sizes where they may run
+        absorbed (`latent_layers`)."""
         self.segments = segments
-        self.latent = latent
+        self.latent = latent or {}
         self.contexts: dict[int, list[tuple[int, int]]] = {}  # latent layer -> per segment (start, length) in the packed run
         self._masks: dict[tuple, torch.Tensor | None] = {}
 
@@ -115,13 +117,19 @@ class RaggedCache:
         if layer_idx not in self.layout.latent:
             return key_states, value_states
         contexts = [segment.cache.view(layer_idx, segment.row) for segment in segments]  # ([1, 1, p + n, r*] x2)
-        starts = itertools.accumulate((keys.shape[2] for keys, _ in contexts), initial=0)
-        self.layout.contexts[layer_idx] = [(start, keys.shape[2]) for start, (keys, _) in zip(starts, contexts)]
+        lengths = [keys.shape[2] for keys, _ in contexts]
+        starts = itertools.accumulate(lengths, initial=0)
+        self.layout.contexts[layer_idx] = [(start, length) for start, length in zip(starts, lengths)]
         if len(contexts) == 1:
             latents, rotary = contexts[0]
         else:
             latents, rotary = (torch.cat(parts, dim=2) for parts in zip(*contexts))
-        return latents.to(key_states.dtype), rotary.to(value_states.dtype)  # a float16 cache widens here
+        latents, rotary = latents.to(key_states.dtype), rotary.to(value_states.dtype)  # a float16 cache widens here
+        shape = self.layout.latent[layer_idx]
+        pairs = sum((s.end - s.start) * length for s, length in zip(segments, lengths))
+        if shape is not None and shape.absorbs_cheaper(key_states.shape[2], sum(lengths), pairs):
+            latent.pass_latents(latents)  # the module passes them on unexpanded (generation/latent.py)
+        return latents, rotary
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come as position_ids; nothing may derive them from here
@@ -151,6 +159,8 @@ def ragged_attention(module, query, key, value, attention_mask, **kwargs):
     sdpa = is_sdpa(inner)
     outputs = []
     contexts = layout.contexts.get(layer)  # a latent layer's: key, value [1, H, sum(p + n), D] expanded from them
+    if contexts is not None and latent.passed(key):
+        return _absorbed(module, query, key, value, layout, contexts, inner, window, **kwargs)
     cached = layout.segments[0].cache.keys[layer]  # [1, H, capacity, D]
     if contexts is None and (key.shape[1] != cached.shape[1] or key.shape[-1] != cached.shape[-1]):
         raise ValueError(f"{type(module).__name__} attends to other keys than it caches: it cannot be packed")
@@ -166,6 +176,22 @@ def ragged_attention(module, query, key, value, attention_mask, **kwargs):
         out, _ = inner(module, query[:, :, segment.start : segment.end], keys, values, mask, **kwargs)
         outputs.append(out)  # [1, n, Hq, Dv]
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def _absorbed(module, query, latents, rotary, layout: Layout, contexts, inner, window, **kwargs):
+    """A latent layer's attention, absorbed (generation/latent.py): query [1, H, T, nope + rope],
+    latents [1, 1, sum(p + n), r] and rotary [1, 1, sum(p + n), rope] as the cache packed them;
+    returns [1, T, H, v]."""
+    absorbed = latent.query(module, query)  # [1, H, T, r + rope]
+    keys = latent.keys(latents, rotary)  # [1, 1, sum(p + n), r + rope]: one key head, every query head's
+    outputs = []
+    for segment, (start, length) in zip(layout.segments, contexts):
+        seen = slice(start, start + length)
+        mask = layout.mask(segment, window, query.dtype, sdpa=False)  # [1, 1, n, p + n], or None: one query
+        out = latent.attend(module, inner, absorbed[:, :, segment.start : segment.end], keys[:, :, seen],
+                            latents[:, :, seen], mask, **kwargs)
+        outputs.append(out)  # [1, n, H, r]
+    return latent.output(module, outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
 def ragged_mask(*args, config=None, **kwargs):
@@ -193,11 +219,12 @@ def supports_ragged(model: PreTrainedModel) -> bool:
         and not any(_keeps_other_state(type(m)) for m in model.modules())
 
 
-def latent_layers(model: PreTrainedModel) -> frozenset[int]:
-    """The layers of `model` whose attention caches a latent (multi-head latent attention), found once."""
+def latent_layers(model: PreTrainedModel) -> dict[int, latent.Shape | None]:
+    """{layer: its sizes where it may run absorbed, else None} for the layers of `model` whose
+    attention caches a latent (multi-head latent attention), found once."""
     found = getattr(model, _LATENT_LAYERS, None)
     if found is None:
-        found = frozenset(m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, _LATENT))
+        found = {m.layer_idx: latent.shape_of(m) for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, _LATENT)}
         setattr(model, _LATENT_LAYERS, found)
     return found
 
@@ -229,6 +256,9 @@ def install(model: PreTrainedModel) -> None:
         if config is not None and not hasattr(config, _INNER):
             setattr(config, _INNER, config._attn_implementation or "sdpa")
     model.set_attn_implementation(RAGGED)
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, _LATENT) and latent.absorbs(module):
+            latent.install(module)
 
 
 def set_kv_cache(model: PreTrainedModel, name: str) -> None:

@@ -26,6 +26,7 @@ eager attention keeps torch's threads.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -47,13 +48,21 @@ def sdpa_one_thread(module, query, key, value, attention_mask, *args, **kwargs):
         return qkernels.attend_one(query, key, value, scale, torch.get_num_threads()), None  # [B, 1, Hq, Dv]
     if key.dtype != query.dtype:  # a float16 cache (generation/sequence_cache.py): widened for torch
         key, value = key.to(query.dtype), value.to(query.dtype)
+    with one_torch_thread():
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch's ops inside run on one thread (their bits then do not depend on the process's count)."""
     with _LOCK:
         threads = torch.get_num_threads()
         if threads == 1:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+            yield
+            return
         torch.set_num_threads(1)
         try:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+            yield
         finally:
             torch.set_num_threads(threads)
 
