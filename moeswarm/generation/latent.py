@@ -8,19 +8,21 @@ part k_rot [rope]; the model's module then expands every cached position at ever
 
 Absorbed, as llama.cpp computes MLA: with W_uk [H, nope, r] and W_uv [H, v, r] the rows of
 kv_b_proj, q_nope . (W_uk c) = (q_nope W_uk) . c and sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s).
-So each head attends with the query [q_nope W_uk | q_rot] ([r + rope]) to the keys [c | k_rot] and
-the values c, one key/value head shared by all (the model's own attention function, as GQA), and
-its r-wide output goes through W_uv. Per cached position that is (2 r + rope) x H: at DeepSeek-V2-
-Lite's shape (16 heads) and 1,024 positions a decode step's attention took 1.3 ms a layer here
-against 52 ms expanded. The sums differ from the expanded form's in the last places; the local
-reference takes the same path (`--check-local` compares like with like).
+So each head attends, with the query [q_nope W_uk | q_rot] ([r + rope]), to the keys [c | k_rot]
+and the values c, one key/value head shared by all (the model's own attention function), and its
+r-wide output goes through W_uv. Per cached position that is (2 r + rope) x H. The sums differ
+from the expanded form's in the last places; the local reference takes the same path
+(`--check-local` compares like with like).
 
-A long prompt chunk is another matter: its many queries each pay 2 r + rope per position where
-the expanded keys cost nope + rope + v, and the expansion is paid once for them all. At V2-Lite's
-shape, 256-token chunks of a 2,048-token prompt took 4.1-4.2 s absorbed against 3.0-3.1 s
-expanded. So a step's layer runs absorbed only where that costs fewer multiply-adds
-(`Shape.absorbs_cheaper`, from the step's layout alone: the local reference decides the same):
-a decode step, drafts and short chunks absorbed, a long chunk expanded.
+Measured here (2 threads, DeepSeek-V2-Lite's attention shape: 16 heads, r 512, rope 64, nope and v
+128; one layer's attention at 1,024 cached positions): one query 2.75 ms absorbed against 37.7 ms
+expanded, 64 queries 49 against 73 ms; 256 queries over 512 positions 84 against 46 ms.
+A long chunk's many queries each pay 2 r + rope a position where the expanded keys cost
+nope + rope + v, and the expansion is paid once for them all. So a step's layer runs absorbed
+only where that takes fewer multiply-adds (`Shape.absorbs_cheaper`, from the step's layout
+alone: the local reference decides the same): decode tokens, drafts and later chunks absorbed, a
+prompt's first chunk expanded. Several queries fold their heads into rows against the one key
+head (`attend`): one product over the shared keys, never H copies of them.
 
 It applies to a module whose `expand_kv` is the expansion above (DeepSeek V2/V3, GLM-4.7-Flash,
 AXK1: the same source) with a float kv_b_proj; `install` makes the module's `expand_kv` pass a

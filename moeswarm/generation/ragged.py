@@ -16,10 +16,11 @@ mask building hands back untouched (`ragged_mask`).
 
 Multi-head latent attention (DeepSeek V2/V3, GLM-4.7-Flash) caches a latent and expands it
 into keys and values after the cache, in the module (`expand_kv`). For those layers `update` files
-the new latents, then returns every segment's whole context packed one after the other; the module
-expands them all at once, and the attention takes each segment's keys from where its context lies
-in the packed run (`Layout.contexts`). A segment alone gets its cache's own tensor back: the very
-expansion an ordinary forward makes.
+the new latents, then returns every segment's whole context packed one after the other, and the
+attention takes each segment's part from where its context lies in the packed run
+(`Layout.contexts`). Where it costs less the module passes them on unexpanded and the attention
+runs absorbed (generation/latent.py); else the module expands them all at once, and a segment
+alone gets its cache's own tensor back: the very expansion an ordinary forward makes.
 
 Legend: T = tokens of the step (all segments), n = one segment's tokens, p = its cached positions,
 H = key/value heads, D = head size, V = vocabulary.
