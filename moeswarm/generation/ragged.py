@@ -70,11 +70,11 @@ class Layout:
 
     ndim = 1  # not a 2D padding mask, to transformers' mask preprocessing
 
-    def __init__(self, segments: list[Segment], latent: dict[int, latent.Shape | None] | None = None):
-        """latent: the layers whose attention caches a latent, with their sizes where they may run
+    def __init__(self, segments: list[Segment], shapes: dict[int, latent.Shape | None] | None = None):
+        """shapes: the layers whose attention caches a latent, with their sizes where they may run
         absorbed (`latent_layers`)."""
         self.segments = segments
-        self.latent = latent or {}
+        self.latent = shapes or {}
         self.contexts: dict[int, list[tuple[int, int]]] = {}  # latent layer -> per segment (start, length) in the packed run
         self._masks: dict[tuple, torch.Tensor | None] = {}
 
@@ -110,7 +110,7 @@ class RaggedCache:
         """key_states, value_states [1, H, T, D]: returned as they are (the attention reads each
         sequence's cache). At a latent layer ([1, 1, T, r] latents): every segment's whole context,
         packed one after the other ([1, 1, sum(p + n), r]) in the model's dtype, for the module to
-        expand; where each one lies goes in the layout."""
+        expand or, marked, to pass on unexpanded; where each one lies goes in the layout."""
         segments = self.layout.segments
         for segment in segments:
             segment.cache.append(layer_idx, key_states[:, :, segment.start : segment.end],
