@@ -44,7 +44,7 @@ import torch
 
 from moeswarm.model.attention_threads import one_torch_thread
 
-ABSORBED = "_moeswarm_absorbed"  # set on a module whose attention runs absorbed: its (w_uk, w_uv)
+ABSORBED = "_moeswarm_absorbed"  # set on a module whose attention may run absorbed: (W_uk, W_uv transposed)
 _PACKED = "_moeswarm_packed_latents"  # set on the latents a packed forward's cache hands the module
 
 
@@ -101,9 +101,8 @@ def install(module: torch.nn.Module) -> None:
     heads, nope, v = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
     weight = module.kv_b_proj.weight.detach().as_subclass(torch.Tensor)  # [H (nope + v), r]
     per_head = weight.reshape(heads, nope + v, -1)
-    w_uk = per_head[:, :nope].contiguous()  # [H, nope, r]
-    w_uv_t = per_head[:, nope:].transpose(1, 2).contiguous()  # [H, r, v]
-    setattr(module, ABSORBED, (w_uk, w_uv_t))
+    # views of kv_b_proj's own rows, not copies: 67 MB a layer at DeepSeek-V3's shape (float32)
+    setattr(module, ABSORBED, (per_head[:, :nope], per_head[:, nope:].transpose(1, 2)))  # [H, nope, r], [H, r, v]
     expand = module.expand_kv
 
     def expand_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor):
