@@ -1,8 +1,8 @@
 """Multi-head latent attention in packed forwards (generation/ragged.py, generation/latent.py):
 DeepSeek V3's layers keep their latents in each sequence's cache, float16 ones with `--kv-cache
 f16`; a decode step attends absorbed, without expanding the cache; and a model of that family
-generates through workers, through stages and in the serving engine bit for bit as its local
-reference does.
+generates through workers and through stages bit for bit as its local reference does (the
+serving engine: tests/test_serve_engine.py).
 
 The tiny DeepSeek V3 (moeswarm/tools/tiny.py): 3 layers, the first dense, kv_lora_rank 16, rotary
 part 8, 4 heads of 8 + 8 (keys) and 8 (values), 8 routed experts.
@@ -13,18 +13,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 
 import torch
 
 from moeswarm.generation import latent
 from moeswarm.generation.ragged import PackedStepper, install, latent_layers
-from moeswarm.generation.sampling import SamplingParams
 from moeswarm.generation.stepper import Stepper
 from moeswarm.model.loading import load_local
-from moeswarm.model.tokenizer import load_text_codec
-from moeswarm.serve.engine import Engine, EngineConfig
-from moeswarm.serve.job import Delta, Finished, Job
 from moeswarm.swarm import open_swarm
 from moeswarm.swarm_config import SwarmConfig
 from moeswarm.tools.local_stages import local_stages
@@ -125,34 +120,3 @@ def test_deepseek_v3_through_two_stages_is_bit_identical(tiny_models):
                            "--speculate", "3")
     assert report["bit_identical"] is True and report["positions_checked"] >= 10
 
-
-def test_the_serving_engine_batches_deepseek_v3_and_every_step_equals_its_local_reference(tiny_models):
-    """Three greedy jobs on one engine (experts in this process, drafts on): one packed forward a step
-    for all of them, each step compared bit for bit with the same step on the local model."""
-    path = tiny_models("deepseek_v3")
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 6, 7, 5, 6, 7, 5, 6], list(range(11, 41))]
-    tokens, ends, done = [[] for _ in prompts], [None] * len(prompts), threading.Semaphore(0)
-
-    def emit_for(i: int):
-        def emit(event) -> None:
-            if isinstance(event, Delta):
-                tokens[i] += event.tokens
-            else:
-                ends[i] = event
-                done.release()
-        return emit
-
-    with open_swarm(path, [], local_experts=list(range(8))) as swarm:
-        codec = load_text_codec(swarm.source, swarm.model.config.vocab_size)
-        engine = Engine(swarm, codec, EngineConfig(context=128, speculate=3, prefill_chunk=8), reference=load_local(path))
-        assert engine.packed
-        engine.start()
-        try:
-            for i, prompt in enumerate(prompts):
-                engine.submit(Job(prompt, 10, SamplingParams(), emit_for(i)))
-            assert all(done.acquire(timeout=120) for _ in prompts)
-        finally:
-            engine.stop()
-    assert ends == [Finished("length", len(prompt), 10, 0) for prompt in prompts]
-    assert engine.checked_rows > 0 and engine.mismatched_rows == 0
-    assert engine.steps < sum(len(t) for t in tokens)  # a step carries every active sequence

@@ -241,6 +241,16 @@ def test_batched_greedy_equals_alone_and_local_eager_bit_for_bit(qwen2_moe, loca
     assert engine.steps < sum(len(t) for t in got.tokens)
 
 
+def test_latent_attention_batches_and_every_step_equals_its_local_reference(tiny_models):
+    """DeepSeek V3 (multi-head latent attention, generation/latent.py), drafts on: one packed forward
+    a step for all the jobs, each step compared bit for bit with the same step on the local model."""
+    engine, got = _serve_greedy(tiny_models("deepseek_v3"), PROMPTS, speculate=3)
+    assert engine.packed
+    assert got.ends == [Finished("length", len(prompt), 12, 0) for prompt in PROMPTS]
+    assert engine.checked_rows > 0 and engine.mismatched_rows == 0
+    assert engine.steps < sum(len(t) for t in got.tokens)  # a step carries every active sequence
+
+
 def test_same_seed_same_tokens_with_and_without_other_requests(qwen2_moe):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
     runs = []
