@@ -300,12 +300,14 @@ def test_the_gate_command_info_prints_runs_on_a_gguf_file(family, family_files, 
     assert status == (0 if report["passed"] else 1)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next", "glm4_moe_lite"])
 def test_generate_check_local_through_worker_processes_on_slice_files(family, family_files, tmp_path, capsys):
     """What a user runs: `moeswarm slice` the Q8_0 file into two parts, one `moeswarm worker`
     process on each part, `moeswarm generate --check-local` on the whole file: bit-identical, on a
     hybrid whose linear-attention state the backbone holds (the engine runs these one forward per
-    sequence; its reference computes the shared expert where the block calls it)."""
+    sequence; its reference computes the shared expert where the block calls it), and on latent
+    attention (GLM-4.7-Flash as deepseek2: packed forwards, decode steps absorbed in the backbone
+    and in its reference, two models built from one GGUF source)."""
     import json
 
     from moeswarm.cli import main

@@ -249,14 +249,15 @@ def _through_the_interface(attention: type) -> bool:
 
 
 def install(model: PreTrainedModel) -> None:
-    """Switch `model` to the ragged attention (ordinary forwards still use the one it had)."""
-    if model.config._attn_implementation == RAGGED:
-        return
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and not hasattr(config, _INNER):
-            setattr(config, _INNER, config._attn_implementation or "sdpa")
-    model.set_attn_implementation(RAGGED)
+    """Switch `model` to the ragged attention (ordinary forwards still use the one it had). Its
+    latent layers are made ready to run absorbed whatever its config says: a config shared with a
+    model installed before says RAGGED already, and that model's modules are not this one's."""
+    if model.config._attn_implementation != RAGGED:
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if config is not None and not hasattr(config, _INNER):
+                setattr(config, _INNER, config._attn_implementation or "sdpa")
+        model.set_attn_implementation(RAGGED)
     for module in model.modules():
         if hasattr(module, "layer_idx") and hasattr(module, _LATENT) and latent.absorbs(module):
             latent.install(module)

@@ -6,15 +6,21 @@ never reads an expert byte and a worker never reads another worker's experts.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 
 def meta_model(config: PretrainedConfig) -> PreTrainedModel:
-    """The model's modules with parameters on the meta device and real buffers (rotary inv_freq)."""
+    """The model's modules with parameters on the meta device and real buffers (rotary inv_freq).
+
+    The model gets a copy of `config`, as `from_pretrained` gives each model its own: a source's
+    models (the backbone, its --check-local reference) must not share one, since a setting made on
+    one model's config (its attention implementation: generation/ragged.py) would reach the other."""
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="eager")
     return model.eval()
 
 
