@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from llamacpp_fixtures import require_llama_cpp
 
@@ -99,3 +100,42 @@ def test_decode_step_by_part(report):
         parts = rows[name]["parts_ms"]
         assert parts["attention"] > 0 and parts["moe_calls"] > 0 and parts["head"] > 0
         assert sum(parts.values()) == pytest.approx(rows[name]["profiled_step_ms"])
+
+
+def test_a_latent_shape_converts_and_runs_as_deepseek_v3(tmp_path):
+    """bench real's GLM-4.7-Flash shape at toy sizes, built as its file is (our checkpoint names
+    through llama.cpp's converter and quantizer): moeswarm reads it as DeepSeek V3 with the shape's
+    latent sizes, a dense first layer and a shared expert; every layer's decode steps multiply by
+    the file's attn_k_b and attn_v_b blocks (weights/gguf_latent.py) and agree with llama.cpp's
+    logits; and the backbone decodes as its local reference does, bit for bit."""
+    from dataclasses import replace
+
+    from llamacpp_fixtures import llama_cpp_logits
+    from moeswarm.generation.ragged import PackedStepper, install
+    from moeswarm.generation.run import generate
+    from moeswarm.model.loading import load_local
+    from moeswarm.swarm import open_swarm
+    from moeswarm.tools.bench.real_build import model_file
+    from moeswarm.tools.bench.real_shapes import SHAPES, Latent
+    from moeswarm.weights.gguf_latent import BLOCKS
+
+    shape = replace(SHAPES["glm47flash"], name="toy", layers=3, hidden=256, heads=4, kv_heads=4, experts=8, inner=256,
+                    top_k=2, vocab=512, latent=Latent(q_rank=256, kv_rank=256, nope=64, rope=64, value=64, shared=1,
+                                                      dense_layers=1, dense_inner=512))
+    path = str(model_file(shape, tmp_path))
+    prompt, follow = [(7 * i + 3) % 400 + 10 for i in range(24)], [11, 57, 203, 99, 42, 7, 300, 12]
+    model = load_local(path)
+    config = model.config
+    assert config.model_type == "deepseek_v3" and (config.kv_lora_rank, config.q_lora_rank) == (256, 256)
+    assert (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (64, 64, 64)
+    assert (config.first_k_dense_replace, config.n_shared_experts, config.n_routed_experts) == (1, 1, 8)
+    assert [hasattr(layer.self_attn, BLOCKS) for layer in model.model.layers] == [True] * 3
+    install(model)
+    stepper = PackedStepper(model)
+    ours = torch.cat([stepper.forward(prompt)[-1:]] + [stepper.forward([token]) for token in follow[:-1]])  # [8, V]
+    theirs = torch.from_numpy(llama_cpp_logits(path, prompt + follow))[len(prompt) - 1 : -1]  # the same positions
+    cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
+    assert float(cosine.mean()) >= 0.99 and float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()) >= 0.75
+    with open_swarm(path, []) as swarm:
+        result = generate(swarm, prompt[:5], 4, reference=load_local(swarm.source))
+    assert result.check.bit_identical and result.check.positions >= 4

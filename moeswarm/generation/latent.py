@@ -24,6 +24,10 @@ alone: the local reference decides the same): decode tokens, drafts and later ch
 prompt's first chunk expanded. Several queries fold their heads into rows against the one key
 head (`attend`): one product over the shared keys, never H copies of them.
 
+A GGUF file's module multiplies by W_uk and W_uv as the file stores them (attn_k_b, attn_v_b:
+weights/gguf_latent.py), with int8 activations, as llama.cpp does: kv_b_proj's float32 copy is
+7x their blocks' bytes (18.4 against 2.8 MB a layer at GLM-4.7-Flash's shape), read at every step.
+
 It applies to a module whose `expand_kv` is the expansion above (DeepSeek V2/V3, GLM-4.7-Flash,
 AXK1: the same source) with a float kv_b_proj; `install` makes the module's `expand_kv` pass a
 packed forward's latents through when they are marked so (`pass_latents`), and
@@ -43,8 +47,16 @@ from dataclasses import dataclass
 import torch
 
 from moeswarm.model.attention_threads import one_torch_thread
+from moeswarm.weights.gguf_latent import BLOCKS, HeadMatrices
 
-ABSORBED = "_moeswarm_absorbed"  # set on a module whose attention may run absorbed: (W_uk, W_uv transposed)
+# set on a module whose attention may run absorbed: (W_uk, W_uv transposed) as views of kv_b_proj's
+# rows, or (W_uk, W_uv) in a GGUF file's blocks (HeadMatrices)
+ABSORBED = "_moeswarm_absorbed"
+# The blocks' products run on one thread: at GLM-4.7-Flash's shape (20 heads, 1.35 and 1.47 MB of
+# blocks a layer) a decode token's 8 layers took 2.6 + 1.2 ms on one thread, 3.1 + 1.7 ms with the
+# heads shared by 2 (a helper woken per product costs more than its half saves), 5.3 + 6.8 ms
+# through kv_b_proj's float32 rows (throwaway timing, this AVX2 host, 2026-12-05).
+SMALL_PRODUCT_THREADS = 1
 _PACKED = "_moeswarm_packed_latents"  # set on the latents a packed forward's cache hands the module
 
 
@@ -99,10 +111,14 @@ def install(module: torch.nn.Module) -> None:
     if getattr(module, ABSORBED, None) is not None:
         return
     heads, nope, v = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
-    weight = module.kv_b_proj.weight.detach().as_subclass(torch.Tensor)  # [H (nope + v), r]
-    per_head = weight.reshape(heads, nope + v, -1)
-    # views of kv_b_proj's own rows, not copies: 67 MB a layer at DeepSeek-V3's shape (float32)
-    setattr(module, ABSORBED, (per_head[:, :nope], per_head[:, nope:].transpose(1, 2)))  # [H, nope, r], [H, r, v]
+    blocks = getattr(module, BLOCKS, None)
+    if blocks is not None:
+        setattr(module, ABSORBED, blocks)
+    else:
+        weight = module.kv_b_proj.weight.detach().as_subclass(torch.Tensor)  # [H (nope + v), r]
+        per_head = weight.reshape(heads, nope + v, -1)
+        # views of kv_b_proj's own rows, not copies: 67 MB a layer at DeepSeek-V3's shape (float32)
+        setattr(module, ABSORBED, (per_head[:, :nope], per_head[:, nope:].transpose(1, 2)))  # [H, nope, r], [H, r, v]
     expand = module.expand_kv
 
     def expand_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor):
@@ -126,8 +142,12 @@ def query(module: torch.nn.Module, query_states: torch.Tensor) -> torch.Tensor:
     """[1, H, T, nope + rope] -> [1, H, T, r + rope]: q_nope through W_uk, the rotary part as it is."""
     w_uk, _ = getattr(module, ABSORBED)
     nope = module.qk_nope_head_dim
-    with one_torch_thread():
-        absorbed = torch.matmul(query_states[..., :nope], w_uk)  # [1, H, T, r]
+    if isinstance(w_uk, HeadMatrices):
+        rows = query_states[0, :, :, :nope].transpose(0, 1).contiguous()  # [T, H, nope]
+        absorbed = w_uk.product(rows, SMALL_PRODUCT_THREADS).transpose(0, 1).unsqueeze(0)  # [1, H, T, r]
+    else:
+        with one_torch_thread():
+            absorbed = torch.matmul(query_states[..., :nope], w_uk)  # [1, H, T, r]
     return torch.cat([absorbed, query_states[..., nope:]], dim=-1)
 
 
@@ -158,6 +178,8 @@ def attend(module: torch.nn.Module, inner, query_states: torch.Tensor, keys_stat
 def output(module: torch.nn.Module, attended: torch.Tensor) -> torch.Tensor:
     """[1, T, H, r] (the attention over the latents) -> [1, T, H, v] through W_uv."""
     _, w_uv_t = getattr(module, ABSORBED)
+    if isinstance(w_uv_t, HeadMatrices):  # W_uv itself, in blocks
+        return w_uv_t.product(attended[0].contiguous(), SMALL_PRODUCT_THREADS).unsqueeze(0)  # [1, T, H, v]
     with one_torch_thread():
         out = torch.matmul(attended.transpose(1, 2), w_uv_t)  # [1, H, T, v]
     return out.transpose(1, 2).contiguous()

@@ -26,6 +26,7 @@ from moeswarm.ids import LayerId, format_ids, runs
 from moeswarm.model.experts import expert_parameter_names, experts_modules
 from moeswarm.model.skeleton import meta_model
 from moeswarm.weights.gguf_backbone import encode_backbone, tie_encoded
+from moeswarm.weights.gguf_latent import encode_latent
 from moeswarm.weights.row_invariant import make_rows_invariant
 from moeswarm.weights.row_ops import use_row_ops
 from moeswarm.weights.quant_linear import check_dtype
@@ -81,6 +82,7 @@ class GGUFCheckpoint:
         f = self.file
         mapper = NameMapper(f, self.config, lambda name: dequantize(f.path, f.tensor(name)))
         encoded = encode_backbone(model, mapper, skip, self.backbone_dtype)  # matrices kept in the file's encoding
+        encode_latent(model, mapper, skip, self.backbone_dtype)  # latent attention's absorbed products: the file's blocks
         state, missing = {}, []
         for name, tensor in model.state_dict().items():
             if name in skip or name in encoded or (name == "lm_head.weight" and self.config.tie_word_embeddings):

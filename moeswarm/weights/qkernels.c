@@ -831,6 +831,46 @@ int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_byte
     return status;
 }
 
+/* Per head h < heads: y[:, h] = x[:, h] times W_h^T, where W_h = w + h * head_bytes is a [rows, row_bytes]
+ * matrix: x [n, heads, K] (row stride ldx, heads back to back), y [n, heads, rows] (row stride ldy).
+ * Multi-head latent attention's absorbed products (W_uk per head on the queries, W_uv per head on
+ * what they attended to: moeswarm/generation/latent.py) in one call. The threads share the heads,
+ * each head whole on one thread (one hand-out for the call: a head's matrix is small, ~70 KB at
+ * GLM-4.7-Flash's shape, and a split of its rows handed out per head cost more than it saved);
+ * each head is qk_matmul on its matrix and columns, so the same bits. Returns 0 or -1. */
+typedef struct {
+    int type, int8;
+    const uint8_t *w;
+    int64_t head_bytes, rows, K, row_bytes, n, ldx, ldy, first, last;
+    const float *x;
+    float *y;
+    int status;
+} HeadsJob;
+
+static void *run_heads(void *arg) {
+    HeadsJob *job = arg;
+    for (int64_t h = job->first; h < job->last && job->status == 0; h++)
+        job->status = qk_matmul(job->type, job->w + h * job->head_bytes, job->rows, job->K, job->row_bytes,
+                                job->x + h * job->K, job->n, job->ldx, job->y + h * job->rows, job->ldy, 1, job->int8);
+    return NULL;
+}
+
+int qk_matmul_heads(int type, const void *w, int64_t heads, int64_t head_bytes, int64_t rows, int64_t K,
+                    int64_t row_bytes, const float *x, int64_t n, int64_t ldx, float *y, int64_t ldy, int threads,
+                    int int8) {
+    if (heads <= 0) return 0;
+    if (threads < 1) threads = 1;
+    if (threads > heads) threads = (int)heads;
+    if (threads > 256) threads = 256;
+    HeadsJob jobs[256];
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (HeadsJob){type, int8, w, head_bytes, rows, K, row_bytes, n, ldx, ldy,
+                             heads * i / threads, heads * (i + 1) / threads, x, y, 0};
+    qk_pool_run(run_heads, jobs, sizeof(HeadsJob), threads);
+    for (int i = 0; i < threads; i++) if (jobs[i].status != 0) return -1;
+    return 0;
+}
+
 /* ---- A whole expert in one call: gate and up, the activation, down ----
  *
  * The same kernels and float operations as qk_matmul (gate), qk_matmul (up), the bias adds,

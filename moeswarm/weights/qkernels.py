@@ -35,6 +35,8 @@ def _library() -> ctypes.CDLL | None:
             lib.qk_supported.argtypes = [ctypes.c_int, _I64]
             lib.qk_matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int,
                                       ctypes.c_int]
+            lib.qk_matmul_heads.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
+                                            ctypes.c_int, ctypes.c_int]
             lib.qk_dequantize.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR]
             lib.qk_silu_glu.argtypes = [_PTR, _PTR, _PTR, _I64]
             lib.qk_oss_glu.argtypes = [_PTR, _PTR, _PTR, _I64, ctypes.c_float, ctypes.c_float]
@@ -131,6 +133,24 @@ def matmul(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tensor, thr
                                 x.data_ptr(), n, x.stride(0), y.data_ptr(), rows, threads, int(int8_activations))
     if code != 0:
         raise RuntimeError(f"qk_matmul failed for GGUF type {qtype} with rows of {row_length} values")
+    return y
+
+
+def matmul_heads(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tensor, threads: int,
+                 int8_activations: bool = False) -> torch.Tensor:
+    """x [n, H, K] float32, head h times W_h^T: weight [H, rows, row_bytes] holds H matrices of `qtype`
+    blocks (K values a row) -> [n, H, rows]. Each head is `matmul` on its matrix and columns (the same
+    bits), all in one call: multi-head latent attention's absorbed products (generation/latent.py)."""
+    heads, rows, row_bytes = weight.shape
+    n = x.shape[0]
+    assert x.dtype == torch.float32 and x.shape[1:] == (heads, row_length) and x.stride(2) == 1 and x.stride(1) == row_length
+    assert weight.strides == (rows * row_bytes, row_bytes, 1)  # matrices and their rows back to back
+    y = torch.empty(n, heads, rows, dtype=torch.float32)
+    code = _library().qk_matmul_heads(int(qtype), _address(weight), heads, rows * row_bytes, rows, row_length, row_bytes,
+                                      x.data_ptr(), n, x.stride(0), y.data_ptr(), heads * rows, threads,
+                                      int(int8_activations))
+    if code != 0:
+        raise RuntimeError(f"qk_matmul_heads failed for GGUF type {qtype} with rows of {row_length} values")
     return y
 
 
