@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from moeswarm.tools.bench.markdown import markdown_table, write_page
+from moeswarm.tools.bench.real_shapes import QUICK_SHAPE, SHAPES
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 MB = 1e6
@@ -116,10 +117,8 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
         f"{', moeswarm at commit ' + meta['commit'] if meta.get('commit') else ''}. "
         "The rows are in [bench/real.json](bench/real.json); rerun with `moeswarm bench real --report`.", "",
         "## Method", "",
-        "- **Models**: full-depth random-weight models at real dimensions (`moeswarm/tools/bench/real_shapes.py`): "
-        "OLMoE-1B-7B's shape (16 layers, hidden 2048, 16 heads of 128, 64 experts of 1024, top-8, vocabulary "
-        "50304) and Qwen3-30B-A3B's with 8 of its 48 layers (hidden 2048, 32 heads / 4 KV heads of 128, 128 "
-        "experts of 768, top-8, vocabulary 151936). Written as Hugging Face bf16 safetensors with N(0, 0.02) "
+        "- **Models**: random-weight models at real dimensions (`moeswarm/tools/bench/real_shapes.py`): "
+        f"{'; '.join(_shape(f['shape']).describe() for f in meta['files'])}. Written as Hugging Face bf16 safetensors with N(0, 0.02) "
         "matrices, converted by llama.cpp's own `convert_hf_to_gguf.py` and quantized to "
         f"{meta['quant_type']} by llama.cpp's own quantizer; built once into a cache directory. Files: {files}.",
         f"- **Runs**: a {meta['prompt_tokens']}-token prompt as one forward computing its last logits only, "
@@ -194,3 +193,8 @@ def _plot(result: dict, path: Path) -> Path:
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+def _shape(name: str):
+    """The shape a report's file was built from (bench real's, or --quick's)."""
+    return SHAPES.get(name, QUICK_SHAPE)

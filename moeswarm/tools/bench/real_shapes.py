@@ -105,6 +105,21 @@ class ModelShape:
             total += count
         return total
 
+    def describe(self) -> str:
+        """One line for a report: the model, the part of its depth built, its dimensions."""
+        depth = f" ({self.note})" if self.note else ""
+        a = self.latent
+        if a is None:
+            kv = f" / {self.kv_heads} KV heads" if self.kv_heads != self.heads else ""
+            attention = f"{self.heads} heads{kv} of {self.head_dim}"
+            experts = f"{self.experts} experts of {self.inner}"
+        else:
+            attention = (f"{self.heads} heads of multi-head latent attention (q rank {a.q_rank}, kv rank {a.kv_rank}, "
+                         f"nope {a.nope}, rope {a.rope}, value {a.value})")
+            experts = f"{self.experts} experts of {self.inner} and {a.shared} shared ({a.dense_layers} dense first)"
+        return (f"{self.model}'s shape{depth}: {self.layers} layers, hidden {self.hidden}, {attention}, {experts}, "
+                f"top-{self.top_k}, vocabulary {self.vocab}")
+
     def key(self) -> str:
         """The cache file's name stem: every dimension that changes the file."""
         a = self.latent
