@@ -105,9 +105,9 @@ def test_decode_step_by_part(report):
 def test_a_latent_shape_converts_and_runs_as_deepseek_v3(tmp_path):
     """bench real's GLM-4.7-Flash shape at toy sizes, built as its file is (our checkpoint names
     through llama.cpp's converter and quantizer): moeswarm reads it as DeepSeek V3 with the shape's
-    latent sizes, a dense first layer and a shared expert; every layer's decode steps multiply by
-    the file's attn_k_b and attn_v_b blocks (weights/gguf_latent.py) and agree with llama.cpp's
-    logits; and the backbone decodes as its local reference does, bit for bit."""
+    latent sizes, a dense first layer and a shared expert; every layer's steps, the prompt's too,
+    run absorbed through the file's attn_k_b and attn_v_b blocks (weights/gguf_latent.py) and agree
+    with llama.cpp's logits; and the backbone decodes as its local reference does, bit for bit."""
     from dataclasses import replace
 
     from llamacpp_fixtures import llama_cpp_logits
@@ -131,8 +131,12 @@ def test_a_latent_shape_converts_and_runs_as_deepseek_v3(tmp_path):
     assert (config.first_k_dense_replace, config.n_shared_experts, config.n_routed_experts) == (1, 1, 8)
     assert [hasattr(layer.self_attn, BLOCKS) for layer in model.model.layers] == [True] * 3
     install(model)
+    expansions = [0]  # with the file's blocks every step absorbs, the prompt's too: kv_b_proj is never called
+    for layer in model.model.layers:
+        layer.self_attn.kv_b_proj.register_forward_hook(lambda *_: expansions.__setitem__(0, expansions[0] + 1))
     stepper = PackedStepper(model)
     ours = torch.cat([stepper.forward(prompt)[-1:]] + [stepper.forward([token]) for token in follow[:-1]])  # [8, V]
+    assert expansions[0] == 0
     theirs = torch.from_numpy(llama_cpp_logits(path, prompt + follow))[len(prompt) - 1 : -1]  # the same positions
     cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
     assert float(cosine.mean()) >= 0.99 and float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()) >= 0.75

@@ -70,6 +70,8 @@ def test_the_cheaper_form_by_multiply_adds_at_deepseek_v3s_shape():
     assert shape.absorbs_cheaper(rows=4 * 3, positions=4 * 1027, pairs=4 * 3 * 1027)  # 4 draft rows of 3
     assert shape.absorbs_cheaper(rows=64, positions=128, pairs=64 * 128)  # a prompt's second 64-token chunk
     assert not shape.absorbs_cheaper(rows=256, positions=256, pairs=256 * 256)  # a prompt's first chunk
+    blocks = latent.Shape(512, 128, 64, 128, blocks=True)  # W_uk, W_uv in a GGUF file's blocks: absorbed always
+    assert blocks.absorbs_cheaper(rows=256, positions=256, pairs=256 * 256)
 
 
 def test_a_latent_module_not_known_to_absorb_is_expanded_as_alone(tiny_models, monkeypatch):
