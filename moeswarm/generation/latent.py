@@ -121,13 +121,13 @@ def install(module: torch.nn.Module) -> None:
     a packed forward's latents through (any other call expands as before)."""
     if getattr(module, ABSORBED, None) is not None:
         return
-    heads, nope, v = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
     blocks = getattr(module, BLOCKS, None)
     if blocks is not None:
         setattr(module, ABSORBED, blocks)
     else:
+        nope, v = module.qk_nope_head_dim, module.v_head_dim
         weight = module.kv_b_proj.weight.detach().as_subclass(torch.Tensor)  # [H (nope + v), r]
-        per_head = weight.reshape(heads, nope + v, -1)
+        per_head = weight.reshape(module.num_heads, nope + v, -1)
         # views of kv_b_proj's own rows, not copies: 67 MB a layer at DeepSeek-V3's shape (float32)
         setattr(module, ABSORBED, (per_head[:, :nope], per_head[:, nope:].transpose(1, 2)))  # [H, nope, r], [H, r, v]
     expand = module.expand_kv

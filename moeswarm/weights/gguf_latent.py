@@ -12,7 +12,6 @@ Legend: H = heads, r = kv_lora_rank, nope = qk_nope_head_dim, v = v_head_dim, n 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +22,6 @@ from moeswarm.weights.gguf_names import NameMapper
 from moeswarm.weights.quant_linear import check_dtype, keeps_encoded
 
 BLOCKS = "_moeswarm_absorb_blocks"  # on an attention module: (W_uk, W_uv) as HeadMatrices
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -48,10 +46,10 @@ def encode_latent(model: torch.nn.Module, mapper: NameMapper, skip: set[str], mo
         return 0
     given = 0
     for name, module in model.named_modules():
-        layer = _LAYER.search(f"{name}.")
+        layer = getattr(module, "layer_idx", None)
         if not hasattr(module, "kv_b_proj") or layer is None or f"{name}.kv_b_proj.weight" in skip:
             continue
-        heads = _heads(mapper, f"blk.{layer.group(1)}.attn_k_b.weight"), _heads(mapper, f"blk.{layer.group(1)}.attn_v_b.weight")
+        heads = _heads(mapper, f"blk.{layer}.attn_k_b.weight"), _heads(mapper, f"blk.{layer}.attn_v_b.weight")
         if None in heads:
             continue
         k_b, v_b = heads

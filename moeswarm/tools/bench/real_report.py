@@ -197,4 +197,4 @@ def _plot(result: dict, path: Path) -> Path:
 
 def _shape(name: str):
     """The shape a report's file was built from (bench real's, or --quick's)."""
-    return SHAPES.get(name, QUICK_SHAPE)
+    return {**SHAPES, QUICK_SHAPE.name: QUICK_SHAPE}[name]
