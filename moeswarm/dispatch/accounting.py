@@ -19,6 +19,7 @@ class LayerCall:
     remote_tokens: int | None = None  # rows that went to a remote holder (None: not counted)
     decode: bool = False  # made by a decode step (every sequence of the step past its prompt), whatever its rows
     worker_cpu: dict[str, float] = field(default_factory=dict)  # the CPU seconds its experts took, as each worker said
+    in_c: bool = False  # sent and taken in C (dispatch/lane.py)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Accounting:
                 cpu[worker].append(seconds)
         return {
             "layer_calls": len(self.calls),
+            "layer_calls_in_c": sum(c.in_c for c in self.calls),
             "round_trips": sum(c.round_trips for c in self.calls),
             "trip_share": _ratio(sum(c.remote_tokens or 0 for c in self.calls), token_layers),  # (token, layer) pairs sent remote
             "bytes_out": sum(c.bytes_out for c in self.calls),

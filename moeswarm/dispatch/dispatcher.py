@@ -38,6 +38,7 @@ from moeswarm.dispatch.combine import combine_exact, combine_partial, combine_to
 from moeswarm.dispatch import express
 from moeswarm.dispatch.flight import Flight, share_request
 from moeswarm.dispatch.health import REPLY_TIMEOUT_S, DeadlinePolicy
+from moeswarm.dispatch.lane import Lane, LaneAnswer, LaneCall
 from moeswarm.dispatch.membership import JOIN, LEFT_CAUSE, Change, MembershipQueue
 from moeswarm.dispatch.owners import Owners
 from moeswarm.dispatch.parts import REFEREE
@@ -65,7 +66,7 @@ class Handle:
     layer: LayerId
     hidden: torch.Tensor  # [T, d]
     top_k_index: torch.Tensor  # [T, k] long
-    flight: Flight | express.ExpressCall
+    flight: Flight | express.ExpressCall | LaneCall
     round_trips: int
     started: float  # time.perf_counter()
     call: int = 0  # the layer call's number (Dispatcher.call_number)
@@ -89,6 +90,7 @@ class Dispatcher:
         self.stats = Resilience()
         self.pool = HolderPool(links, table, self.policy, self.stats)
         self.owners = Owners(self.pool)
+        self.lane = Lane(self.pool)  # a decode step's calls in C where they may go express (dispatch/lane.py)
         self.verification = Verification(self.pool, SpotChecker(spot_checks or SpotCheckPolicy()), self.stats, referee)
         self.accounting = Accounting(paths=dict(paths or {}))
         self.routing = routing or RoutingStats(table.num_experts)  # live routing counts
@@ -128,10 +130,15 @@ class Dispatcher:
             self.pool.prune()
         self.pool.readmit(due_only=True)
         layer = LayerId(layer)
-        shares = self.owners.plan(layer, top_k_index, top_k_weights)
+        sent = self._lane(layer, hidden, top_k_index, top_k_weights)
+        if not isinstance(sent, LaneCall):
+            shares = self.owners.plan(layer, top_k_index, top_k_weights)
+            if sent == express.UNFIT:
+                sent = self._express(layer, hidden, top_k_index, top_k_weights, shares)
         self.call_number += 1
-        sent = self._express(layer, hidden, top_k_index, top_k_weights, shares)
-        if isinstance(sent, express.ExpressCall):
+        if isinstance(sent, LaneCall):
+            flight, pieces = sent, [(share.worker, 1) for share in sent.shares]
+        elif isinstance(sent, express.ExpressCall):
             flight, pieces = sent, [(one.worker, 1) for one in sent.sent]
         else:
             if sent == express.FAILED:  # a holder was taken down: plan again (probing it first)
@@ -151,6 +158,15 @@ class Dispatcher:
             flight.abort()
         return flight
 
+    def _lane(self, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor) -> LaneCall | str:
+        """The call sent in C (dispatch/lane.py), or why not: express.UNFIT (then express, else a flight)
+        or express.FAILED (a holder was taken down: a flight)."""
+        if not express.eligible(self.wire, self.fanout, self.verification.checker.policy.fraction, hidden) \
+                or self.owners.replicated(layer):
+            return express.UNFIT
+        return self.lane.send(self.wire, layer, hidden, top_k_index, top_k_weights, self.owners.of(layer))
+
     def _express(self, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  shares: list) -> express.ExpressCall | str:
         """The call sent express (dispatch/express.py), or why not (express.UNFIT or FAILED): it goes as a flight."""
@@ -164,8 +180,14 @@ class Dispatcher:
 
     def combine(self, handle: Handle) -> torch.Tensor:
         """Gather the replies and add them into [T, d]."""
+        flight = handle.flight
         try:
-            answers, unchecked, bytes_out, bytes_in = self._gather(handle)
+            if isinstance(flight, LaneCall):
+                got = self.lane.gather(self.verification.gate, flight)
+                if isinstance(got, LaneAnswer):
+                    return self._lane_answer(handle, got)
+                flight = got  # the express call goes on (None: made again as a flight)
+            answers, unchecked, bytes_out, bytes_in = self._gather(handle, flight)
         finally:
             self._flights.discard(handle.flight)
         for holder in unchecked:
@@ -182,17 +204,29 @@ class Dispatcher:
         ))
         return out
 
-    def _gather(self, handle: Handle) -> tuple[list, set[int], int, int]:
+    def _lane_answer(self, handle: Handle, answer: LaneAnswer) -> torch.Tensor:
+        """A lane call's answer, accounted as `combine` accounts a call's."""
+        address = self.pool.address_of
+        for holder, _, _ in answer.answered:
+            self.pool.ledger.used(holder, handle.call)  # a lane's holders are remote: never trusted
+        self.accounting.record(LayerCall(
+            handle.layer, 1, answer.bytes_out, answer.bytes_in, handle.round_trips, time.perf_counter() - handle.started,
+            {address(holder): seconds for holder, seconds, _ in answer.answered}, 1,
+            worker_cpu={address(holder): cpu for holder, _, cpu in answer.answered if cpu is not None}, in_c=True,
+        ))
+        return answer.out
+
+    def _gather(self, handle: Handle, flight: Flight | express.ExpressCall | None) -> tuple[list, set[int], int, int]:
         """The call's [(share, reply, holder)] in plan order, the holders whose answers in it no spot
-        check confirmed, and its bytes out and in."""
-        flight = handle.flight
+        check confirmed, and its bytes out and in. flight None: a lane call that must be made again."""
         if isinstance(flight, express.ExpressCall):
             answers = express.gather(self.pool, self.verification.gate, flight)
             if answers is not None:
                 unchecked = {holder for _, _, holder in answers if holder not in self.pool.trusted}
                 return answers, unchecked, flight.bytes_out, flight.bytes_in
-            shares = self.owners.plan(handle.layer, flight.top_k_index, flight.top_k_weights)  # given up: a flight
-            flight = self._flight(handle.layer, flight.hidden, flight.top_k_index, shares)
+        if not isinstance(flight, Flight):  # given up: a flight
+            shares = self.owners.plan(handle.layer, handle.top_k_index, handle.flight.top_k_weights)
+            flight = self._flight(handle.layer, handle.hidden, handle.top_k_index, shares)
         flight.run(chain=self.fanout == "chain")
         return flight.answers(), flight.unchecked(), flight.bytes_out, flight.bytes_in
 

@@ -114,10 +114,7 @@ def gather(pool: HolderPool, gate: NormGate, call: ExpressCall) -> list[tuple[Wo
         try:
             reply = link.wait(sent.pending, sent.deadline)
         except WorkerError as error:
-            if time.monotonic() >= sent.deadline:
-                pool.stats.deadline_misses += 1
-                holder.stalled(time.monotonic())
-            give_up(pool, call, sent.worker, error.cause)
+            failed(pool, call, sent.worker, sent.deadline, error)
             return None
         call.bytes_in += reply.bytes_in
         problem = result_problem(sent.share, call.layer, sent.request.mode, width, reply.result, sent.request.hidden)
@@ -131,6 +128,14 @@ def gather(pool: HolderPool, gate: NormGate, call: ExpressCall) -> list[tuple[Wo
         holder.on_time()
         answers[i] = (sent.share, reply, sent.worker)
     return answers
+
+
+def failed(pool: HolderPool, call: ExpressCall, worker: int, deadline: float, error: WorkerError) -> None:
+    """`worker`'s reply did not come (`error`; past its `deadline`: a miss): end `call`, take it down."""
+    if time.monotonic() >= deadline:
+        pool.stats.deadline_misses += 1
+        pool.holders[worker].stalled(time.monotonic())
+    give_up(pool, call, worker, error.cause)
 
 
 def give_up(pool: HolderPool, call: ExpressCall, worker: int | None, cause: str) -> None:

@@ -16,6 +16,7 @@ Legend: n = rows of a RESULT, d = hidden size, T_w = rows sent to the worker.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -50,14 +51,18 @@ class NormGate:
         plausible answer is learned from."""
         if outputs.numel() == 0:
             return None
-        top = _peak(outputs)  # the largest row norm; the rows' own only when it is over the bound
+        return self.judge(layer, _peak(outputs), lambda: outputs, hidden)
+
+    def judge(self, layer: int, top: float, outputs: Callable[[], torch.Tensor], hidden: torch.Tensor) -> str | None:
+        """`problem` of an answer whose largest |value| is `top` (its rows [n, d] from `outputs()`,
+        looked at only when they are over the bound)."""
         if not math.isfinite(top):  # non-finite rows for non-finite inputs: checks.py judged them
             return None
         # Under the learned bound an answer is plausible whatever was sent: the rows sent need no look.
         learned = self._learned(layer)
         bound = learned if learned is not None and top <= learned else self.bound(layer, hidden)
         if top > bound:
-            norms = _row_max(outputs)  # [n]
+            norms = _row_max(outputs())  # [n]
             over = int((norms > bound).sum())
             return (f"implausible RESULT: {over} of {norms.size} rows have a norm above {bound:.3g} "
                     f"(largest {top:.3g}) for layer {layer}")

@@ -101,6 +101,8 @@ class GenerationReport:
             "tokens_per_step": self.per_step(len(result.tokens[1:])),
             "moe_layers": swarm.moe_layers,
             "round_trips": traffic["round_trips"],
+            "layer_calls": traffic["layer_calls"],
+            "layer_calls_in_c": traffic["layer_calls_in_c"],  # one-token calls sent and taken in C (dispatch/lane.py)
             "bytes_out": traffic["bytes_out"],
             "bytes_in": traffic["bytes_in"],
             "bytes_out_per_token_layer": traffic["bytes_out_per_token_layer"],

@@ -29,6 +29,7 @@ import numpy as np
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, WorkerError
 from moeswarm.ids import WorkerAddress, parse_address
+from moeswarm.transport import token_call
 from moeswarm.transport.link import Pending, Reply
 from moeswarm.transport.tls import PeerRefused, refusal_hint
 from moeswarm.wire.codecs import get_codec
@@ -188,6 +189,51 @@ class TcpLink:
             self._sock.close()
             self._sock = None
 
+    # -- a lane's direct use of the socket (dispatch/lane.py) ----------------------------------
+
+    def direct_fd(self) -> int | None:
+        """The plain socket's descriptor when nothing is in flight or half-read on it, so that a lane
+        may send its frames and read their replies on it directly; None otherwise (TLS, closed, busy)."""
+        sock = self._sock
+        if sock is None or self._waiting or self._early or not self._inbox.idle or isinstance(sock, ssl.SSLSocket):
+            return None
+        return sock.fileno()
+
+    def new_request_id(self) -> int:
+        return self._new_id()
+
+    def sent_directly(self, request_id: int, bytes_out: int, reply_payload_limit: int, sent_at: float) -> Pending:
+        """A lane sent request `request_id`: its reply is awaited as `send`'s are (`wait` may read it)."""
+        self._waiting[request_id] = reply_payload_limit
+        return Pending(request_id, bytes_out, sent_at)
+
+    def taken_directly(self, pending: Pending) -> None:
+        """The lane read `pending`'s reply itself and used it."""
+        self._waiting.pop(pending.request_id, None)
+
+    def kept_directly(self, frame: bytes) -> None:
+        """A whole frame the lane read and did not use: kept for `wait`, as if this link had read it."""
+        with self._reading():
+            header = parse_header(frame[:HEADER_SIZE], self._limit())
+            self._keep(decode_frame(header, frame[HEADER_SIZE:]), len(frame))
+
+    def resumed_directly(self, header: bytes) -> None:
+        """A frame's header the lane read and will not read on: the rest is read (and the header
+        judged) by this link's own reads, as if it had read the header itself."""
+        self._inbox.resume(header)
+
+    def lost_directly(self, outcome: int, sending: bool = False) -> WorkerError:
+        """The lane's send or read ended in `outcome` (transport/token_call.py), which leaves the stream
+        out of step: the link closes; the error to raise, worded as this link's own sends and reads word it."""
+        self.close()
+        if sending:
+            return WorkerError(self.address, f"connection lost while sending ({token_call.OUTCOMES[outcome]})")
+        if outcome == token_call.TIMEOUT:
+            return WorkerError(self.address, "no reply before the deadline (worker stalled or overloaded?)")
+        if outcome == token_call.CLOSED:
+            return WorkerError(self.address, CLOSED_BY_WORKER)
+        return WorkerError(self.address, f"{LOST_WHILE_READING} ({token_call.OUTCOMES[outcome]})")
+
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id - 1
@@ -271,11 +317,21 @@ class Inbox:
 
     CHUNK = 1 << 20
 
+    @property
+    def idle(self) -> bool:
+        """Nothing of a frame read yet."""
+        return self._header is None and self._got == 0
+
     def __init__(self):
         self._head = bytearray(HEADER_SIZE)
         self._body: bytearray | None = None  # allocated once the header is checked
         self._got = 0  # bytes of the part in progress (header, then body)
         self._header: Header | None = None
+
+    def resume(self, header: bytes) -> None:
+        """A frame's header read elsewhere: go on from it (nothing of a frame may have been read here)."""
+        self._head[:] = header
+        self._got = HEADER_SIZE
 
     def receive(self, sock: socket.socket) -> None:
         """One recv (the socket is readable) of at most what the current frame lacks."""

@@ -1,0 +1,304 @@
+"""A decode step's express call made in C on plain TCP links: the same frames, checks and adds.
+
+Where a one-token layer call's time went on loopback (one worker holding every expert of an
+OLMoE-shaped Q4_K_M file, 1,000 calls): the backbone's Python around the call took about 0.33 ms
+of 0.5 ms of machinery. It runs between the holders' kernels, which sweep the shared caches, so
+each of its small steps (plan, the DISPATCH's encoding, the send, the reply's frame, the RESULT's
+checks, the add) runs from cold memory. A lane call does the same work in two C calls per holder
+(transport/token_call.c): `tc_send` writes the holder's DISPATCH from a template the full path
+encoded (wire/messages.py `Dispatch.to_frame`) with the token's values in it, `tc_take` reads its
+RESULT, compares its metadata with the bytes the full path's decoder accepts for that request
+(`Result.to_frame` of the same answer), checks that its values are finite and adds its rows into
+the step's output as dispatch/combine.py adds them.
+
+It is an express call (dispatch/express.py), with the same conditions, plus: one token routed to
+distinct experts, every share's link a plain TCP socket with nothing in flight, and holders whose
+experts of the token do not interleave (the lowest holder sums its experts, partial mode; the
+others' rows follow in expert order: `combine_token`'s adds). Exact mode keeps its bits: the
+DISPATCH bytes are the full path's, the RESULT is taken only when its metadata is, and the adds
+are the same IEEE single adds in the same order.
+
+Anything else a reply brings is handed back to the express call (`demoted`): a frame read whole
+(an ERROR, a RESULT not as expected, an implausible answer) is kept on its link for `wait`, a
+header the lane will not read on is left in the link's inbox, and the express call judges and
+settles it as it always does. A lost stream (timeout, closed, socket error) closes the link and
+ends the call as the express call's failures do.
+
+Legend: d = hidden size, k = router top-k, E = routed experts, n = an exact holder's rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from moeswarm.dispatch import express
+from moeswarm.dispatch.flight import share_request
+from moeswarm.dispatch.plan import WorkerShare
+from moeswarm.dispatch.plausible import NormGate
+from moeswarm.dispatch.pool import HolderPool
+from moeswarm.errors import WorkerError
+from moeswarm.ids import LayerId
+from moeswarm.transport import token_call
+from moeswarm.transport.link import Pending
+from moeswarm.wire.config import CombineMode, WireConfig
+from moeswarm.wire.frames import HEADER, HEADER_SIZE
+from moeswarm.wire.messages import Dispatch, Result
+from moeswarm.wire.tensors import located
+
+_ONLY_TOKEN = torch.zeros(1, dtype=torch.long)  # [1]: a share's tokens (never written)
+_ID_CODECS = ((255, "u8", 1), (32767, "i16", 2), (1 << 31, "i32", 4))  # largest id below -> codec (wire/messages.py)
+_META_ROOM = 4096  # a reply buffer's room for a RESULT's metadata (one token's experts and counts)
+
+
+@dataclass(frozen=True)
+class Template:
+    """A one-token DISPATCH frame as the full path encodes it, and where the token's values go."""
+
+    frame: bytearray
+    address: int
+    x_at: int
+    ids_at: int
+    id_bytes: int
+    w_at: int
+
+
+@dataclass(eq=False)
+class LaneShare:
+    worker: int
+    experts: list[int]  # this holder's experts of the token, ascending
+    first: bool  # the token's lowest experts: the holder sums them (partial mode)
+    fd: int
+    pending: Pending
+    deadline: float  # time.monotonic()
+
+
+@dataclass(eq=False)
+class LaneCall:
+    wire: WireConfig
+    layer: LayerId
+    hidden: torch.Tensor  # [1, d]
+    top_k_index: torch.Tensor  # [1, k] long
+    top_k_weights: torch.Tensor  # [1, k]
+    shares: list[LaneShare]  # the lowest experts' holder first, then by expert
+    bytes_out: int
+    out: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [d]: the combined answer
+
+
+@dataclass(frozen=True)
+class LaneAnswer:
+    out: torch.Tensor  # [1, d]
+    answered: list[tuple[int, float, float | None]]  # (holder, round-trip seconds, its CPU seconds or None)
+    bytes_out: int
+    bytes_in: int
+
+
+class Lane:
+    """The templates, reply buffers and owner lists lane calls use; `calls` made whole, `demotions`."""
+
+    def __init__(self, pool: HolderPool):
+        self.pool = pool
+        self.calls = 0
+        self.demotions = 0
+        self._templates: dict[tuple, Template | None] = {}
+        self._partial_meta: dict[tuple, bytes] = {}
+        self._buffers: dict[int, tuple[object, bytearray, int]] = {}  # holder -> (its link, reply buffer, address)
+        self._owners: tuple[torch.Tensor | None, list[int], np.ndarray] = (None, [], np.zeros(0, np.int64))
+        self._info = np.zeros(3, np.int64)
+        self._top = np.zeros(1, np.float64)
+
+    def send(self, wire: WireConfig, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor, owner: torch.Tensor) -> LaneCall | str:
+        """Send the call's DISPATCHes (hidden [1, d] float32, top_k_index [1, k], owner [E] the holder
+        of each expert): the LaneCall; else express.UNFIT (nothing sent) or express.FAILED (a holder
+        was taken down: plan again)."""
+        if not token_call.available() or top_k_weights.dtype != torch.float32:
+            return express.UNFIT
+        row = top_k_index[0].tolist()
+        owners, owner_array = self._owner_list(owner)
+        by_holder: dict[int, list[int]] = {}
+        for expert in row:
+            holder = owners[expert] if 0 <= expert < len(owners) else -1
+            if holder < 0:
+                return express.UNFIT
+            by_holder.setdefault(holder, []).append(expert)
+        if len(set(row)) != len(row):
+            return express.UNFIT  # a router that repeats an expert: rows per expert, the full path's adds
+        order = sorted(by_holder, key=lambda h: min(by_holder[h]))
+        for low, high in zip(order, order[1:]):
+            if max(by_holder[low]) > min(by_holder[high]):
+                return express.UNFIT  # interleaved experts: only combine_exact's per-expert order is right
+        pool, timed = self.pool, wire.timings
+        d, k = hidden.shape[1], len(row)
+        plans = []
+        for position, holder in enumerate(order):
+            link, state = pool.links[holder], pool.holders[holder]
+            fd = getattr(link, "direct_fd", lambda: None)() if state.usable and not state.degraded else None
+            experts = sorted(by_holder[holder])
+            bound = pool.reply_bound(holder)
+            rows = 1 if position == 0 else len(experts)
+            if fd is None or bound is not None and rows * d * 4 > bound:
+                return express.UNFIT
+            mode = CombineMode.PARTIAL if position == 0 else CombineMode.EXACT
+            template = self._template(layer, mode, _id_codec(experts[-1]), timed, d, k)
+            if template is None:
+                return express.UNFIT
+            plans.append((holder, link, fd, experts, template, rows))
+        x, ids, w = hidden.detach().contiguous(), top_k_index.contiguous(), top_k_weights.detach().contiguous()
+        x_at, ids_at, w_at = x.data_ptr(), ids.data_ptr(), w.data_ptr()
+        call = LaneCall(wire, layer, hidden, top_k_index, top_k_weights, [], 0, np.zeros(d, np.float32))
+        now = time.monotonic()
+        for position, (holder, link, fd, experts, template, rows) in enumerate(plans):
+            request_id = link.new_request_id()
+            deadline = now + pool.holders[holder].deadline_s(1)
+            size = len(template.frame)
+            outcome = token_call.send(fd, template.address, size, request_id, template.x_at, x_at, d, template.ids_at,
+                                      template.id_bytes, ids_at, k, token_call.address(owner_array), len(owners),
+                                      holder, template.w_at, w_at, deadline)
+            if outcome < 0:
+                express.give_up(pool, _express_call(call), holder, link.lost_directly(outcome, sending=True).cause)
+                return express.FAILED
+            pending = link.sent_directly(request_id, size, rows * d * 4, time.perf_counter())
+            call.shares.append(LaneShare(holder, experts, position == 0, fd, pending, deadline))
+            call.bytes_out += size
+        return call
+
+    def gather(self, gate: NormGate, call: LaneCall) -> LaneAnswer | express.ExpressCall | None:
+        """The call's answer; or the express call to go on with (every reply not used here is kept
+        on its link); or None where it must be made again as a flight (nothing left in flight; a
+        holder that failed taken down)."""
+        pool, d, timed, layer = self.pool, call.hidden.shape[1], call.wire.timings, call.layer
+        metas = [self._partial(layer, d) if share.first else _exact_meta(layer, d, share.experts)
+                 for share in call.shares]  # made while the holders compute
+        out, info, top = call.out, self._info, self._top
+        taken, answered, peaks, bytes_in = [], [], [], 0
+        for share, meta in zip(call.shares, metas):
+            link = pool.links[share.worker]
+            buffer, address = self._buffer(share.worker, link, call.top_k_index.shape[1], d)
+            rows = 1 if share.first else len(share.experts)
+            got = token_call.take(share.fd, share.pending.request_id, address, len(buffer), meta, timed, rows, d,
+                                  share.first, token_call.address(out), share.deadline, info, top)
+            if got >= 0:
+                answered.append((share.worker, time.perf_counter() - share.pending.sent_at, got * 1e-6 if timed else None))
+                peaks.append(float(top[0]))
+                bytes_in += HEADER_SIZE + int(info[2])
+                taken.append((share, buffer, int(info[2])))
+                continue
+            if got in token_call.WHOLE:
+                taken.append((share, buffer, int(info[2])))
+            elif got in (token_call.OTHER_REQUEST, token_call.TOO_BIG, token_call.BAD_HEADER):
+                link.resumed_directly(bytes(buffer[:HEADER_SIZE]))  # the link's own read says what is wrong
+            else:
+                error = link.lost_directly(got)
+                for used, _, _ in taken:  # read here: nothing of theirs is awaited any more
+                    pool.links[used.worker].taken_directly(used.pending)
+                express.failed(pool, _express_call(call), share.worker, share.deadline, error)
+                return None
+            return self._demoted(call, taken)
+        for (share, _, size), top_value in zip(taken, peaks):
+            if share.worker not in pool.trusted:
+                view = lambda share=share: self._rows(share, d)  # noqa: E731
+                if gate.judge(layer, top_value, view, call.hidden) is not None:
+                    return self._demoted(call, taken)  # the express call judges it again and settles
+        for share, _, _ in taken:
+            pool.links[share.worker].taken_directly(share.pending)
+            state = pool.holders[share.worker]
+            state.on_time()
+        for worker, seconds, _ in answered:
+            pool.holders[worker].round_trips.record(seconds, 1)
+        self.calls += 1
+        return LaneAnswer(torch.from_numpy(out).view(1, d), answered, call.bytes_out, bytes_in)
+
+    def _rows(self, share: LaneShare, d: int) -> torch.Tensor:
+        """The rows of `share`'s RESULT as read (a copy), [n, d]."""
+        buffer, _ = self._buffers[share.worker][1:]
+        meta_len = HEADER.unpack_from(buffer)[5]
+        rows = 1 if share.first else len(share.experts)
+        return torch.from_numpy(np.frombuffer(buffer, np.float32, rows * d, HEADER_SIZE + meta_len).reshape(rows, d).copy())
+
+    def _demoted(self, call: LaneCall, taken: list) -> express.ExpressCall | None:
+        """The express call that goes on from here, the frames read whole kept on their links; None
+        where one of them broke its link's stream (a header its link refuses): as `gather`'s."""
+        self.demotions += 1
+        made = _express_call(call)
+        for position, (share, buffer, body) in enumerate(taken):
+            try:
+                self.pool.links[share.worker].kept_directly(bytes(buffer[: HEADER_SIZE + body]))
+            except WorkerError as error:
+                for later, _, _ in taken[position + 1 :]:  # read here: nothing of theirs is awaited any more
+                    self.pool.links[later.worker].taken_directly(later.pending)
+                express.failed(self.pool, made, share.worker, share.deadline, error)
+                return None
+        return made
+
+    def _template(self, layer: LayerId, mode: CombineMode, codec: tuple[str, int], timed: bool, d: int,
+                  k: int) -> Template | None:
+        key = (layer, mode, codec, timed, d, k)
+        if key not in self._templates:
+            self._templates[key] = _template(layer, mode, codec, timed, d, k)
+        return self._templates[key]
+
+    def _partial(self, layer: LayerId, d: int) -> bytes:
+        key = (layer, d)
+        if key not in self._partial_meta:
+            self._partial_meta[key] = Result(layer, CombineMode.PARTIAL, torch.zeros(1, d), [], []).to_frame(0).encode()[0][HEADER_SIZE:]
+        return self._partial_meta[key]
+
+    def _owner_list(self, owner: torch.Tensor) -> tuple[list[int], np.ndarray]:
+        """owner [E] as a list and as int64 numpy (kept while the dispatcher's owners are the same tensor)."""
+        if self._owners[0] is not owner:
+            array = np.ascontiguousarray(owner.numpy(), np.int64)
+            self._owners = (owner, array.tolist(), array)
+        return self._owners[1], self._owners[2]
+
+    def _buffer(self, worker: int, link, k: int, d: int) -> tuple[bytearray, int]:
+        """The reply buffer of `worker` (kept while its link is the same), room for k rows of d."""
+        kept = self._buffers.get(worker)
+        need = HEADER_SIZE + _META_ROOM + 4 * k * d
+        if kept is None or kept[0] is not link or len(kept[1]) < need:
+            buffer = bytearray(need)
+            kept = self._buffers[worker] = (link, buffer, token_call.address(buffer))
+        return kept[1], kept[2]
+
+
+def _id_codec(largest: int) -> tuple[str, int]:
+    """The codec `Dispatch.to_frame` gives ids whose largest is `largest` (the others are -1)."""
+    return next((name, size) for bound, name, size in _ID_CODECS if largest < bound)
+
+
+def _template(layer: LayerId, mode: CombineMode, codec: tuple[str, int], timed: bool, d: int, k: int) -> Template | None:
+    """The full path's frame for one token with ids in `codec`, and its values' offsets; None where
+    its layout is not the one the C call writes (x, ids, w as f32, the codec, f32)."""
+    name, size = codec
+    ids = torch.full((1, k), {"u8": 0, "i16": 300, "i32": 40000}[name], dtype=torch.long)
+    frame = Dispatch(layer, torch.zeros(1, d), ids, torch.zeros(1, k), mode, "f32", "f32", timed).to_frame(0)
+    data = bytearray(b"".join(bytes(memoryview(part).cast("B")) for part in frame.encode()))
+    meta_len = HEADER.unpack_from(data)[5]
+    at = located(frame.meta["tensors"])  # {name: (offset, size, codec, dtype, shape)}
+    if (at["x"][1] != 4 * d or at["w"][1] != 4 * k or at["ids"][1] != size * k or at["ids"][2].name != name
+            or at["x"][2].name != "f32" or at["w"][2].name != "f32"):
+        return None
+    base = HEADER_SIZE + meta_len
+    return Template(data, token_call.address(data), base + at["x"][0], base + at["ids"][0], size, base + at["w"][0])
+
+
+def _exact_meta(layer: LayerId, d: int, experts: list[int]) -> bytes:
+    """The metadata bytes of an exact RESULT with one row per expert, as `Result.to_frame` packs them."""
+    result = Result(layer, CombineMode.EXACT, torch.zeros(len(experts), d), experts, [1] * len(experts))
+    return result.to_frame(0).encode()[0][HEADER_SIZE:]
+
+
+def _express_call(call: LaneCall) -> express.ExpressCall:
+    """`call` as the express call that sent the same requests (its shares and DISPATCHes made now)."""
+    made = express.ExpressCall(call.layer, call.hidden, call.top_k_index, call.top_k_weights, bytes_out=call.bytes_out)
+    row = call.top_k_index[0].tolist()
+    for share in call.shares:
+        mine = set(share.experts)
+        index = call.top_k_index if len(mine) == len(row) else torch.tensor([[e if e in mine else -1 for e in row]])
+        worker_share = WorkerShare(share.worker, _ONLY_TOKEN, index, call.top_k_weights)
+        request = share_request(call.wire, call.layer, call.hidden, call.top_k_index, worker_share)
+        made.sent.append(express.Sent(worker_share, request, share.worker, share.pending, share.deadline))
+    return made

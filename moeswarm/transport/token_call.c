@@ -1,0 +1,200 @@
+/* A decode step's layer call on plain TCP sockets, in C: one call sends a holder its DISPATCH, one
+ * takes its RESULT, checks it and adds it into the step's output (moeswarm/dispatch/lane.py).
+ *
+ * Why C: between two layer calls a holder's kernels sweep the shared caches, and the Python that
+ * frames, checks and adds one token's answer runs from cold memory at several times its hot cost
+ * (about 0.3 ms of a 0.5 ms call's machinery on a 2-core host). These functions touch a few cache
+ * lines instead. They know nothing the Python side did not tell them: the frame to send is a
+ * template made by the full path's encoder (wire/messages.py) with the token's values written in,
+ * and a RESULT is taken only when its metadata bytes are the ones the full path's decoder accepted
+ * for the same request (else it is left whole in `buf` for that decoder to judge).
+ *
+ * Frame header (wire/frames.py, little-endian): magic "MSWM", version 2, opcode, flags u16,
+ * request id u64, meta_len u32, payload_len u32.
+ *
+ * Legend: d = hidden size, k = router top-k, E = routed experts, n = rows of a RESULT.
+ */
+
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#define HEADER_SIZE 24
+#define VERSION 2
+#define OP_RESULT 3
+#define MAX_META (1 << 20)
+
+/* Outcomes below zero. A frame read whole (tc_take's buf holds it) is TC_OTHER_FRAME or
+ * TC_MISMATCH; after any other the stream is out of step and the caller closes the socket. */
+enum {
+    TC_TIMEOUT = -1,       /* the deadline passed (part of a frame may have been read) */
+    TC_CLOSED = -2,        /* the peer closed the connection */
+    TC_BAD_HEADER = -3,    /* not a frame of this protocol version */
+    TC_OTHER_REQUEST = -4, /* a header for another request id (only the header was read) */
+    TC_TOO_BIG = -5,       /* a body over the caller's capacity (only the header was read) */
+    TC_OTHER_FRAME = -6,   /* a whole frame that is not a RESULT (an ERROR) */
+    TC_MISMATCH = -7,      /* a whole RESULT not as expected (metadata, size, or non-finite values) */
+    TC_IO = -8,            /* a socket error */
+    TC_BAD_ID = -9         /* an expert id outside [0, E) */
+};
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);  /* Python's time.monotonic() on Linux */
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Wait until fd is ready for `events` or `deadline` (monotonic seconds) passes. */
+static int wait_ready(int fd, short events, double deadline) {
+    for (;;) {
+        double left = deadline - now_s();
+        if (left <= 0) return TC_TIMEOUT;
+        struct pollfd p = {fd, events, 0};
+        int ms = (int)(left * 1e3) + 1;
+        int got = poll(&p, 1, ms);
+        if (got > 0) return 0;
+        if (got < 0 && errno != EINTR) return TC_IO;
+    }
+}
+
+/* Exactly `size` bytes into `to` from non-blocking fd before `deadline`. */
+static int read_exactly(int fd, uint8_t *to, int64_t size, double deadline) {
+    int64_t got = 0;
+    while (got < size) {
+        ssize_t n = recv(fd, to + got, (size_t)(size - got), 0);
+        if (n > 0) {
+            got += n;
+        } else if (n == 0) {
+            return TC_CLOSED;
+        } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            int waited = wait_ready(fd, POLLIN, deadline);
+            if (waited) return waited;
+        } else if (errno != EINTR) {
+            return errno == ECONNRESET ? TC_CLOSED : TC_IO;
+        }
+    }
+    return 0;
+}
+
+static uint32_t le32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+
+static uint64_t le64(const uint8_t *p) { return (uint64_t)le32(p) | (uint64_t)le32(p + 4) << 32; }
+
+/* Send `frame` [len] on non-blocking fd, its request id set to `rid`, and the token's values
+ * written at the template's offsets:
+ *   x    [d] float32 at x_at
+ *   ids  [k] the router's experts at ids_at, in `id_bytes` (1: u8 with 255 for -1; 2: i16; 4: i32):
+ *        this holder's (owner[e] == me) as they are, the others -1
+ *   w    [k] float32 at w_at
+ * 0 once every byte is with the kernel, else an outcome below zero (TC_TIMEOUT: the peer takes
+ * no bytes; part of the frame may be out). */
+int tc_send(int fd, uint8_t *frame, int64_t len, uint64_t rid, int64_t x_at, const float *x, int64_t d,
+            int64_t ids_at, int id_bytes, const int64_t *ids, int64_t k, const int64_t *owner, int64_t num_experts,
+            int64_t me, int64_t w_at, const float *w, double deadline) {
+    for (int i = 0; i < 8; i++) frame[8 + i] = (uint8_t)(rid >> (8 * i));
+    memcpy(frame + x_at, x, (size_t)d * sizeof(float));
+    memcpy(frame + w_at, w, (size_t)k * sizeof(float));
+    for (int64_t j = 0; j < k; j++) {
+        int64_t e = ids[j];
+        if (e < 0 || e >= num_experts) return TC_BAD_ID;
+        int64_t v = owner[e] == me ? e : -1;
+        uint8_t *at = frame + ids_at + j * id_bytes;
+        if (id_bytes == 1) {
+            at[0] = (uint8_t)(v < 0 ? 255 : v);
+        } else {
+            for (int b = 0; b < id_bytes; b++) at[b] = (uint8_t)((uint64_t)v >> (8 * b));
+        }
+    }
+    int64_t sent = 0;
+    while (sent < len) {
+        ssize_t n = send(fd, frame + sent, (size_t)(len - sent), MSG_NOSIGNAL);
+        if (n >= 0) {
+            sent += n;
+        } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            int waited = wait_ready(fd, POLLOUT, deadline);
+            if (waited) return waited;
+        } else if (errno != EINTR) {
+            return errno == EPIPE || errno == ECONNRESET ? TC_CLOSED : TC_IO;
+        }
+    }
+    return 0;
+}
+
+/* Whether `got` [got_len] is `want` [want_len] with "cpu_us": <unsigned int> added as the last key
+ * of its map (a timed RESULT: wire/messages.py Result.to_frame); the int into *cpu_us. */
+static int timed_meta(const uint8_t *got, int64_t got_len, const uint8_t *want, int64_t want_len, int64_t *cpu_us) {
+    static const uint8_t key[7] = {0xa6, 'c', 'p', 'u', '_', 'u', 's'};
+    if (want_len < 1 || (want[0] & 0xf0) != 0x80 || (want[0] & 0x0f) == 0x0f) return 0;  /* a fixmap of < 15 keys */
+    if (got_len < want_len + 8 || got[0] != want[0] + 1 || memcmp(got + 1, want + 1, (size_t)(want_len - 1))) return 0;
+    const uint8_t *p = got + want_len;
+    if (memcmp(p, key, sizeof key)) return 0;
+    p += sizeof key;
+    int64_t left = got_len - (p - got), size;
+    uint64_t v = 0;
+    if (p[0] < 0x80) {
+        v = p[0], size = 1;
+    } else if (p[0] >= 0xcc && p[0] <= 0xcf) {
+        size = 1 + (1 << (p[0] - 0xcc));
+        if (left != size) return 0;
+        for (int64_t i = 1; i < size; i++) v = v << 8 | p[i];
+    } else {
+        return 0;
+    }
+    if (left != size || v > (uint64_t)INT64_MAX) return 0;
+    *cpu_us = (int64_t)v;
+    return 1;
+}
+
+/* Take the RESULT of request `rid` from non-blocking fd before `deadline` into buf [cap] (header,
+ * then body), check it and add it into out [d]:
+ *   meta [meta_len]  the RESULT's metadata bytes as the full path encodes them for this request
+ *                    (timed: without its "cpu_us", which must come last)
+ *   rows             its rows: its payload must be rows x d float32, every value finite
+ *   first            1: out = y + 0.0 (the token's lowest experts' sum, one row); 0: each row added
+ *                    to out in order (IEEE single adds, as dispatch/combine.py makes them)
+ * info [3] gets the frame's opcode, meta_len and body length (once its header is read), top the
+ * largest |value| of its rows (the plausibility gate's measure: dispatch/plausible.py). Returns
+ * the RESULT's cpu_us (0 when not timed), or an outcome below zero; out is changed only on success. */
+int64_t tc_take(int fd, uint64_t rid, uint8_t *buf, int64_t cap, const uint8_t *meta, int64_t meta_len, int timed,
+                int64_t rows, int64_t d, int first, float *out, double deadline, int64_t *info, double *top) {
+    int failed = read_exactly(fd, buf, HEADER_SIZE, deadline);
+    if (failed) return failed;
+    if (memcmp(buf, "MSWM", 4) || buf[4] != VERSION) return TC_BAD_HEADER;
+    int64_t got_meta = le32(buf + 16), body = got_meta + (int64_t)le32(buf + 20);
+    info[0] = buf[5], info[1] = got_meta, info[2] = body;
+    if (le64(buf + 8) != rid) return TC_OTHER_REQUEST;
+    if (got_meta > MAX_META || body > cap - HEADER_SIZE) return TC_TOO_BIG;
+    failed = read_exactly(fd, buf + HEADER_SIZE, body, deadline);
+    if (failed) return failed;
+    if (buf[5] != OP_RESULT) return TC_OTHER_FRAME;
+    const uint8_t *m = buf + HEADER_SIZE;
+    int64_t cpu_us = 0;
+    if (timed ? !timed_meta(m, got_meta, meta, meta_len, &cpu_us) : got_meta != meta_len || memcmp(m, meta, (size_t)meta_len))
+        return TC_MISMATCH;
+    if (body - got_meta != rows * d * (int64_t)sizeof(float)) return TC_MISMATCH;
+    const uint8_t *y = m + got_meta;  /* [rows, d] float32, at any alignment */
+    int finite = 1;
+    float peak = 0.0f;
+    for (int64_t i = 0; i < rows * d; i++) {
+        float v;
+        memcpy(&v, y + i * sizeof(float), sizeof v);
+        finite &= isfinite(v) != 0;
+        v = fabsf(v);
+        peak = v > peak ? v : peak;
+    }
+    if (!finite) return TC_MISMATCH;  /* the full path's checks judge it (finite inputs or not) */
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = y + r * d * (int64_t)sizeof(float);
+        for (int64_t j = 0; j < d; j++) {
+            float v;
+            memcpy(&v, row + j * sizeof(float), sizeof v);
+            out[j] = first && r == 0 ? v + 0.0f : out[j] + v;
+        }
+    }
+    *top = peak;
+    return cpu_us;
+}

@@ -1,0 +1,75 @@
+"""A decode step's layer call on a plain TCP socket in C (moeswarm/transport/token_call.c), through ctypes.
+
+`pip install -e .` builds the C file into `moeswarm/_token_call*.so`. Without it `available()` is
+False and every call takes the Python path (dispatch/express.py); nothing else changes.
+
+`send` writes one holder's DISPATCH from a template (a frame the full path encoded, wire/messages.py)
+with the token's values in it; `take` reads the holder's RESULT, checks it against the metadata
+bytes the full path would accept and adds its rows into the step's output. Outcomes below zero
+are named in OUTCOMES; after `take` returns FRAME_KEPT or MISMATCH the frame is whole in the
+buffer (the full path judges it), after any other failure the stream is out of step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+_I64, _PTR, _INT, _DOUBLE = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
+
+TIMEOUT, CLOSED, BAD_HEADER, OTHER_REQUEST, TOO_BIG, OTHER_FRAME, MISMATCH, IO, BAD_ID = range(-1, -10, -1)
+OUTCOMES = {TIMEOUT: "timeout", CLOSED: "closed", BAD_HEADER: "bad header", OTHER_REQUEST: "reply to another request",
+            TOO_BIG: "reply over its bound", OTHER_FRAME: "not a RESULT", MISMATCH: "not as expected",
+            IO: "socket error", BAD_ID: "expert id out of range"}
+WHOLE = (OTHER_FRAME, MISMATCH)  # outcomes that leave the frame whole in the buffer
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    package = Path(__file__).resolve().parent.parent  # moeswarm/
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = package / f"_token_call{suffix}"
+        if path.is_file():
+            lib = ctypes.CDLL(str(path))
+            lib.tc_send.argtypes = [_INT, _PTR, _I64, ctypes.c_uint64, _I64, _PTR, _I64, _I64, _INT, _PTR, _I64, _PTR,
+                                    _I64, _I64, _I64, _PTR, _DOUBLE]
+            lib.tc_send.restype = _INT
+            lib.tc_take.argtypes = [_INT, ctypes.c_uint64, _PTR, _I64, _PTR, _I64, _INT, _I64, _I64, _INT, _PTR, _DOUBLE,
+                                    _PTR, _PTR]
+            lib.tc_take.restype = _I64
+            return lib
+    return None
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def address(array: np.ndarray | bytearray) -> int:
+    """The address of a contiguous numpy array's (or a bytearray's) first byte."""
+    if isinstance(array, bytearray):
+        return ctypes.addressof((ctypes.c_char * len(array)).from_buffer(array))
+    return array.__array_interface__["data"][0]
+
+
+def send(fd: int, frame: int, length: int, request_id: int, x_at: int, x: int, d: int, ids_at: int, id_bytes: int,
+         ids: int, k: int, owner: int, num_experts: int, me: int, w_at: int, w: int, deadline: float) -> int:
+    """tc_send: the template at address `frame` [length] sent with request id, x [d] float32 (address),
+    ids [k] int64 (the holder `me`'s by owner [E] int64, the others -1), w [k] float32; 0, or an
+    outcome below zero."""
+    return _library().tc_send(fd, frame, length, request_id, x_at, x, d, ids_at, id_bytes, ids, k, owner, num_experts,
+                              me, w_at, w, deadline)
+
+
+def take(fd: int, request_id: int, buf: int, cap: int, meta: bytes, timed: bool, rows: int, d: int, first: bool,
+         out: int, deadline: float, info: np.ndarray, top: np.ndarray) -> int:
+    """tc_take: the RESULT into buf [cap], checked against `meta` (timed: plus a last "cpu_us"), its
+    rows x d float32 added into out [d] (first: out = y + 0.0); info [3] int64 gets the frame's
+    opcode, meta_len and body length, top [1] float64 its largest |value|. The RESULT's cpu_us
+    (0 untimed), or an outcome below zero."""
+    return _library().tc_take(fd, request_id, buf, cap, meta, len(meta), int(timed), rows, d, int(first), out, deadline,
+                              address(info), address(top))
