@@ -13,7 +13,7 @@ import torch
 from moeswarm.ids import LayerId
 from moeswarm.model.hosted import HostedLayer
 from moeswarm.wire.config import CombineMode
-from moeswarm.wire.frames import HEADER_SIZE, Opcode, parse_header
+from moeswarm.wire.frames import HEADER_SIZE, Opcode, pack_meta, parse_header
 from moeswarm.wire.messages import Dispatch, ErrorReply, Result
 from moeswarm.wire.stream import decode_frame
 from moeswarm.worker.compute import Computation
@@ -109,3 +109,62 @@ def test_reduced_wire_dispatches_never_take_the_lane():
 def _parsed(frame):
     data = b"".join(bytes(part) for part in frame.encode())
     return parse_header(data[:HEADER_SIZE]), data[HEADER_SIZE:]
+
+
+def test_a_decode_step_s_partial_dispatch_is_answered_whole_in_c_on_the_event_loop():
+    """Over real TCP to an in-process WorkerServer: after the first DISPATCH of each metadata (the full
+    path), each next one is answered from its frame's bytes with the whole RESULT frame made in C,
+    sent from the loop: the frame's bytes are the full path's (timed: but for its CPU time), the
+    sums the store's own, bit for bit."""
+    from test_worker_limits import greeted, recv
+    from test_worker_runner import running
+
+    from moeswarm.wire.stream import send_frame
+    from moeswarm.worker.server import WorkerServer
+
+    held = (0, 1, 2, 3, 4)
+    store = store_of(held)
+    server = WorkerServer(store, "hf-limits01", "scale", WorkerLimits(), inline_tokens=8)
+    reference = Computation(store_of(held), WorkerLimits())  # the full path's frames, for the same requests
+    with running(server) as (_, address):
+        sock = greeted(address)
+        for timed in (False, True):
+            for seed in range(4):
+                hidden, index, weights = routing(1, 3, held, seed)
+                request = Dispatch(0, hidden, index, weights, CombineMode.PARTIAL, timed=timed)
+                send_frame(sock, request.to_frame(20 + seed))
+                reply = recv(sock)
+                assert (reply.opcode, reply.request_id) == (Opcode.RESULT, 20 + seed)
+                full = reference.one(received(request, 20 + seed))
+                assert torch.equal(Result.from_frame(reply).outputs, store.run(request).outputs)
+                if timed:
+                    assert list(reply.meta) == list(full.meta) and reply.payload == b"".join(full.parts)
+                else:
+                    assert reply.meta_bytes == pack_meta(full.meta) and reply.payload == b"".join(full.parts)
+        sock.close()
+    assert server.computation.express.whole == 6  # all but the first of each metadata
+
+
+def test_a_connection_served_only_by_whole_frames_in_c_is_not_idle():
+    """Frames answered in the transport's callback (worker/server.py `_whole_frame`) count as activity:
+    with a 1 s idle timeout, DISPATCHes every 0.25 s for 2 s keep the connection open."""
+    import time
+
+    from test_worker_limits import greeted, recv
+    from test_worker_runner import running
+
+    from moeswarm.wire.stream import send_frame
+    from moeswarm.worker.server import WorkerServer
+
+    held = (0, 1, 2, 3, 4)
+    server = WorkerServer(store_of(held), "hf-limits01", "scale", WorkerLimits(idle_timeout_s=1.0), inline_tokens=8)
+    with running(server) as (_, address):
+        sock = greeted(address)
+        for seed in range(9):
+            hidden, index, weights = routing(1, 3, held, seed)
+            send_frame(sock, Dispatch(0, hidden, index, weights, CombineMode.PARTIAL).to_frame(50 + seed))
+            reply = recv(sock)
+            assert (reply.opcode, reply.request_id) == (Opcode.RESULT, 50 + seed), ErrorReply.from_frame(reply).message
+            time.sleep(0.25)
+        sock.close()
+    assert server.computation.express.whole == 8

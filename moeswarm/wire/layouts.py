@@ -52,6 +52,10 @@ class KnownLayouts(Generic[L]):
     def get(self, frame: Frame) -> L | None:
         return None if frame.meta_bytes is None else self._layouts.get(frame.meta_bytes)
 
+    def get_bytes(self, meta_bytes: bytes) -> L | None:
+        """The layout known for these metadata bytes (a frame not decoded)."""
+        return self._layouts.get(meta_bytes)
+
     def remember(self, frame: Frame, layout: L) -> None:
         if frame.meta_bytes is None:
             return

@@ -140,11 +140,22 @@ def error_cause(error: BaseException) -> str:
 
 class StreamProtocol(asyncio.StreamReaderProtocol):
     """asyncio's stream protocol, which with `paused` reads nothing before the session's TLS
-    handshake starts: a ClientHello read by the plain transport would be lost to TLS."""
+    handshake starts: a ClientHello read by the plain transport would be lost to TLS.
+
+    `take_whole`, when its session sets one, is offered each chunk the transport reads before the
+    stream reader gets it: True when it answered the chunk itself (a whole frame at a frame
+    boundary: worker/server.py `_whole_frame`), and then the reader never sees those bytes."""
+
+    take_whole: Callable[[bytes], bool] | None = None
 
     def __init__(self, reader: asyncio.StreamReader, connected, loop: asyncio.AbstractEventLoop, paused: bool):
         super().__init__(reader, connected, loop=loop)
         self._paused_at_start = paused
+
+    def data_received(self, data: bytes) -> None:
+        take = self.take_whole
+        if take is None or not take(data):
+            super().data_received(data)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._paused_at_start:

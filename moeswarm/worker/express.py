@@ -26,7 +26,7 @@ import torch
 
 from moeswarm.weights import qkernels
 from moeswarm.wire.config import CombineMode
-from moeswarm.wire.frames import Frame, Opcode, pack_meta
+from moeswarm.wire.frames import HEADER_SIZE, Frame, Opcode, pack_meta
 from moeswarm.wire.layouts import KnownLayouts
 from moeswarm.wire.messages import Dispatch
 from moeswarm.wire.tensors import located
@@ -51,6 +51,8 @@ class Lane:
     meta: dict  # partial: the RESULT's metadata (without cpu_us); exact: its fixed fields
     meta_bytes: bytes | None  # partial, untimed: every RESULT's metadata, packed
     found: np.ndarray  # [2 n + 1] int64 scratch: the C call's hit experts, their counts, how many
+    whole: tuple | None = None  # partial: (qkernels.ExpressLane, what it points into): RESULT frames in C
+    reply_bytes: int = 0  # room a whole RESULT frame needs
 
 
 class Express:
@@ -60,6 +62,7 @@ class Express:
         self.store = store
         self._lanes: KnownLayouts[Lane | bool] = KnownLayouts()  # False: metadata seen, no lane for it
         self.answered = 0
+        self.whole = 0  # of them, answered with the whole RESULT frame from C (`answer_now`)
 
     def answer(self, frame: Frame) -> Frame | None:
         """The RESULT for `frame`, or None: not known here (or refused: the full path says why)."""
@@ -97,6 +100,26 @@ class Express:
                          body)
         return Frame(Opcode.RESULT, frame.request_id, meta, body, lane.meta_bytes)
 
+    def whole_lane(self, body: bytes, meta_len: int) -> Lane | None:
+        """The lane that answers the DISPATCH whose frame body is `body` (its metadata its first
+        `meta_len` bytes) with a whole RESULT frame in C (`answer_now`), found without decoding it."""
+        lane = self._lanes.get_bytes(body[:meta_len])
+        if not lane or lane.whole is None or len(body) - meta_len != lane.payload_bytes:
+            return None
+        return lane
+
+    def answer_now(self, lane: Lane, body: bytes, request_id: int) -> memoryview | None:
+        """The whole RESULT frame (header, metadata, sums) answering the DISPATCH whose frame body is
+        `body` (its `whole_lane`), in one C call; None where the C call declines (the full path then
+        answers it and names any fault)."""
+        reply = bytearray(lane.reply_bytes)
+        size = qkernels.express_sums(lane.whole[0], body, reply, request_id, torch.get_num_threads())
+        if size < 0:
+            return None
+        self.answered += 1
+        self.whole += 1
+        return memoryview(reply)[:size]
+
     def learn(self, frame: Frame, request: Dispatch, reply: Frame) -> None:
         """Remember how `frame`'s metadata is answered, where this lane can answer it: `request` is its
         decoded DISPATCH and `reply` the RESULT the full path gave it."""
@@ -118,7 +141,17 @@ class Express:
         partial = request.mode == CombineMode.PARTIAL
         meta = {key: value for key, value in reply.meta.items() if key in ("layer", "mode", "tensors") and
                 (partial or key != "tensors")}
-        return Lane(request.mode, plan, first, self.store.ids_table(request.layer), tokens, k, at["x"][0],
-                    at["ids"][0], at["ids"][1] // (tokens * k), at["w"][0], len(memoryview(frame.payload)),
-                    request.timed, meta, pack_meta(meta) if partial and not request.timed else None,
-                    np.empty(2 * plan.num_experts + 1, np.int64))
+        table, id_bytes = self.store.ids_table(request.layer), at["ids"][1] // (tokens * k)
+        whole, room = None, 0
+        if partial:  # the C call writes the RESULT frame too: its metadata as packed here
+            packed = pack_meta({**meta, "cpu_us": 0}) if request.timed else pack_meta(meta)
+            if not request.timed or packed.endswith(b"\xa6cpu_us\x00"):
+                before = len(frame.meta_bytes)  # the tensors' offsets in the frame's body
+                whole = qkernels.express_lane(plan, tokens, k, id_bytes, before + at["x"][0], before + at["ids"][0],
+                                              before + at["w"][0], table, packed[:-1] if request.timed else packed,
+                                              request.timed)
+                room = HEADER_SIZE + len(packed) + 9 + 4 * tokens * plan.hidden  # 9: the largest packed int
+        return Lane(request.mode, plan, first, table, tokens, k, at["x"][0], at["ids"][0], id_bytes, at["w"][0],
+                    len(memoryview(frame.payload)), request.timed, meta,
+                    pack_meta(meta) if partial and not request.timed else None, np.empty(2 * plan.num_experts + 1, np.int64),
+                    whole, room)

@@ -83,6 +83,17 @@ class IdleWatch:
         finally:
             self._deadline = None
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the connection's reader waits for the first byte of a frame (between frames)."""
+        return self._deadline is not None
+
+    def renew(self, wait_s: float) -> None:
+        """A frame was answered without the reader (worker/server.py `_whole_frame`): the wait in
+        progress may last `wait_s` from now."""
+        if self._deadline is not None:
+            self._deadline = max(self._deadline, self._loop.time() + wait_s)
+
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -107,7 +118,7 @@ async def read_frame(reader: asyncio.StreamReader, limits: WorkerLimits, budget:
     FrameFault when the framing breaks.
     """
     try:
-        if _buffered(reader):  # pipelined: the next frame has begun already, nothing to wait for
+        if buffered(reader):  # pipelined: the next frame has begun already, nothing to wait for
             first = await reader.readexactly(1)
         elif watch is not None:
             first = await watch.first_byte(reader, wait_s)
@@ -135,7 +146,7 @@ async def read_frame(reader: asyncio.StreamReader, limits: WorkerLimits, budget:
         raise
 
 
-def _buffered(reader: asyncio.StreamReader) -> int:
+def buffered(reader: asyncio.StreamReader) -> int:
     """Bytes the reader holds already (0 when this asyncio keeps them elsewhere: the timed path then)."""
     buffer = getattr(reader, "_buffer", None)
     return len(buffer) if isinstance(buffer, bytearray) else 0
@@ -144,7 +155,7 @@ def _buffered(reader: asyncio.StreamReader) -> int:
 def _whole_frame_buffered(reader: asyncio.StreamReader, first: bytes) -> bool:
     """Whether the rest of the frame that starts with `first` is in the reader's buffer already (its
     lengths are only peeked at here: `_rest` checks the header)."""
-    held = _buffered(reader)
+    held = buffered(reader)
     if held < HEADER_SIZE - 1:
         return False
     meta_len, payload_len = _LENGTHS.unpack_from(reader._buffer, _LENGTHS_AT - 1)

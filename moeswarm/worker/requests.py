@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, printable
-from moeswarm.wire.frames import Frame, Opcode
+from moeswarm.wire.frames import HEADER_SIZE, Frame, Opcode
 from moeswarm.wire.layouts import KnownLayouts
 from moeswarm.wire.messages import ErrorReply, Hello, WorkerInfo
 from moeswarm.wire.stream import decode_frame
@@ -72,6 +72,8 @@ class Requests:
         try:
             if incoming.body is None:
                 raise WorkerBusy(self.budget.held, self.budget.limit, "bytes of requests held")
+            if header.opcode == Opcode.DISPATCH and self.answered_now(session, incoming):
+                return None
             frame = decode_frame(header, incoming.body)
             if frame.opcode == Opcode.PING:
                 return Frame(Opcode.PONG, rid)
@@ -100,6 +102,31 @@ class Requests:
         finally:
             if not handed_over:
                 self.budget.give(incoming.reserved)
+
+    def answered_now(self, session: Session, incoming: Incoming) -> bool:
+        """A decode step's DISPATCH whose metadata has a whole-RESULT lane (worker/express.py), answered
+        on the loop and its RESULT sent at once, when nothing computes and nothing is ahead of it on
+        its connection: no frame decoded, no thread hand-off, nothing queued. The lane's metadata
+        bytes passed every check before (the first frame with them went the full path), so the
+        frame's size fits its limits and its RESULT (the size of its rows) the connection's bound.
+        False: it goes the usual way."""
+        if not session.greeted or not session.can_write_now():
+            return False
+        header, express = incoming.header, self.computation.express
+        lane = express.whole_lane(incoming.body, header.meta_len)
+        if lane is None or lane.tokens > self.inline_tokens:
+            return False
+        ran, reply = self.runner.run_now(session, lambda: express.answer_now(lane, incoming.body, header.request_id),
+                                         lane.tokens)
+        if not ran or reply is None:
+            return False
+        session.slot.last_active = time.monotonic()
+        if not session.write_buffers_now([reply], 0):  # a reply got ahead of it meanwhile: in turn
+            meta_len = int.from_bytes(reply[16:20], "little")
+            payload = reply[HEADER_SIZE + meta_len :]
+            self._reply_in_turn(session, Frame(Opcode.RESULT, header.request_id, {}, (payload,),
+                                               bytes(reply[HEADER_SIZE : HEADER_SIZE + meta_len])))
+        return True
 
     def _size(self, frame: Frame) -> Sized:
         """A DISPATCH's declared sizes checked against the limits, from its metadata alone."""

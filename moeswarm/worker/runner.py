@@ -208,21 +208,26 @@ class ComputeRunner:
         """Run `work` on the calling thread now, then `done(value, error)`, if nothing waits and
         nothing is in service (the store is entered by one thread at a time); False otherwise
         (then `submit` it). Charged to `owner` as `submit` would."""
+        ran, _ = self.run_now(owner, lambda: _run_alone(Job(work, owner, None, None, 0.0, cost, done=done)), cost)
+        return ran
+
+    def run_now(self, owner: Hashable, work: Callable[[], T], cost: float) -> tuple[bool, T | None]:
+        """(True, `work()`) run on the calling thread now, if nothing waits and nothing is in service;
+        (False, None) otherwise. Charged to `owner` as `submit` would; `work`'s errors are its caller's."""
         with self._ready:
             if self._stopping or self._queues or self._in_service:
-                return False
+                return False, None
             start = max(self._virtual_time, self._finish.get(owner, 0.0))
             self._finish[owner] = start + max(cost, 1.0)
             self._virtual_time = start
             self._in_service = True
         try:
-            _run_alone(Job(work, owner, None, None, start, cost, done=done))
+            return True, work()
         finally:
             with self._ready:
                 self._in_service = False
                 if self._queues:
                     self._ready.notify()
-        return True
 
     def drop(self, owner: Hashable) -> int:
         """Forget `owner`'s jobs that have not started (their futures are cancelled); return how many."""

@@ -43,13 +43,14 @@ import socket
 import time
 from typing import TYPE_CHECKING
 
-from moeswarm.errors import printable
+from moeswarm.errors import ProtocolError, printable
 from moeswarm.wire.codecs import CODECS
+from moeswarm.wire.frames import HEADER_SIZE, Opcode, parse_header
 from moeswarm.wire.messages import ErrorReply, WorkerInfo
 from moeswarm.worker.admission import (ConnectionTable, CountedLog, Slot, StreamProtocol, handshake, loop_errors,
                                        peer_host)
 from moeswarm.worker.compute import Computation
-from moeswarm.worker.framing import FrameFault, Idle, IdleWatch, read_frame
+from moeswarm.worker.framing import FrameFault, Idle, IdleWatch, Incoming, buffered, read_frame
 from moeswarm.worker.limits import ByteBudget, WorkerLimits
 from moeswarm.worker.memory import release_freed_memory
 from moeswarm.worker.replies import AwaitRoom, watch_replies
@@ -213,6 +214,9 @@ class WorkerServer:
         slot.evict = functools.partial(self._evict, session)
         self._sessions[task] = session
         watch = IdleWatch()
+        protocol = writer.transport.get_protocol()
+        if isinstance(protocol, StreamProtocol):
+            protocol.take_whole = functools.partial(self._whole_frame, reader, session, watch)
         try:
             while not self._closing and await self._next_frame(reader, session, watch):
                 pass
@@ -223,6 +227,8 @@ class WorkerServer:
             # connection callback that ends cancelled, and nobody awaits this task.
             pass
         finally:
+            if isinstance(protocol, StreamProtocol):
+                protocol.take_whole = None
             watch.close()
             self._sessions.pop(task, None)
             dropped = self.runner.drop(session)
@@ -231,6 +237,25 @@ class WorkerServer:
             session.end()
             if session.held_bytes_peak > self.limits.hello_max_bytes:
                 release_freed_memory()  # glibc keeps freed arenas otherwise: give the big buffers back
+
+    def _whole_frame(self, reader: asyncio.StreamReader, session: Session, watch: IdleWatch, data: bytes) -> bool:
+        """A chunk the transport read that is one whole DISPATCH frame, while the connection's reader
+        waits between frames with nothing buffered: answered here, in the transport's callback, when
+        its metadata has a whole-RESULT lane (worker/requests.py `answered_now`), and the reader never
+        sees it: a decode step's DISPATCH then costs no wake-up of the reader's coroutine and none of
+        its steps. False: the reader gets the chunk as usual (and every check of its own)."""
+        if self._closing or not watch.waiting or buffered(reader) or len(data) < HEADER_SIZE:
+            return False
+        try:
+            header = parse_header(data[:HEADER_SIZE])
+        except ProtocolError:
+            return False
+        if header.opcode != Opcode.DISPATCH or HEADER_SIZE + header.body_len != len(data):
+            return False
+        if not self.requests.answered_now(session, Incoming(header, data[HEADER_SIZE:], 0)):
+            return False
+        watch.renew(self.limits.idle_timeout_s)
+        return True
 
     def _refuse(self, writer: asyncio.StreamWriter, why: str) -> None:
         """One connection over a limit: a short ERROR (plain TCP; a TLS peer just sees the close) and

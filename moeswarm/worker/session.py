@@ -112,7 +112,16 @@ class Session:
         (written whole, or the rest of it left as the tail the loop writes first, or the connection
         is gone). False: the loop must `send` it after the replies ahead of it (then it is counted as
         waiting). `owed`: what the request counted for it while computing, released here."""
-        buffers = [memoryview(b).cast("B") for b in frame.encode()]
+        return self.write_buffers_now([memoryview(b).cast("B") for b in frame.encode()], owed)
+
+    def can_write_now(self) -> bool:
+        """Whether a reply handed to `write_buffers_now` now would go straight to the socket (a plain
+        TCP connection, nothing ahead of it)."""
+        return (self._direct is not None and not self.closed and not self._queued and not self._tail
+                and not self.writer.transport.get_write_buffer_size())
+
+    def write_buffers_now(self, buffers: list[memoryview], owed: int) -> bool:
+        """`write_now` of a frame already encoded (its buffers, header first)."""
         size = sum(b.nbytes for b in buffers)
         with self._lock:
             self._owed_out += owed

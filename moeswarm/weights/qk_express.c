@@ -1,0 +1,99 @@
+/* A partial DISPATCH answered in one call, its RESULT frame included (moeswarm/worker/express.py).
+ *
+ * The worker's express lane computes a DISPATCH whose metadata bytes it has answered before from
+ * the frame's bytes (qk_dispatch_sums). This entry does that and then writes the whole RESULT
+ * frame the full path would send: the header, the metadata bytes the full path packed for the
+ * lane (timed: with "cpu_us" and the experts' CPU microseconds on this thread added as its last
+ * key, as msgpack packs a non-negative int) and each token's sum. Everything constant per lane
+ * comes in one struct (QkLane, mirrored by ctypes), so a call passes five values: the Python
+ * around a decode step's DISPATCH runs between kernels that sweep the caches, where each argument
+ * it converts costs.
+ *
+ * Frame header (wire/frames.py, little-endian): magic "MSWM", version 2, opcode 3 (RESULT), flags
+ * 0, request id u64, meta_len u32, payload_len u32.
+ */
+
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+int qk_dispatch_sums(int64_t n_experts, const int64_t *gate, const int64_t *up, const int64_t *down,
+                     int gate_type, int up_type, int down_type, int64_t H, int64_t I,
+                     const float *hidden, int64_t S, const void *ids, int id_bytes, int64_t k, const void *weights,
+                     const int64_t *table, int64_t table_len,
+                     const float *gate_bias, const float *up_bias, const float *down_bias,
+                     int activation, float alpha, float limit, float *final, int64_t *counts, int threads, int int8);
+
+typedef struct {
+    /* the experts (qkernels.py ExpertsPlan's head and tail) */
+    int64_t n_experts;
+    const int64_t *gate, *up, *down;
+    int64_t gate_type, up_type, down_type, H, I;
+    const float *gate_bias, *up_bias, *down_bias;
+    int64_t activation;
+    double alpha, limit;
+    /* the DISPATCH: its tokens, top-k, ids' width and where x, ids and w lie in its payload */
+    int64_t tokens, k, id_bytes, hidden_at, ids_at, weights_at;
+    const int64_t *table; /* [table_len]: the store's ids table for the layer */
+    int64_t table_len;
+    /* scratch: each expert's routed slots [n_experts], the sums [tokens, H] (aligned) */
+    int64_t *counts;
+    float *sums;
+    /* the RESULT's metadata bytes (timed: all but the value of its last key, "cpu_us") */
+    const uint8_t *meta;
+    int64_t meta_len, timed;
+} QkLane;
+
+static void put_le(uint8_t *at, uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; i++) at[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* v as msgpack packs a non-negative int (the smallest form); its length. */
+static int64_t pack_uint(uint8_t *at, uint64_t v) {
+    if (v < 0x80) {
+        at[0] = (uint8_t)v;
+        return 1;
+    }
+    int bytes = v < 0x100 ? 1 : v < 0x10000 ? 2 : v < 0x100000000ull ? 4 : 8;
+    at[0] = (uint8_t)(bytes == 1 ? 0xcc : bytes == 2 ? 0xcd : bytes == 4 ? 0xce : 0xcf);
+    for (int i = 0; i < bytes; i++) at[1 + i] = (uint8_t)(v >> (8 * (bytes - 1 - i)));  /* big-endian */
+    return 1 + bytes;
+}
+
+static int64_t thread_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);  /* Python's time.thread_time() */
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* The RESULT frame answering request `rid`, whose payload (x, ids, w as the lane says) is at
+ * `payload`, into reply [cap]: its length, or below zero with nothing to send (-3: an id not held
+ * here or no slot routed, the full path names the fault; -2: reply too small; else
+ * qk_dispatch_sums's failure). */
+int64_t qk_express_sums(const QkLane *lane, const uint8_t *payload, uint8_t *reply, int64_t cap, uint64_t rid,
+                        int threads) {
+    int64_t values = lane->tokens * lane->H, body = values * (int64_t)sizeof(float);
+    int64_t meta_room = lane->meta_len + (lane->timed ? 9 : 0);
+    if (cap < 24 + meta_room + body) return -2;
+    int64_t started = lane->timed ? thread_ns() : 0;
+    memset(lane->sums, 0, (size_t)body);
+    int status = qk_dispatch_sums(lane->n_experts, lane->gate, lane->up, lane->down, (int)lane->gate_type,
+                                  (int)lane->up_type, (int)lane->down_type, lane->H, lane->I,
+                                  (const float *)(payload + lane->hidden_at), lane->tokens, payload + lane->ids_at,
+                                  (int)lane->id_bytes, lane->k, payload + lane->weights_at, lane->table,
+                                  lane->table_len, lane->gate_bias, lane->up_bias, lane->down_bias,
+                                  (int)lane->activation, (float)lane->alpha, (float)lane->limit, lane->sums,
+                                  lane->counts, threads, 1);
+    if (status != 0) return status < 0 ? status : -status;
+    uint8_t *meta = reply + 24;
+    memcpy(meta, lane->meta, (size_t)lane->meta_len);
+    int64_t meta_len = lane->meta_len;
+    if (lane->timed) meta_len += pack_uint(meta + meta_len, (uint64_t)((thread_ns() - started) / 1000));
+    memcpy(reply, "MSWM", 4);
+    reply[4] = 2, reply[5] = 3, reply[6] = 0, reply[7] = 0;
+    put_le(reply + 8, rid, 8);
+    put_le(reply + 16, (uint64_t)meta_len, 4);
+    put_le(reply + 20, (uint64_t)body, 4);
+    memcpy(meta + meta_len, lane->sums, (size_t)body);
+    return 24 + meta_len + body;
+}
