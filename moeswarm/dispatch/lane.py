@@ -30,7 +30,7 @@ Legend: d = hidden size, k = router top-k, E = routed experts, n = an exact hold
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -50,7 +50,6 @@ from moeswarm.wire.messages import Dispatch, Result
 from moeswarm.wire.tensors import located
 
 _ONLY_TOKEN = torch.zeros(1, dtype=torch.long)  # [1]: a share's tokens (never written)
-_ID_CODECS = ((255, "u8", 1), (32767, "i16", 2), (1 << 31, "i32", 4))  # largest id below -> codec (wire/messages.py)
 _META_ROOM = 4096  # a reply buffer's room for a RESULT's metadata (one token's experts and counts)
 
 
@@ -85,7 +84,6 @@ class LaneCall:
     top_k_weights: torch.Tensor  # [1, k]
     shares: list[LaneShare]  # the lowest experts' holder first, then by expert
     bytes_out: int
-    out: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [d]: the combined answer
 
 
 @dataclass(frozen=True)
@@ -106,84 +104,99 @@ class Lane:
         self._templates: dict[tuple, Template | None] = {}
         self._partial_meta: dict[tuple, bytes] = {}
         self._buffers: dict[int, tuple[object, bytearray, int]] = {}  # holder -> (its link, reply buffer, address)
-        self._owners: tuple[torch.Tensor | None, list[int], np.ndarray] = (None, [], np.zeros(0, np.int64))
-        self._info = np.zeros(3, np.int64)
-        self._top = np.zeros(1, np.float64)
+        self._owners: tuple = (None, [], None, 0)  # (owner tensor, as a list, int64 copy, its address)
+        self._info = np.zeros(3, np.int64)  # the frame tc_take read: opcode, meta_len, body length
+        self._top = np.zeros(1, np.float64)  # its largest |value|
+        self._info_at, self._top_at = token_call.address(self._info), token_call.address(self._top)
+        self._send, self._take = token_call.functions()  # the C functions themselves (None: not built)
 
     def send(self, wire: WireConfig, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor, owner: torch.Tensor) -> LaneCall | str:
         """Send the call's DISPATCHes (hidden [1, d] float32, top_k_index [1, k], owner [E] the holder
         of each expert): the LaneCall; else express.UNFIT (nothing sent) or express.FAILED (a holder
-        was taken down: plan again)."""
-        if not token_call.available() or top_k_weights.dtype != torch.float32:
+        was taken down: plan again).
+
+        Written for the few cache lines it touches: plain ints in keys, one pass over the token's k
+        experts, the C function called directly (this runs before every decode layer call's send)."""
+        if self._send is None or top_k_weights.dtype != torch.float32 or not (
+                hidden.is_contiguous() and top_k_index.is_contiguous() and top_k_weights.is_contiguous()):
             return express.UNFIT
-        row = top_k_index[0].tolist()
-        owners, owner_array = self._owner_list(owner)
+        row = top_k_index.tolist()[0]
+        owners, owner_at = self._owner_list(owner)
+        if min(row) < 0 or max(row) >= len(owners) or len(set(row)) != len(row):
+            return express.UNFIT  # a slot not to plan, or a router that repeats an expert: the full path
         by_holder: dict[int, list[int]] = {}
         for expert in row:
-            holder = owners[expert] if 0 <= expert < len(owners) else -1
+            holder = owners[expert]
             if holder < 0:
                 return express.UNFIT
-            by_holder.setdefault(holder, []).append(expert)
-        if len(set(row)) != len(row):
-            return express.UNFIT  # a router that repeats an expert: rows per expert, the full path's adds
-        order = sorted(by_holder, key=lambda h: min(by_holder[h]))
+            if holder in by_holder:
+                by_holder[holder].append(expert)
+            else:
+                by_holder[holder] = [expert]
+        order = sorted(by_holder, key=lambda h: min(by_holder[h])) if len(by_holder) > 1 else list(by_holder)
         for low, high in zip(order, order[1:]):
             if max(by_holder[low]) > min(by_holder[high]):
                 return express.UNFIT  # interleaved experts: only combine_exact's per-expert order is right
         pool, timed = self.pool, wire.timings
+        links, states = pool.links, pool.holders
         d, k = hidden.shape[1], len(row)
         plans = []
         for position, holder in enumerate(order):
-            link, state = pool.links[holder], pool.holders[holder]
-            fd = getattr(link, "direct_fd", lambda: None)() if state.usable and not state.degraded else None
+            link, state = links[holder], states[holder]
+            direct = getattr(link, "direct_fd", None)
+            fd = direct() if direct is not None and state.up and not state.banned and not state.degraded else None
             experts = sorted(by_holder[holder])
-            bound = pool.reply_bound(holder)
             rows = 1 if position == 0 else len(experts)
+            bound = pool.reply_bound(holder)
             if fd is None or bound is not None and rows * d * 4 > bound:
                 return express.UNFIT
-            mode = CombineMode.PARTIAL if position == 0 else CombineMode.EXACT
-            template = self._template(layer, mode, _id_codec(experts[-1]), timed, d, k)
+            id_bytes = 1 if experts[-1] < 255 else 2 if experts[-1] < 32767 else 4  # as Dispatch.to_frame packs them
+            key = (layer, position == 0, id_bytes, timed, d, k)
+            template = self._templates.get(key, False)
+            if template is False:
+                template = self._templates[key] = _template(layer, position == 0, id_bytes, timed, d, k)
             if template is None:
                 return express.UNFIT
-            plans.append((holder, link, fd, experts, template, rows))
-        x, ids, w = hidden.detach().contiguous(), top_k_index.contiguous(), top_k_weights.detach().contiguous()
-        x_at, ids_at, w_at = x.data_ptr(), ids.data_ptr(), w.data_ptr()
-        call = LaneCall(wire, layer, hidden, top_k_index, top_k_weights, [], 0, np.zeros(d, np.float32))
+            plans.append((holder, link, state, fd, experts, template, rows))
+        x_at, ids_at, w_at = hidden.data_ptr(), top_k_index.data_ptr(), top_k_weights.data_ptr()
+        call = LaneCall(wire, layer, hidden, top_k_index, top_k_weights, [], 0)
         now = time.monotonic()
-        for position, (holder, link, fd, experts, template, rows) in enumerate(plans):
+        for position, (holder, link, state, fd, experts, template, rows) in enumerate(plans):
             request_id = link.new_request_id()
-            deadline = now + pool.holders[holder].deadline_s(1)
-            size = len(template.frame)
-            outcome = token_call.send(fd, template.address, size, request_id, template.x_at, x_at, d, template.ids_at,
-                                      template.id_bytes, ids_at, k, token_call.address(owner_array), len(owners),
-                                      holder, template.w_at, w_at, deadline)
+            deadline = now + state.deadline_s(1)
+            frame = template.frame
+            outcome = self._send(fd, template.address, len(frame), request_id, template.x_at, x_at, d, template.ids_at,
+                                 template.id_bytes, ids_at, k, owner_at, len(owners), holder, template.w_at, w_at,
+                                 deadline)
             if outcome < 0:
                 express.give_up(pool, _express_call(call), holder, link.lost_directly(outcome, sending=True).cause)
                 return express.FAILED
-            pending = link.sent_directly(request_id, size, rows * d * 4, time.perf_counter())
+            pending = link.sent_directly(request_id, len(frame), rows * d * 4, time.perf_counter())
             call.shares.append(LaneShare(holder, experts, position == 0, fd, pending, deadline))
-            call.bytes_out += size
+            call.bytes_out += len(frame)
         return call
 
     def gather(self, gate: NormGate, call: LaneCall) -> LaneAnswer | express.ExpressCall | None:
         """The call's answer; or the express call to go on with (every reply not used here is kept
         on its link); or None where it must be made again as a flight (nothing left in flight; a
         holder that failed taken down)."""
-        pool, d, timed, layer = self.pool, call.hidden.shape[1], call.wire.timings, call.layer
+        pool, layer, timed = self.pool, call.layer, call.wire.timings
+        d, k = call.hidden.shape[1], call.top_k_index.shape[1]
         metas = [self._partial(layer, d) if share.first else _exact_meta(layer, d, share.experts)
                  for share in call.shares]  # made while the holders compute
-        out, info, top = call.out, self._info, self._top
-        taken, answered, peaks, bytes_in = [], [], [], 0
+        out = np.zeros((1, d), np.float32)  # the combined answer
+        out_at, info, info_at, top, top_at = token_call.address(out), self._info, self._info_at, self._top, self._top_at
+        links, taken, answered, peaks, bytes_in = pool.links, [], [], [], 0
         for share, meta in zip(call.shares, metas):
-            link = pool.links[share.worker]
-            buffer, address = self._buffer(share.worker, link, call.top_k_index.shape[1], d)
-            rows = 1 if share.first else len(share.experts)
-            got = token_call.take(share.fd, share.pending.request_id, address, len(buffer), meta, timed, rows, d,
-                                  share.first, token_call.address(out), share.deadline, info, top)
+            link = links[share.worker]
+            buffer, address = self._buffer(share.worker, link, k, d)
+            got = self._take(share.fd, share.pending.request_id, address, len(buffer), meta, len(meta), timed,
+                             1 if share.first else len(share.experts), d, share.first, out_at, share.deadline,
+                             info_at, top_at)
             if got >= 0:
                 answered.append((share.worker, time.perf_counter() - share.pending.sent_at, got * 1e-6 if timed else None))
-                peaks.append(float(top[0]))
+                peaks.append(top[0])
                 bytes_in += HEADER_SIZE + int(info[2])
                 taken.append((share, buffer, int(info[2])))
                 continue
@@ -194,23 +207,22 @@ class Lane:
             else:
                 error = link.lost_directly(got)
                 for used, _, _ in taken:  # read here: nothing of theirs is awaited any more
-                    pool.links[used.worker].taken_directly(used.pending)
+                    links[used.worker].taken_directly(used.pending)
                 express.failed(pool, _express_call(call), share.worker, share.deadline, error)
                 return None
             return self._demoted(call, taken)
-        for (share, _, size), top_value in zip(taken, peaks):
-            if share.worker not in pool.trusted:
-                view = lambda share=share: self._rows(share, d)  # noqa: E731
-                if gate.judge(layer, top_value, view, call.hidden) is not None:
-                    return self._demoted(call, taken)  # the express call judges it again and settles
-        for share, _, _ in taken:
-            pool.links[share.worker].taken_directly(share.pending)
-            state = pool.holders[share.worker]
+        trusted, states = pool.trusted, pool.holders
+        for (share, _, _), top_value in zip(taken, peaks):
+            if share.worker not in trusted and gate.judge(layer, float(top_value), lambda share=share: self._rows(share, d),
+                                                           call.hidden) is not None:
+                return self._demoted(call, taken)  # the express call judges it again and settles
+        for (share, _, _), (worker, seconds, _) in zip(taken, answered):
+            links[worker].taken_directly(share.pending)
+            state = states[worker]
             state.on_time()
-        for worker, seconds, _ in answered:
-            pool.holders[worker].round_trips.record(seconds, 1)
+            state.round_trips.record(seconds, 1)
         self.calls += 1
-        return LaneAnswer(torch.from_numpy(out).view(1, d), answered, call.bytes_out, bytes_in)
+        return LaneAnswer(torch.from_numpy(out), answered, call.bytes_out, bytes_in)
 
     def _rows(self, share: LaneShare, d: int) -> torch.Tensor:
         """The rows of `share`'s RESULT as read (a copy), [n, d]."""
@@ -234,25 +246,19 @@ class Lane:
                 return None
         return made
 
-    def _template(self, layer: LayerId, mode: CombineMode, codec: tuple[str, int], timed: bool, d: int,
-                  k: int) -> Template | None:
-        key = (layer, mode, codec, timed, d, k)
-        if key not in self._templates:
-            self._templates[key] = _template(layer, mode, codec, timed, d, k)
-        return self._templates[key]
-
     def _partial(self, layer: LayerId, d: int) -> bytes:
         key = (layer, d)
         if key not in self._partial_meta:
             self._partial_meta[key] = Result(layer, CombineMode.PARTIAL, torch.zeros(1, d), [], []).to_frame(0).encode()[0][HEADER_SIZE:]
         return self._partial_meta[key]
 
-    def _owner_list(self, owner: torch.Tensor) -> tuple[list[int], np.ndarray]:
-        """owner [E] as a list and as int64 numpy (kept while the dispatcher's owners are the same tensor)."""
+    def _owner_list(self, owner: torch.Tensor) -> tuple[list[int], int]:
+        """owner [E] as a list and the address of its int64 copy (kept while the dispatcher's owners are
+        the same tensor)."""
         if self._owners[0] is not owner:
             array = np.ascontiguousarray(owner.numpy(), np.int64)
-            self._owners = (owner, array.tolist(), array)
-        return self._owners[1], self._owners[2]
+            self._owners = (owner, array.tolist(), array, token_call.address(array))
+        return self._owners[1], self._owners[3]
 
     def _buffer(self, worker: int, link, k: int, d: int) -> tuple[bytearray, int]:
         """The reply buffer of `worker` (kept while its link is the same), room for k rows of d."""
@@ -264,16 +270,13 @@ class Lane:
         return kept[1], kept[2]
 
 
-def _id_codec(largest: int) -> tuple[str, int]:
-    """The codec `Dispatch.to_frame` gives ids whose largest is `largest` (the others are -1)."""
-    return next((name, size) for bound, name, size in _ID_CODECS if largest < bound)
-
-
-def _template(layer: LayerId, mode: CombineMode, codec: tuple[str, int], timed: bool, d: int, k: int) -> Template | None:
-    """The full path's frame for one token with ids in `codec`, and its values' offsets; None where
-    its layout is not the one the C call writes (x, ids, w as f32, the codec, f32)."""
-    name, size = codec
-    ids = torch.full((1, k), {"u8": 0, "i16": 300, "i32": 40000}[name], dtype=torch.long)
+def _template(layer: LayerId, first: bool, size: int, timed: bool, d: int, k: int) -> Template | None:
+    """The full path's frame for one token (first: the partial one) with ids of `size` bytes, and its
+    values' offsets; None where its layout is not the one the C call writes (x, ids, w as f32, the
+    ids' codec, f32)."""
+    mode = CombineMode.PARTIAL if first else CombineMode.EXACT
+    name = {1: "u8", 2: "i16", 4: "i32"}[size]
+    ids = torch.full((1, k), {1: 0, 2: 300, 4: 40000}[size], dtype=torch.long)
     frame = Dispatch(layer, torch.zeros(1, d), ids, torch.zeros(1, k), mode, "f32", "f32", timed).to_frame(0)
     data = bytearray(b"".join(bytes(memoryview(part).cast("B")) for part in frame.encode()))
     meta_len = HEADER.unpack_from(data)[5]

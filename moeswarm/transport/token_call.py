@@ -3,10 +3,10 @@
 `pip install -e .` builds the C file into `moeswarm/_token_call*.so`. Without it `available()` is
 False and every call takes the Python path (dispatch/express.py); nothing else changes.
 
-`send` writes one holder's DISPATCH from a template (a frame the full path encoded, wire/messages.py)
-with the token's values in it; `take` reads the holder's RESULT, checks it against the metadata
+`tc_send` writes one holder's DISPATCH from a template (a frame the full path encoded, wire/messages.py)
+with the token's values in it; `tc_take` reads the holder's RESULT, checks it against the metadata
 bytes the full path would accept and adds its rows into the step's output. Outcomes below zero
-are named in OUTCOMES; after `take` returns FRAME_KEPT or MISMATCH the frame is whole in the
+are named in OUTCOMES; after `tc_take` returns OTHER_FRAME or MISMATCH the frame is whole in the
 buffer (the full path judges it), after any other failure the stream is out of step.
 """
 
@@ -49,27 +49,25 @@ def available() -> bool:
     return _library() is not None
 
 
+def functions() -> tuple:
+    """(tc_send, tc_take) as ctypes functions (None, None when not built), called with addresses:
+
+    tc_send(fd, frame, length, request_id, x_at, x, d, ids_at, id_bytes, ids, k, owner, E, me, w_at, w,
+            deadline): the template at `frame` [length] sent with `request_id`, x [d] float32, ids [k]
+            int64 (holder `me`'s by owner [E] int64, the others -1) and w [k] float32 written at the
+            template's offsets; 0, or an outcome below zero.
+    tc_take(fd, request_id, buf, cap, meta, meta_len, timed, rows, d, first, out, deadline, info, top):
+            the RESULT into buf [cap], checked against `meta` (timed: plus a last "cpu_us"), its
+            rows x d float32 added into out [d] (first: out = y + 0.0); info [3] int64 gets the
+            frame's opcode, meta_len and body length, top [1] float64 its largest |value|. The
+            RESULT's cpu_us (0 untimed), or an outcome below zero.
+    deadline: time.monotonic() seconds."""
+    lib = _library()
+    return (lib.tc_send, lib.tc_take) if lib is not None else (None, None)
+
+
 def address(array: np.ndarray | bytearray) -> int:
     """The address of a contiguous numpy array's (or a bytearray's) first byte."""
     if isinstance(array, bytearray):
         return ctypes.addressof((ctypes.c_char * len(array)).from_buffer(array))
     return array.__array_interface__["data"][0]
-
-
-def send(fd: int, frame: int, length: int, request_id: int, x_at: int, x: int, d: int, ids_at: int, id_bytes: int,
-         ids: int, k: int, owner: int, num_experts: int, me: int, w_at: int, w: int, deadline: float) -> int:
-    """tc_send: the template at address `frame` [length] sent with request id, x [d] float32 (address),
-    ids [k] int64 (the holder `me`'s by owner [E] int64, the others -1), w [k] float32; 0, or an
-    outcome below zero."""
-    return _library().tc_send(fd, frame, length, request_id, x_at, x, d, ids_at, id_bytes, ids, k, owner, num_experts,
-                              me, w_at, w, deadline)
-
-
-def take(fd: int, request_id: int, buf: int, cap: int, meta: bytes, timed: bool, rows: int, d: int, first: bool,
-         out: int, deadline: float, info: np.ndarray, top: np.ndarray) -> int:
-    """tc_take: the RESULT into buf [cap], checked against `meta` (timed: plus a last "cpu_us"), its
-    rows x d float32 added into out [d] (first: out = y + 0.0); info [3] int64 gets the frame's
-    opcode, meta_len and body length, top [1] float64 its largest |value|. The RESULT's cpu_us
-    (0 untimed), or an outcome below zero."""
-    return _library().tc_take(fd, request_id, buf, cap, meta, len(meta), int(timed), rows, d, int(first), out, deadline,
-                              address(info), address(top))
