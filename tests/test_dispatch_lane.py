@@ -199,3 +199,26 @@ def test_a_decode_over_two_worker_processes_makes_every_one_token_call_in_c_bit_
     assert report["bit_identical"] is True
     decode_steps = len(report["tokens"]) - 1  # the prompt's forward gives the first token
     assert report["layer_calls_in_c"] == decode_steps * report["moe_layers"] > 0, report["layer_calls"]
+
+
+def test_two_lane_calls_in_flight_at_once_are_each_answered_and_accounted():
+    """Groups in flight: a call to one holder and another to the other, combined in turn; each one's
+    bookkeeping (left for the next call's send) is recorded, none lost."""
+    workers = [FakeWorker(LOW), FakeWorker(HIGH)]
+    dispatcher = planned(tcp_dispatcher(workers), 0, 1)
+    try:
+        hidden, _, _ = _routing(1, 3)
+        weights = torch.tensor([[0.6, 0.4]])
+        low, high = torch.tensor([[1, 0]]), torch.tensor([[6, 5]])
+        first, second = dispatcher.dispatch(0, hidden, low, weights), dispatcher.dispatch(1, hidden, high, weights)
+        assert isinstance(first.flight, LaneCall) and isinstance(second.flight, LaneCall)
+        assert torch.equal(dispatcher.combine(first), reference(hidden, low, weights))
+        assert torch.equal(dispatcher.combine(second), reference(hidden, high, weights))
+        calls = dispatcher.accounting.calls
+        assert [(c.layer, c.in_c, set(c.worker_seconds)) for c in calls] == [
+            (0, True, {workers[0].address}), (1, True, {workers[1].address})]
+        assert [len(holder.round_trips) for holder in dispatcher.holders] == [1, 1]
+    finally:
+        dispatcher.close()
+        for worker in workers:
+            worker.close()

@@ -28,8 +28,9 @@ class Accounting:
     paths: dict[str, str] = field(default_factory=dict)  # worker address -> "direct" or "relay" (transport/path.py)
     decoding: bool = False  # the calls recorded now are a decode step's (the engine says so before each step)
 
-    def record(self, call: LayerCall) -> None:
-        if self.decoding:
+    def record(self, call: LayerCall, decoding: bool | None = None) -> None:
+        """decoding: whether the call was a decode step's, where it is recorded after its step (None: now)."""
+        if self.decoding if decoding is None else decoding:
             call.decode = True  # stamped here, where the step is known (a copy per call would cost more than the rest)
         self.calls.append(call)
 

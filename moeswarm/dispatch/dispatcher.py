@@ -92,7 +92,8 @@ class Dispatcher:
         self.owners = Owners(self.pool)
         self.lane = Lane(self.pool)  # a decode step's calls in C where they may go express (dispatch/lane.py)
         self.verification = Verification(self.pool, SpotChecker(spot_checks or SpotCheckPolicy()), self.stats, referee)
-        self.accounting = Accounting(paths=dict(paths or {}))
+        self._accounting = Accounting(paths=dict(paths or {}))
+        self._unsettled: tuple | None = None  # the last lane call's bookkeeping (`settle`)
         self.routing = routing or RoutingStats(table.num_experts)  # live routing counts
         self.call_number = 0  # layer calls started so far
         self._membership = MembershipQueue()
@@ -100,7 +101,6 @@ class Dispatcher:
 
     # the pool's state, read-only here (the dashboard, the swarm and tests read it)
     links = property(lambda self: self.pool.links)
-    holders = property(lambda self: self.pool.holders)
     table = property(lambda self: self.pool.table)
     trusted = property(lambda self: self.pool.trusted)
     gone = property(lambda self: self.pool.gone)
@@ -121,16 +121,47 @@ class Dispatcher:
         """Use `wire` from the next layer call on (a call in flight keeps its own)."""
         self.wire = wire
 
+    @property
+    def holders(self) -> list:
+        """The holders' standing (every lane call's round trips recorded)."""
+        self.settle()
+        return self.pool.holders
+
+    @property
+    def accounting(self) -> Accounting:
+        """The layer calls so far and the traffic they made (every lane call settled)."""
+        self.settle()
+        return self._accounting
+
+    def settle(self) -> None:
+        """Record the last lane call's bookkeeping (round trips, plausibility statistics, accounting).
+        A lane call leaves it for the next call to make once its DISPATCHes are out, while its holders
+        compute; everything that reads or changes the holders' standing settles first."""
+        pending, self._unsettled = self._unsettled, None
+        if pending is None:
+            return
+        handle, answer, seconds, decoding = pending
+        self.lane.settle(self.verification.gate, answer)
+        address = self.pool.address_of
+        self._accounting.record(LayerCall(
+            handle.layer, 1, answer.bytes_out, answer.bytes_in, handle.round_trips, seconds,
+            {address(holder): rtt for holder, rtt, _ in answer.answered}, 1,
+            worker_cpu={address(holder): cpu for holder, _, cpu in answer.answered if cpu is not None}, in_c=True,
+        ), decoding)
+
     def dispatch(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Handle:
         """Plan and send layer `layer`'s rows. hidden [T, d], top_k_index [T, k] long, top_k_weights [T, k]."""
         started = time.perf_counter()
         if self._membership:
+            self.settle()  # before holders are renumbered
             self.apply_membership()
         elif self.pool.gone and not self._flights and self.pool.prune_due():
+            self.settle()
             self.pool.prune()
         self.pool.readmit(due_only=True)
         layer = LayerId(layer)
         sent = self._lane(layer, hidden, top_k_index, top_k_weights)
+        self.settle()  # the last lane call's bookkeeping: after this one's send, while its holders compute
         if not isinstance(sent, LaneCall):
             shares = self.owners.plan(layer, top_k_index, top_k_weights)
             if sent == express.UNFIT:
@@ -194,7 +225,7 @@ class Dispatcher:
             self.pool.ledger.used(holder, handle.call)
         out = self._combined(handle, answers)
         trusted = self.pool.trusted
-        self.accounting.record(LayerCall(
+        self._accounting.record(LayerCall(
             handle.layer, handle.hidden.shape[0], bytes_out, bytes_in, handle.round_trips,
             time.perf_counter() - handle.started,
             {self._address(holder): reply.seconds for _, reply, holder in answers},
@@ -205,15 +236,12 @@ class Dispatcher:
         return out
 
     def _lane_answer(self, handle: Handle, answer: LaneAnswer) -> torch.Tensor:
-        """A lane call's answer, accounted as `combine` accounts a call's."""
-        address = self.pool.address_of
+        """A lane call's answer; its bookkeeping left for `settle`. The holders' use of it goes in the
+        taint ledger now (a ban may come before the settling)."""
         for holder, _, _ in answer.answered:
             self.pool.ledger.used(holder, handle.call)  # a lane's holders are remote: never trusted
-        self.accounting.record(LayerCall(
-            handle.layer, 1, answer.bytes_out, answer.bytes_in, handle.round_trips, time.perf_counter() - handle.started,
-            {address(holder): seconds for holder, seconds, _ in answer.answered}, 1,
-            worker_cpu={address(holder): cpu for holder, _, cpu in answer.answered if cpu is not None}, in_c=True,
-        ))
+        self.settle()  # another lane call's, where calls of several groups are in flight
+        self._unsettled = (handle, answer, time.perf_counter() - handle.started, self._accounting.decoding)
         return answer.out
 
     def _gather(self, handle: Handle, flight: Flight | express.ExpressCall | None) -> tuple[list, set[int], int, int]:
@@ -262,17 +290,18 @@ class Dispatcher:
         """Apply the queued joins and leaves, then rebuild the placement table over the members.
 
         Call only where no layer call is in flight: `dispatch` does at its start."""
+        self.settle()
         paths = None
         for change in self._membership.take():
             if change.kind == JOIN:
                 self.pool.admit(change.link)
                 if change.path is not None:
-                    paths = dict(self.accounting.paths) if paths is None else paths
+                    paths = dict(self._accounting.paths) if paths is None else paths
                     paths[change.link.address] = change.path
             else:
                 self.pool.retire(change.link, LEFT_CAUSE)
         if paths is not None:  # a new dict: another thread may be reading the old one
-            self.accounting.paths = paths
+            self._accounting.paths = paths
         if not self._flights:
             self.pool.prune()
         self.pool.rebuild()
@@ -286,16 +315,19 @@ class Dispatcher:
     def take_taints(self) -> list[Taint]:
         """The bans since the last take, each with the layer calls that used the liar's unchecked
         answers (to roll back every sequence from its first such step)."""
+        self.settle()
         return self.pool.take_taints()
 
     def readmit(self, due_only: bool = True) -> None:
         """Probe the down holders whose backoff has run out (all of them: due_only=False)."""
+        self.settle()
         self.pool.readmit(due_only)
 
     def health(self, layers: Sequence[int], timeout_s: float) -> list[str]:
         """What stops a forward now ([] when ready): holders out of use whose experts nobody else
         serves, and those experts. Probes down holders that are due (and, when some experts have no
         usable holder, their holders at once), pings the others."""
+        self.settle()
         self.pool.readmit(due_only=True)
         self.pool.ping_usable(timeout_s)
         gaps = self.pool.gaps(layers)
@@ -309,6 +341,7 @@ class Dispatcher:
     def standing(self) -> list[dict]:
         """Per holder: up, banned, degraded (losing hedges or missing deadlines), failures, cause,
         PING and round-trip quantiles (ms)."""
+        self.settle()
         return self.pool.standing()
 
     def check_covers(self, layers: Sequence[int]) -> None:
@@ -318,6 +351,7 @@ class Dispatcher:
             raise MoeSwarmError(f"no worker holds {describe_gaps(gaps)}")
 
     def close(self) -> None:
+        self.settle()
         if self._membership:
             self.apply_membership()  # links joined since the last layer call are closed too
         self.pool.close()

@@ -88,10 +88,13 @@ class LaneCall:
 
 @dataclass(frozen=True)
 class LaneAnswer:
+    """A lane call's output, and the bookkeeping left to do (`settle`: while the next call computes)."""
+
     out: torch.Tensor  # [1, d]
     answered: list[tuple[int, float, float | None]]  # (holder, round-trip seconds, its CPU seconds or None)
     bytes_out: int
     bytes_in: int
+    plausible: list[tuple[int, float]]  # (layer, largest |value|) of answers found plausible, not yet learned from
 
 
 class Lane:
@@ -180,13 +183,19 @@ class Lane:
     def gather(self, gate: NormGate, call: LaneCall) -> LaneAnswer | express.ExpressCall | None:
         """The call's answer; or the express call to go on with (every reply not used here is kept
         on its link); or None where it must be made again as a flight (nothing left in flight; a
-        holder that failed taken down)."""
+        holder that failed taken down).
+
+        What can be made before the replies is (the output, the metadata to expect, the learned
+        bound): the holders compute meanwhile. After them, only what the answer needs: the
+        plausibility of its rows and the links' state. The rest (`settle`) waits for the next call's
+        send, whose holders then compute."""
         pool, layer, timed = self.pool, call.layer, call.wire.timings
         d, k = call.hidden.shape[1], call.top_k_index.shape[1]
         metas = [self._partial(layer, d) if share.first else _exact_meta(layer, d, share.experts)
-                 for share in call.shares]  # made while the holders compute
-        out = np.zeros((1, d), np.float32)  # the combined answer
-        out_at, info, info_at, top, top_at = token_call.address(out), self._info, self._info_at, self._top, self._top_at
+                 for share in call.shares]
+        out = torch.zeros(1, d)  # [1, d]: the combined answer
+        out_at, info, info_at, top, top_at = out.data_ptr(), self._info, self._info_at, self._top, self._top_at
+        bound = gate.learned(layer)  # under it an answer is plausible (None: the full judgement)
         links, taken, answered, peaks, bytes_in = pool.links, [], [], [], 0
         for share, meta in zip(call.shares, metas):
             link = links[share.worker]
@@ -211,18 +220,28 @@ class Lane:
                 express.failed(pool, _express_call(call), share.worker, share.deadline, error)
                 return None
             return self._demoted(call, taken)
-        trusted, states = pool.trusted, pool.holders
-        for (share, _, _), top_value in zip(taken, peaks):
-            if share.worker not in trusted and gate.judge(layer, float(top_value), lambda share=share: self._rows(share, d),
-                                                           call.hidden) is not None:
+        trusted, plausible = pool.trusted, []
+        for (share, _, _), peak in zip(taken, peaks):
+            if share.worker in trusted:
+                continue
+            if bound is not None and peak <= bound:
+                plausible.append((layer, float(peak)))  # learned from in `settle`
+            elif gate.judge(layer, float(peak), lambda share=share: self._rows(share, d), call.hidden) is not None:
                 return self._demoted(call, taken)  # the express call judges it again and settles
-        for (share, _, _), (worker, seconds, _) in zip(taken, answered):
-            links[worker].taken_directly(share.pending)
+        for share, _, _ in taken:
+            links[share.worker].taken_directly(share.pending)
+        self.calls += 1
+        return LaneAnswer(out, answered, call.bytes_out, bytes_in, plausible)
+
+    def settle(self, gate: NormGate, answer: LaneAnswer) -> None:
+        """A lane call's bookkeeping: its holders on time, their round trips, the gate's learning."""
+        states = self.pool.holders
+        for worker, seconds, _ in answer.answered:
             state = states[worker]
             state.on_time()
             state.round_trips.record(seconds, 1)
-        self.calls += 1
-        return LaneAnswer(torch.from_numpy(out), answered, call.bytes_out, bytes_in)
+        for layer, peak in answer.plausible:
+            gate.learn(layer, peak)
 
     def _rows(self, share: LaneShare, d: int) -> torch.Tensor:
         """The rows of `share`'s RESULT as read (a copy), [n, d]."""

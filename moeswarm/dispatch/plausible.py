@@ -40,6 +40,15 @@ class NormGate:
         learned = self._learned(layer)
         return self.bootstrap * sent if learned is None else max(self.floor * sent, learned)
 
+    def learned(self, layer: int) -> float | None:
+        """The bound the layer's answers have shown (None during the warm-up): an answer whose largest
+        |value| is at most this is plausible whatever was sent (then `learn` from it)."""
+        return self._learned(layer)
+
+    def learn(self, layer: int, top: float) -> None:
+        """Learn from a plausible answer whose largest |value| is `top` (as `judge` does)."""
+        self._learn(layer, math.log10(max(top, 1e-30)))
+
     def _learned(self, layer: int) -> float | None:
         """The bound the layer's answers have shown (None during the warm-up): a floor of `bound`."""
         if self._seen.get(layer, 0) < self.warmup:
@@ -66,7 +75,7 @@ class NormGate:
             over = int((norms > bound).sum())
             return (f"implausible RESULT: {over} of {norms.size} rows have a norm above {bound:.3g} "
                     f"(largest {top:.3g}) for layer {layer}")
-        self._learn(layer, math.log10(max(top, 1e-30)))
+        self.learn(layer, top)
         return None
 
     def _learn(self, layer: int, log_top: float) -> None:
