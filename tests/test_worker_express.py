@@ -111,18 +111,20 @@ def _parsed(frame):
     return parse_header(data[:HEADER_SIZE]), data[HEADER_SIZE:]
 
 
-def test_a_decode_step_s_partial_dispatch_is_answered_whole_in_c_on_the_event_loop():
+@pytest.mark.parametrize("mode", [CombineMode.PARTIAL, CombineMode.EXACT])
+def test_a_decode_step_s_dispatch_is_answered_whole_in_c_on_the_event_loop(mode):
     """Over real TCP to an in-process WorkerServer: after the first DISPATCH of each metadata (the full
     path), each next one is answered from its frame's bytes with the whole RESULT frame made in C,
     sent from the loop: the frame's bytes are the full path's (timed: but for its CPU time), the
-    sums the store's own, bit for bit."""
+    outputs the store's own, bit for bit. Exact: a worker holding experts 2-4 (ids in the RESULT
+    are the model's), with one or two of them routed."""
     from test_worker_limits import greeted, recv
     from test_worker_runner import running
 
     from moeswarm.wire.stream import send_frame
     from moeswarm.worker.server import WorkerServer
 
-    held = (0, 1, 2, 3, 4)
+    held = (0, 1, 2, 3, 4) if mode == CombineMode.PARTIAL else (2, 3, 4)
     store = store_of(held)
     server = WorkerServer(store, "hf-limits01", "scale", WorkerLimits(), inline_tokens=8)
     reference = Computation(store_of(held), WorkerLimits())  # the full path's frames, for the same requests
@@ -131,14 +133,19 @@ def test_a_decode_step_s_partial_dispatch_is_answered_whole_in_c_on_the_event_lo
         for timed in (False, True):
             for seed in range(4):
                 hidden, index, weights = routing(1, 3, held, seed)
-                request = Dispatch(0, hidden, index, weights, CombineMode.PARTIAL, timed=timed)
+                request = Dispatch(0, hidden, index, weights, mode, timed=timed)
                 send_frame(sock, request.to_frame(20 + seed))
                 reply = recv(sock)
-                assert (reply.opcode, reply.request_id) == (Opcode.RESULT, 20 + seed)
+                assert (reply.opcode, reply.request_id) == (Opcode.RESULT, 20 + seed), ErrorReply.from_frame(reply)
                 full = reference.one(received(request, 20 + seed))
-                assert torch.equal(Result.from_frame(reply).outputs, store.run(request).outputs)
+                result, expected = Result.from_frame(reply), store.run(request)
+                assert torch.equal(result.outputs, expected.outputs)
+                if mode == CombineMode.EXACT:
+                    assert (result.experts, result.counts) == (expected.experts, expected.counts)
                 if timed:
                     assert list(reply.meta) == list(full.meta) and reply.payload == b"".join(full.parts)
+                    assert {key: value for key, value in reply.meta.items() if key != "cpu_us"} == \
+                        {key: value for key, value in full.meta.items() if key != "cpu_us"}
                 else:
                     assert reply.meta_bytes == pack_meta(full.meta) and reply.payload == b"".join(full.parts)
         sock.close()

@@ -1,10 +1,12 @@
-/* A partial DISPATCH answered in one call, its RESULT frame included (moeswarm/worker/express.py).
+/* A DISPATCH answered in one call, its RESULT frame included (moeswarm/worker/express.py).
  *
  * The worker's express lane computes a DISPATCH whose metadata bytes it has answered before from
- * the frame's bytes (qk_dispatch_sums). This entry does that and then writes the whole RESULT
- * frame the full path would send: the header, the metadata bytes the full path packed for the
- * lane (timed: with "cpu_us" and the experts' CPU microseconds on this thread added as its last
- * key, as msgpack packs a non-negative int) and each token's sum. Everything constant per lane
+ * the frame's bytes (qk_dispatch_sums, qk_dispatch_rows). These entries do that and then write the
+ * whole RESULT frame the full path would send: the header, the metadata as the full path packs it
+ * (timed: "cpu_us", the experts' CPU microseconds on this thread, as its last key) and the
+ * outputs. Partial: the metadata is the lane's bytes; exact: the lane's bytes up to the tensor's
+ * row count, then the count, the hidden size, "experts" and "counts" (the hit experts ascending,
+ * their rows), each int and array as msgpack packs them (the smallest form). Everything constant per lane
  * comes in one struct (QkLane, mirrored by ctypes), so a call passes five values: the Python
  * around a decode step's DISPATCH runs between kernels that sweep the caches, where each argument
  * it converts costs.
@@ -16,6 +18,14 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+
+int qk_dispatch_rows(int64_t n_experts, const int64_t *gate, const int64_t *up, const int64_t *down,
+                     int gate_type, int up_type, int down_type, int64_t H, int64_t I,
+                     const float *hidden, int64_t S, const void *ids, int id_bytes, int64_t k, const void *weights,
+                     const int64_t *table, int64_t table_len,
+                     const float *gate_bias, const float *up_bias, const float *down_bias,
+                     int activation, float alpha, float limit, float *rows, int64_t rows_cap,
+                     int64_t *hit, int64_t *counts, int64_t *n_hit, int threads, int int8);
 
 int qk_dispatch_sums(int64_t n_experts, const int64_t *gate, const int64_t *up, const int64_t *down,
                      int gate_type, int up_type, int down_type, int64_t H, int64_t I,
@@ -36,12 +46,16 @@ typedef struct {
     int64_t tokens, k, id_bytes, hidden_at, ids_at, weights_at;
     const int64_t *table; /* [table_len]: the store's ids table for the layer */
     int64_t table_len;
-    /* scratch: each expert's routed slots [n_experts], the sums [tokens, H] (aligned) */
+    /* scratch: partial: each expert's routed slots [n_experts], the sums [tokens, H]; exact: the hit
+     * experts [n_experts] and their rows' counts [n_experts], the pairs' rows [tokens k, H] (aligned) */
     int64_t *counts;
     float *sums;
-    /* the RESULT's metadata bytes (timed: all but the value of its last key, "cpu_us") */
+    /* partial: the RESULT's metadata bytes (timed: all but the value of its last key, "cpu_us");
+     * exact: its bytes up to the output tensor's row count */
     const uint8_t *meta;
     int64_t meta_len, timed;
+    int64_t *hit;
+    int64_t first; /* exact: the id of the module's expert 0 */
 } QkLane;
 
 static void put_le(uint8_t *at, uint64_t v, int bytes) {
@@ -58,6 +72,16 @@ static int64_t pack_uint(uint8_t *at, uint64_t v) {
     at[0] = (uint8_t)(bytes == 1 ? 0xcc : bytes == 2 ? 0xcd : bytes == 4 ? 0xce : 0xcf);
     for (int i = 0; i < bytes; i++) at[1 + i] = (uint8_t)(v >> (8 * (bytes - 1 - i)));  /* big-endian */
     return 1 + bytes;
+}
+
+/* An array header of n items as msgpack packs it; its length. */
+static int64_t pack_array(uint8_t *at, int64_t n) {
+    if (n < 16) {
+        at[0] = (uint8_t)(0x90 | n);
+        return 1;
+    }
+    at[0] = 0xdc, at[1] = (uint8_t)(n >> 8), at[2] = (uint8_t)n;  /* n < 65536: rows of one DISPATCH */
+    return 3;
 }
 
 static int64_t thread_ns(void) {
@@ -95,5 +119,57 @@ int64_t qk_express_sums(const QkLane *lane, const uint8_t *payload, uint8_t *rep
     put_le(reply + 16, (uint64_t)meta_len, 4);
     put_le(reply + 20, (uint64_t)body, 4);
     memcpy(meta + meta_len, lane->sums, (size_t)body);
+    return 24 + meta_len + body;
+}
+
+/* The RESULT frame answering the exact DISPATCH at `payload` (as qk_express_sums): the routed
+ * pairs' rows w * E(x), experts ascending, each slot-major then token (qk_dispatch_rows), under
+ * the metadata the full path packs for them. cap must hold 24 + meta_len + 40 + 18 tokens k +
+ * 4 tokens k H bytes. Its length, or below zero as qk_express_sums. */
+int64_t qk_express_rows(const QkLane *lane, const uint8_t *payload, uint8_t *reply, int64_t cap, uint64_t rid,
+                        int threads) {
+    int64_t pairs = lane->tokens * lane->k, n_hit = 0;
+    if (cap < 24 + lane->meta_len + 40 + 18 * pairs + pairs * lane->H * (int64_t)sizeof(float)) return -2;
+    int64_t started = lane->timed ? thread_ns() : 0;
+    memset(lane->sums, 0, (size_t)(pairs * lane->H) * sizeof(float));
+    int status = qk_dispatch_rows(lane->n_experts, lane->gate, lane->up, lane->down, (int)lane->gate_type,
+                                  (int)lane->up_type, (int)lane->down_type, lane->H, lane->I,
+                                  (const float *)(payload + lane->hidden_at), lane->tokens, payload + lane->ids_at,
+                                  (int)lane->id_bytes, lane->k, payload + lane->weights_at, lane->table,
+                                  lane->table_len, lane->gate_bias, lane->up_bias, lane->down_bias,
+                                  (int)lane->activation, (float)lane->alpha, (float)lane->limit, lane->sums, pairs,
+                                  lane->hit, lane->counts, &n_hit, threads, 1);
+    if (status != 0) return status < 0 ? status : -status;
+    int64_t rows = 0;
+    for (int64_t i = 0; i < n_hit; i++) rows += lane->counts[i];
+    uint8_t *meta = reply + 24, *at = meta;
+    memcpy(at, lane->meta, (size_t)lane->meta_len);
+    at += lane->meta_len;
+    at += pack_uint(at, (uint64_t)rows);
+    at += pack_uint(at, (uint64_t)lane->H);
+    static const uint8_t experts[8] = {0xa7, 'e', 'x', 'p', 'e', 'r', 't', 's'};
+    static const uint8_t counts[7] = {0xa6, 'c', 'o', 'u', 'n', 't', 's'};
+    memcpy(at, experts, sizeof experts);
+    at += sizeof experts;
+    at += pack_array(at, n_hit);
+    for (int64_t i = 0; i < n_hit; i++) at += pack_uint(at, (uint64_t)(lane->first + lane->hit[i]));
+    memcpy(at, counts, sizeof counts);
+    at += sizeof counts;
+    at += pack_array(at, n_hit);
+    for (int64_t i = 0; i < n_hit; i++) at += pack_uint(at, (uint64_t)lane->counts[i]);
+    if (lane->timed) {
+        static const uint8_t key[7] = {0xa6, 'c', 'p', 'u', '_', 'u', 's'};
+        int64_t cpu_us = (thread_ns() - started) / 1000;
+        memcpy(at, key, sizeof key);
+        at += sizeof key;
+        at += pack_uint(at, (uint64_t)cpu_us);
+    }
+    int64_t meta_len = at - meta, body = rows * lane->H * (int64_t)sizeof(float);
+    memcpy(reply, "MSWM", 4);
+    reply[4] = 2, reply[5] = 3, reply[6] = 0, reply[7] = 0;
+    put_le(reply + 8, rid, 8);
+    put_le(reply + 16, (uint64_t)meta_len, 4);
+    put_le(reply + 20, (uint64_t)body, 4);
+    memcpy(at, lane->sums, (size_t)body);
     return 24 + meta_len + body;
 }

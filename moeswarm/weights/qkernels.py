@@ -55,8 +55,9 @@ def _library() -> ctypes.CDLL | None:
                                              _PTR, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                                              ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _I64, _PTR, _PTR, _PTR,
                                              ctypes.c_int, ctypes.c_int]
-            lib.qk_express_sums.argtypes = [_PTR, ctypes.c_char_p, _PTR, _I64, ctypes.c_uint64, ctypes.c_int]
-            lib.qk_express_sums.restype = _I64
+            lib.qk_express_sums.argtypes = lib.qk_express_rows.argtypes = [_PTR, ctypes.c_char_p, _PTR, _I64,
+                                                                            ctypes.c_uint64, ctypes.c_int]
+            lib.qk_express_sums.restype = lib.qk_express_rows.restype = _I64
             lib.qk_add_rows.argtypes, lib.qk_add_rows.restype = [_PTR, _PTR, _I64, _I64], None
             lib.qk_peak.argtypes, lib.qk_peak.restype = [_PTR, _I64], ctypes.c_double
             lib.qk_rms_norm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
@@ -295,37 +296,44 @@ def dispatch_sums(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_byte
 
 
 class ExpressLane(ctypes.Structure):
-    """A partial DISPATCH lane's constants for qk_express_sums (weights/qk_express.c's QkLane): the
-    experts, where x, ids and w lie in a frame's body, scratch, and the RESULT's metadata bytes."""
+    """A DISPATCH lane's constants for qk_express_sums / qk_express_rows (weights/qk_express.c's
+    QkLane): the experts, where x, ids and w lie in a frame's body, scratch, and the RESULT's
+    metadata bytes (exact: up to its row count)."""
 
     _fields_ = [("n_experts", _I64), ("gate", _PTR), ("up", _PTR), ("down", _PTR), ("gate_type", _I64),
                 ("up_type", _I64), ("down_type", _I64), ("H", _I64), ("I", _I64), ("gate_bias", _PTR),
                 ("up_bias", _PTR), ("down_bias", _PTR), ("activation", _I64), ("alpha", ctypes.c_double),
                 ("limit", ctypes.c_double), ("tokens", _I64), ("k", _I64), ("id_bytes", _I64), ("hidden_at", _I64),
                 ("ids_at", _I64), ("weights_at", _I64), ("table", _PTR), ("table_len", _I64), ("counts", _PTR),
-                ("sums", _PTR), ("meta", _PTR), ("meta_len", _I64), ("timed", _I64)]
+                ("sums", _PTR), ("meta", _PTR), ("meta_len", _I64), ("timed", _I64), ("hit", _PTR), ("first", _I64)]
 
 
 def express_lane(plan: ExpertsPlan, tokens: int, k: int, id_bytes: int, hidden_at: int, ids_at: int, weights_at: int,
-                 table: np.ndarray, meta: bytes, timed: bool) -> tuple[ExpressLane, tuple]:
-    """qk_express_sums's lane for DISPATCHes of `tokens` x `k` whose x, ids and w lie at these offsets
-    of a frame's body; meta: the RESULT's metadata bytes (timed: up to its last value, "cpu_us"'s).
-    Returns the struct and what it points into (keep both alive together)."""
-    counts, sums = np.zeros(max(plan.num_experts, 1), np.int64), np.zeros((tokens, plan.hidden), np.float32)
+                 table: np.ndarray, meta: bytes, timed: bool, exact: bool = False,
+                 first: int = 0) -> tuple[ExpressLane, tuple]:
+    """The lane for DISPATCHes of `tokens` x `k` whose x, ids and w lie at these offsets of a frame's
+    body; meta: the RESULT's metadata bytes (partial, timed: up to its last value, "cpu_us"'s;
+    exact: up to its row count); first: the id of the plan's expert 0 (exact). Returns the struct
+    and what it points into (keep both alive together)."""
+    n = max(plan.num_experts, 1)
+    counts, hit = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    sums = np.zeros((tokens * k if exact else tokens, plan.hidden), np.float32)
     meta_buffer = ctypes.create_string_buffer(meta, len(meta))
-    n, gate, up, down, gate_type, up_type, down_type, hidden, inner = plan._head
+    n_experts, gate, up, down, gate_type, up_type, down_type, hidden, inner = plan._head
     gate_bias, up_bias, down_bias, activation, alpha, limit = plan._tail
-    lane = ExpressLane(n, gate, up, down, gate_type, up_type, down_type, hidden, inner, gate_bias, up_bias, down_bias,
-                       activation, alpha, limit, tokens, k, id_bytes, hidden_at, ids_at, weights_at, _address(table),
-                       len(table), _address(counts), _address(sums), ctypes.addressof(meta_buffer), len(meta), int(timed))
-    return lane, (plan, table, counts, sums, meta_buffer)
+    lane = ExpressLane(n_experts, gate, up, down, gate_type, up_type, down_type, hidden, inner, gate_bias, up_bias,
+                       down_bias, activation, alpha, limit, tokens, k, id_bytes, hidden_at, ids_at, weights_at,
+                       _address(table), len(table), _address(counts), _address(sums), ctypes.addressof(meta_buffer),
+                       len(meta), int(timed), _address(hit), first)
+    return lane, (plan, table, counts, hit, sums, meta_buffer)
 
 
-def express_sums(lane: ExpressLane, body: bytes, reply: bytearray, request_id: int, threads: int) -> int:
-    """The RESULT frame answering a partial DISPATCH (its frame's body) into `reply`, in one C call:
-    its length, or below zero with nothing to send (-3: an id not held or no slot routed)."""
+def express_answer(lane: ExpressLane, exact: bool, body: bytes, reply: bytearray, request_id: int, threads: int) -> int:
+    """The RESULT frame answering a DISPATCH (its frame's body) into `reply`, in one C call: its
+    length, or below zero with nothing to send (-3: an id not held or no slot routed)."""
     where = (ctypes.c_char * len(reply)).from_buffer(reply)
-    return _library().qk_express_sums(ctypes.byref(lane), body, where, len(reply), request_id, threads)
+    run = _library().qk_express_rows if exact else _library().qk_express_sums
+    return run(ctypes.byref(lane), body, where, len(reply), request_id, threads)
 
 
 def dispatch_rows(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_bytes: int, k: int, weights: int,

@@ -51,7 +51,7 @@ class Lane:
     meta: dict  # partial: the RESULT's metadata (without cpu_us); exact: its fixed fields
     meta_bytes: bytes | None  # partial, untimed: every RESULT's metadata, packed
     found: np.ndarray  # [2 n + 1] int64 scratch: the C call's hit experts, their counts, how many
-    whole: tuple | None = None  # partial: (qkernels.ExpressLane, what it points into): RESULT frames in C
+    whole: tuple | None = None  # (qkernels.ExpressLane, what it points into): whole RESULT frames in C
     reply_bytes: int = 0  # room a whole RESULT frame needs
 
 
@@ -113,7 +113,8 @@ class Express:
         `body` (its `whole_lane`), in one C call; None where the C call declines (the full path then
         answers it and names any fault)."""
         reply = bytearray(lane.reply_bytes)
-        size = qkernels.express_sums(lane.whole[0], body, reply, request_id, torch.get_num_threads())
+        size = qkernels.express_answer(lane.whole[0], lane.mode == CombineMode.EXACT, body, reply, request_id,
+                                       torch.get_num_threads())
         if size < 0:
             return None
         self.answered += 1
@@ -143,14 +144,20 @@ class Express:
                 (partial or key != "tensors")}
         table, id_bytes = self.store.ids_table(request.layer), at["ids"][1] // (tokens * k)
         whole, room = None, 0
+        before = len(frame.meta_bytes)  # the tensors' offsets in the frame's body
+        timed = {"cpu_us": 0} if request.timed else {}
         if partial:  # the C call writes the RESULT frame too: its metadata as packed here
-            packed = pack_meta({**meta, "cpu_us": 0}) if request.timed else pack_meta(meta)
-            if not request.timed or packed.endswith(b"\xa6cpu_us\x00"):
-                before = len(frame.meta_bytes)  # the tensors' offsets in the frame's body
-                whole = qkernels.express_lane(plan, tokens, k, id_bytes, before + at["x"][0], before + at["ids"][0],
-                                              before + at["w"][0], table, packed[:-1] if request.timed else packed,
-                                              request.timed)
-                room = HEADER_SIZE + len(packed) + 9 + 4 * tokens * plan.hidden  # 9: the largest packed int
+            packed, tail = pack_meta({**meta, **timed}), b"\xa6cpu_us\x00" if request.timed else b""
+            rows = tokens
+        else:  # up to its row count, the rest made in C
+            packed = pack_meta({**meta, "tensors": [["y", "f32", "f32", [0, 0]]], "experts": [], "counts": [], **timed})
+            tail = b"\x00\x00\xa7experts\x90\xa6counts\x90" + (b"\xa6cpu_us\x00" if request.timed else b"")
+            rows = tokens * k
+        if packed.endswith(tail):
+            prefix = packed[: len(packed) - len(tail)] + (b"\xa6cpu_us" if request.timed and partial else b"")
+            whole = qkernels.express_lane(plan, tokens, k, id_bytes, before + at["x"][0], before + at["ids"][0],
+                                          before + at["w"][0], table, prefix, request.timed, not partial, first)
+            room = HEADER_SIZE + len(packed) + 40 + 18 * tokens * k + 4 * rows * plan.hidden
         return Lane(request.mode, plan, first, table, tokens, k, at["x"][0], at["ids"][0], id_bytes, at["w"][0],
                     len(memoryview(frame.payload)), request.timed, meta,
                     pack_meta(meta) if partial and not request.timed else None, np.empty(2 * plan.num_experts + 1, np.int64),
