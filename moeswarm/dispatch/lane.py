@@ -86,7 +86,7 @@ class LaneCall:
     bytes_out: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class LaneAnswer:
     """A lane call's output, and the bookkeeping left to do (`settle`: while the next call computes)."""
 

@@ -69,5 +69,5 @@ def functions() -> tuple:
 def address(array: np.ndarray | bytearray) -> int:
     """The address of a contiguous numpy array's (or a bytearray's) first byte."""
     if isinstance(array, bytearray):
-        return ctypes.addressof((ctypes.c_char * len(array)).from_buffer(array))
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
     return array.__array_interface__["data"][0]

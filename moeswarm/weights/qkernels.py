@@ -331,7 +331,7 @@ def express_lane(plan: ExpertsPlan, tokens: int, k: int, id_bytes: int, hidden_a
 def express_answer(lane: ExpressLane, exact: bool, body: bytes, reply: bytearray, request_id: int, threads: int) -> int:
     """The RESULT frame answering a DISPATCH (its frame's body) into `reply`, in one C call: its
     length, or below zero with nothing to send (-3: an id not held or no slot routed)."""
-    where = (ctypes.c_char * len(reply)).from_buffer(reply)
+    where = ctypes.addressof(ctypes.c_char.from_buffer(reply))  # no array type made per call
     run = _library().qk_express_rows if exact else _library().qk_express_sums
     return run(ctypes.byref(lane), body, where, len(reply), request_id, threads)
 
