@@ -13,11 +13,11 @@ buffer (the full path judges it), after any other failure the stream is out of s
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 from functools import cache
-from pathlib import Path
 
 import numpy as np
+
+from moeswarm import native
 
 _I64, _PTR, _INT, _DOUBLE = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
 
@@ -30,19 +30,16 @@ WHOLE = (OTHER_FRAME, MISMATCH)  # outcomes that leave the frame whole in the bu
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    package = Path(__file__).resolve().parent.parent  # moeswarm/
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = package / f"_token_call{suffix}"
-        if path.is_file():
-            lib = ctypes.CDLL(str(path))
-            lib.tc_send.argtypes = [_INT, _PTR, _I64, ctypes.c_uint64, _I64, _PTR, _I64, _I64, _INT, _PTR, _I64, _PTR,
-                                    _I64, _I64, _I64, _PTR, _DOUBLE]
-            lib.tc_send.restype = _INT
-            lib.tc_take.argtypes = [_INT, ctypes.c_uint64, _PTR, _I64, _PTR, _I64, _INT, _I64, _I64, _INT, _PTR, _DOUBLE,
-                                    _PTR, _PTR]
-            lib.tc_take.restype = _I64
-            return lib
-    return None
+    lib = native.load("_token_call")
+    if lib is None:
+        return None
+    lib.tc_send.argtypes = [_INT, _PTR, _I64, ctypes.c_uint64, _I64, _PTR, _I64, _I64, _INT, _PTR, _I64, _PTR,
+                            _I64, _I64, _I64, _PTR, _DOUBLE]
+    lib.tc_send.restype = _INT
+    lib.tc_take.argtypes = [_INT, ctypes.c_uint64, _PTR, _I64, _PTR, _I64, _INT, _I64, _I64, _INT, _PTR, _DOUBLE,
+                            _PTR, _PTR]
+    lib.tc_take.restype = _I64
+    return lib
 
 
 def available() -> bool:

@@ -40,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "qk_dispatch.h"
 #include "qk_pool.h"
 #include "qk_vec.h"
 

@@ -11,14 +11,14 @@ depend only on its weight row and its input row (see the C file): never on the t
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 import logging
 from functools import cache
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from moeswarm import native
 
 log = logging.getLogger(__name__)
 
@@ -27,52 +27,49 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    package = Path(__file__).resolve().parent.parent  # moeswarm/
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = package / f"_qkernels{suffix}"
-        if path.is_file():
-            lib = ctypes.CDLL(str(path))
-            lib.qk_supported.argtypes = [ctypes.c_int, _I64]
-            lib.qk_matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int,
-                                      ctypes.c_int]
-            lib.qk_matmul_heads.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
-                                            ctypes.c_int, ctypes.c_int]
-            lib.qk_dequantize.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR]
-            lib.qk_silu_glu.argtypes = [_PTR, _PTR, _PTR, _I64]
-            lib.qk_oss_glu.argtypes = [_PTR, _PTR, _PTR, _I64, ctypes.c_float, ctypes.c_float]
-            lib.qk_silu_glu.restype = lib.qk_oss_glu.restype = None
-            lib.qk_expert.argtypes = [ctypes.c_int, _PTR, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64,
-                                      _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _I64,
-                                      ctypes.c_int, ctypes.c_int]
-            lib.qk_experts.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
-                                       _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int,
-                                       ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
-            lib.qk_dispatch_sums.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
-                                             _PTR, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
-                                             ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _PTR, ctypes.c_int,
-                                             ctypes.c_int]
-            lib.qk_dispatch_rows.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
-                                             _PTR, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
-                                             ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _I64, _PTR, _PTR, _PTR,
-                                             ctypes.c_int, ctypes.c_int]
-            lib.qk_express_sums.argtypes = lib.qk_express_rows.argtypes = [_PTR, ctypes.c_char_p, _PTR, _I64,
-                                                                            ctypes.c_uint64, ctypes.c_int]
-            lib.qk_express_sums.restype = lib.qk_express_rows.restype = _I64
-            lib.qk_add_rows.argtypes, lib.qk_add_rows.restype = [_PTR, _PTR, _I64, _I64], None
-            lib.qk_peak.argtypes, lib.qk_peak.restype = [_PTR, _I64], ctypes.c_double
-            lib.qk_rms_norm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
-            lib.qk_rope.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
-            lib.qk_attend_one.argtypes = lib.qk_attend_one_h.argtypes = [
-                _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR,
-                ctypes.c_int]
-            lib.qk_rms_norm.restype = lib.qk_rope.restype = lib.qk_attend_one.restype = None
-            lib.qk_attend_one_h.restype = None
-            lib.qk_use_isa.argtypes = [ctypes.c_int]
-            lib.qk_isa.argtypes = []
-            return lib
-    log.warning("moeswarm's C kernels (moeswarm/_qkernels) are not built: GGUF experts are dequantized to float32 "
-                "(reinstall with `pip install -e .` and a C compiler to keep them quantized)")
-    return None
+    lib = native.load("_qkernels")
+    if lib is None:
+        log.warning("moeswarm's C kernels (moeswarm/_qkernels) are not built: GGUF experts are dequantized to float32 "
+                    "(reinstall with `pip install -e .` and a C compiler to keep them quantized)")
+        return None
+    lib.qk_supported.argtypes = [ctypes.c_int, _I64]
+    lib.qk_matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int,
+                              ctypes.c_int]
+    lib.qk_matmul_heads.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
+                                    ctypes.c_int, ctypes.c_int]
+    lib.qk_dequantize.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR]
+    lib.qk_silu_glu.argtypes = [_PTR, _PTR, _PTR, _I64]
+    lib.qk_oss_glu.argtypes = [_PTR, _PTR, _PTR, _I64, ctypes.c_float, ctypes.c_float]
+    lib.qk_silu_glu.restype = lib.qk_oss_glu.restype = None
+    lib.qk_expert.argtypes = [ctypes.c_int, _PTR, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64,
+                              _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _I64,
+                              ctypes.c_int, ctypes.c_int]
+    lib.qk_experts.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
+                               _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int,
+                               ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
+    lib.qk_dispatch_sums.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
+                                     _PTR, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+                                     ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _PTR, ctypes.c_int,
+                                     ctypes.c_int]
+    lib.qk_dispatch_rows.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
+                                     _PTR, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+                                     ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _I64, _PTR, _PTR, _PTR,
+                                     ctypes.c_int, ctypes.c_int]
+    lib.qk_express_sums.argtypes = lib.qk_express_rows.argtypes = [_PTR, ctypes.c_char_p, _PTR, _I64,
+                                                                    ctypes.c_uint64, ctypes.c_int]
+    lib.qk_express_sums.restype = lib.qk_express_rows.restype = _I64
+    lib.qk_add_rows.argtypes, lib.qk_add_rows.restype = [_PTR, _PTR, _I64, _I64], None
+    lib.qk_peak.argtypes, lib.qk_peak.restype = [_PTR, _I64], ctypes.c_double
+    lib.qk_rms_norm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
+    lib.qk_rope.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
+    lib.qk_attend_one.argtypes = lib.qk_attend_one_h.argtypes = [
+        _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR,
+        ctypes.c_int]
+    lib.qk_rms_norm.restype = lib.qk_rope.restype = lib.qk_attend_one.restype = None
+    lib.qk_attend_one_h.restype = None
+    lib.qk_use_isa.argtypes = [ctypes.c_int]
+    lib.qk_isa.argtypes = []
+    return lib
 
 
 def available() -> bool:
