@@ -222,3 +222,26 @@ def test_two_lane_calls_in_flight_at_once_are_each_answered_and_accounted():
         dispatcher.close()
         for worker in workers:
             worker.close()
+
+
+def test_a_lane_call_is_recorded_by_the_thread_that_made_it():
+    """A dashboard reading from another thread sees a lane call's bookkeeping a call late; it never
+    writes the holders' statistics itself."""
+    import threading
+
+    workers = [FakeWorker(list(range(E)))]
+    dispatcher = planned(tcp_dispatcher(workers), 0)
+    try:
+        hidden, index, weights = _routing(1, 2)
+        assert torch.equal(dispatcher.combine(dispatcher.dispatch(0, hidden, index, weights)),
+                           reference(hidden, index, weights))
+        seen = []
+        reader = threading.Thread(target=lambda: seen.append((len(dispatcher.accounting.calls),
+                                                              len(dispatcher.holders[0].round_trips))))
+        reader.start()
+        reader.join()
+        assert seen == [(0, 0)]
+        assert (len(dispatcher.accounting.calls), len(dispatcher.holders[0].round_trips)) == (1, 1)
+    finally:
+        dispatcher.close()
+        workers[0].close()

@@ -25,6 +25,7 @@ Legend: T = tokens in the step, k = router top-k, d = hidden size, E = routed ex
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -136,11 +137,14 @@ class Dispatcher:
     def settle(self) -> None:
         """Record the last lane call's bookkeeping (round trips, plausibility statistics, accounting).
         A lane call leaves it for the next call to make once its DISPATCHes are out, while its holders
-        compute; everything that reads or changes the holders' standing settles first."""
-        pending, self._unsettled = self._unsettled, None
-        if pending is None:
-            return
-        handle, answer, seconds, decoding = pending
+        compute; everything that reads or changes the holders' standing settles first. Only the
+        thread that made the call records it: a dashboard reading from another thread sees its
+        round trip a call late, and no thread but the dispatcher's writes the holders' statistics."""
+        pending = self._unsettled
+        if pending is None or pending[4] != threading.get_ident():
+            return  # settled by the thread that made the call (another one reading sees it a call late)
+        self._unsettled = None
+        handle, answer, seconds, decoding, _ = pending
         self.lane.settle(self.verification.gate, answer)
         address = self.pool.address_of
         self._accounting.record(LayerCall(
@@ -241,7 +245,8 @@ class Dispatcher:
         for holder, _, _ in answer.answered:
             self.pool.ledger.used(holder, handle.call)  # a lane's holders are remote: never trusted
         self.settle()  # another lane call's, where calls of several groups are in flight
-        self._unsettled = (handle, answer, time.perf_counter() - handle.started, self._accounting.decoding)
+        self._unsettled = (handle, answer, time.perf_counter() - handle.started, self._accounting.decoding,
+                           threading.get_ident())
         return answer.out
 
     def _gather(self, handle: Handle, flight: Flight | express.ExpressCall | None) -> tuple[list, set[int], int, int]:
