@@ -4,6 +4,7 @@ what went wrong on the way (failovers, hedges, spot checks)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -27,9 +28,24 @@ class Accounting:
     calls: list[LayerCall] = field(default_factory=list)
     paths: dict[str, str] = field(default_factory=dict)  # worker address -> "direct" or "relay" (transport/path.py)
     decoding: bool = False  # the calls recorded now are a decode step's (the engine says so before each step)
+    _pending: Callable[[], tuple[LayerCall, bool]] | None = field(default=None, repr=False)  # `defer`'s
+
+    def defer(self, make: Callable[[], tuple[LayerCall, bool]]) -> None:
+        """A call's record, made later: by `flush`, or before the next call's record (calls stay in order).
+        make: () -> (the LayerCall, whether it was a decode step's)."""
+        self.flush()
+        self._pending = make
+
+    def flush(self) -> None:
+        """Make the deferred record, if any."""
+        make, self._pending = self._pending, None
+        if make is not None:
+            self.record(*make())
 
     def record(self, call: LayerCall, decoding: bool | None = None) -> None:
         """decoding: whether the call was a decode step's, where it is recorded after its step (None: now)."""
+        if self._pending is not None:
+            self.flush()
         if self.decoding if decoding is None else decoding:
             call.decode = True  # stamped here, where the step is known (a copy per call would cost more than the rest)
         self.calls.append(call)

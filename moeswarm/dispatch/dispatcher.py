@@ -25,6 +25,7 @@ Legend: T = tokens in the step, k = router top-k, d = hidden size, E = routed ex
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -141,17 +142,19 @@ class Dispatcher:
         thread that made the call records it: a dashboard reading from another thread sees its
         round trip a call late, and no thread but the dispatcher's writes the holders' statistics."""
         pending = self._unsettled
-        if pending is None or pending[4] != threading.get_ident():
+        if pending is None or pending[1] != threading.get_ident():
             return  # settled by the thread that made the call (another one reading sees it a call late)
         self._unsettled = None
-        handle, answer, seconds, decoding, _ = pending
-        self.lane.settle(self.verification.gate, answer)
+        self.lane.settle(self.verification.gate, pending[0])
+        self._accounting.flush()
+
+    def _lane_record(self, handle: Handle, answer: LaneAnswer, seconds: float, decoding: bool) -> tuple[LayerCall, bool]:
         address = self.pool.address_of
-        self._accounting.record(LayerCall(
+        return LayerCall(
             handle.layer, 1, answer.bytes_out, answer.bytes_in, handle.round_trips, seconds,
             {address(holder): rtt for holder, rtt, _ in answer.answered}, 1,
             worker_cpu={address(holder): cpu for holder, _, cpu in answer.answered if cpu is not None}, in_c=True,
-        ), decoding)
+        ), decoding
 
     def dispatch(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Handle:
         """Plan and send layer `layer`'s rows. hidden [T, d], top_k_index [T, k] long, top_k_weights [T, k]."""
@@ -245,8 +248,9 @@ class Dispatcher:
         for holder, _, _ in answer.answered:
             self.pool.ledger.used(holder, handle.call)  # a lane's holders are remote: never trusted
         self.settle()  # another lane call's, where calls of several groups are in flight
-        self._unsettled = (handle, answer, time.perf_counter() - handle.started, self._accounting.decoding,
-                           threading.get_ident())
+        self._unsettled = (answer, threading.get_ident())
+        self._accounting.defer(functools.partial(self._lane_record, handle, answer, time.perf_counter() - handle.started,
+                                                 self._accounting.decoding))  # recorded before any later call
         return answer.out
 
     def _gather(self, handle: Handle, flight: Flight | express.ExpressCall | None) -> tuple[list, set[int], int, int]:

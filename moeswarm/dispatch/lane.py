@@ -44,6 +44,7 @@ from moeswarm.errors import WorkerError
 from moeswarm.ids import LayerId
 from moeswarm.transport import token_call
 from moeswarm.transport.link import Pending
+from moeswarm.transport.tcp import TcpLink
 from moeswarm.wire.config import CombineMode, WireConfig
 from moeswarm.wire.frames import HEADER, HEADER_SIZE
 from moeswarm.wire.messages import Dispatch, Result
@@ -147,8 +148,9 @@ class Lane:
         plans = []
         for position, holder in enumerate(order):
             link, state = links[holder], states[holder]
-            direct = getattr(link, "direct_fd", None)
-            fd = direct() if direct is not None and state.up and not state.banned and not state.degraded else None
+            # a TcpLink itself (a relay's too), not a wrapper whose own send and wait would be bypassed
+            fd = link.direct_fd() if isinstance(link, TcpLink) and state.up and not state.banned \
+                and not state.degraded else None
             experts = sorted(by_holder[holder])
             rows = 1 if position == 0 else len(experts)
             bound = pool.reply_bound(holder)
