@@ -167,11 +167,12 @@ class Dispatcher:
             self.pool.prune()
         self.pool.readmit(due_only=True)
         layer = LayerId(layer)
-        sent = self._lane(layer, hidden, top_k_index, top_k_weights)
+        fits = express.eligible(self.wire, self.fanout, self.verification.checker.policy.fraction, hidden)
+        sent = self._lane(layer, hidden, top_k_index, top_k_weights) if fits else express.UNFIT
         self.settle()  # the last lane call's bookkeeping: after this one's send, while its holders compute
         if not isinstance(sent, LaneCall):
             shares = self.owners.plan(layer, top_k_index, top_k_weights)
-            if sent == express.UNFIT:
+            if sent == express.UNFIT and fits:
                 sent = self._express(layer, hidden, top_k_index, top_k_weights, shares)
         self.call_number += 1
         if isinstance(sent, LaneCall):
@@ -198,18 +199,17 @@ class Dispatcher:
 
     def _lane(self, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor,
               top_k_weights: torch.Tensor) -> LaneCall | str:
-        """The call sent in C (dispatch/lane.py), or why not: express.UNFIT (then express, else a flight)
-        or express.FAILED (a holder was taken down: a flight)."""
-        if not express.eligible(self.wire, self.fanout, self.verification.checker.policy.fraction, hidden) \
-                or self.owners.replicated(layer):
+        """The call (express.eligible) sent in C (dispatch/lane.py), or why not: express.UNFIT (then
+        express, else a flight) or express.FAILED (a holder was taken down: a flight)."""
+        if self.owners.replicated(layer):
             return express.UNFIT
         return self.lane.send(self.wire, layer, hidden, top_k_index, top_k_weights, self.owners.of(layer))
 
     def _express(self, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  shares: list) -> express.ExpressCall | str:
-        """The call sent express (dispatch/express.py), or why not (express.UNFIT or FAILED): it goes as a flight."""
-        if not express.eligible(self.wire, self.fanout, self.verification.checker.policy.fraction, hidden) \
-                or self.owners.replicated(layer):
+        """The call (express.eligible) sent express (dispatch/express.py), or why not (express.UNFIT or
+        FAILED): it goes as a flight. Its layer is planned: whether it has replicas is known."""
+        if self.owners.replicated(layer):
             return express.UNFIT
         call = express.ExpressCall(layer, hidden, top_k_index, top_k_weights)
         requests = [share_request(self.wire, layer, hidden, top_k_index, share) for share in shares]

@@ -46,7 +46,7 @@ from moeswarm.transport import token_call
 from moeswarm.transport.link import Pending
 from moeswarm.transport.tcp import TcpLink
 from moeswarm.wire.config import CombineMode, WireConfig
-from moeswarm.wire.frames import HEADER, HEADER_SIZE
+from moeswarm.wire.frames import HEADER, HEADER_SIZE, pack_meta
 from moeswarm.wire.messages import Dispatch, Result
 from moeswarm.wire.tensors import located
 
@@ -270,7 +270,7 @@ class Lane:
     def _partial(self, layer: LayerId, d: int) -> bytes:
         key = (layer, d)
         if key not in self._partial_meta:
-            self._partial_meta[key] = Result(layer, CombineMode.PARTIAL, torch.zeros(1, d), [], []).to_frame(0).encode()[0][HEADER_SIZE:]
+            self._partial_meta[key] = _result_meta(Result(layer, CombineMode.PARTIAL, torch.zeros(1, d), [], []))
         return self._partial_meta[key]
 
     def _owner_list(self, owner: torch.Tensor) -> tuple[list[int], int]:
@@ -311,8 +311,12 @@ def _template(layer: LayerId, first: bool, size: int, timed: bool, d: int, k: in
 
 def _exact_meta(layer: LayerId, d: int, experts: list[int]) -> bytes:
     """The metadata bytes of an exact RESULT with one row per expert, as `Result.to_frame` packs them."""
-    result = Result(layer, CombineMode.EXACT, torch.zeros(len(experts), d), experts, [1] * len(experts))
-    return result.to_frame(0).encode()[0][HEADER_SIZE:]
+    return _result_meta(Result(layer, CombineMode.EXACT, torch.zeros(len(experts), d), experts, [1] * len(experts)))
+
+
+def _result_meta(result: Result) -> bytes:
+    """The metadata bytes of `result`'s frame, as the full path packs them (untimed)."""
+    return pack_meta(result.to_frame(0).meta)
 
 
 def _express_call(call: LaneCall) -> express.ExpressCall:
