@@ -242,3 +242,29 @@ def test_a_product_per_head_gives_each_heads_own_bits(qtype, K):
         alone = torch.stack([qkernels.matmul(int(qtype), raw[h], K, x[:, h].contiguous(), 1, int8) for h in range(heads)], 1)
         for threads in (1, 2, 3, 8):
             assert torch.equal(qkernels.matmul_heads(int(qtype), raw, K, x, threads, int8), alone)
+
+
+def test_a_resting_pool_wakes_for_every_next_product():
+    """`qkernels.rest` (a backbone before its layer call's wait, a worker between requests) sends the
+    pool's helpers to sleep at once: every product after it still runs all its jobs, with the bits of
+    one thread, whether the helpers were spinning, asleep or on their way to sleep."""
+    import threading
+
+    K = 256
+    raw, x = random_rows(Q.Q4_K, 40, K, seed=3), torch.randn(3, K, generator=torch.Generator().manual_seed(3))
+    alone = qkernels.matmul(int(Q.Q4_K), raw, K, x, threads=1, int8_activations=True)
+    got = []
+
+    def products():
+        for i in range(300):
+            got.append(torch.equal(qkernels.matmul(int(Q.Q4_K), raw, K, x, threads=3, int8_activations=True), alone))
+            if i % 3:
+                qkernels.rest()  # at once, or after the helpers had every chance to fall asleep by themselves
+            if i % 50 == 0:
+                threading.Event().wait(0.002)
+
+    runner = threading.Thread(target=products, daemon=True)
+    runner.start()
+    runner.join(60)
+    assert not runner.is_alive(), "a product after rest() never finished: a helper slept through its call"
+    assert got == [True] * 300

@@ -96,6 +96,30 @@ def test_a_runner_runs_a_job_in_place_only_when_nothing_runs_or_waits():
     assert outcomes == [("slow", None, "moeswarm-compute"), ("small", None, here), ("queued", None, "moeswarm-compute")]
 
 
+def test_a_runner_that_runs_out_of_work_says_so_each_time():
+    """`on_idle` (the worker's kernels rest then) is called when the compute thread finds nothing
+    to run and after a job run in place leaves nothing queued, never while a job waits its turn."""
+    async def scenario():
+        idle = []
+        runner = ComputeRunner(on_idle=lambda: idle.append(runner.queued))
+        runner.start()
+        await asyncio.to_thread(wait_until, lambda: len(idle) == 1)  # the thread started with nothing to do
+        gate, outcomes = threading.Event(), []
+        runner.submit("a", lambda: gate.wait(10) and "slow", done=lambda value, error: outcomes.append(value))
+        runner.submit("b", lambda: "queued", done=lambda value, error: outcomes.append(value))
+        await asyncio.to_thread(wait_until, lambda: runner.queued == 1)  # "slow" runs, "queued" waits
+        before = len(idle)
+        gate.set()
+        await asyncio.to_thread(wait_until, lambda: len(outcomes) == 2 and len(idle) > before)
+        assert idle[before:] == [0] * (len(idle) - before)  # idle only once both had run
+        ran, value = runner.run_now("c", lambda: "here", 1)
+        assert (ran, value) == (True, "here") and idle[-1] == 0
+        await runner.close()
+        return before
+
+    assert asyncio.run(scenario()) == 1  # nothing more while "slow" ran and "queued" waited
+
+
 def test_results_larger_than_the_socket_buffers_arrive_whole_and_in_order_between_pongs():
     """Each RESULT is 4 MB (4096 tokens x 4 experts x 64 values), the client's receive buffer 32 KB:
     no RESULT fits the kernel at once, so each one's rest is written by the loop, while PINGs on the

@@ -55,6 +55,7 @@ from moeswarm.placement.table import PlacementTable, describe_gaps, missing
 from moeswarm.transport import FANOUTS
 from moeswarm.transport.link import WorkerLink
 from moeswarm.transport.local import LOCAL_ADDRESS
+from moeswarm.weights import qkernels
 from moeswarm.wire.config import EXACT, CombineMode, WireConfig
 from moeswarm.wire.messages import Dispatch, Result
 
@@ -157,8 +158,12 @@ class Dispatcher:
         ), decoding
 
     def dispatch(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Handle:
-        """Plan and send layer `layer`'s rows. hidden [T, d], top_k_index [T, k] long, top_k_weights [T, k]."""
+        """Plan and send layer `layer`'s rows. hidden [T, d], top_k_index [T, k] long, top_k_weights [T, k].
+
+        The kernels' helper threads rest from here (qkernels.rest): the holders compute now, on
+        cores they may share with this process, and `combine` waits for them."""
         started = time.perf_counter()
+        qkernels.rest()
         if self._membership:
             self.settle()  # before holders are renumbered
             self.apply_membership()
@@ -217,7 +222,8 @@ class Dispatcher:
         return call if sent == express.SENT else sent
 
     def combine(self, handle: Handle) -> torch.Tensor:
-        """Gather the replies and add them into [T, d]."""
+        """Gather the replies and add them into [T, d] (the kernels rest while they come, as in `dispatch`)."""
+        qkernels.rest()
         flight = handle.flight
         try:
             if isinstance(flight, LaneCall):

@@ -10,4 +10,7 @@ typedef void *(*qk_job_fn)(void *);
  * every job has run. */
 void qk_pool_run(qk_job_fn fn, void *args, size_t arg_size, int n);
 
+/* The helpers stop spinning and sleep until the next call: this process waits for others now. */
+void qk_pool_rest(void);
+
 #endif

@@ -69,6 +69,7 @@ def _library() -> ctypes.CDLL | None:
     lib.qk_attend_one_h.restype = None
     lib.qk_use_isa.argtypes = [ctypes.c_int]
     lib.qk_isa.argtypes = []
+    lib.qk_pool_rest.argtypes, lib.qk_pool_rest.restype = [], None
     return lib
 
 
@@ -92,6 +93,14 @@ def use_isa(name: str | None) -> str:
     """Use implementation `name` (one of ISAS; None or one this CPU lacks: the best it has) -> the one in use.
     Every implementation gives the same bits; this is for tests that prove it."""
     return ISAS[_library().qk_use_isa(ISAS.index(name) if name is not None else -1)]
+
+
+def rest() -> None:
+    """The kernels' helper threads stop spinning and sleep until the next product (qk_pool.c): for a
+    process about to wait on others, whose cores they would take meanwhile."""
+    lib = _library()
+    if lib is not None:
+        lib.qk_pool_rest()
 
 
 def supported(qtype: int, row_length: int) -> bool:

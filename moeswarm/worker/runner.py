@@ -134,10 +134,13 @@ class ComputeRunner:
 
     def __init__(self, queue_limit: int = DEFAULT_QUEUE_LIMIT, name: str = "moeswarm-compute",
                  owner_limit: int | None = None, batch_work: Callable[[list[Any]], list[Any]] | None = None,
-                 batch_cost: float = float("inf")):
+                 batch_cost: float = float("inf"), on_idle: Callable[[], None] | None = None):
         """batch_work: runs several jobs' items at once, returning one outcome per item, in order, or
         DECLINED for an item it left (never the first); None: every job runs alone.
-        batch_cost: the most cost one batch may add up to."""
+        batch_cost: the most cost one batch may add up to.
+        on_idle: called (cheap, lock held) each time the runner is left with nothing to run: the
+        worker's kernels rest then (qkernels.rest), their threads no longer spinning on cores that
+        other processes need while this one waits for the network."""
         if queue_limit < 1:
             raise MoeSwarmError(f"queue limit must be at least 1, got {queue_limit}")
         self.queue_limit = queue_limit
@@ -145,6 +148,7 @@ class ComputeRunner:
         self._name = name
         self._batch_work = batch_work
         self._batch_cost = batch_cost
+        self._on_idle = on_idle or (lambda: None)
         self._ready = threading.Condition()
         # Owners with waiting jobs, in turn order: the head's first job runs next, then that
         # owner goes to the back if it has more.
@@ -228,6 +232,8 @@ class ComputeRunner:
                 self._in_service = False
                 if self._queues:
                     self._ready.notify()
+                else:
+                    self._on_idle()
 
     def drop(self, owner: Hashable) -> int:
         """Forget `owner`'s jobs that have not started (their futures are cancelled); return how many."""
@@ -271,6 +277,8 @@ class ComputeRunner:
         while True:
             with self._ready:
                 while not self._stopping and (not self._queues or self._in_service):
+                    if not self._queues:
+                        self._on_idle()
                     self._ready.wait()
                 if self._stopping:
                     return

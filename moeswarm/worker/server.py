@@ -44,6 +44,7 @@ import time
 from typing import TYPE_CHECKING
 
 from moeswarm.errors import ProtocolError, printable
+from moeswarm.weights import qkernels
 from moeswarm.wire.codecs import CODECS
 from moeswarm.wire.frames import HEADER_SIZE, Opcode, parse_header
 from moeswarm.wire.messages import ErrorReply, WorkerInfo
@@ -89,7 +90,8 @@ class WorkerServer:
         self.computation = Computation(store, self.limits, top_k)  # the compute thread's side
         # DISPATCHes of one layer from several connections may run as one expert call (worker/merge.py)
         self.runner = ComputeRunner(self.limits.queue_limit, owner_limit=self.limits.queue_per_connection,
-                                    batch_work=self.computation.batch, batch_cost=self.limits.max_tokens)
+                                    batch_work=self.computation.batch, batch_cost=self.limits.max_tokens,
+                                    on_idle=qkernels.rest)
         self._server: asyncio.base_events.Server | None = None
         self._sessions: dict[asyncio.Task, Session] = {}
         self.requests = Requests(self.info, self.limits, self.budget, self.runner, self.computation, self._sessions,

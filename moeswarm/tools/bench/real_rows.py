@@ -7,7 +7,10 @@ Per layer call (decode steps only), from the dispatcher's accounting and /proc:
   worker_rtt_ms            a worker's round trip as the dispatcher timed it (mean), the slower worker's
   worker_compute_ms        per layer call, the CPU time of the experts (kernels) of its slowest holder,
                            as the RESULTs say (`cpu_us`): the call cannot end before it; where they do
-                           not say it, the busier worker's CPU off its main thread per trip (/proc)
+                           not say it, the busier worker's CPU off its main thread per trip (/proc).
+                           Only with workers of one thread: with more, `cpu_us` is the share of the
+                           thread that answered, no measure of the kernels, and this field and the
+                           two below that stand on it are None
   kernel_imbalance_ms      worker_compute_ms less the busier worker's mean kernel per trip: what the
                            experts' uneven split between the workers adds to a call
   worker_loop_ms           per round trip, the worker's main thread (/proc: its event loop, frames,
@@ -52,8 +55,9 @@ def _row(shape: ModelShape, config, runs: list[dict], profile: dict | None, proc
            "tokens": runs[-1]["tokens"], "tokens_same_every_run": all(run["tokens"] == runs[0]["tokens"] for run in runs),
            "cpu_cores_decode": statistics.median(run["decode_cpu_s"] / run["decode_s"] for run in runs)}
     row["processes"] = _processes(config, processes)
+    row["worker_threads"] = max((p["threads"] for p in row["processes"] if "threads" in p), default=None)
     if "layer_calls" in runs[0]:
-        row.update(_layer_calls(runs))
+        row.update(_layer_calls(runs, kernels_timed=row["worker_threads"] in (None, 1)))
     if profile is not None:
         row["parts_ms"] = profile["parts_ms"]
         row["profiled_step_ms"] = 1e3 * profile["decode_s"] / DECODE_TOKENS
@@ -66,8 +70,9 @@ def _processes(config, processes: list[dict]) -> list[dict]:
         [p for role in config.workers for p in processes if p["role"] == role]
 
 
-def _layer_calls(runs: list[dict]) -> dict:
-    """Per decode layer call: the backbone's view, each worker's trips and CPU, the machinery."""
+def _layer_calls(runs: list[dict], kernels_timed: bool) -> dict:
+    """Per decode layer call: the backbone's view, each worker's trips and CPU, the machinery
+    (`kernels_timed`: the workers' RESULTs time their kernels whole, one thread each)."""
     fields = {"layer_calls_per_step": statistics.median(run["layer_calls"] / DECODE_TOKENS for run in runs),
               "layer_call_ms": statistics.median(run["layer_call_ms"] for run in runs),
               "bytes_per_step": statistics.median(run["bytes_per_step"] for run in runs)}
@@ -86,7 +91,7 @@ def _layer_calls(runs: list[dict]) -> dict:
             "loop_ms_per_trip": statistics.median(1e3 * w["cpu"]["main_s"] / w["trips"] for w in trips) if trips else None,
             "cpu_cores_decode": statistics.median(w["cpu"]["total_s"] / run["decode_s"] for w, run in zip(mine, runs)),
         })
-    computed = [w["compute_ms_per_trip"] for w in workers if w["compute_ms_per_trip"] is not None]
+    computed = [w["compute_ms_per_trip"] for w in workers if w["compute_ms_per_trip"] is not None and kernels_timed]
     fields["workers"] = workers
     slowest = [run.get("slowest_kernel_ms") for run in runs]
     if computed and all(ms is not None for ms in slowest):  # per call, its slowest holder's kernel
@@ -94,8 +99,8 @@ def _layer_calls(runs: list[dict]) -> dict:
         fields["kernel_imbalance_ms"] = fields["worker_compute_ms"] - max(computed)
     else:
         fields["worker_compute_ms"] = max(computed) if computed else None
-    fields["worker_loop_ms"] = max(w["loop_ms_per_trip"] for w in workers if w["loop_ms_per_trip"] is not None) \
-        if computed else None
+    loops = [w["loop_ms_per_trip"] for w in workers if w["loop_ms_per_trip"] is not None]
+    fields["worker_loop_ms"] = max(loops) if loops else None
     fields["machinery_ms"] = fields["layer_call_ms"] - fields["worker_compute_ms"] if computed else None
     rtts = [w["rtt_ms"] for w in workers if w["rtt_ms"] is not None]
     fields["worker_rtt_ms"] = max(rtts) if rtts else None

@@ -21,10 +21,11 @@ START_TIMEOUT_S = 120.0
 
 @contextlib.contextmanager
 def spawn_worker(model: str, experts: Sequence[int], extra_args: Sequence[str] = (),
-                 start_timeout_s: float = START_TIMEOUT_S) -> Iterator[tuple[tuple[str, int], subprocess.Popen]]:
-    """One `moeswarm worker` process (one torch thread) serving `experts`: yields ((host, port), process)."""
+                 start_timeout_s: float = START_TIMEOUT_S, threads: int = 1
+                 ) -> Iterator[tuple[tuple[str, int], subprocess.Popen]]:
+    """One `moeswarm worker` process (`threads` torch threads) serving `experts`: yields ((host, port), process)."""
     command = [sys.executable, "-m", "moeswarm.cli", "worker", "--model", str(model), "--experts", format_ids(experts),
-               "--port", "0", "--threads", "1", *extra_args]
+               "--port", "0", "--threads", str(threads), *extra_args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
