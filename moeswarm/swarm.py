@@ -79,6 +79,11 @@ class Swarm:
         """The holders' addresses ("local" for experts held in this process)."""
         return [link.address for link in self._dispatcher.links]
 
+    @property
+    def waiting(self) -> str:
+        """How decode layer calls wait for their replies here, as learned (dispatch/wait.py): "spin" or "sleep"."""
+        return self._dispatcher.wait.chosen
+
     def configure(self, wire: WireConfig) -> None:
         """Use `wire` for the next layers' dispatches."""
         self._dispatcher.configure(wire)

@@ -23,6 +23,7 @@ from moeswarm.dispatch.errors import ExpertsUnavailable
 from moeswarm.dispatch.express import ExpressCall
 from moeswarm.dispatch.flight import Flight
 from moeswarm.dispatch.lane import LaneCall
+from moeswarm.dispatch.wait import SPIN_S
 from moeswarm.transport import token_call
 from moeswarm.wire.config import WireConfig
 from moeswarm.wire.messages import Dispatch
@@ -68,6 +69,30 @@ def test_one_token_calls_go_in_c_with_the_bits_of_eager_and_of_a_flight(holders)
     finally:
         lane.close()
         chained.close()
+        for worker in workers:
+            worker.close()
+
+
+@pytest.mark.parametrize("late_s", [0.0, 0.004, 0.03])  # in the spin, late in it, after it (SPIN_S 10 ms)
+def test_a_lane_call_that_spins_for_its_replies_takes_them_with_the_same_bits(late_s):
+    """A call in the wait policy's spinning mode (dispatch/wait.py) takes replies that come while it
+    spins and those that come after it gave up spinning and sleeps in poll, with eager's bits."""
+    def late_reply(worker, conn, frame):
+        time.sleep(late_s)
+        send_frame(conn, answer(Dispatch.from_frame(frame)).to_frame(frame.request_id))
+
+    workers = [FakeWorker(LOW, late_reply), FakeWorker(HIGH, late_reply)]
+    dispatcher = planned(tcp_dispatcher(workers), 0)
+    dispatcher.wait.spin_s = lambda: SPIN_S
+    try:
+        for seed in range(4):
+            hidden, index, weights = _routing(1, seed)
+            handle = dispatcher.dispatch(0, hidden, index, weights)
+            assert isinstance(handle.flight, LaneCall)
+            assert torch.equal(dispatcher.combine(handle), reference(hidden, index, weights))
+        assert (dispatcher.lane.calls, dispatcher.lane.demotions) == (4, 0)
+    finally:
+        dispatcher.close()
         for worker in workers:
             worker.close()
 

@@ -48,6 +48,7 @@ from moeswarm.dispatch.pool import PRUNE_AT, HolderPool
 from moeswarm.dispatch.spot_check import SpotChecker, SpotCheckPolicy
 from moeswarm.dispatch.taint import Taint
 from moeswarm.dispatch.verify import Verification
+from moeswarm.dispatch.wait import WaitPolicy
 from moeswarm.errors import MoeSwarmError
 from moeswarm.ids import LayerId
 from moeswarm.placement.profile import RoutingStats
@@ -94,6 +95,7 @@ class Dispatcher:
         self.pool = HolderPool(links, table, self.policy, self.stats)
         self.owners = Owners(self.pool)
         self.lane = Lane(self.pool)  # a decode step's calls in C where they may go express (dispatch/lane.py)
+        self.wait = WaitPolicy()  # whether a lane call spins for its replies (dispatch/wait.py)
         self.verification = Verification(self.pool, SpotChecker(spot_checks or SpotCheckPolicy()), self.stats, referee)
         self._accounting = Accounting(paths=dict(paths or {}))
         self._unsettled: tuple | None = None  # the last lane call's bookkeeping (`settle`)
@@ -182,6 +184,7 @@ class Dispatcher:
         self.call_number += 1
         if isinstance(sent, LaneCall):
             flight, pieces = sent, [(share.worker, 1) for share in sent.shares]
+            self.wait.observe(started)  # how this call waits: dispatch/wait.py
         elif isinstance(sent, express.ExpressCall):
             flight, pieces = sent, [(one.worker, 1) for one in sent.sent]
         else:
@@ -227,7 +230,7 @@ class Dispatcher:
         flight = handle.flight
         try:
             if isinstance(flight, LaneCall):
-                got = self.lane.gather(self.verification.gate, flight)
+                got = self.lane.gather(self.verification.gate, flight, self.wait.spin_s())
                 if isinstance(got, LaneAnswer):
                     return self._lane_answer(handle, got)
                 flight = got  # the express call goes on (None: made again as a flight)

@@ -182,10 +182,11 @@ class Lane:
             call.bytes_out += len(frame)
         return call
 
-    def gather(self, gate: NormGate, call: LaneCall) -> LaneAnswer | express.ExpressCall | None:
+    def gather(self, gate: NormGate, call: LaneCall, spin_s: float = 0.0) -> LaneAnswer | express.ExpressCall | None:
         """The call's answer; or the express call to go on with (every reply not used here is kept
         on its link); or None where it must be made again as a flight (nothing left in flight; a
-        holder that failed taken down).
+        holder that failed taken down). `spin_s`: how long each reply is spun for before the wait
+        sleeps (dispatch/wait.py).
 
         What can be made before the replies is (the output, the metadata to expect, the learned
         bound): the holders compute meanwhile. After them, only what the answer needs: the
@@ -204,7 +205,7 @@ class Lane:
             buffer, address = self._buffer(share.worker, link, k, d)
             got = self._take(share.fd, share.pending.request_id, address, len(buffer), meta, len(meta), timed,
                              1 if share.first else len(share.experts), d, share.first, out_at, share.deadline,
-                             info_at, top_at)
+                             info_at, top_at, spin_s)
             if got >= 0:
                 answered.append((share.worker, time.perf_counter() - share.pending.sent_at, got * 1e-6 if timed else None))
                 peaks.append(top[0])

@@ -61,6 +61,26 @@ static int wait_ready(int fd, short events, double deadline) {
     }
 }
 
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Spin up to `spin` seconds for fd to have bytes to read (a few microseconds between looks), so
+ * that this thread is running, on a core that is awake, when they come (dispatch/wait.py says
+ * when that pays). */
+static void spin_ready(int fd, double spin) {
+    double until = now_s() + spin;
+    do {
+        struct pollfd p = {fd, POLLIN, 0};
+        if (poll(&p, 1, 0) != 0) return;  /* ready, or an error the read reports */
+        for (int i = 0; i < 64; i++) relax();
+    } while (now_s() < until);
+}
+
 /* Exactly `size` bytes into `to` from non-blocking fd before `deadline`. */
 static int read_exactly(int fd, uint8_t *to, int64_t size, double deadline) {
     int64_t got = 0;
@@ -157,10 +177,13 @@ static int timed_meta(const uint8_t *got, int64_t got_len, const uint8_t *want, 
  *   first            1: out = y + 0.0 (the token's lowest experts' sum, one row); 0: each row added
  *                    to out in order (IEEE single adds, as dispatch/combine.py makes them)
  * info [3] gets the frame's opcode, meta_len and body length (once its header is read), top the
- * largest |value| of its rows (the plausibility gate's measure: dispatch/plausible.py). Returns
- * the RESULT's cpu_us (0 when not timed), or an outcome below zero; out is changed only on success. */
+ * largest |value| of its rows (the plausibility gate's measure: dispatch/plausible.py). `spin`:
+ * seconds to spin for the reply before sleeping in poll (0: none). Returns the RESULT's cpu_us (0
+ * when not timed), or an outcome below zero; out is changed only on success. */
 int64_t tc_take(int fd, uint64_t rid, uint8_t *buf, int64_t cap, const uint8_t *meta, int64_t meta_len, int timed,
-                int64_t rows, int64_t d, int first, float *out, double deadline, int64_t *info, double *top) {
+                int64_t rows, int64_t d, int first, float *out, double deadline, int64_t *info, double *top,
+                double spin) {
+    if (spin > 0) spin_ready(fd, spin);
     int failed = read_exactly(fd, buf, HEADER_SIZE, deadline);
     if (failed) return failed;
     if (memcmp(buf, "MSWM", 4) || buf[4] != VERSION) return TC_BAD_HEADER;

@@ -103,7 +103,7 @@ def _run(swarm, stepper, prompt: list[int], steps: int, pids: dict[str, int], pr
     after = {pid: thread_cpu(pid) for pid in pids.values()}
     calls = swarm.layer_calls()
     timed = [c for c in calls if c.worker_cpu]
-    reply = {"prompt_s": prompt_s, "decode_s": decode_s, "step_s": step_s, "tokens": tokens,
+    reply = {"prompt_s": prompt_s, "decode_s": decode_s, "step_s": step_s, "tokens": tokens, "waiting": swarm.waiting,
              "prompt_cpu_s": cpu_decode - cpu_start, "decode_cpu_s": decode_cpu_s,
              "layer_calls": len(calls), "layer_call_ms": 1e3 * statistics.fmean(c.seconds for c in calls),
              "layer_call_ms_median": 1e3 * statistics.median(c.seconds for c in calls),

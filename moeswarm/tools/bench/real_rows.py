@@ -74,6 +74,7 @@ def _layer_calls(runs: list[dict], kernels_timed: bool) -> dict:
     """Per decode layer call: the backbone's view, each worker's trips and CPU, the machinery
     (`kernels_timed`: the workers' RESULTs time their kernels whole, one thread each)."""
     fields = {"layer_calls_per_step": statistics.median(run["layer_calls"] / DECODE_TOKENS for run in runs),
+              "waiting": runs[-1].get("waiting"),  # how its layer calls waited for replies (dispatch/wait.py)
               "layer_call_ms": statistics.median(run["layer_call_ms"] for run in runs),
               "bytes_per_step": statistics.median(run["bytes_per_step"] for run in runs)}
     if not runs[0]["workers"]:
