@@ -149,7 +149,8 @@ def write_report(result: dict, docs: Path = DOCS) -> Path:
         "experts' uneven split adds over the busier worker's mean; none of these for workers of several threads, "
         "whose RESULTs time only the answering thread's share); "
         "`machinery ms` = layer call - worker kernel: what a call costs beyond the workers' kernels (the JSON also "
-        "has `backbone_side_ms` = layer call - worker RTT, and each worker's event-loop CPU per trip).",
+        "has `backbone_side_ms` = layer call - worker RTT, each worker's event-loop CPU per trip, and `waiting`: "
+        "whether the backbone's layer calls spun for their replies or slept, as it learned, dispatch/wait.py).",
         "- **By part**: one more run of local and of both loopback configurations with forward hooks on the model's modules "
         "(`moeswarm/tools/bench/real_profile.py`): attention, the MoE layer calls, the router (the MoE block less its "
         "experts call), the output head, and the rest; CPU cores in use = CPU time / wall time during decode.",
