@@ -75,4 +75,3 @@ class WaitPolicy:
             self.chosen = SPIN if statistics.median(spinning) < TIE * statistics.median(asleep) else SLEEP
         self.trials += 1
         self.mode, self._trial, self._settled = self.chosen, None, 0
-

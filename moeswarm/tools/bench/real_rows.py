@@ -92,7 +92,7 @@ def _layer_calls(runs: list[dict], kernels_timed: bool) -> dict:
             "loop_ms_per_trip": statistics.median(1e3 * w["cpu"]["main_s"] / w["trips"] for w in trips) if trips else None,
             "cpu_cores_decode": statistics.median(w["cpu"]["total_s"] / run["decode_s"] for w, run in zip(mine, runs)),
         })
-    computed = [w["compute_ms_per_trip"] for w in workers if w["compute_ms_per_trip"] is not None and kernels_timed]
+    computed = [w["compute_ms_per_trip"] for w in workers if w["compute_ms_per_trip"] is not None] if kernels_timed else []
     fields["workers"] = workers
     slowest = [run.get("slowest_kernel_ms") for run in runs]
     if computed and all(ms is not None for ms in slowest):  # per call, its slowest holder's kernel
