@@ -32,6 +32,9 @@ DTYPES: dict[str, torch.dtype] = {
     "i64": torch.int64,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# each raw codec's little-endian numpy dtype (bf16, which numpy lacks, as int16: the same bytes)
+_WIRE_NUMPY = {dtype: np.dtype(np.int16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype)
+               .newbyteorder("<") for dtype in DTYPES.values()}
 MAX_RANK = 4
 
 
@@ -60,8 +63,7 @@ class RawCodec:
 
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         as_int16 = self.wire_dtype == torch.bfloat16
-        np_dtype = np.dtype(np.int16) if as_int16 else torch.empty(0, dtype=self.wire_dtype).numpy().dtype
-        array = np.frombuffer(data, dtype=np_dtype.newbyteorder("<")).reshape(shape)
+        array = np.frombuffer(data, dtype=_WIRE_NUMPY[self.wire_dtype]).reshape(shape)
         tensor = torch.from_numpy(array.copy())
         if as_int16:
             tensor = tensor.view(torch.bfloat16)

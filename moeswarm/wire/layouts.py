@@ -11,6 +11,8 @@ them); a lookup of the bytes is one dict access.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -38,7 +40,7 @@ class TensorAt:
 
     def array(self, payload: memoryview) -> np.ndarray:
         """The raw bytes as a read-only numpy array in the codec's own dtype (integer ids)."""
-        return np.frombuffer(payload, raw_numpy(self.codec), int(np.prod(self.shape)), self.offset).reshape(self.shape)
+        return np.frombuffer(payload, raw_numpy(self.codec), math.prod(self.shape), self.offset).reshape(self.shape)
 
 
 class KnownLayouts(Generic[L]):

@@ -37,6 +37,8 @@ class _Run:
 
     experts: range
     module: torch.nn.Module
+    sentinel: int | None = None  # the id the module takes as "no expert" (eager's own sums), where probed sound
+    sums_itself: bool = False  # the module takes -1 as "no expert" (`_sums_itself`)
 
 
 class ExpertStore:
@@ -44,7 +46,7 @@ class ExpertStore:
         if not hosted:
             raise ValueError("an expert store needs at least one hosted layer")
         self._held = {int(layer): tuple(int(e) for e in h.experts) for layer, h in sorted(hosted.items())}
-        self._runs = {int(layer): _split(h) for layer, h in hosted.items()}
+        self._runs = {int(layer): _split(h, hidden_size) for layer, h in hosted.items()}
         self._holds = {layer: np.isin(np.arange(num_experts), held) for layer, held in self._held.items()}  # [E] bool
         self._locals = {layer: _local_ids(layer_runs, num_experts) for layer, layer_runs in self._runs.items()}  # [E + 3]
         self._dtypes = {layer: compute_dtype(layer_runs[0].module) for layer, layer_runs in self._runs.items()}
@@ -75,7 +77,7 @@ class ExpertStore:
         """(the C plan of the layer's experts, its first expert) where they are one run of quantized
         experts (one C call gives a DISPATCH's sums or rows: worker/express.py), else None."""
         layer_runs = self._runs.get(layer)
-        if layer_runs is None or len(layer_runs) != 1 or not _sums_itself(layer_runs[0].module):
+        if layer_runs is None or len(layer_runs) != 1 or not layer_runs[0].sums_itself:
             return None
         plan = getattr(layer_runs[0].module, "_plan", None)
         return None if plan is None else (plan, layer_runs[0].experts.start)
@@ -95,45 +97,28 @@ class ExpertStore:
     @torch.inference_mode()
     def run(self, request: Dispatch) -> Result:
         layer_runs, index, local = self._check(request)  # [T, k] int64 numpy each: ids, and ids within their run
-        hidden, weights = request.hidden, request.top_k_weights  # [T, d], [T, k]
-        if request.mode == CombineMode.PARTIAL and len(layer_runs) == 1 and _sums_itself(layer_runs[0].module):
-            return self._sums(request, layer_runs[0], local)
-        tokens_in = index.shape[0]
-        # Every routed (token, slot) pair, grouped by expert ascending and, within an expert, slot-major
-        # then token (eager's order): a stable sort of the slot-major flattening by expert id.
-        flat = index.T.reshape(-1)  # [k * T]: position slot * T + token
-        order = np.argsort(flat, kind="stable")[np.count_nonzero(flat < 0):]  # [S]; unrouted slots (-1) sort first
-        chosen = flat[order]  # [S], ascending
-        starts = [0, *(np.flatnonzero(chosen[1:] != chosen[:-1]) + 1).tolist(), len(order)]  # each hit expert's first pair
-        hit = chosen[starts[:-1]].tolist()  # the hit experts, ascending
-        counts = np.diff(starts)  # pairs per hit expert
-        token_ids, slot_ids = order % tokens_in, order // tokens_in  # [S] each
-        pair_weights = _take(weights, token_ids, slot_ids).unsqueeze(1)  # [S, 1]
-        outputs = []
-        for run in layer_runs:
-            first, last = bisect_left(hit, run.experts.start), bisect_left(hit, run.experts.stop)
-            if first == last:
-                continue
-            pairs = slice(starts[first], starts[last])  # the run's pairs: contiguous, grouped by expert
-            local = torch.from_numpy(chosen[pairs] - run.experts.start).unsqueeze(1)  # [S_run, 1] int64
-            # One call of the family's eager experts over the run's pairs: each expert sees exactly its
-            # rows in eager's order (the same matrices as a local run); each output row is one pair's w * E(x).
-            outputs.append(run.module(_take(hidden, token_ids[pairs]), local, pair_weights[pairs]))  # [S_run, d]
-        outputs = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [S, d], experts ascending
+        if request.mode == CombineMode.PARTIAL and len(layer_runs) == 1:
+            only = layer_runs[0]
+            if only.sums_itself:
+                return self._sums(request, only, local, local)
+            if only.sentinel is not None:
+                return self._sums(request, only, local, np.where(local < 0, only.sentinel, local))
+        outputs, hit, counts, token_ids = _pairs(layer_runs, request.hidden, index, request.top_k_weights)
         if request.mode == CombineMode.PARTIAL:
-            outputs = _by_token(outputs, token_ids, tokens_in)  # [T, d], experts added in ascending order
+            outputs = _by_token(outputs, token_ids, index.shape[0])  # [T, d], experts added in ascending order
         return Result(request.layer, request.mode, outputs, hit, counts.tolist(), request.wire_combine)
 
-    def _sums(self, request: Dispatch, run: _Run, local: np.ndarray) -> Result:
+    def _sums(self, request: Dispatch, run: _Run, local: np.ndarray, ids: np.ndarray) -> Result:
         """Partial sums [T, d] in one call of a module that adds its experts' rows into each token
         itself, in eager's order (ascending experts, slot-major then token, from zero): the bits of
         the rows computed one pair at a time and added by `index_add_`, without building the pairs.
         A decode step's DISPATCH then costs its kernel and a few numpy calls: each torch call costs
         15-100 us here when caches are cold and the OpenMP threads asleep.
-        local: [T, k] the run's own expert ids, -1 where another holder has the slot."""
+        local: [T, k] the run's own expert ids, -1 where another holder has the slot; ids: the same
+        as the module takes them (-1, or its sentinel: `_Run.sentinel`)."""
         counts = np.bincount(local.reshape(-1) + 1, minlength=len(run.experts) + 1)[1:]  # [n] rows per run expert
         hit = np.flatnonzero(counts)
-        outputs = run.module(request.hidden, torch.from_numpy(local), request.top_k_weights)  # [T, d]
+        outputs = run.module(request.hidden, torch.from_numpy(ids), request.top_k_weights)  # [T, d]
         return Result(request.layer, request.mode, outputs, (hit + run.experts.start).tolist(), counts[hit].tolist(),
                       request.wire_combine)
 
@@ -189,6 +174,34 @@ def _local_ids(layer_runs: list[_Run], num_experts: int) -> np.ndarray:
     return table
 
 
+def _pairs(layer_runs: list[_Run], hidden: torch.Tensor, index: np.ndarray,
+           weights: torch.Tensor) -> tuple[torch.Tensor, list[int], np.ndarray, np.ndarray]:
+    """(rows [S, d], the hit experts ascending, their pair counts [n], each row's token [S]): every
+    routed (token, slot) pair of `index` [T, k] (-1: none), each a row w * E(x), grouped by expert
+    ascending and, within an expert, slot-major then token (eager's order)."""
+    tokens_in = index.shape[0]
+    # A stable sort of the slot-major flattening by expert id.
+    flat = index.T.reshape(-1)  # [k * T]: position slot * T + token
+    order = np.argsort(flat, kind="stable")[np.count_nonzero(flat < 0):]  # [S]; unrouted slots (-1) sort first
+    chosen = flat[order]  # [S], ascending
+    starts = [0, *(np.flatnonzero(chosen[1:] != chosen[:-1]) + 1).tolist(), len(order)]  # each hit expert's first pair
+    hit = chosen[starts[:-1]].tolist()  # the hit experts, ascending
+    counts = np.diff(starts)  # pairs per hit expert
+    token_ids, slot_ids = order % tokens_in, order // tokens_in  # [S] each
+    pair_weights = _take(weights, token_ids, slot_ids).unsqueeze(1)  # [S, 1]
+    outputs = []
+    for run in layer_runs:
+        first, last = bisect_left(hit, run.experts.start), bisect_left(hit, run.experts.stop)
+        if first == last:
+            continue
+        pairs = slice(starts[first], starts[last])  # the run's pairs: contiguous, grouped by expert
+        local = torch.from_numpy(chosen[pairs] - run.experts.start).unsqueeze(1)  # [S_run, 1] int64
+        # One call of the family's eager experts over the run's pairs: each expert sees exactly its
+        # rows in eager's order (the same matrices as a local run); each output row is one pair's w * E(x).
+        outputs.append(run.module(_take(hidden, token_ids[pairs]), local, pair_weights[pairs]))  # [S_run, d]
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), hit, counts, token_ids
+
+
 def _by_token(rows: torch.Tensor, token_ids: np.ndarray, tokens: int) -> torch.Tensor:
     """rows [S, d] -> [T, d]: each token's rows added from zero in row order (index_add_'s adds).
 
@@ -216,15 +229,42 @@ def _take(tensor: torch.Tensor, *ids: np.ndarray) -> torch.Tensor:
     return tensor[tuple(torch.from_numpy(i) for i in ids)]
 
 
-def _split(hosted: HostedLayer) -> list[_Run]:
+def _split(hosted: HostedLayer, width: int) -> list[_Run]:
     """One module per contiguous run of hosted experts, each placed as in a full local model."""
     found, start = [], 0
     for experts in runs(hosted.experts):
         module = _narrowed(hosted.module, start, start + len(experts))
         mirror_alignment(module, experts.start)
-        found.append(_Run(experts, module))
+        found.append(_Run(experts, module, _sentinel(module, width), _sums_itself(module)))
         start += len(experts)
     return found
+
+
+@torch.inference_mode()
+def _sentinel(module: torch.nn.Module, width: int) -> int | None:
+    """The id `module` (of hidden size `width`) takes as "no expert" in a PARTIAL call (`ExpertStore._sums`), or None.
+
+    transformers' eager experts one-hot ids into num_experts + 1 classes and skip the last: called
+    with it in another holder's slots, they give each token's sum of this holder's experts in
+    eager's own order, the bits `_pairs` then `_by_token` give at ~110 us more a decode call
+    (measured on the bundled model). Not every family's eager code does so (gpt-oss one-hots into
+    num_experts), so this is probed, on a few tokens routed through the first and last experts and
+    the sentinel: the module is called so only where it gave exactly the pairs' bits."""
+    n = getattr(module, "num_experts", None)
+    if type(n) is not int or n < 1 or _sums_itself(module):
+        return None
+    dtype = compute_dtype(module)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, width, generator=generator).to(dtype)  # [3, d]
+    index = np.array([[0, -1], [-1, n - 1], [n - 1, 0]], np.int64)  # [3, 2]
+    weights = torch.rand(3, 2, generator=generator).to(dtype)
+    try:
+        rows, _, _, token_ids = _pairs([_Run(range(n), module)], hidden, index, weights)
+        expected = _by_token(rows, token_ids, 3)
+        got = module(hidden, torch.from_numpy(np.where(index < 0, n, index)), weights)
+    except Exception:  # noqa: BLE001 - the sentinel is out of this family's range: the pairs path
+        return None
+    return n if got.shape == expected.shape and got.dtype == expected.dtype and torch.equal(got, expected) else None
 
 
 def compute_dtype(module: torch.nn.Module) -> torch.dtype:
