@@ -82,9 +82,11 @@ def test_values_the_store_refuses_go_the_full_path_and_are_named(qwen2_moe):
     assert computation.express.answered == answered + 1
 
 
-def test_a_decode_step_s_dispatch_to_float_experts_is_answered_whole_on_the_event_loop(qwen2_moe):
-    """Over real TCP: after the first DISPATCH of its metadata, each next one-token DISPATCH is answered
-    in the transport's callback, its RESULT the full path's frame, bit for bit."""
+@pytest.mark.parametrize("mode", [CombineMode.PARTIAL, CombineMode.EXACT])
+def test_a_decode_step_s_dispatch_to_float_experts_is_answered_whole_on_the_event_loop(qwen2_moe, mode):
+    """Over real TCP: after the first DISPATCH of each metadata, each next one-token DISPATCH is
+    answered in the transport's callback, its RESULT the full path's frame, bit for bit (timed: but
+    for its CPU time, whose field is where the full path puts it)."""
     from test_worker_limits import greeted, recv
     from test_worker_runner import running
 
@@ -96,16 +98,22 @@ def test_a_decode_step_s_dispatch_to_float_experts_is_answered_whole_on_the_even
     server = WorkerServer(store, "hf-limits01", "scale", WorkerLimits(), inline_tokens=8)
     with running(server) as (_, address):
         sock = greeted(address)
-        for seed in range(5):
-            hidden, index, weights = routing(store, 1, held, seed)
-            request = Dispatch(0, hidden, index, weights, CombineMode.PARTIAL)
-            send_frame(sock, request.to_frame(30 + seed))
-            reply = recv(sock)
-            assert (reply.opcode, reply.request_id) == (Opcode.RESULT, 30 + seed), ErrorReply.from_frame(reply).message
-            full = store.run(request).to_frame(30 + seed)
-            assert reply.meta_bytes == pack_meta(full.meta) and reply.payload == b"".join(bytes(p) for p in full.parts)
+        for timed in (False, True):
+            for seed in range(5):
+                hidden, index, weights = routing(store, 1, held, seed)
+                request = Dispatch(0, hidden, index, weights, mode, timed=timed)
+                send_frame(sock, request.to_frame(30 + seed))
+                reply = recv(sock)
+                assert (reply.opcode, reply.request_id) == (Opcode.RESULT, 30 + seed), \
+                    ErrorReply.from_frame(reply).message
+                full = store.run(request).to_frame(30 + seed, 0.0 if timed else None)
+                assert reply.payload == b"".join(bytes(p) for p in full.parts)
+                if timed:
+                    assert list(reply.meta) == list(full.meta) and 0 <= reply.meta["cpu_us"] < 10**7
+                    full.meta["cpu_us"] = reply.meta["cpu_us"]
+                assert reply.meta_bytes == pack_meta(full.meta)
         sock.close()
-    assert server.computation.express.whole == 4
+    assert server.computation.express.whole == 8  # all but the first of each metadata
 
 
 @pytest.mark.parametrize("family, sums_itself", [("qwen2_moe", True), ("mixtral", True), ("gpt_oss", False)])

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from msgpack import packb
 
 from moeswarm.weights import qkernels
 from moeswarm.wire.config import CombineMode
-from moeswarm.wire.frames import HEADER_SIZE, Frame, Opcode, pack_meta
+from moeswarm.wire.frames import HEADER, HEADER_SIZE, MAGIC, VERSION, Frame, Opcode, pack_meta
 from moeswarm.wire.layouts import KnownLayouts
-from moeswarm.wire.messages import Dispatch
+from moeswarm.wire.messages import Dispatch, Result
 from moeswarm.wire.tensors import located
 
 
@@ -69,6 +70,7 @@ class TorchLane:
     tokens: int
     payload_bytes: int
     timed: bool
+    prefix: bytes | None  # partial: the RESULT's metadata as the full path packs it (timed: up to cpu_us's value)
 
 
 class Express:
@@ -132,12 +134,19 @@ class Express:
         declines (the full path then answers it and names any fault)."""
         if type(lane) is TorchLane:
             meta_len = len(body) - lane.payload_bytes
-            reply = self._torch(lane, Frame(Opcode.DISPATCH, request_id, {}, memoryview(body)[meta_len:],
-                                            bytes(body[:meta_len])))
-            if reply is None:
+            answered = self._run(lane, Frame(Opcode.DISPATCH, request_id, {}, memoryview(body)[meta_len:],
+                                             bytes(body[:meta_len])))
+            if answered is None:
                 return None
             self.whole += 1
-            return memoryview(b"".join(reply.encode()))
+            result, cpu_s = answered
+            out = result.outputs  # partial: [T, d]
+            if lane.prefix is None or out.dtype != torch.float32 or not out.is_contiguous():
+                return memoryview(b"".join(result.to_frame(request_id, cpu_s).encode()))
+            meta = lane.prefix + (packb(int(cpu_s * 1e6)) if lane.timed else b"")  # Result.to_frame's bytes
+            rows = memoryview(out.numpy()).cast("B")
+            return memoryview(b"".join((HEADER.pack(MAGIC, VERSION, Opcode.RESULT, 0, request_id, len(meta), rows.nbytes),
+                                        meta, rows)))
         reply = bytearray(lane.reply_bytes)
         size = qkernels.express_answer(lane.whole[0], lane.mode == CombineMode.EXACT, body, reply, request_id,
                                        torch.get_num_threads())
@@ -157,6 +166,11 @@ class Express:
     def _torch(self, lane: TorchLane, frame: Frame) -> Frame | None:
         """The RESULT the full path gives `frame` (a DISPATCH of `lane`), or None where the store
         refuses it (the full path then names what is wrong)."""
+        answered = self._run(lane, frame)
+        return None if answered is None else answered[0].to_frame(frame.request_id, answered[1])
+
+    def _run(self, lane: TorchLane, frame: Frame) -> tuple[Result, float | None] | None:
+        """(the store's Result for `frame`, its CPU seconds where timed), or None where refused."""
         if len(memoryview(frame.payload)) != lane.payload_bytes:
             return None
         request = Dispatch.from_frame(frame)  # the layout is known: the payload is read where it says
@@ -166,7 +180,7 @@ class Express:
         except Exception:  # noqa: BLE001 - refused (or a bug): the full path runs it again and says what it is
             return None
         self.answered += 1
-        return result.to_frame(frame.request_id, time.thread_time() - started if lane.timed else None)
+        return result, time.thread_time() - started if lane.timed else None
 
     def _lane(self, frame: Frame, request: Dispatch, reply: Frame) -> Lane | TorchLane | bool:
         express_plan = getattr(self.store, "express_plan", None)  # a stand-in store (tests) has no C plans
@@ -175,7 +189,8 @@ class Express:
                 or request.top_k_weights.dtype != torch.float32:
             return False
         if found is None:
-            return TorchLane(request.hidden.shape[0], len(memoryview(frame.payload)), request.timed)
+            return TorchLane(request.hidden.shape[0], len(memoryview(frame.payload)), request.timed,
+                             _partial_prefix(reply.meta, request.timed) if request.mode == CombineMode.PARTIAL else None)
         at = located(frame.meta["tensors"])  # {name: (offset, size, codec, dtype, shape)}
         if at["x"][2].name != "f32" or at["w"][2].name != "f32":
             return False
@@ -205,3 +220,12 @@ class Express:
                     pack_meta(meta) if partial and not request.timed else None, np.empty(2 * plan.num_experts + 1, np.int64),
                     whole, room)
 
+
+def _partial_prefix(meta: dict, timed: bool) -> bytes | None:
+    """A partial RESULT's metadata (`meta`, as the full path made it) packed as Result.to_frame packs
+    it, up to its cpu_us value when `timed` (msgpack's encoding of that integer follows)."""
+    fields = {key: value for key, value in meta.items() if key != "cpu_us"}
+    if not timed:
+        return pack_meta(fields)
+    packed = pack_meta({**fields, "cpu_us": 0})
+    return packed[:-1] if packed.endswith(b"\xa6cpu_us\x00") else None

@@ -23,11 +23,12 @@ from moeswarm.progress import progress
 from moeswarm.wire.config import WireConfig
 
 
-def decode_seconds(stepper_factory, prompt: list[int], steps: int) -> float:
-    """Mean seconds per decode step (one token per forward) after a prefill."""
+def decode_seconds(stepper_factory, prompt: list[int], steps: int, after_prefill=lambda: None) -> float:
+    """Mean seconds per decode step (one token per forward) after a prefill (then `after_prefill()`)."""
     stepper = stepper_factory()
     logits = stepper.forward(prompt)
     token = int(logits[-1].argmax())
+    after_prefill()
     start = time.perf_counter()
     for _ in range(steps):
         token = int(stepper.forward([token])[-1].argmax())
@@ -43,8 +44,7 @@ def run_loopback(model: str, workers: int = 2, steps: int = 32, repeats: int = 3
         local_runs, remote_runs = [], []
         for _ in progress(range(repeats), desc=f"loopback, {steps} decode steps local and remote", unit="repeat"):
             local_runs.append(decode_seconds(lambda: Stepper(local_model), prompt, steps))
-            swarm.reset_accounting()
-            remote_runs.append(decode_seconds(lambda: Stepper(swarm.model), prompt, steps))
+            remote_runs.append(decode_seconds(lambda: Stepper(swarm.model), prompt, steps, swarm.reset_accounting))
         summary = swarm.accounting()
     thaw()
     layer_call = summary["seconds_per_layer_call_mean"]
@@ -61,7 +61,7 @@ def run_loopback(model: str, workers: int = 2, steps: int = 32, repeats: int = 3
         "remote_tokens_per_s": 1 / remote_s,
         "remote_over_local": local_s / remote_s,
         "overhead_per_layer_round_trip_us": 1e6 * (remote_s - local_s) / layers,
-        "layer_call_us_mean": 1e6 * layer_call,
+        "layer_call_us_mean": 1e6 * layer_call,  # the last repetition's decode steps: one-token calls
         "worker_compute_us_mean": compute_us,  # the experts' CPU time per call, as each RESULT said
         "machinery_us": 1e6 * layer_call - next(iter(compute_us.values())) if len(compute_us) == 1 else None,
         "layer_calls_in_c": summary["layer_calls_in_c"],
