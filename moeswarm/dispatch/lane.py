@@ -52,6 +52,7 @@ from moeswarm.wire.tensors import located
 
 _ONLY_TOKEN = torch.zeros(1, dtype=torch.long)  # [1]: a share's tokens (never written)
 _META_ROOM = 4096  # a reply buffer's room for a RESULT's metadata (one token's experts and counts)
+_OWNERS_KEPT = 1024  # layers' owner lists kept at once (a model's MoE layers, a few standings' worth)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ class Lane:
         self._templates: dict[tuple, Template | None] = {}
         self._partial_meta: dict[tuple, bytes] = {}
         self._buffers: dict[int, tuple[object, bytearray, int]] = {}  # holder -> (its link, reply buffer, address)
-        self._owners: tuple = (None, [], None, 0)  # (owner tensor, as a list, int64 copy, its address)
+        # {id(owner tensor): (it, as a list, an int64 copy, its address)}: one per layer's cached owners
+        self._owners: dict[int, tuple] = {}
         self._info = np.zeros(3, np.int64)  # the frame tc_take read: opcode, meta_len, body length
         self._top = np.zeros(1, np.float64)  # its largest |value|
         self._info_at, self._top_at = token_call.address(self._info), token_call.address(self._top)
@@ -275,12 +277,16 @@ class Lane:
         return self._partial_meta[key]
 
     def _owner_list(self, owner: torch.Tensor) -> tuple[list[int], int]:
-        """owner [E] as a list and the address of its int64 copy (kept while the dispatcher's owners are
-        the same tensor)."""
-        if self._owners[0] is not owner:
+        """owner [E] as a list and the address of its int64 copy, kept per tensor: the dispatcher keeps
+        each layer's owners until the holders' standing changes (dispatch/owners.py `of`), so a decode
+        step's layers each find theirs (made again every call, this took ~20 us of the send's ~40)."""
+        kept = self._owners.get(id(owner))
+        if kept is None or kept[0] is not owner:
+            if len(self._owners) >= _OWNERS_KEPT:
+                self._owners.clear()  # owners of an older standing: the new ones are made again once
             array = np.ascontiguousarray(owner.numpy(), np.int64)
-            self._owners = (owner, array.tolist(), array, token_call.address(array))
-        return self._owners[1], self._owners[3]
+            kept = self._owners[id(owner)] = (owner, array.tolist(), array, token_call.address(array))
+        return kept[1], kept[3]
 
     def _buffer(self, worker: int, link, k: int, d: int) -> tuple[bytearray, int]:
         """The reply buffer of `worker` (kept while its link is the same), room for k rows of d."""
