@@ -45,7 +45,7 @@ def run_loopback(model: str, workers: int = 2, steps: int = 32, repeats: int = 3
         for _ in progress(range(repeats), desc=f"loopback, {steps} decode steps local and remote", unit="repeat"):
             local_runs.append(decode_seconds(lambda: Stepper(local_model), prompt, steps))
             remote_runs.append(decode_seconds(lambda: Stepper(swarm.model), prompt, steps, swarm.reset_accounting))
-        summary = swarm.accounting()
+        summary, waiting = swarm.accounting(), swarm.waiting
     thaw()
     layer_call = summary["seconds_per_layer_call_mean"]
     compute_us = {worker: 1e3 * ms for worker, ms in summary["worker_cpu_ms_mean"].items()}
@@ -66,5 +66,6 @@ def run_loopback(model: str, workers: int = 2, steps: int = 32, repeats: int = 3
         "machinery_us": 1e6 * layer_call - next(iter(compute_us.values())) if len(compute_us) == 1 else None,
         "layer_calls_in_c": summary["layer_calls_in_c"],
         "layer_calls": summary["layer_calls"],
+        "waiting": waiting,  # how the backbone waited for replies, as learned (dispatch/wait.py)
         "ping_rtt_us_p50": 1e6 * statistics.median(pings),
     }
