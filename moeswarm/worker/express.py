@@ -78,7 +78,7 @@ class Express:
 
     def __init__(self, store):
         self.store = store
-        self._lanes: KnownLayouts[Lane | bool] = KnownLayouts()  # False: metadata seen, no lane for it
+        self._lanes: KnownLayouts[Lane | TorchLane | bool] = KnownLayouts()  # False: metadata seen, no lane for it
         self.answered = 0
         self.whole = 0  # of them, answered with the whole RESULT frame on the loop (`answer_now`)
 
@@ -122,7 +122,8 @@ class Express:
 
     def whole_lane(self, body: bytes, meta_len: int) -> Lane | TorchLane | None:
         """The lane that answers the DISPATCH whose frame body is `body` (its metadata its first
-        `meta_len` bytes) with a whole RESULT frame in C (`answer_now`), found without decoding it."""
+        `meta_len` bytes) with a whole RESULT frame (`answer_now`: in C, or a TorchLane's), found
+        without decoding it."""
         lane = self._lanes.get_bytes(body[:meta_len])
         if not lane or type(lane) is Lane and lane.whole is None or len(body) - meta_len != lane.payload_bytes:
             return None
