@@ -32,9 +32,10 @@ DTYPES: dict[str, torch.dtype] = {
     "i64": torch.int64,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-# each raw codec's little-endian numpy dtype (bf16, which numpy lacks, as int16: the same bytes)
-_WIRE_NUMPY = {dtype: np.dtype(np.int16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype)
-               .newbyteorder("<") for dtype in DTYPES.values()}
+# each raw codec's wire dtype -> its little-endian numpy dtype (bf16, which numpy lacks, as int16: the same bytes)
+WIRE_NUMPY = {torch.float32: np.dtype("<f4"), torch.float16: np.dtype("<f2"), torch.bfloat16: np.dtype("<i2"),
+              torch.uint8: np.dtype("u1"), torch.int16: np.dtype("<i2"), torch.int32: np.dtype("<i4"),
+              torch.int64: np.dtype("<i8")}
 MAX_RANK = 4
 
 
@@ -63,7 +64,7 @@ class RawCodec:
 
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         as_int16 = self.wire_dtype == torch.bfloat16
-        array = np.frombuffer(data, dtype=_WIRE_NUMPY[self.wire_dtype]).reshape(shape)
+        array = np.frombuffer(data, dtype=WIRE_NUMPY[self.wire_dtype]).reshape(shape)
         tensor = torch.from_numpy(array.copy())
         if as_int16:
             tensor = tensor.view(torch.bfloat16)

@@ -12,7 +12,6 @@ them); a lookup of the bytes is one dict access.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 

@@ -15,12 +15,9 @@ import numpy as np
 import torch
 
 from moeswarm.errors import ProtocolError
-from moeswarm.wire.codecs import DTYPE_NAMES, DTYPES, MAX_RANK, RawCodec, get_codec
+from moeswarm.wire.codecs import DTYPE_NAMES, DTYPES, MAX_RANK, WIRE_NUMPY, RawCodec, get_codec
 
 Descriptor = list[Any]
-_RAW_NUMPY = {torch.float32: np.dtype("<f4"), torch.float16: np.dtype("<f2"), torch.bfloat16: np.dtype("<i2"),
-              torch.uint8: np.dtype("u1"), torch.int16: np.dtype("<i2"), torch.int32: np.dtype("<i4"),
-              torch.int64: np.dtype("<i8")}  # a raw codec's wire dtype -> its little-endian numpy dtype
 MAX_TENSORS = 8  # a message carries at most 3
 _MAX_DIM = 1 << 31
 
@@ -34,7 +31,7 @@ def pack(tensors: list[tuple[str, torch.Tensor | np.ndarray, str]]) -> tuple[lis
     for name, tensor, codec_name in tensors:
         if isinstance(tensor, np.ndarray):
             descriptors.append([name, codec_name, codec_name, list(tensor.shape)])
-            buffers.append(memoryview(np.ascontiguousarray(tensor, _RAW_NUMPY[DTYPES[codec_name]])).cast("B"))
+            buffers.append(memoryview(np.ascontiguousarray(tensor, WIRE_NUMPY[DTYPES[codec_name]])).cast("B"))
             continue
         codec = get_codec(codec_name)
         descriptors.append([name, codec_name, DTYPE_NAMES[tensor.dtype], list(tensor.shape)])
@@ -63,7 +60,7 @@ def unpack(descriptors: Any, payload: memoryview | bytes, raw: str | None = None
             )
         data = payload[offset : offset + size]
         if name == raw and type(codec) is RawCodec and codec.wire_dtype != torch.bfloat16:
-            out[name] = np.frombuffer(data, dtype=_RAW_NUMPY[codec.wire_dtype]).reshape(shape)
+            out[name] = np.frombuffer(data, dtype=WIRE_NUMPY[codec.wire_dtype]).reshape(shape)
         else:
             out[name] = decode_tensor(codec, data, shape, dtype)
         offset += size
@@ -86,7 +83,7 @@ def located(descriptors: list[Descriptor]) -> dict[str, tuple[int, int, Any, tor
 
 def raw_numpy(codec) -> np.dtype:
     """The numpy dtype of a raw codec's wire bytes (little-endian; bf16 as int16)."""
-    return _RAW_NUMPY[codec.wire_dtype]
+    return WIRE_NUMPY[codec.wire_dtype]
 
 
 def decode_tensor(codec, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -94,7 +91,7 @@ def decode_tensor(codec, data: memoryview, shape: tuple[int, ...], dtype: torch.
     (a third of a one-token DISPATCH's decode): the bytes, copied once into a tensor, then cast."""
     if type(codec) is not RawCodec:
         return codec.decode(data, shape, dtype)
-    array = np.frombuffer(data, dtype=_RAW_NUMPY[codec.wire_dtype]).reshape(shape)
+    array = np.frombuffer(data, dtype=WIRE_NUMPY[codec.wire_dtype]).reshape(shape)
     tensor = torch.from_numpy(array.copy())
     if codec.wire_dtype == torch.bfloat16:  # no numpy bf16: its bytes travel as int16
         tensor = tensor.view(torch.bfloat16)
