@@ -63,12 +63,13 @@ class RawCodec:
         return memoryview(view.numpy()).cast("B")
 
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        as_int16 = self.wire_dtype == torch.bfloat16
+        """The bytes copied once into a tensor, then cast (no per-call dtype work: a one-token
+        DISPATCH's decode is a few of these)."""
         array = np.frombuffer(data, dtype=WIRE_NUMPY[self.wire_dtype]).reshape(shape)
         tensor = torch.from_numpy(array.copy())
-        if as_int16:
+        if self.wire_dtype == torch.bfloat16:  # no numpy bf16: its bytes travel as int16
             tensor = tensor.view(torch.bfloat16)
-        return tensor.to(dtype)
+        return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 CODECS: dict = {name: RawCodec(name, dtype) for name, dtype in DTYPES.items()}

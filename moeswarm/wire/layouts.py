@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from moeswarm.wire.frames import Frame
-from moeswarm.wire.tensors import decode_tensor, raw_numpy
+from moeswarm.wire.tensors import raw_numpy
 
 L = TypeVar("L")
 
@@ -35,7 +35,7 @@ class TensorAt:
     shape: tuple[int, ...]
 
     def tensor(self, payload: memoryview) -> torch.Tensor:
-        return decode_tensor(self.codec, payload[self.offset : self.offset + self.size], self.shape, self.dtype)
+        return self.codec.decode(payload[self.offset : self.offset + self.size], self.shape, self.dtype)
 
     def array(self, payload: memoryview) -> np.ndarray:
         """The raw bytes as a read-only numpy array in the codec's own dtype (integer ids)."""

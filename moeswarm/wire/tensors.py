@@ -62,7 +62,7 @@ def unpack(descriptors: Any, payload: memoryview | bytes, raw: str | None = None
         if name == raw and type(codec) is RawCodec and codec.wire_dtype != torch.bfloat16:
             out[name] = np.frombuffer(data, dtype=WIRE_NUMPY[codec.wire_dtype]).reshape(shape)
         else:
-            out[name] = decode_tensor(codec, data, shape, dtype)
+            out[name] = codec.decode(data, shape, dtype)
         offset += size
     if offset != len(payload):
         raise ProtocolError(f"payload has {len(payload) - offset} bytes beyond its tensors' sizes")
@@ -84,18 +84,6 @@ def located(descriptors: list[Descriptor]) -> dict[str, tuple[int, int, Any, tor
 def raw_numpy(codec) -> np.dtype:
     """The numpy dtype of a raw codec's wire bytes (little-endian; bf16 as int16)."""
     return WIRE_NUMPY[codec.wire_dtype]
-
-
-def decode_tensor(codec, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """codec.decode(data, shape, dtype); a raw codec's the same way without its per-call dtype lookups
-    (a third of a one-token DISPATCH's decode): the bytes, copied once into a tensor, then cast."""
-    if type(codec) is not RawCodec:
-        return codec.decode(data, shape, dtype)
-    array = np.frombuffer(data, dtype=WIRE_NUMPY[codec.wire_dtype]).reshape(shape)
-    tensor = torch.from_numpy(array.copy())
-    if codec.wire_dtype == torch.bfloat16:  # no numpy bf16: its bytes travel as int16
-        tensor = tensor.view(torch.bfloat16)
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _check_descriptor(index: int, desc: Any, seen: set[str]):

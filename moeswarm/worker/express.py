@@ -34,7 +34,7 @@ from msgpack import packb
 
 from moeswarm.weights import qkernels
 from moeswarm.wire.config import CombineMode
-from moeswarm.wire.frames import HEADER, HEADER_SIZE, MAGIC, VERSION, Frame, Opcode, pack_meta
+from moeswarm.wire.frames import HEADER_SIZE, Frame, Opcode, pack_meta
 from moeswarm.wire.layouts import KnownLayouts
 from moeswarm.wire.messages import Dispatch, Result
 from moeswarm.wire.tensors import located
@@ -146,8 +146,7 @@ class Express:
                 return memoryview(b"".join(result.to_frame(request_id, cpu_s).encode()))
             meta = lane.prefix + (packb(int(cpu_s * 1e6)) if lane.timed else b"")  # Result.to_frame's bytes
             rows = memoryview(out.numpy()).cast("B")
-            return memoryview(b"".join((HEADER.pack(MAGIC, VERSION, Opcode.RESULT, 0, request_id, len(meta), rows.nbytes),
-                                        meta, rows)))
+            return memoryview(b"".join(Frame(Opcode.RESULT, request_id, {}, (rows,), meta).encode()))
         reply = bytearray(lane.reply_bytes)
         size = qkernels.express_answer(lane.whole[0], lane.mode == CombineMode.EXACT, body, reply, request_id,
                                        torch.get_num_threads())
