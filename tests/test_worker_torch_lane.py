@@ -14,7 +14,7 @@ import torch
 
 from moeswarm.model.loading import load_experts
 from moeswarm.wire.config import CombineMode
-from moeswarm.wire.frames import Opcode, pack_meta
+from moeswarm.wire.frames import HEADER_SIZE, Opcode, pack_meta, parse_header
 from moeswarm.wire.messages import Dispatch, ErrorReply, Result
 from moeswarm.wire.stream import decode_frame
 from moeswarm.worker.compute import Computation
@@ -134,3 +134,44 @@ def test_eager_experts_that_skip_their_sentinel_give_the_pairs_bits(tiny_models,
             with torch.inference_mode():
                 rows, _, _, token_ids = _pairs(store._runs[0], hidden, index.numpy().astype(np.int64), weights)
                 assert torch.equal(store.run(request).outputs, _by_token(rows, token_ids, hidden.shape[0]))
+
+
+@pytest.mark.parametrize("family, one_call", [("qwen2_moe", True), ("mixtral", True), ("gpt_oss", False)])
+def test_a_one_call_answer_is_the_full_paths_frame_and_refuses_what_it_refuses(tiny_models, family, one_call):
+    """Where the store's experts sum a partial DISPATCH themselves, a known one's whole answer is one
+    module call on the payload (`Express._sums_now`, its input tensors reused): per held set (every
+    expert; experts 3-6, other holders' slots in the ids), token count and timing, its frame is the
+    full path's for the store's answer (timed: but for the CPU time's value), call after call. Ids
+    the store refuses (an expert held elsewhere, one out of range) are declined (the full path names
+    them); gpt-oss's experts (probed unfit) have no one-call answer."""
+    model = tiny_models(family)
+    for held in (list(range(EXPERTS)), [3, 4, 5, 6]):
+        store = store_of(model, held)
+        computation = Computation(store, WorkerLimits())
+        for tokens, timed in ((1, False), (1, True), (3, True)):
+            for seed in range(4):
+                hidden, index, weights = routing(store, tokens, held, seed)
+                request = Dispatch(1, hidden, index, weights, CombineMode.PARTIAL, timed=timed)
+                header, body = _parsed(received(request, 40 + seed))
+                if seed == 0:
+                    computation.one(decode_frame(header, body))  # the full path: the lane is learned
+                lane = computation.express.whole_lane(body, header.meta_len)
+                assert (lane.sums is not None) == one_call
+                if not one_call:
+                    continue
+                reply = computation.express._sums_now(lane, body, 40 + seed)
+                full = store.run(request).to_frame(40 + seed, 0.0 if timed else None)
+                got = decode_frame(parse_header(bytes(reply[:HEADER_SIZE])), bytes(reply[HEADER_SIZE:]))
+                assert got.payload == b"".join(bytes(part) for part in full.parts)
+                if timed:
+                    assert list(got.meta) == list(full.meta) and 0 <= got.meta["cpu_us"] < 10**7
+                    full.meta["cpu_us"] = got.meta["cpu_us"]
+                assert got.meta_bytes == pack_meta(full.meta) and got.request_id == 40 + seed
+            if one_call:
+                for bad in (1, 200) if held[0] else (200,):
+                    ids = index.clone()
+                    ids[0, 0] = bad
+                    header, body = _parsed(received(Dispatch(1, hidden, ids, weights, CombineMode.PARTIAL, timed=timed)))
+                    lane = computation.express.whole_lane(body, header.meta_len)
+                    assert lane is not None and computation.express._sums_now(lane, body, 1) is None
+

@@ -42,6 +42,16 @@ class _Run:
     sums_itself: bool = False  # the module takes -1 as "no expert" (`_sums_itself`)
 
 
+@dataclass(frozen=True)
+class SelfSumming:
+    """A layer whose experts here are one module that sums a partial DISPATCH itself (`run`'s
+    one-call case), and the table a u8 wire id maps through to the id that module takes."""
+
+    module: torch.nn.Module
+    u8_ids: np.ndarray  # [256] int64: the module's id for each u8 wire id; `other` for 255 (another holder's slot), -2 not held here
+    other: int  # the id the module takes as "no expert of mine": -1, or its sentinel
+
+
 class ExpertStore:
     def __init__(self, hosted: dict[LayerId, HostedLayer], num_experts: int, hidden_size: int):
         if not hosted:
@@ -82,6 +92,24 @@ class ExpertStore:
             return None
         plan = getattr(layer_runs[0].module, "_plan", None)
         return None if plan is None else (plan, layer_runs[0].experts.start)
+
+    def self_summing(self, layer: int) -> SelfSumming | None:
+        """How `run` answers a partial DISPATCH of `layer` in one module call, where it does (one run of
+        experts that sums itself, or takes a sentinel), for a caller that reads u8 ids off the wire
+        itself (worker/express.py): the ids it maps through the table are those `_check` accepts
+        when no value is -2 and not every value is `other`."""
+        layer_runs = self._runs.get(layer)
+        if layer_runs is None or len(layer_runs) != 1:
+            return None
+        only = layer_runs[0]
+        if not only.sums_itself and only.sentinel is None:
+            return None
+        other = -1 if only.sums_itself else only.sentinel
+        wire = np.arange(256, dtype=np.int64)  # [256]: u8 wire id -> expert id (255: -1)
+        wire[255] = -1
+        table = self._locals[layer].take(wire + 2, mode="clip")  # [256]: the run's id, -1, or -2
+        table[table == -1] = other
+        return SelfSumming(only.module, table, other)
 
     def ids_table(self, layer: int) -> np.ndarray:
         """[E + 3] int64: at position id + 2 (clipped), the id within its run where held here, -1 for
