@@ -110,21 +110,27 @@ class Requests:
         bytes passed every check before (the first frame with them went the full path), so the
         frame's size fits its limits and its RESULT (the size of its rows) the connection's bound.
         False: it goes the usual way."""
+        header = incoming.header
+        return self.answered_whole(session, header.request_id, header.meta_len, incoming.body)
+
+    def answered_whole(self, session: Session, request_id: int, meta_len: int, body: bytes) -> bool:
+        """`answered_now` of the DISPATCH with this request id and body (its metadata the first
+        `meta_len` bytes), its header not made into an object (the transport's callback: every
+        small step counts there)."""
         if not session.greeted or not session.can_write_now():
             return False
-        header, express = incoming.header, self.computation.express
-        lane = express.whole_lane(incoming.body, header.meta_len)
+        express = self.computation.express
+        lane = express.whole_lane(body, meta_len)
         if lane is None or lane.tokens > self.inline_tokens:
             return False
-        ran, reply = self.runner.run_now(session, lambda: express.answer_now(lane, incoming.body, header.request_id),
-                                         lane.tokens)
+        ran, reply = self.runner.run_now(session, lambda: express.answer_now(lane, body, request_id), lane.tokens)
         if not ran or reply is None:
             return False
         session.slot.last_active = time.monotonic()
         if not session.write_buffers_now([reply], 0):  # a reply got ahead of it meanwhile: in turn
             meta_len = int.from_bytes(reply[16:20], "little")
             payload = reply[HEADER_SIZE + meta_len :]
-            self._reply_in_turn(session, Frame(Opcode.RESULT, header.request_id, {}, (payload,),
+            self._reply_in_turn(session, Frame(Opcode.RESULT, request_id, {}, (payload,),
                                                bytes(reply[HEADER_SIZE : HEADER_SIZE + meta_len])))
         return True
 

@@ -43,15 +43,15 @@ import socket
 import time
 from typing import TYPE_CHECKING
 
-from moeswarm.errors import ProtocolError, printable
+from moeswarm.errors import printable
 from moeswarm.weights import qkernels
 from moeswarm.wire.codecs import CODECS
-from moeswarm.wire.frames import HEADER_SIZE, Opcode, parse_header
+from moeswarm.wire.frames import HEADER, HEADER_SIZE, MAGIC, VERSION, Opcode
 from moeswarm.wire.messages import ErrorReply, WorkerInfo
 from moeswarm.worker.admission import (ConnectionTable, CountedLog, Slot, StreamProtocol, handshake, loop_errors,
                                        peer_host)
 from moeswarm.worker.compute import Computation
-from moeswarm.worker.framing import FrameFault, Idle, IdleWatch, Incoming, buffered, read_frame
+from moeswarm.worker.framing import FrameFault, Idle, IdleWatch, buffered, read_frame
 from moeswarm.worker.limits import ByteBudget, WorkerLimits
 from moeswarm.worker.memory import release_freed_memory
 from moeswarm.worker.replies import AwaitRoom, watch_replies
@@ -248,13 +248,11 @@ class WorkerServer:
         its steps. False: the reader gets the chunk as usual (and every check of its own)."""
         if self._closing or not watch.waiting or buffered(reader) or len(data) < HEADER_SIZE:
             return False
-        try:
-            header = parse_header(data[:HEADER_SIZE])
-        except ProtocolError:
-            return False
-        if header.opcode != Opcode.DISPATCH or HEADER_SIZE + header.body_len != len(data):
-            return False
-        if not self.requests.answered_now(session, Incoming(header, data[HEADER_SIZE:], 0)):
+        magic, version, opcode, _, request_id, meta_len, payload_len = HEADER.unpack_from(data)
+        if magic != MAGIC or version != VERSION or opcode != Opcode.DISPATCH \
+                or HEADER_SIZE + meta_len + payload_len != len(data):
+            return False  # the reader's own checks name anything wrong
+        if not self.requests.answered_whole(session, request_id, meta_len, data[HEADER_SIZE:]):
             return False
         watch.renew(self.limits.idle_timeout_s)
         return True
