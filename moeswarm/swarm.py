@@ -81,7 +81,7 @@ class Swarm:
 
     @property
     def waiting(self) -> str:
-        """How decode layer calls wait for their replies here, as learned (dispatch/wait.py): "spin" or "sleep"."""
+        """How decode layer calls wait for their replies here, as learned (dispatch/wait.py): "sleep", "doze" or "spin"."""
         return self._dispatcher.wait.chosen
 
     def configure(self, wire: WireConfig) -> None:

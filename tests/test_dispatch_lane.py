@@ -23,7 +23,7 @@ from moeswarm.dispatch.errors import ExpertsUnavailable
 from moeswarm.dispatch.express import ExpressCall
 from moeswarm.dispatch.flight import Flight
 from moeswarm.dispatch.lane import LaneCall
-from moeswarm.dispatch.wait import SPIN_S
+from moeswarm.dispatch.wait import DOZE, SPIN_S
 from moeswarm.transport import token_call
 from moeswarm.wire.config import WireConfig
 from moeswarm.wire.messages import Dispatch
@@ -91,6 +91,43 @@ def test_a_lane_call_that_spins_for_its_replies_takes_them_with_the_same_bits(la
             assert isinstance(handle.flight, LaneCall)
             assert torch.equal(dispatcher.combine(handle), reference(hidden, index, weights))
         assert (dispatcher.lane.calls, dispatcher.lane.demotions) == (4, 0)
+    finally:
+        dispatcher.close()
+        for worker in workers:
+            worker.close()
+
+
+@pytest.mark.parametrize("late_s", [0.0, 0.004, 0.012, 0.03])  # in the doze (7 ms), the spin after it, poll after that
+def test_a_lane_call_that_dozes_for_its_replies_is_woken_by_them_with_the_same_bits(late_s):
+    """A call in the wait policy's dozing mode sleeps through 70 % of its holder's median round trip
+    (10 ms here), woken by a reply that comes meanwhile, then spins, then sleeps in poll: it takes
+    each with eager's bits. A holder measured at 5 s a trip: a reply that comes at once ends the
+    doze (3.5 s) at once."""
+    def late_reply(worker, conn, frame):
+        time.sleep(late_s)
+        send_frame(conn, answer(Dispatch.from_frame(frame)).to_frame(frame.request_id))
+
+    workers = [FakeWorker(LOW, late_reply), FakeWorker(HIGH, late_reply)]
+    dispatcher = planned(tcp_dispatcher(workers), 0)
+    dispatcher.wait.observe = lambda now: None
+    dispatcher.wait.mode = DOZE
+    try:
+        for trip_s in (0.01, 5.0):
+            for holder in dispatcher.pool.holders:
+                for _ in range(200):
+                    holder.round_trips.record(trip_s, 1)
+                assert holder.round_trips.quantile(0.5, 1) == trip_s
+            for seed in range(3):
+                hidden, index, weights = _routing(1, seed)
+                started = time.perf_counter()
+                handle = dispatcher.dispatch(0, hidden, index, weights)
+                assert isinstance(handle.flight, LaneCall)
+                assert torch.equal(dispatcher.combine(handle), reference(hidden, index, weights))
+                if trip_s == 5.0:
+                    assert time.perf_counter() - started < 2.0  # woken by the reply, not by the doze's end
+            if late_s:
+                break  # a 5 s median makes every later reply a timeout's business
+        assert dispatcher.lane.demotions == 0
     finally:
         dispatcher.close()
         for worker in workers:

@@ -230,7 +230,7 @@ class Dispatcher:
         flight = handle.flight
         try:
             if isinstance(flight, LaneCall):
-                got = self.lane.gather(self.verification.gate, flight, self.wait.spin_s())
+                got = self.lane.gather(self.verification.gate, flight, self.wait.spin_s(), self.wait.dozes)
                 if isinstance(got, LaneAnswer):
                     return self._lane_answer(handle, got)
                 flight = got  # the express call goes on (None: made again as a flight)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeswarm.dispatch import express
+from moeswarm.dispatch import express, wait
 from moeswarm.dispatch.flight import share_request
 from moeswarm.dispatch.plan import WorkerShare
 from moeswarm.dispatch.plausible import NormGate
@@ -184,11 +184,13 @@ class Lane:
             call.bytes_out += len(frame)
         return call
 
-    def gather(self, gate: NormGate, call: LaneCall, spin_s: float = 0.0) -> LaneAnswer | express.ExpressCall | None:
+    def gather(self, gate: NormGate, call: LaneCall, spin_s: float = 0.0,
+               doze: bool = False) -> LaneAnswer | express.ExpressCall | None:
         """The call's answer; or the express call to go on with (every reply not used here is kept
         on its link); or None where it must be made again as a flight (nothing left in flight; a
         holder that failed taken down). `spin_s`: how long each reply is spun for before the wait
-        sleeps (dispatch/wait.py).
+        sleeps; `doze`: the first reply is slept for first, through most of its holder's median
+        round trip (dispatch/wait.py).
 
         What can be made before the replies is (the output, the metadata to expect, the learned
         bound): the holders compute meanwhile. After them, only what the answer needs: the
@@ -202,12 +204,14 @@ class Lane:
         out_at, info, info_at, top, top_at = out.data_ptr(), self._info, self._info_at, self._top, self._top_at
         bound = gate.learned(layer)  # under it an answer is plausible (None: the full judgement)
         links, taken, answered, peaks, bytes_in = pool.links, [], [], [], 0
+        doze_for = _doze(pool, call.shares[0]) if doze else 0.0
         for share, meta in zip(call.shares, metas):
             link = links[share.worker]
             buffer, address = self._buffer(share.worker, link, k, d)
             got = self._take(share.fd, share.pending.request_id, address, len(buffer), meta, len(meta), timed,
                              1 if share.first else len(share.experts), d, share.first, out_at, share.deadline,
-                             info_at, top_at, spin_s)
+                             info_at, top_at, doze_for, spin_s)
+            doze_for = 0.0  # the others' replies come about when the first's does
             if got >= 0:
                 answered.append((share.worker, time.perf_counter() - share.pending.sent_at, got * 1e-6 if timed else None))
                 peaks.append(top[0])
@@ -296,6 +300,13 @@ class Lane:
             buffer = bytearray(need)
             kept = self._buffers[worker] = (link, buffer, token_call.address(buffer))
         return kept[1], kept[2]
+
+
+def _doze(pool: HolderPool, share: LaneShare) -> float:
+    """How long a dozing call sleeps for `share`'s reply now (dispatch/wait.py `doze_s`)."""
+    trips = pool.holders[share.worker].round_trips
+    median = trips.quantile(0.5, 1) if len(trips) >= pool.policy.min_samples else None
+    return wait.doze_s(median, time.perf_counter() - share.pending.sent_at)
 
 
 def _template(layer: LayerId, first: bool, size: int, timed: bool, d: int, k: int) -> Template | None:

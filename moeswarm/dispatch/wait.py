@@ -9,6 +9,12 @@ of 2 threads, 32-token decodes, by part):
 - two workers of 2 threads each on the same cores: spinning took a core from them, layer calls
   47 ms a step against 36.
 
+A third mode sits between them: dozing, asleep through most of a reply's expected wait (its
+holder's median round trip) and spinning for the rest, so that the core is awake when the reply
+comes and is left to the holders meanwhile. Measured on a 2-core AMX Xeon VM (the same file and
+worker, 40-token decodes, 2 runs each): asleep 85-99 ms a step (50-59 ms of the backbone's CPU),
+spinning 87-93 ms (104-112 ms CPU), dozing 77-96 ms (57-74 ms CPU).
+
 Which holds depends on where the holders run and what else the cores do, which a backbone cannot
 see; so it measures. Decode layer calls come one after another, and the time from one call's send
 to the next one's (the wait, then the backbone's own work up to the next layer) is what the wait
@@ -16,7 +22,8 @@ changes. The cost of a halted core lasts longer than one call (taking turns call
 modes measured the same on that VM), so `WaitPolicy` makes a trial of blocks of BLOCK calls, the
 modes in turn (a machine whose speed drifts meanwhile weighs on both alike), TRIAL calls of each,
 leaving out each block's first SETTLE intervals (still the other mode's). It keeps the mode whose
-median interval is lower (asleep on a tie: it costs no CPU), and tries again every RETRY calls.
+median interval is lowest, a mode that costs more CPU only where it is faster by more than TIE
+(asleep, dozing, spinning: in that order), and tries again every RETRY calls.
 Plain data: the dispatcher feeds it the clock (`observe`) and asks how long to spin (`spin_s`).
 """
 
@@ -25,14 +32,26 @@ from __future__ import annotations
 import statistics
 
 SPIN_S = 0.01  # the longest a lane call spins for its replies before it sleeps in poll
-TRIAL = 64  # calls per mode in a trial (8 decode steps of a 16-layer model in all)
+TRIAL = 64  # calls per mode in a trial (12 decode steps of a 16-layer model in all)
 BLOCK = 16  # a trial's calls in a row in one mode
 SETTLE = 2  # intervals at a block's start left out
 RETRY = 4096  # calls between trials
 LONGEST_S = 0.25  # an interval longer than this is a pause between steps, not a step's layer cycle
-TIE = 0.98  # spinning must be at least 2 % faster to be kept
+TIE = 0.98  # a mode that costs more CPU must be at least 2 % faster to be kept
 
-SLEEP, SPIN = "sleep", "spin"
+DOZE_SHARE = 0.7  # a dozing call sleeps through this share of its holder's median round trip,
+DOZE_MARGIN_S = 150e-6  # and wakes at least this long before that median
+
+SLEEP, DOZE, SPIN = "sleep", "doze", "spin"
+MODES = (SLEEP, DOZE, SPIN)  # the least CPU first
+
+
+def doze_s(median_s: float | None, elapsed_s: float) -> float:
+    """How long a dozing call sleeps for its reply, `elapsed_s` after its send, where its holder's
+    median round trip is `median_s` (None: not measured yet, it spins at once)."""
+    if median_s is None:
+        return 0.0
+    return max(0.0, min(DOZE_SHARE * median_s, median_s - DOZE_MARGIN_S) - elapsed_s)
 
 
 class WaitPolicy:
@@ -42,14 +61,19 @@ class WaitPolicy:
         self.mode = SLEEP  # the mode of the call now being made
         self.chosen = SLEEP  # the mode the last trial kept
         self.trials = 0  # trials completed
-        self._intervals: dict[str, list[float]] = {SLEEP: [], SPIN: []}
+        self._intervals: dict[str, list[float]] = {mode: [] for mode in MODES}
         self._last: float | None = None  # the previous call's send (time.perf_counter())
         self._trial = 0  # calls made in the trial under way; None: settled on `chosen`
         self._settled = 0  # calls made since the last trial ended
 
     def spin_s(self) -> float:
-        """How long the current call spins for its replies before it sleeps."""
-        return SPIN_S if self.mode == SPIN else 0.0
+        """How long the current call spins for its replies before it sleeps (dozing: after its doze)."""
+        return 0.0 if self.mode == SLEEP else SPIN_S
+
+    @property
+    def dozes(self) -> bool:
+        """Whether the current call sleeps through most of its reply's expected wait first (`doze_s`)."""
+        return self.mode == DOZE
 
     def observe(self, now: float) -> None:
         """A decode layer call is sent at `now`: the interval since the last one is the last call's
@@ -62,16 +86,20 @@ class WaitPolicy:
             self._settled += 1
             if self._settled < RETRY:
                 return
-            self._trial, self._intervals = 0, {SLEEP: [], SPIN: []}  # the machine may have changed
-        if self._trial == 2 * TRIAL:
+            self._trial, self._intervals = 0, {mode: [] for mode in MODES}  # the machine may have changed
+        if self._trial == len(MODES) * TRIAL:
             self._settle()
             return
-        self.mode = SPIN if self._trial // BLOCK % 2 else SLEEP
+        self.mode = MODES[self._trial // BLOCK % len(MODES)]
         self._trial += 1
 
     def _settle(self) -> None:
-        asleep, spinning = self._intervals[SLEEP], self._intervals[SPIN]
-        if asleep and spinning:
-            self.chosen = SPIN if statistics.median(spinning) < TIE * statistics.median(asleep) else SLEEP
+        medians = {mode: statistics.median(seen) for mode, seen in self._intervals.items() if seen}
+        if len(medians) == len(MODES):
+            best = SLEEP
+            for mode in MODES[1:]:  # costlier in CPU each: kept where faster by more than TIE
+                if medians[mode] < TIE * medians[best]:
+                    best = mode
+            self.chosen = best
         self.trials += 1
         self.mode, self._trial, self._settled = self.chosen, None, 0

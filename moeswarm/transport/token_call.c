@@ -15,6 +15,7 @@
  * Legend: d = hidden size, k = router top-k, E = routed experts, n = rows of a RESULT.
  */
 
+#define _GNU_SOURCE /* ppoll */
 #include <errno.h>
 #include <math.h>
 #include <poll.h>
@@ -79,6 +80,15 @@ static void spin_ready(int fd, double spin) {
         if (poll(&p, 1, 0) != 0) return;  /* ready, or an error the read reports */
         for (int i = 0; i < 64; i++) relax();
     } while (now_s() < until);
+}
+
+/* Sleep up to `doze` seconds for fd to have bytes to read (woken by them), at the timer's own
+ * resolution rather than poll's milliseconds: a backbone sleeps through most of a reply's expected
+ * wait and spins for the rest (dispatch/wait.py's DOZE), awake when it comes. */
+static void doze_ready(int fd, double doze) {
+    struct pollfd p = {fd, POLLIN, 0};
+    struct timespec t = {(time_t)doze, (long)((doze - (double)(time_t)doze) * 1e9)};
+    ppoll(&p, 1, &t, NULL);  /* ready, an error the read reports, EINTR or the time up: go on */
 }
 
 /* Exactly `size` bytes into `to` from non-blocking fd before `deadline`. */
@@ -177,12 +187,14 @@ static int timed_meta(const uint8_t *got, int64_t got_len, const uint8_t *want, 
  *   first            1: out = y + 0.0 (the token's lowest experts' sum, one row); 0: each row added
  *                    to out in order (IEEE single adds, as dispatch/combine.py makes them)
  * info [3] gets the frame's opcode, meta_len and body length (once its header is read), top the
- * largest |value| of its rows (the plausibility gate's measure: dispatch/plausible.py). `spin`:
- * seconds to spin for the reply before sleeping in poll (0: none). Returns the RESULT's cpu_us (0
+ * largest |value| of its rows (the plausibility gate's measure: dispatch/plausible.py). `doze`:
+ * seconds to sleep for the reply first (0: none), woken by it; `spin`: seconds to spin for it next,
+ * before sleeping in poll (0: none). Returns the RESULT's cpu_us (0
  * when not timed), or an outcome below zero; out is changed only on success. */
 int64_t tc_take(int fd, uint64_t rid, uint8_t *buf, int64_t cap, const uint8_t *meta, int64_t meta_len, int timed,
                 int64_t rows, int64_t d, int first, float *out, double deadline, int64_t *info, double *top,
-                double spin) {
+                double doze, double spin) {
+    if (doze > 0) doze_ready(fd, doze);
     if (spin > 0) spin_ready(fd, spin);
     int failed = read_exactly(fd, buf, HEADER_SIZE, deadline);
     if (failed) return failed;

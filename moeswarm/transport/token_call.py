@@ -37,7 +37,7 @@ def _library() -> ctypes.CDLL | None:
                             _I64, _I64, _I64, _PTR, _DOUBLE]
     lib.tc_send.restype = _INT
     lib.tc_take.argtypes = [_INT, ctypes.c_uint64, _PTR, _I64, _PTR, _I64, _INT, _I64, _I64, _INT, _PTR, _DOUBLE,
-                            _PTR, _PTR, _DOUBLE]
+                            _PTR, _PTR, _DOUBLE, _DOUBLE]
     lib.tc_take.restype = _I64
     return lib
 
@@ -53,11 +53,12 @@ def functions() -> tuple:
             deadline): the template at `frame` [length] sent with `request_id`, x [d] float32, ids [k]
             int64 (holder `me`'s by owner [E] int64, the others -1) and w [k] float32 written at the
             template's offsets; 0, or an outcome below zero.
-    tc_take(fd, request_id, buf, cap, meta, meta_len, timed, rows, d, first, out, deadline, info, top, spin):
+    tc_take(fd, request_id, buf, cap, meta, meta_len, timed, rows, d, first, out, deadline, info, top, doze, spin):
             the RESULT into buf [cap], checked against `meta` (timed: plus a last "cpu_us"), its
             rows x d float32 added into out [d] (first: out = y + 0.0); info [3] int64 gets the
-            frame's opcode, meta_len and body length, top [1] float64 its largest |value|; it spins
-            up to `spin` seconds for the reply before it sleeps in poll (dispatch/wait.py). The
+            frame's opcode, meta_len and body length, top [1] float64 its largest |value|; it sleeps
+            up to `doze` seconds for the reply (woken by it), then spins up to `spin` seconds before
+            it sleeps in poll (dispatch/wait.py). The
             RESULT's cpu_us (0 untimed), or an outcome below zero.
     deadline: time.monotonic() seconds."""
     lib = _library()
