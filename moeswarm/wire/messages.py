@@ -26,8 +26,8 @@ PROTOCOL_VERSION = VERSION
 MAX_LAYERS = 1 << 12  # far above any model's MoE layers: a bound on what a HELLO may list
 MAX_EXPERTS = 1 << 16
 MAX_CPU_US = 1 << 40  # a RESULT's `cpu_us`: any real call is far below
-_U8_IDS = np.arange(256, dtype=np.int64)  # a u8 expert id on the wire -> its id (255: -1, another worker's)
-_U8_IDS[255] = -1
+U8_IDS = np.arange(256, dtype=np.int64)  # a u8 expert id on the wire -> its id (255: -1, another worker's)
+U8_IDS[255] = -1
 
 
 def field(meta: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -177,7 +177,7 @@ class Dispatch:
             _DISPATCHES.remember(frame, layout)
             return request
         ids = layout.ids.array(payload)  # [T, k] in the wire's integer dtype
-        index = torch.from_numpy(_U8_IDS.take(ids) if layout.u8 else ids.astype(np.int64))
+        index = torch.from_numpy(U8_IDS.take(ids) if layout.u8 else ids.astype(np.int64))
         return cls(layout.layer, layout.x.tensor(payload), index, layout.w.tensor(payload), layout.mode,
                    layout.wire_dispatch, layout.wire_combine, layout.timed)
 
@@ -206,7 +206,7 @@ class Dispatch:
             raise ProtocolError(f"expert ids must be integers in their own codec (u8, i16, i32 or i64), "
                                 f"got dtype {dtype_of['ids']!r} in codec {codec_of['ids']!r}")
         # [T, k] int64, a new array: the bookkeeping runs in numpy (a few us where torch's takes ~10)
-        ids = _U8_IDS.take(index) if codec_of["ids"] == "u8" else index.astype(np.int64)
+        ids = U8_IDS.take(index) if codec_of["ids"] == "u8" else index.astype(np.int64)
         index = torch.from_numpy(ids)
         wire_dispatch = codec_of["x"]
         for name in ("x", "w"):

@@ -171,9 +171,7 @@ class Express:
             out = result.outputs  # partial: [T, d]
             if lane.prefix is None or out.dtype != torch.float32 or not out.is_contiguous():
                 return memoryview(b"".join(result.to_frame(request_id, cpu_s).encode()))
-            meta = lane.prefix + (packb(int(cpu_s * 1e6)) if lane.timed else b"")  # Result.to_frame's bytes
-            rows = memoryview(out.numpy()).cast("B")
-            return memoryview(b"".join(Frame(Opcode.RESULT, request_id, {}, (rows,), meta).encode()))
+            return _partial_frame(lane, request_id, out.numpy(), cpu_s)
         reply = bytearray(lane.reply_bytes)
         size = qkernels.express_answer(lane.whole[0], lane.mode == CombineMode.EXACT, body, reply, request_id,
                                        torch.get_num_threads())
@@ -207,12 +205,10 @@ class Express:
             return None
         if out.dtype != torch.float32 or not out.is_contiguous():
             return None
-        meta = lane.prefix + (packb(int((time.thread_time() - started) * 1e6)) if lane.timed else b"")
-        rows = out.numpy()
+        cpu_s = time.thread_time() - started if lane.timed else None
         self.answered += 1
         self.whole += 1
-        header = HEADER.pack(MAGIC, VERSION, Opcode.RESULT, 0, request_id, len(meta), rows.nbytes)
-        return memoryview(b"".join((header, meta, rows)))
+        return _partial_frame(lane, request_id, out.numpy(), cpu_s)
 
     def learn(self, frame: Frame, request: Dispatch, reply: Frame) -> None:
         """Remember how `frame`'s metadata is answered, where this lane can answer it: `request` is its
@@ -297,6 +293,14 @@ def _torch_lane(store, frame: Frame, request: Dispatch, reply: Frame, at: dict) 
                    memoryview(weights.numpy()).cast("B"), slice(x_at, x_at + x_size), slice(w_at, w_at + w_size),
                    at["ids"][0])
     return TorchLane(tokens, payload_bytes, request.timed, prefix, sums)
+
+
+def _partial_frame(lane: TorchLane, request_id: int, rows: np.ndarray, cpu_s: float | None) -> memoryview:
+    """The whole partial RESULT frame of a TorchLane's answer, rows [T, d] float32: its metadata
+    as Result.to_frame packs it (`lane.prefix`, then cpu_us's value where timed), then the rows."""
+    meta = lane.prefix + (packb(int(cpu_s * 1e6)) if lane.timed else b"")
+    header = HEADER.pack(MAGIC, VERSION, Opcode.RESULT, 0, request_id, len(meta), rows.nbytes)
+    return memoryview(b"".join((header, meta, rows)))
 
 
 def _partial_prefix(meta: dict, timed: bool) -> bytes | None:

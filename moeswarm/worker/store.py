@@ -25,7 +25,7 @@ from moeswarm.errors import ProtocolError
 from moeswarm.ids import LayerId, format_ids, runs
 from moeswarm.model.hosted import HostedLayer
 from moeswarm.wire.config import CombineMode
-from moeswarm.wire.messages import Dispatch, Result
+from moeswarm.wire.messages import U8_IDS, Dispatch, Result
 
 
 _NUMPY_ADD_ROWS = 64  # up to this many routed pairs, a PARTIAL answer's adds go in numpy (_by_token)
@@ -105,9 +105,7 @@ class ExpertStore:
         if not only.sums_itself and only.sentinel is None:
             return None
         other = -1 if only.sums_itself else only.sentinel
-        wire = np.arange(256, dtype=np.int64)  # [256]: u8 wire id -> expert id (255: -1)
-        wire[255] = -1
-        table = self._locals[layer].take(wire + 2, mode="clip")  # [256]: the run's id, -1, or -2
+        table = self._locals[layer].take(U8_IDS + 2, mode="clip")  # [256]: the run's id, -1, or -2
         table[table == -1] = other
         return SelfSumming(only.module, table, other)
 
