@@ -26,6 +26,7 @@ from moeswarm.generation.check import LocalCheck
 from moeswarm.generation.draft_names import DEFAULT_DRAFT, check_draft_flags
 from moeswarm.generation.drafters import Drafter
 from moeswarm.generation.sequence_cache import cache_bytes
+from moeswarm.generation.trace import LayerTrace, first_difference
 from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.job import Failed, Job
 from moeswarm.serve.admission import Admission
@@ -79,6 +80,8 @@ class Engine:
         self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
         # --check-local: every step's logits against the reference's (bit for bit; a lossy wire: the gate's thresholds)
         self.check = LocalCheck(swarm.wire.exact) if reference is not None else None
+        # where an exact check's first mismatch begins (generation/trace.py): both models' layers fingerprinted
+        self.traces = (LayerTrace(swarm.model), LayerTrace(reference)) if self.check and self.check.exact else None
         self.checked_rows = self.mismatched_rows = 0
         self.steps = 0
         self.groups_in_flight = 0  # groups of the last step
@@ -111,6 +114,8 @@ class Engine:
         for runner in (self.runner, self.reference_runner):
             if runner is not None:
                 runner.close()
+        for trace in self.traces or ():
+            trace.remove()
 
     def submit(self, job: Job, tally: Tally | None = None) -> None:
         """Queue `job`; its figures go to `tally` as it runs."""
@@ -225,6 +230,8 @@ class Engine:
         seen = self.swarm.layer_calls_accounted() if self.config.keep_accounting else 0
         points = [(s, s.checkpoint()) for s, _, _ in work] if self.swarm.remote else []  # only remote holders are banned
         first_call = self.swarm.layer_call_number() + 1
+        for trace in self.traces or ():
+            trace.begin()
         forward = time.perf_counter()
         self.swarm.set_decoding(not any(s.prefill_left for s, _, _ in work))  # the accounting counts decode by step
         try:
@@ -246,7 +253,7 @@ class Engine:
         self.groups_in_flight = len(groups)
         if self.reference_runner is not None:
             expected = self.reference_runner.run([(s.reference, feed, keep) for s, feed, keep in work], groups)
-            self._compare(work, outputs, expected)
+            self._compare(work, outputs, expected, located=len(groups) == 1)
         failed_worker, generated, drafted, accepted = False, 0, 0, 0
         for (sequence, _, _), logits in zip(work, outputs):
             if isinstance(logits, BaseException):
@@ -337,7 +344,10 @@ class Engine:
         else:
             sequence.job.emit(Failed(f"internal error: {one_line(error)}", 500, error))
 
-    def _compare(self, work: list, outputs: list, expected: list) -> None:
+    def _compare(self, work: list, outputs: list, expected: list, located: bool) -> None:
+        """Each sequence's logits against the reference's; located: the step ran as one group, so
+        the models' layer traces line up (generation/trace.py)."""
+        unmatched = self.check.first_mismatch is None
         for (sequence, _, _), got, want in zip(work, outputs, expected):
             if isinstance(got, BaseException) or isinstance(want, BaseException):
                 continue
@@ -351,6 +361,10 @@ class Engine:
             self.mismatched_rows += differing
             self.metrics.checked_logits.inc(rows)
             self.metrics.mismatched_logits.inc(differing)
+        if unmatched and self.check.first_mismatch is not None and located and self.traces:
+            where = first_difference(*self.traces)
+            if where is not None:
+                self.check.first_mismatch += f" (first at {where})"
 
 
 def _is_rows(feed: list[int] | list[list[int]]) -> bool:
