@@ -114,8 +114,12 @@ class Engine:
         for runner in (self.runner, self.reference_runner):
             if runner is not None:
                 runner.close()
+        self._stop_tracing()
+
+    def _stop_tracing(self) -> None:
         for trace in self.traces or ():
             trace.remove()
+        self.traces = None
 
     def submit(self, job: Job, tally: Tally | None = None) -> None:
         """Queue `job`; its figures go to `tally` as it runs."""
@@ -361,10 +365,11 @@ class Engine:
             self.mismatched_rows += differing
             self.metrics.checked_logits.inc(rows)
             self.metrics.mismatched_logits.inc(differing)
-        if unmatched and self.check.first_mismatch is not None and located and self.traces:
-            where = first_difference(*self.traces)
+        if unmatched and self.check.first_mismatch is not None and self.traces:
+            where = first_difference(*self.traces) if located else None
             if where is not None:
                 self.check.first_mismatch += f" (first at {where})"
+            self._stop_tracing()  # only the first mismatch is located: no more fingerprints
 
 
 def _is_rows(feed: list[int] | list[list[int]]) -> bool:
