@@ -1,8 +1,10 @@
-"""A GGUF backbone's RMSNorms and rotary embeddings in one C call each (weights/row_ops.py).
+"""A GGUF backbone's RMSNorms, rotary embeddings and rotary tables in one C call each
+(weights/row_ops.py).
 
 The rotary embedding must give transformers' bits exactly (it is swapped process-wide); the norm
-gives each row the same bits in any batch, close to transformers' own; only the plain (Llama-copied)
-forms are replaced; and a swarm over a GGUF file stays bit-identical to its local reference.
+gives each row the same bits in any batch, close to transformers' own; the rotary tables give each
+position the bits of its exact values rounded once, whatever the batch or torch's threads; only the
+plain (Llama-copied) forms are replaced; and a swarm over a GGUF file stays bit-identical to its local reference.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from transformers.models.llama import modeling_llama as llama
 
 from moeswarm.model.loading import load_local
 from moeswarm.weights import qkernels
-from moeswarm.weights.row_ops import RowRMSNorm, _rope_pair, _same_code, use_row_ops
+from moeswarm.weights.row_ops import RowRMSNorm, RowRotaryEmbedding, _rope_pair, _same_code, use_row_ops
 
 pytestmark = pytest.mark.skipif(not qkernels.available(), reason="moeswarm's C kernels are not built")
 
@@ -64,6 +66,52 @@ def test_norm_rows_have_their_bits_alone_and_are_close_to_transformers(d):
         norm(x.double())
 
 
+def _llama_rotary(rope_parameters: dict) -> llama.LlamaRotaryEmbedding:
+    config = llama.LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=4096,
+                               rope_parameters={"rope_theta": 10000.0, **rope_parameters})
+    return llama.LlamaRotaryEmbedding(config)
+
+
+def test_rotary_tables_are_each_positions_own_rounded_values():
+    module = _llama_rotary({"rope_type": "default"})  # 64 pairs, as OLMoE's heads of 128
+    table = RowRotaryEmbedding(module.inv_freq, float(module.attention_scaling), module.rope_type)
+    positions = torch.tensor([list(range(52)), list(range(3000, 3052))])  # [2, 52]
+    x = torch.zeros(2, 52, 8)
+    cos, sin = table(x, positions)  # [2, 52, 128] each
+    angles = positions[..., None].float() * module.inv_freq  # float32, as transformers forms them
+    exact = torch.cat((angles, angles), dim=-1).double()
+    assert torch.equal(cos, exact.cos().float()) and torch.equal(sin, exact.sin().float())
+    want_cos, want_sin = module(x, positions)  # torch's cos and sin: within a few units in the last place
+    assert torch.allclose(cos, want_cos, rtol=0, atol=1e-6) and torch.allclose(sin, want_sin, rtol=0, atol=1e-6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [table(x[i:i + 1, j:j + 1], positions[i:i + 1, j:j + 1]) for i in range(2) for j in (0, 26, 51)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(c[0, 0], cos[i, j]) and torch.equal(s[0, 0], sin[i, j])
+               for (c, s), (i, j) in zip(alone, [(i, j) for i in range(2) for j in (0, 26, 51)]))
+    half_cos, _ = table(x.bfloat16(), positions.int())  # other integer positions; the hidden states' dtype
+    assert half_cos.dtype is torch.bfloat16 and torch.equal(half_cos, cos.bfloat16())
+    with pytest.raises(ValueError, match="integer positions"):
+        table(x, positions.float())
+
+
+def test_only_plain_rotary_modules_get_tables():
+    model = torch.nn.ModuleDict({
+        "plain": _llama_rotary({"rope_type": "default"}),
+        "scaled": _llama_rotary({"rope_type": "linear", "factor": 2.0}),  # frequencies fixed at load
+        "dynamic": _llama_rotary({"rope_type": "dynamic", "factor": 2.0}),  # recomputed by the forward
+    })
+    replaced = use_row_ops(model)
+    assert replaced == ["plain", "scaled"]
+    assert type(model["scaled"]) is RowRotaryEmbedding and type(model["dynamic"]) is llama.LlamaRotaryEmbedding
+    positions = torch.arange(7)[None]
+    cos, _ = model["scaled"](torch.zeros(1, 7, 4), positions)
+    want, _ = _llama_rotary({"rope_type": "linear", "factor": 2.0})(torch.zeros(1, 7, 4), positions)
+    assert torch.allclose(cos, want, rtol=0, atol=1e-6) and not torch.equal(cos, model["plain"](torch.zeros(1, 7, 4), positions)[0])
+
+
 def test_only_the_plain_forms_are_recognised():
     assert _same_code(llama.LlamaRMSNorm.forward, llama.LlamaRMSNorm.forward)
 
@@ -97,6 +145,7 @@ def test_a_gguf_backbone_uses_them_and_its_swarm_stays_bit_identical(qwen3_q4_k_
     norms = [name for name, module in reference.named_modules() if isinstance(module, RowRMSNorm)]
     layers = reference.config.num_hidden_layers
     assert len(norms) == 4 * layers + 1  # input, post-attention, q and k per layer; the final norm
+    assert isinstance(reference.model.rotary_emb, RowRotaryEmbedding)
     family = __import__(type(reference).__module__, fromlist=["apply_rotary_pos_emb"])
     assert hasattr(family.apply_rotary_pos_emb, "original")
     local = Stepper(reference)

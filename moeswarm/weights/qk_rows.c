@@ -1,5 +1,5 @@
-/* A decoder layer's row operations around its matrices, float32: RMSNorm, the rotary embedding,
- * and a decode step's attention (one query against its cached keys and values).
+/* A decoder layer's row operations around its matrices, float32: RMSNorm, the rotary embedding
+ * and its tables, and a decode step's attention (one query against its cached keys and values).
  *
  * Each is one C call where transformers' PyTorch code runs 6-10 tensor operations (each a few
  * microseconds of dispatch at a decode step's one row: about a third of a real-dimension backbone's
@@ -10,6 +10,9 @@
  * thread count), and both local references and remote paths call the same function.
  * - rope is bit for bit torch's `(x * cos) + (rotate_half(x) * sin)`: elementwise IEEE float32
  *   operations in the same order (built with -ffp-contract=off: no fused multiply-add).
+ * - rope_table is not torch's: its cos and sin come from double precision, rounded once, so its bits
+ *   are its own (within half a unit in the last place of the exact value, closer than torch's);
+ *   only where the reference uses it too.
  * - rms_norm is `w * (x * (1 / sqrt(mean(x^2) + eps)))` with its own fixed sum: the squares added in
  *   16 lanes (lane k mod 16, in the order of k), the lanes by a fixed tree, then / d. torch's sum has
  *   another association (and another per instruction set), so its bits differ from transformers'
@@ -21,6 +24,7 @@
  *   the float32 call's bits on the widened values (`--kv-cache f16`, docs/kv-cache.md).
  */
 
+#define _GNU_SOURCE /* sincos */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -54,6 +58,25 @@ CLONES void qk_rope(const float *x, const int64_t *xs, float *out, const int64_t
                 for (int64_t i = 0; i < h; i++) o[i] = xr[i] * c[i] + (-xr[i + h]) * s[i];
                 for (int64_t i = h; i < D; i++) o[i] = xr[i] * c[i] + xr[i - h] * s[i];
             }
+}
+
+/* The rotary tables of n positions: for position p = pos[t] and pair j < h (D = 2 h),
+ *   a = (float)p * inv[j]   (float32, as torch's position_ids.float() * inv_freq)
+ *   cos[t][j] = cos[t][j + h] = (float)cos((double)a) * scale, sin likewise
+ * each value from its own position alone, in the calling thread: the same bits in every process,
+ * batch and thread count (torch's cos and sin split a prompt's table among its threads). */
+void qk_rope_table(const int64_t *pos, int64_t n, const float *inv, int64_t h, float scale, float *cos_out,
+                   float *sin_out) {
+    for (int64_t t = 0; t < n; t++) {
+        float *c = cos_out + t * 2 * h, *s = sin_out + t * 2 * h;
+        float p = (float)pos[t];
+        for (int64_t j = 0; j < h; j++) {
+            double sd, cd;
+            sincos((double)(p * inv[j]), &sd, &cd);
+            c[j] = c[j + h] = (float)cd * scale;
+            s[j] = s[j + h] = (float)sd * scale;
+        }
+    }
 }
 
 /* One query per batch row attending to p keys and values, as scaled_dot_product_attention without

@@ -65,7 +65,8 @@ def _library() -> ctypes.CDLL | None:
     lib.qk_attend_one.argtypes = lib.qk_attend_one_h.argtypes = [
         _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR,
         ctypes.c_int]
-    lib.qk_rms_norm.restype = lib.qk_rope.restype = lib.qk_attend_one.restype = None
+    lib.qk_rope_table.argtypes = [_PTR, _I64, _PTR, _I64, ctypes.c_float, _PTR, _PTR]
+    lib.qk_rms_norm.restype = lib.qk_rope.restype = lib.qk_rope_table.restype = lib.qk_attend_one.restype = None
     lib.qk_attend_one_h.restype = None
     lib.qk_use_isa.argtypes = [ctypes.c_int]
     lib.qk_isa.argtypes = []
@@ -182,6 +183,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     assert out.stride(3) == 1 and x.stride(3) == 1
     _library().qk_rope(x.data_ptr(), strides, out.data_ptr(), out_strides, B, H, T, D, cos.data_ptr(), sin.data_ptr())
     return out
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables of int64 positions [B, T] with float32 inv_freq [h]: cos, sin [B, T, 2 h], each
+    (float)cos(float(p) * inv_freq[j]) * scale from double cos and sin (qk_rope_table), computed in this
+    thread, a position's values from it alone."""
+    assert positions.dtype is torch.int64 and inv_freq.dtype is torch.float32 and inv_freq.dim() == 1
+    positions, inv_freq = positions.contiguous(), inv_freq.contiguous()
+    h = inv_freq.shape[0]
+    cos = torch.empty(*positions.shape, 2 * h, dtype=torch.float32)
+    sin = torch.empty_like(cos)
+    _library().qk_rope_table(positions.data_ptr(), positions.numel(), inv_freq.data_ptr(), h, scale, cos.data_ptr(),
+                             sin.data_ptr())
+    return cos, sin
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:

@@ -9,6 +9,14 @@ families that copy it: OLMoE, Qwen3-MoE, Mixtral, DeepSeek, ...); anything else 
 - **Rotary**: `qk_rope` gives torch's bits exactly (elementwise, the same IEEE operations), so the
   family module's `apply_rotary_pos_emb` is swapped process-wide; anything but float32 [B, H, T, D]
   with cos, sin [B, T, D] goes to the original.
+- **Rotary tables**: transformers' rotary module computes cos and sin with torch's elementwise
+  functions, which split a prompt's table among torch's threads; at real dimensions with workers,
+  about 1 prompt in 30 got the table's second half (positions 26-51 of 52) with other bits than the
+  first (1e-4 relative, in the backbone alone: the local reference's table was torch's usual one),
+  and that changed the attention's output and once a token. `RowRotaryEmbedding` computes each
+  position's values alone, in the calling thread, from double precision (`qk_rope_table`): a plain
+  module (Llama's forward, a rope type without dynamic updates) of a GGUF backbone is replaced, in
+  the reference too.
 - **RMSNorm**: `qk_rms_norm` sums the squares in its own fixed order, so its bits differ from
   torch's in the last place (torch's own differ between AVX2 and AVX-512 builds of its kernels).
   Each module of a GGUF backbone kept in the file's encoding is replaced by `RowRMSNorm`, as the
@@ -21,6 +29,7 @@ Legend: d = hidden (normalized) size, B = batch, H = heads, T = tokens, D = head
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Callable
 
@@ -72,6 +81,37 @@ def _is_plain_rms_norm(module: torch.nn.Module) -> bool:
             and isinstance(getattr(module, "variance_epsilon", None), float))
 
 
+class RowRotaryEmbedding(torch.nn.Module):
+    """A plain rotary module's (cos, sin) [B, T, D] for position_ids [B, T], from qk_rope_table."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, rope_type: str):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D / 2] float32
+        self.attention_scaling = attention_scaling
+        self.rope_type = rope_type
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids.is_floating_point() or position_ids.is_complex() or x.device.type != "cpu":
+            raise ValueError(f"RowRotaryEmbedding takes integer positions on the CPU, got {position_ids.dtype} "
+                             f"for {x.device} hidden states")
+        cos, sin = qkernels.rope_table(position_ids.to(torch.int64), self.inv_freq, self.attention_scaling)
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.rope_type}, pairs={self.inv_freq.shape[0]}, scaling={self.attention_scaling}"
+
+
+def _is_plain_rotary(module: torch.nn.Module) -> bool:
+    """Llama's forward (under its decorators) with a rope type whose frequencies never change."""
+    forward = getattr(type(module), "forward", None)
+    inv_freq, rope_type = getattr(module, "inv_freq", None), getattr(module, "rope_type", None)
+    return (forward is not None and _same_code(inspect.unwrap(forward), inspect.unwrap(llama.LlamaRotaryEmbedding.forward))
+            and isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+            and isinstance(inv_freq, torch.Tensor) and inv_freq.dim() == 1 and inv_freq.dtype == torch.float32
+            and not inv_freq.is_meta and isinstance(getattr(module, "attention_scaling", None), (int, float)))
+
+
 def _rope_pair(original: Callable) -> Callable:
     """apply_rotary_pos_emb(q, k, cos, sin) on qk_rope where the shapes are the plain ones."""
 
@@ -102,15 +142,20 @@ def _use_rope(family) -> bool:
 
 
 def use_row_ops(model: torch.nn.Module) -> list[str]:
-    """Replace `model`'s plain RMSNorms by RowRMSNorm (in place) and swap its family's plain rotary
-    embedding for qk_rope's (process-wide: the same bits). Returns what was replaced: module names,
-    and "rotary" where it was."""
+    """Replace `model`'s plain RMSNorms by RowRMSNorm and its plain rotary modules by
+    RowRotaryEmbedding (in place), and swap its family's plain rotary embedding for qk_rope's
+    (process-wide: the same bits). Returns what was replaced: module names, and "rotary" where it was."""
     if not qkernels.available():
         return []
-    replaced = [name for name, module in model.named_modules() if _is_plain_rms_norm(module)]
-    for name in replaced:
+    norms = [name for name, module in model.named_modules() if _is_plain_rms_norm(module)]
+    for name in norms:
         module = model.get_submodule(name)
         model.set_submodule(name, RowRMSNorm(module.weight, module.variance_epsilon))
+    tables = [name for name, module in model.named_modules() if _is_plain_rotary(module)]
+    for name in tables:
+        module = model.get_submodule(name)
+        model.set_submodule(name, RowRotaryEmbedding(module.inv_freq, float(module.attention_scaling), module.rope_type))
+    replaced = norms + tables
     family = sys.modules.get(type(model).__module__)
     if family is not None and _use_rope(family):
         replaced.append("rotary")
