@@ -157,3 +157,20 @@ def test_a_gguf_backbone_uses_them_and_its_swarm_stays_bit_identical(qwen3_q4_k_
                 remote_logits, local_logits = remote.forward(feed), local.forward(feed)
                 assert torch.equal(remote_logits, local_logits), f"logits differ at step {step}"
                 feed = [int(remote_logits[-1].argmax())]
+
+
+def test_every_model_built_here_takes_its_tables_from_c():
+    from pathlib import Path
+
+    from moeswarm.model.loading import load_backbone
+
+    hf = Path(__file__).resolve().parents[1] / "models" / "pymoe" / "hf"  # a directory, as transformers loads it
+    reference = load_local(hf)
+    backbone, _ = load_backbone(hf)
+    assert type(reference.model.rotary_emb) is RowRotaryEmbedding and type(backbone.model.rotary_emb) is RowRotaryEmbedding
+    positions = torch.arange(80)[None]  # 80 positions x 32 values: more than torch splits between its threads
+    x = torch.zeros(1, 80, 4)
+    want = qkernels.rope_table(positions, reference.model.rotary_emb.inv_freq, 1.0)
+    for model in (reference, backbone):
+        cos, sin = model.model.rotary_emb(x, positions)
+        assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])

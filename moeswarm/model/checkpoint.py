@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from moeswarm.errors import ModelError
 from moeswarm.ids import LayerId, runs
 from moeswarm.model.hf_tensors import Rows, load_tensors
+from moeswarm.weights.row_ops import use_rotary_tables
 
 _SAMPLE_BYTES = 1 << 16
 _PER_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
@@ -103,8 +104,11 @@ class Checkpoint:
         load_tensors(model, self.open_tensors(), self.path, keep=lambda target: target in wanted, select=select)
 
     def load_reference(self) -> PreTrainedModel:
-        """The whole model with transformers' eager experts, loaded as transformers loads it."""
-        return AutoModelForCausalLM.from_pretrained(self.path, experts_implementation="eager").eval()
+        """The whole model with transformers' eager experts, loaded as transformers loads it, its plain
+        rotary modules' tables from C as every model built here (model/skeleton.py)."""
+        model = AutoModelForCausalLM.from_pretrained(self.path, experts_implementation="eager")
+        use_rotary_tables(model)
+        return model.eval()
 
     def load_tokenizer(self) -> object | None:
         if (self.path / "tokenizer.json").exists() or (self.path / "tokenizer_config.json").exists():

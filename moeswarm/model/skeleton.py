@@ -12,15 +12,20 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from moeswarm.weights.row_ops import use_rotary_tables
+
 
 def meta_model(config: PretrainedConfig) -> PreTrainedModel:
-    """The model's modules with parameters on the meta device and real buffers (rotary inv_freq).
+    """The model's modules with parameters on the meta device and real buffers (rotary inv_freq),
+    its plain rotary modules computing their tables in C (RowRotaryEmbedding: a prompt's table the
+    same in every process, not split among torch's threads).
 
     The model gets a copy of `config`, as `from_pretrained` gives each model its own: a source's
     models (the backbone, its --check-local reference) must not share one, since a setting made on
     one model's config (its attention implementation: generation/ragged.py) would reach the other."""
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="eager")
+    use_rotary_tables(model)  # each position's cos and sin from its own C call (weights/row_ops.py)
     return model.eval()
 
 

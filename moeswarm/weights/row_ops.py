@@ -14,9 +14,10 @@ families that copy it: OLMoE, Qwen3-MoE, Mixtral, DeepSeek, ...); anything else 
   about 1 prompt in 30 got the table's second half (positions 26-51 of 52) with other bits than the
   first (1e-4 relative, in the backbone alone: the local reference's table was torch's usual one),
   and that changed the attention's output and once a token. `RowRotaryEmbedding` computes each
-  position's values alone, in the calling thread, from double precision (`qk_rope_table`): a plain
-  module (Llama's forward, a rope type without dynamic updates) of a GGUF backbone is replaced, in
-  the reference too.
+  position's values alone, in the calling thread, from double precision (`qk_rope_table`): every
+  model moeswarm builds (model/skeleton.py: backbones, references and stages, from HF directories
+  and GGUF files alike) has its plain rotary modules (Llama's forward, a rope type without dynamic
+  updates) replaced by it.
 - **RMSNorm**: `qk_rms_norm` sums the squares in its own fixed order, so its bits differ from
   torch's in the last place (torch's own differ between AVX2 and AVX-512 builds of its kernels).
   Each module of a GGUF backbone kept in the file's encoding is replaced by `RowRMSNorm`, as the
@@ -141,6 +142,17 @@ def _use_rope(family) -> bool:
     return True
 
 
+def use_rotary_tables(model: torch.nn.Module) -> list[str]:
+    """Replace `model`'s plain rotary modules by RowRotaryEmbedding (in place); the names replaced."""
+    if not qkernels.available():
+        return []
+    tables = [name for name, module in model.named_modules() if _is_plain_rotary(module)]
+    for name in tables:
+        module = model.get_submodule(name)
+        model.set_submodule(name, RowRotaryEmbedding(module.inv_freq, float(module.attention_scaling), module.rope_type))
+    return tables
+
+
 def use_row_ops(model: torch.nn.Module) -> list[str]:
     """Replace `model`'s plain RMSNorms by RowRMSNorm and its plain rotary modules by
     RowRotaryEmbedding (in place), and swap its family's plain rotary embedding for qk_rope's
@@ -151,11 +163,7 @@ def use_row_ops(model: torch.nn.Module) -> list[str]:
     for name in norms:
         module = model.get_submodule(name)
         model.set_submodule(name, RowRMSNorm(module.weight, module.variance_epsilon))
-    tables = [name for name, module in model.named_modules() if _is_plain_rotary(module)]
-    for name in tables:
-        module = model.get_submodule(name)
-        model.set_submodule(name, RowRotaryEmbedding(module.inv_freq, float(module.attention_scaling), module.rope_type))
-    replaced = norms + tables
+    replaced = norms + use_rotary_tables(model)
     family = sys.modules.get(type(model).__module__)
     if family is not None and _use_rope(family):
         replaced.append("rotary")
