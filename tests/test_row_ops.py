@@ -74,7 +74,8 @@ def _llama_rotary(rope_parameters: dict) -> llama.LlamaRotaryEmbedding:
 
 def test_rotary_tables_are_each_positions_own_rounded_values():
     module = _llama_rotary({"rope_type": "default"})  # 64 pairs, as OLMoE's heads of 128
-    table = RowRotaryEmbedding(module.inv_freq, float(module.attention_scaling), module.rope_type)
+    table = RowRotaryEmbedding(module)
+    assert table.config is module.config  # what a family's code reads besides the forward
     positions = torch.tensor([list(range(52)), list(range(3000, 3052))])  # [2, 52]
     x = torch.zeros(2, 52, 8)
     cos, sin = table(x, positions)  # [2, 52, 128] each

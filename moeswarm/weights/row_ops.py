@@ -83,13 +83,25 @@ def _is_plain_rms_norm(module: torch.nn.Module) -> bool:
 
 
 class RowRotaryEmbedding(torch.nn.Module):
-    """A plain rotary module's (cos, sin) [B, T, D] for position_ids [B, T], from qk_rope_table."""
+    """A plain rotary module's (cos, sin) [B, T, D] for position_ids [B, T], from qk_rope_table.
 
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, rope_type: str):
+    The module it replaces stays reachable for what the family's code reads from it besides its
+    forward (its `config`: GraniteMoE-SWA keys its tables by `rotary_emb.config`'s rope_theta)."""
+
+    def __init__(self, module: torch.nn.Module):
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D / 2] float32
-        self.attention_scaling = attention_scaling
-        self.rope_type = rope_type
+        self.register_buffer("inv_freq", module.inv_freq, persistent=False)  # [D / 2] float32
+        self.attention_scaling = float(module.attention_scaling)
+        self.rope_type = module.rope_type
+        object.__setattr__(self, "replaced", module)  # not a submodule: its buffers are not the model's twice
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "replaced" not in self.__dict__:
+                raise
+            return getattr(self.__dict__["replaced"], name)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +161,7 @@ def use_rotary_tables(model: torch.nn.Module) -> list[str]:
     tables = [name for name, module in model.named_modules() if _is_plain_rotary(module)]
     for name in tables:
         module = model.get_submodule(name)
-        model.set_submodule(name, RowRotaryEmbedding(module.inv_freq, float(module.attention_scaling), module.rope_type))
+        model.set_submodule(name, RowRotaryEmbedding(module))
     return tables
 
 
