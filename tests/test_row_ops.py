@@ -17,7 +17,8 @@ from transformers.models.llama import modeling_llama as llama
 
 from moeswarm.model.loading import load_local
 from moeswarm.weights import qkernels
-from moeswarm.weights.row_ops import RowRMSNorm, RowRotaryEmbedding, _rope_pair, _same_code, use_row_ops
+from moeswarm.weights.row_ops import (RowRMSNorm, RowRotaryEmbedding, _rope_pair, _same_code, use_rotary_tables,
+                                      use_row_ops)
 
 pytestmark = pytest.mark.skipif(not qkernels.available(), reason="moeswarm's C kernels are not built")
 
@@ -104,7 +105,7 @@ def test_only_plain_rotary_modules_get_tables():
         "scaled": _llama_rotary({"rope_type": "linear", "factor": 2.0}),  # frequencies fixed at load
         "dynamic": _llama_rotary({"rope_type": "dynamic", "factor": 2.0}),  # recomputed by the forward
     })
-    replaced = use_row_ops(model)
+    replaced = use_rotary_tables(model)
     assert replaced == ["plain", "scaled"]
     assert type(model["scaled"]) is RowRotaryEmbedding and type(model["dynamic"]) is llama.LlamaRotaryEmbedding
     positions = torch.arange(7)[None]

@@ -11,9 +11,9 @@ families that copy it: OLMoE, Qwen3-MoE, Mixtral, DeepSeek, ...); anything else 
   with cos, sin [B, T, D] goes to the original.
 - **Rotary tables**: transformers' rotary module computes cos and sin with torch's elementwise
   functions, which split a prompt's table among torch's threads; at real dimensions with workers,
-  about 1 prompt in 30 got the table's second half (positions 26-51 of 52) with other bits than the
-  first (1e-4 relative, in the backbone alone: the local reference's table was torch's usual one),
-  and that changed the attention's output and once a token. `RowRotaryEmbedding` computes each
+  about 1 prompt in 30 got the table's second half (positions 26-51 of 52) about 4.5e-5 smaller
+  than usual, in the backbone alone (the local reference's table was torch's usual one), and that
+  changed the attention's output and once a token. `RowRotaryEmbedding` computes each
   position's values alone, in the calling thread, from double precision (`qk_rope_table`): every
   model moeswarm builds (model/skeleton.py: backbones, references and stages, from HF directories
   and GGUF files alike) has its plain rotary modules (Llama's forward, a rope type without dynamic
@@ -86,13 +86,12 @@ class RowRotaryEmbedding(torch.nn.Module):
     """A plain rotary module's (cos, sin) [B, T, D] for position_ids [B, T], from qk_rope_table.
 
     The module it replaces stays reachable for what the family's code reads from it besides its
-    forward (its `config`: GraniteMoE-SWA keys its tables by `rotary_emb.config`'s rope_theta)."""
+    forward (its `config`: GraniteMoE-SWA keys its tables by `rotary_emb.config`'s rope_theta), and
+    for its rope_type and attention_scaling."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", module.inv_freq, persistent=False)  # [D / 2] float32
-        self.attention_scaling = float(module.attention_scaling)
-        self.rope_type = module.rope_type
         object.__setattr__(self, "replaced", module)  # not a submodule: its buffers are not the model's twice
 
     def __getattr__(self, name: str):
@@ -108,7 +107,7 @@ class RowRotaryEmbedding(torch.nn.Module):
         if position_ids.is_floating_point() or position_ids.is_complex() or x.device.type != "cpu":
             raise ValueError(f"RowRotaryEmbedding takes integer positions on the CPU, got {position_ids.dtype} "
                              f"for {x.device} hidden states")
-        cos, sin = qkernels.rope_table(position_ids.to(torch.int64), self.inv_freq, self.attention_scaling)
+        cos, sin = qkernels.rope_table(position_ids.to(torch.int64), self.inv_freq, float(self.attention_scaling))
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
     def extra_repr(self) -> str:
@@ -166,16 +165,15 @@ def use_rotary_tables(model: torch.nn.Module) -> list[str]:
 
 
 def use_row_ops(model: torch.nn.Module) -> list[str]:
-    """Replace `model`'s plain RMSNorms by RowRMSNorm and its plain rotary modules by
-    RowRotaryEmbedding (in place), and swap its family's plain rotary embedding for qk_rope's
-    (process-wide: the same bits). Returns what was replaced: module names, and "rotary" where it was."""
+    """Replace `model`'s plain RMSNorms by RowRMSNorm (in place) and swap its family's plain rotary
+    embedding for qk_rope's (process-wide: the same bits). Returns what was replaced: module names,
+    and "rotary" where it was. (Its rotary tables were replaced when it was built: use_rotary_tables.)"""
     if not qkernels.available():
         return []
-    norms = [name for name, module in model.named_modules() if _is_plain_rms_norm(module)]
-    for name in norms:
+    replaced = [name for name, module in model.named_modules() if _is_plain_rms_norm(module)]
+    for name in replaced:
         module = model.get_submodule(name)
         model.set_submodule(name, RowRMSNorm(module.weight, module.variance_epsilon))
-    replaced = norms + use_rotary_tables(model)
     family = sys.modules.get(type(model).__module__)
     if family is not None and _use_rope(family):
         replaced.append("rotary")
