@@ -449,8 +449,9 @@ typedef struct {
     int16_t *sums;
     float *dx8;  /* 32-value blocks: [n][K / 4], each d repeated 8 times (a vector's load) */
     /* K-quants, token-major (a wide tile's 8 tokens side by side): n = the tokens rounded up to
-     * WIDE_TILE; dT [K / 256][n] = d; sT [K / 256][8][n][2] = the 16-sums pair (2g, 2g + 1) of
-     * super-block b, for g < 8; the pad tokens' entries are 0 */
+     * WIDE_TILE; dT [K / 256][n] = d; sT [K / 256][n / 8][8][8][2]: super-block b, tile u (tokens
+     * 8u..8u + 7), g < 8, token, then the 16-sums pair (2g, 2g + 1), so that a tile's pairs for one
+     * super-block are 256 contiguous bytes (four AVX-512 loads); the pad tokens' entries are 0 */
     int64_t n;
     float *dT;
     int16_t *sT;
@@ -492,6 +493,11 @@ CLONES static void quantize_row(const float *x, int64_t K, int64_t block, int8_t
     }
 }
 
+/* Where super-block b's 16-sum pairs of the wide tile starting at token t0 begin in sT (n: its n). */
+static inline __attribute__((always_inline)) int64_t wide_pairs(int64_t b, int64_t n, int64_t t0) {
+    return (b * (n / WIDE_TILE) + t0 / WIDE_TILE) * (8 * WIDE_TILE * 2);
+}
+
 static void quantize_tokens(const float *x, int64_t n, int64_t ldx, QX *qx) {
     for (int64_t t = 0; t < n; t++)
         quantize_row(x + t * ldx, qx->K, qx->block, qx->q + t * qx->K, qx->d + t * (qx->K / qx->block),
@@ -505,7 +511,8 @@ static void quantize_tokens(const float *x, int64_t n, int64_t ldx, QX *qx) {
                 qx->dT[b * n8 + t] = qx->d[t * nb + b];
                 for (int g = 0; g < 8; g++)
                     for (int k = 0; k < 2; k++)
-                        qx->sT[((b * 8 + g) * n8 + t) * 2 + k] = qx->sums[t * (qx->K / 16) + 16 * b + 2 * g + k];
+                        qx->sT[wide_pairs(b, n8, t - t % WIDE_TILE) + (g * WIDE_TILE + t % WIDE_TILE) * 2 + k] =
+                            qx->sums[t * (qx->K / 16) + 16 * b + 2 * g + k];
             }
 }
 
@@ -1429,29 +1436,44 @@ static inline AI void S(dot32)(const int type, const uint8_t *w, const QX *qx, i
 
 #if QK_PASS == 3
 /* AVX512: a Q4_K super-block's integer sums for NT tokens (x: token 0's 256 values, the next
- * token's K further on) into isum[0..NT), 64 values a register: chunk c's low and high nibbles
- * side by side with the values 64c.. of x. scmn: the 8 scales (as dot_q45k). */
+ * token's K further on) into the 16 lanes of wsum[0..NT), 64 values a register: chunk c's low and
+ * high nibbles side by side with the values 64c.. of x. scmn: the 8 scales (as dot_q45k), each
+ * chunk's two picked by one byte shuffle from the 8 words in every 128-bit lane. */
 static inline AI void S(q4k_sums)(const uint8_t *qs, const uint8_t *scmn, const int8_t *x, int64_t K, const int NT,
-                                  __m256i *isum) {
-    __m512i wsum[WIDE_TILE];
+                                  __m512i *wsum) {
     for (int i = 0; i < NT; i++) wsum[i] = _mm512_setzero_si512();
+    const __m512i scales = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)scmn)));
     for (int c = 0; c < 4; c++, x += 64) {
         __m256i q = S(load)(qs + 32 * c);
         __m512i v = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1),
                                      _mm512_set1_epi8(0x0f));
-        __m512i sc2 = _mm512_inserti64x4(_mm512_set1_epi16(scmn[2 * c]), _mm256_set1_epi16(scmn[2 * c + 1]), 1);
+        __m512i sc2 = _mm512_shuffle_epi8(scales, _mm512_inserti64x4(  /* words 2c (low half), 2c + 1 (high) */
+            _mm512_castsi256_si512(_mm256_set1_epi16((short)((4 * c + 1) << 8 | 4 * c))),
+            _mm256_set1_epi16((short)((4 * c + 3) << 8 | (4 * c + 2))), 1));
         for (int i = 0; i < NT; i++)
             wsum[i] = _mm512_dpwssd_epi32(wsum[i], _mm512_maddubs_epi16(v, _mm512_loadu_si512(x + i * K)), sc2);
     }
-    for (int i = 0; i < NT; i++)
-        isum[i] = _mm256_add_epi32(_mm512_castsi512_si256(wsum[i]), _mm512_extracti64x4_epi64(wsum[i], 1));
+}
+
+/* Lane t of the result = the sum of v[t]'s 16 lanes (integer: exact in any order): pairs of
+ * registers interleaved and added, twice, then the four 128-bit lanes added. */
+static inline AI __m256i S(sum8z)(const __m512i *v) {
+    __m512i s[4], u[2];
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: [v0 + v2, w0 + w2, v1 + v3, w1 + w3] of v[2i], w = v[2i + 1] */
+        s[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)  /* per 128-bit lane: that lane's sum of v[4i], .., v[4i + 3] */
+        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_epi64(s[2 * i], s[2 * i + 1]));
+    __m512i z = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    z = _mm512_shuffle_i32x4(z, z, _MM_SHUFFLE(3, 1, 2, 0));  /* [tokens 0-3, 4-7 | the same, the other halves] */
+    return _mm256_add_epi32(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1));
 }
 
 /* AVX512: a Q6_K super-block's integer sums (before the -32 offset) for NT tokens, as q4k_sums:
- * values 32j.. and 32(j + 1).. of a half side by side (j = 0, 2), 64 values a register. */
-static inline AI void S(q6k_sums)(const uint8_t *w, const int8_t *x, int64_t K, const int NT, __m256i *isum) {
+ * values 32j.. and 32(j + 1).. of a half side by side (j = 0, 2), 64 values a register, into
+ * the 16 lanes of wsum[0..NT). */
+static inline AI void S(q6k_zsums)(const uint8_t *w, const int8_t *x, int64_t K, const int NT, __m512i *wsum) {
     const int8_t *sc = (const int8_t *)(w + 192);
-    __m512i wsum[WIDE_TILE];
     for (int i = 0; i < NT; i++) wsum[i] = _mm512_setzero_si512();
     const __m512i m4 = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
     const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)sc));
@@ -1471,6 +1493,12 @@ static inline AI void S(q6k_sums)(const uint8_t *w, const int8_t *x, int64_t K, 
                 wsum[i] = _mm512_dpwssd_epi32(wsum[i], _mm512_maddubs_epi16(q, _mm512_loadu_si512(x + i * K + 32 * j)), sz);
         }
     }
+}
+
+/* q6k_zsums folded to 8 lanes a token: isum[0..NT). */
+static inline AI void S(q6k_sums)(const uint8_t *w, const int8_t *x, int64_t K, const int NT, __m256i *isum) {
+    __m512i wsum[QX_TILE];
+    S(q6k_zsums)(w, x, K, NT, wsum);
     for (int i = 0; i < NT; i++)
         isum[i] = _mm256_add_epi32(_mm512_castsi512_si256(wsum[i]), _mm512_extracti64x4_epi64(wsum[i], 1));
 }
@@ -1597,11 +1625,40 @@ static inline AI __m256i S(sum8)(const __m256i *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
 }
 
+/* Lane t = sum over g < 8 of the madd of 16-sum pair g of token t (a wide tile's pairs `st`,
+ * wide_pairs) with the word pair in int32 lane g of `pairs` (integer: exact in any order). */
+static inline AI __m256i S(wide_pairs_dot)(const int16_t *st, __m256i pairs) {
+#if QK_PASS == 3  /* pairs g and g + 1 in one register: four loads, four lane permutes */
+    __m512i p = _mm512_castsi256_si512(pairs), sum = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {
+        __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * j)), _mm256_set1_epi32(2 * j + 1), 1);
+        sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_loadu_si512(st + 32 * j), _mm512_permutexvar_epi32(pick, p)));
+    }
+    return _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+#else
+    __m256i sum = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++)
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(S(load)(st + 16 * g), _mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(g))));
+    return sum;
+#endif
+}
+
+/* A Q4_K / Q5_K super-block's mins times a wide tile's 16-sums: min g for both 16-sums of sub-block g. */
+static inline AI __m256i S(wide_mins)(const int16_t *st, const uint8_t *scmn) {
+    __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scmn + 8)));  /* int32 lane g: min g */
+    return S(wide_pairs_dot)(st, _mm256_or_si256(mins, _mm256_slli_epi32(mins, 16)));
+}
+
+/* A Q6_K super-block's 16 scales (signed) times a wide tile's 16-sums: the pair (2g, 2g + 1) for pair g. */
+static inline AI __m256i S(wide_offset)(const int16_t *st, const int8_t *sc) {
+    return S(wide_pairs_dot)(st, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)));
+}
+
 /* The wide tile: one K-quant row with WIDE_TILE tokens t0.. at once, lane t for token t0 + t.
- * Each super-block's integer sums go to the lanes of one register (sum8) and the float steps run
- * on all 8 lanes together: per lane the same IEEE operations as dot_q45k / dot_q6k's scalar ones,
- * so the same bits, with the weights decoded once for 8 tokens and no per-token reduction. NT < 8:
- * a last, partial tile (lanes NT.. are sums of zeros, and not stored). */
+ * Each super-block's integer sums go to the lanes of one register (sum8, sum8z) and the float
+ * steps run on all 8 lanes together: per lane the same IEEE operations as dot_q45k / dot_q6k's
+ * scalar ones, so the same bits, with the weights decoded once for 8 tokens and no per-token
+ * reduction. NT < 8: a last, partial tile (lanes NT.. are sums of zeros, and not stored). */
 static inline AI __m256 S(wide_q45k)(const int type, const uint8_t *w, const QX *qx, int64_t t0, const int NT,
                                      const uint8_t *pf) {
     int64_t K = qx->K, n = qx->n, nb = K / 256, bytes = block_bytes(type);
@@ -1611,39 +1668,42 @@ static inline AI __m256 S(wide_q45k)(const int type, const uint8_t *w, const QX 
         if (pf) S(prefetch)(pf + b * bytes, bytes);
         uint8_t scmn[16];
         k_scales_mins(w + 4, scmn);
-        __m256i scales = S(words_u8)(scmn);
-        const uint8_t *qs = w + (type == T_Q5_K ? 48 : 16);
-        __m256i hb = type == T_Q5_K ? S(load)(w + 16) : _mm256_setzero_si256();
-        __m256i isum[WIDE_TILE];
         const int8_t *x = qx->q + t0 * K + 256 * b;
+        __m256i sums;
 #if QK_PASS == 3
-        const int z = type == T_Q4_K;  /* AVX512's 64 values a register (q4k_sums) */
-        if (z) S(q4k_sums)(qs, scmn, x, K, NT, isum);
-#else
-        const int z = 0;
+        if (type == T_Q4_K) {  /* AVX512's 64 values a register (q4k_sums) */
+            __m512i wsum[WIDE_TILE];
+            for (int i = NT; i < WIDE_TILE; i++) wsum[i] = _mm512_setzero_si512();  /* lanes NT.. stay 0 */
+            S(q4k_sums)(w + 16, scmn, x, K, NT, wsum);
+            sums = S(sum8z)(wsum);
+        } else
 #endif
-        for (int i = z ? NT : 0; i < WIDE_TILE; i++) isum[i] = _mm256_setzero_si256();  /* lanes NT.. stay 0 */
-        for (int c = 0; c < 4 && !z; c++, x += 64) {
-            __m256i q = S(load)(qs + 32 * c);
-            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (type == T_Q5_K) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hb, one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 1), one), 4));
-                hb = _mm256_srli_epi16(hb, 2);
+        {
+            __m256i scales = S(words_u8)(scmn);
+            const uint8_t *qs = w + (type == T_Q5_K ? 48 : 16);
+            __m256i hb = type == T_Q5_K ? S(load)(w + 16) : _mm256_setzero_si256();
+            __m256i isum[WIDE_TILE];
+            for (int i = 0; i < WIDE_TILE; i++) isum[i] = _mm256_setzero_si256();  /* lanes NT.. stay 0 */
+            for (int c = 0; c < 4; c++, x += 64) {
+                __m256i q = S(load)(qs + 32 * c);
+                __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                if (type == T_Q5_K) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hb, one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 1), one), 4));
+                    hb = _mm256_srli_epi16(hb, 2);
+                }
+                __m256i s0 = S(word)(scales, 2 * c), s1 = S(word)(scales, 2 * c + 1);
+                for (int i = 0; i < NT; i++) {
+                    isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(lo, S(load)(x + i * K)), s0);
+                    isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(hi, S(load)(x + i * K + 32)), s1);
+                }
             }
-            __m256i s0 = S(word)(scales, 2 * c), s1 = S(word)(scales, 2 * c + 1);
-            for (int i = 0; i < NT; i++) {
-                isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(lo, S(load)(x + i * K)), s0);
-                isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(hi, S(load)(x + i * K + 32)), s1);
-            }
+            sums = S(sum8)(isum);
         }
-        __m256i summ = _mm256_setzero_si256();  /* the mins times the 16-sums, pair g: sub-block g */
-        const int16_t *st = qx->sT + (b * 8 * n + t0) * 2;
-        for (int g = 0; g < 8; g++)
-            summ = _mm256_add_epi32(summ, _mm256_madd_epi16(S(load)(st + g * n * 2), _mm256_set1_epi32(scmn[8 + g] * 0x10001)));
+        __m256i summ = S(wide_mins)(qx->sT + wide_pairs(b, n, t0), scmn);  /* the mins times the 16-sums */
         __m256 dx = _mm256_loadu_ps(qx->dT + b * n + t0);
         __m256 d = _mm256_set1_ps(S(half)(w)), dmin = _mm256_set1_ps(S(half)(w + 2));
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(S(sum8)(isum))));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sums)));
         acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(summ)));
     }
     return acc;
@@ -1655,12 +1715,14 @@ static inline AI __m256 S(wide_q6k)(const uint8_t *w, const QX *qx, int64_t t0, 
     for (int64_t b = 0; b < nb; b++, w += 210) {
         if (pf) S(prefetch)(pf + 210 * b, 210);
         const int8_t *sc = (const int8_t *)(w + 192);
-        __m256i isum[WIDE_TILE];
 #if QK_PASS == 3
-        for (int i = NT; i < WIDE_TILE; i++) isum[i] = _mm256_setzero_si256();  /* lanes NT.. stay 0 */
-        S(q6k_sums)(w, qx->q + t0 * K + 256 * b, K, NT, isum);
+        __m512i wsum[WIDE_TILE];
+        for (int i = NT; i < WIDE_TILE; i++) wsum[i] = _mm512_setzero_si512();  /* lanes NT.. stay 0 */
+        S(q6k_zsums)(w, qx->q + t0 * K + 256 * b, K, NT, wsum);
+        __m256i sums = S(sum8z)(wsum);
 #else
         const __m256i m4 = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
+        __m256i isum[WIDE_TILE];
         for (int i = 0; i < WIDE_TILE; i++) isum[i] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
@@ -1676,14 +1738,10 @@ static inline AI __m256 S(wide_q6k)(const uint8_t *w, const QX *qx, int64_t t0, 
                     isum[i] = DOTWW(isum[i], _mm256_maddubs_epi16(q, S(load)(x + i * K + 32 * j)), s);
             }
         }
+        __m256i sums = S(sum8)(isum);
 #endif
-        __m256i offset = _mm256_setzero_si256();  /* the scales times the 16-sums, pair g: 16-sums 2g, 2g + 1 */
-        const int16_t *st = qx->sT + (b * 8 * n + t0) * 2;
-        for (int g = 0; g < 8; g++) {
-            int pair = (int)((uint32_t)(uint16_t)sc[2 * g] | (uint32_t)(uint16_t)sc[2 * g + 1] << 16);
-            offset = _mm256_add_epi32(offset, _mm256_madd_epi16(S(load)(st + g * n * 2), _mm256_set1_epi32(pair)));
-        }
-        __m256i sumi = _mm256_sub_epi32(S(sum8)(isum), _mm256_slli_epi32(offset, 5));
+        __m256i offset = S(wide_offset)(qx->sT + wide_pairs(b, n, t0), sc);  /* the scales times the 16-sums */
+        __m256i sumi = _mm256_sub_epi32(sums, _mm256_slli_epi32(offset, 5));
         __m256 dx = _mm256_loadu_ps(qx->dT + b * n + t0);
         acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(S(half)(w + 208)), dx), _mm256_cvtepi32_ps(sumi)));
     }
