@@ -1497,7 +1497,7 @@ static inline AI void S(q6k_zsums)(const uint8_t *w, const int8_t *x, int64_t K,
 
 /* q6k_zsums folded to 8 lanes a token: isum[0..NT). */
 static inline AI void S(q6k_sums)(const uint8_t *w, const int8_t *x, int64_t K, const int NT, __m256i *isum) {
-    __m512i wsum[QX_TILE];
+    __m512i wsum[WIDE_TILE];
     S(q6k_zsums)(w, x, K, NT, wsum);
     for (int i = 0; i < NT; i++)
         isum[i] = _mm256_add_epi32(_mm512_castsi512_si256(wsum[i]), _mm512_extracti64x4_epi64(wsum[i], 1));
@@ -1802,7 +1802,6 @@ static inline AI void S(dot_tokens)(const int type, const uint8_t *row, const QX
  * time (sum8z) and its 16-sums read as two wide tiles (sT's layout). Per lane the same IEEE
  * operations as wide_q45k, so the same bits. (Q6_K's, written alike, measured slower than two wide
  * tiles: 0.92-0.95x at 16 and 64 tokens.) */
-#define WIDE16 16
 static inline AI __m512 S(wide16_q4k)(const uint8_t *w, const QX *qx, int64_t t0, const int NT, const uint8_t *pf) {
     int64_t K = qx->K, n = qx->n, nb = K / 256, bytes = block_bytes(T_Q4_K);
     __m512 acc = _mm512_setzero_ps();
@@ -1811,8 +1810,8 @@ static inline AI __m512 S(wide16_q4k)(const uint8_t *w, const QX *qx, int64_t t0
         const int16_t *st = qx->sT + wide_pairs(b, n, t0);
         uint8_t scmn[16];
         k_scales_mins(w + 4, scmn);
-        __m512i wsum[WIDE16];
-        for (int i = NT; i < WIDE16; i++) wsum[i] = _mm512_setzero_si512();  /* lanes NT.. stay 0 */
+        __m512i wsum[16];
+        for (int i = NT; i < 16; i++) wsum[i] = _mm512_setzero_si512();  /* lanes NT.. stay 0 */
         S(q4k_sums)(w + 16, scmn, qx->q + t0 * K + 256 * b, K, NT, wsum);
         __m512 sums = _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(S(sum8z)(wsum)), S(sum8z)(wsum + 8), 1));
         __m512 summ = _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(S(wide_mins)(st, scmn)),
@@ -1825,6 +1824,53 @@ static inline AI __m512 S(wide16_q4k)(const uint8_t *w, const QX *qx, int64_t t0
     return acc;
 }
 #endif
+
+/* Whether `type` takes 16-token wide tiles (wide16_q4k) in this implementation. */
+static inline AI int S(wide16_for)(const int type) {
+#if QK_PASS == 3
+    return type == T_Q4_K;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+#if QK_PASS == 3
+/* wide16_q4k's tiles of nt (9..16) tokens into out[0..nt): out of line, so that the decode's
+ * one-token code around it keeps its layout (inlined, the 16-token cases made one-token Q4_K
+ * products 6 % slower, and Q6_K's 3-8 %). */
+static __attribute__((noinline)) void S(wide16_tile)(const uint8_t *row, const QX *qx, int64_t t, int nt,
+                                                     const uint8_t *pf, float *out) {
+    __m512 lanes;
+    switch (nt) {  /* constant tile sizes: the accumulators stay in registers */
+#define WIDE(NT) case NT: lanes = S(wide16_q4k)(row, qx, t, NT, pf); break
+    WIDE(9); WIDE(10); WIDE(11); WIDE(12); WIDE(13); WIDE(14); WIDE(15);
+    default: WIDE(16);
+#undef WIDE
+    }
+    _mm512_storeu_ps(out, lanes);
+}
+#endif
+
+/* A wide tile's nt tokens t.. of one K-quant row into out[0..nt): nt <= 8, or up to 16 where
+ * wide16_for(type); constant tile sizes, so that each case's accumulators stay in registers. */
+static inline AI void S(wide_tile)(const int type, const uint8_t *row, const QX *qx, int64_t t, int nt,
+                                   const uint8_t *pf, float *out) {
+#if QK_PASS == 3
+    if (S(wide16_for)(type) && nt > WIDE_TILE) {  /* a constant false for the other types */
+        S(wide16_tile)(row, qx, t, nt, pf, out);
+        return;
+    }
+#endif
+    __m256 lanes;
+    switch (nt) {
+#define WIDE(NT) case NT: lanes = type == T_Q6_K ? S(wide_q6k)(row, qx, t, NT, pf) : S(wide_q45k)(type, row, qx, t, NT, pf); break
+    WIDE(1); WIDE(2); WIDE(3); WIDE(4); WIDE(5); WIDE(6); WIDE(7);
+    default: WIDE(8);
+#undef WIDE
+    }
+    _mm256_storeu_ps(out, lanes);
+}
 
 /* Rows in groups of INT_ROW_TILE, tokens in tiles of QX_TILE (K-quants: first in wide tiles of
  * WIDE_TILE while 8 tokens are left): one tile's quantized x (4 x K bytes)
@@ -1839,41 +1885,17 @@ static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_b
     for (int64_t r0 = 0; r0 < rows; r0 += INT_ROW_TILE) {
         int64_t r1 = rows - r0 < INT_ROW_TILE ? rows : r0 + INT_ROW_TILE, t = 0;
         const int wide = (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) && n >= 4;
-#if QK_PASS == 3
-        for (; type == T_Q4_K && n - t > WIDE_TILE; t += WIDE16) {  /* 9 tokens or more left (Q6_K measured slower) */
-            int nt = (int)(n - t < WIDE16 ? n - t : WIDE16);
+        while (wide && t < n) {  /* AVX512's Q4_K: 16 tokens a tile while more than 8 are left */
+            const int width = S(wide16_for)(type) && n - t > WIDE_TILE ? 16 : WIDE_TILE;
+            int nt = (int)(n - t < width ? n - t : width);
             for (int64_t r = r0; r < r1; r++) {
                 const uint8_t *row = w + r * row_bytes;
                 const uint8_t *pf = t == 0 && r + INT_ROW_TILE < rows ? row + INT_ROW_TILE * row_bytes : NULL;
-                __m512 lanes;
-                switch (nt) {  /* constant tile sizes, as below */
-#define WIDE(NT) case NT: lanes = S(wide16_q4k)(row, qx, t, NT, pf); break
-                WIDE(9); WIDE(10); WIDE(11); WIDE(12); WIDE(13); WIDE(14); WIDE(15);
-                default: WIDE(16);
-#undef WIDE
-                }
-                float out[WIDE16];
-                _mm512_storeu_ps(out, lanes);
+                float out[16];
+                S(wide_tile)(type, row, qx, t, nt, pf, out);
                 for (int i = 0; i < nt; i++) y[(t + i) * ldy + r] = out[i];
             }
-        }
-#endif
-        for (; wide && t < n; t += WIDE_TILE) {
-            int nt = (int)(n - t < WIDE_TILE ? n - t : WIDE_TILE);
-            for (int64_t r = r0; r < r1; r++) {
-                const uint8_t *row = w + r * row_bytes;
-                const uint8_t *pf = t == 0 && r + INT_ROW_TILE < rows ? row + INT_ROW_TILE * row_bytes : NULL;
-                __m256 lanes;
-                switch (nt) {  /* constant tile sizes, as below */
-#define WIDE(NT) case NT: lanes = type == T_Q6_K ? S(wide_q6k)(row, qx, t, NT, pf) : S(wide_q45k)(type, row, qx, t, NT, pf); break
-                WIDE(1); WIDE(2); WIDE(3); WIDE(4); WIDE(5); WIDE(6); WIDE(7);
-                default: WIDE(8);
-#undef WIDE
-                }
-                float out[WIDE_TILE];
-                _mm256_storeu_ps(out, lanes);
-                for (int i = 0; i < nt; i++) y[(t + i) * ldy + r] = out[i];
-            }
+            t += width;
         }
         for (int64_t first = t; t < n; t += QX_TILE) {
             int nt = (int)(n - t < QX_TILE ? n - t : QX_TILE);
