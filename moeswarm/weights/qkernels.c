@@ -440,6 +440,7 @@ CLONES static void decode_tile(int type, const uint8_t *src, int64_t row_bytes, 
 #define QX_TILE 4  /* tokens dotted with one weight block while it is in registers */
 
 #define WIDE_TILE 8  /* the K-quants' wide tile: 8 tokens' sums in one register's lanes */
+#define WIDE16_TILE 16  /* AVX512's Q4_K tile: 16 tokens' sums in one 512-bit register's lanes (wide16_q4k) */
 
 /* Quantized activations: q [n][K], d [n][K / block], sums [n][K / 16]. */
 typedef struct {
@@ -1810,8 +1811,8 @@ static inline AI __m512 S(wide16_q4k)(const uint8_t *w, const QX *qx, int64_t t0
         const int16_t *st = qx->sT + wide_pairs(b, n, t0);
         uint8_t scmn[16];
         k_scales_mins(w + 4, scmn);
-        __m512i wsum[16];
-        for (int i = NT; i < 16; i++) wsum[i] = _mm512_setzero_si512();  /* lanes NT.. stay 0 */
+        __m512i wsum[WIDE16_TILE];
+        for (int i = NT; i < WIDE16_TILE; i++) wsum[i] = _mm512_setzero_si512();  /* lanes NT.. stay 0 */
         S(q4k_sums)(w + 16, scmn, qx->q + t0 * K + 256 * b, K, NT, wsum);
         __m512 sums = _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(S(sum8z)(wsum)), S(sum8z)(wsum + 8), 1));
         __m512 summ = _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(S(wide_mins)(st, scmn)),
@@ -1872,8 +1873,9 @@ static inline AI void S(wide_tile)(const int type, const uint8_t *row, const QX 
     _mm256_storeu_ps(out, lanes);
 }
 
-/* Rows in groups of INT_ROW_TILE, tokens in tiles of QX_TILE (K-quants: first in wide tiles of
- * WIDE_TILE while 8 tokens are left): one tile's quantized x (4 x K bytes)
+/* Rows in groups of INT_ROW_TILE, tokens in tiles of QX_TILE (K-quants from 4 tokens on: wide tiles
+ * instead, WIDE_TILE tokens at a time, WIDE16_TILE on AVX512's Q4_K while more than 8 are left): one
+ * tile's quantized x (4 x K bytes)
  * stays in L1 while the group's rows (a few KiB) are dotted with it. The first tile's pass over a
  * group prefetches the next group's rows into L2, a row for each row read: a layer's experts are
  * far larger than the caches, so each group's weights come from DRAM, and without the prefetch the
@@ -1886,12 +1888,12 @@ static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_b
         int64_t r1 = rows - r0 < INT_ROW_TILE ? rows : r0 + INT_ROW_TILE, t = 0;
         const int wide = (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) && n >= 4;
         while (wide && t < n) {  /* AVX512's Q4_K: 16 tokens a tile while more than 8 are left */
-            const int width = S(wide16_for)(type) && n - t > WIDE_TILE ? 16 : WIDE_TILE;
+            const int width = S(wide16_for)(type) && n - t > WIDE_TILE ? WIDE16_TILE : WIDE_TILE;
             int nt = (int)(n - t < width ? n - t : width);
             for (int64_t r = r0; r < r1; r++) {
                 const uint8_t *row = w + r * row_bytes;
                 const uint8_t *pf = t == 0 && r + INT_ROW_TILE < rows ? row + INT_ROW_TILE * row_bytes : NULL;
-                float out[16];
+                float out[WIDE16_TILE];
                 S(wide_tile)(type, row, qx, t, nt, pf, out);
                 for (int i = 0; i < nt; i++) y[(t + i) * ldy + r] = out[i];
             }
