@@ -20,30 +20,7 @@
 #include <time.h>
 
 #include "qk_dispatch.h"
-
-typedef struct {
-    /* the experts (qkernels.py ExpertsPlan's head and tail) */
-    int64_t n_experts;
-    const int64_t *gate, *up, *down;
-    int64_t gate_type, up_type, down_type, H, I;
-    const float *gate_bias, *up_bias, *down_bias;
-    int64_t activation;
-    double alpha, limit;
-    /* the DISPATCH: its tokens, top-k, ids' width and where x, ids and w lie in its payload */
-    int64_t tokens, k, id_bytes, hidden_at, ids_at, weights_at;
-    const int64_t *table; /* [table_len]: the store's ids table for the layer */
-    int64_t table_len;
-    /* scratch: partial: each expert's routed slots [n_experts], the sums [tokens, H]; exact: the hit
-     * experts [n_experts] and their rows' counts [n_experts], the pairs' rows [tokens k, H] (aligned) */
-    int64_t *counts;
-    float *sums;
-    /* partial: the RESULT's metadata bytes (timed: all but the value of its last key, "cpu_us");
-     * exact: its bytes up to the output tensor's row count */
-    const uint8_t *meta;
-    int64_t meta_len, timed;
-    int64_t *hit;
-    int64_t first; /* exact: the id of the module's expert 0 */
-} QkLane;
+#include "qk_express.h"
 
 static void put_le(uint8_t *at, uint64_t v, int bytes) {
     for (int i = 0; i < bytes; i++) at[i] = (uint8_t)(v >> (8 * i));

@@ -58,6 +58,9 @@ def _library() -> ctypes.CDLL | None:
     lib.qk_express_sums.argtypes = lib.qk_express_rows.argtypes = [_PTR, ctypes.c_char_p, _PTR, _I64,
                                                                     ctypes.c_uint64, ctypes.c_int]
     lib.qk_express_sums.restype = lib.qk_express_rows.restype = _I64
+    lib.qk_hold.argtypes = [_PTR, _I64, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_double, ctypes.c_double, _PTR, _I64, _PTR,
+                            _I64, ctypes.c_int, _PTR]
+    lib.qk_hold.restype = _I64
     lib.qk_add_rows.argtypes, lib.qk_add_rows.restype = [_PTR, _PTR, _I64, _I64], None
     lib.qk_peak.argtypes, lib.qk_peak.restype = [_PTR, _I64], ctypes.c_double
     lib.qk_rms_norm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
@@ -355,6 +358,31 @@ def express_answer(lane: ExpressLane, exact: bool, body: bytes, reply: bytearray
     where = ctypes.addressof(ctypes.c_char.from_buffer(reply))  # no array type made per call
     run = _library().qk_express_rows if exact else _library().qk_express_sums
     return run(ctypes.byref(lane), body, where, len(reply), request_id, threads)
+
+
+class HoldLane(ctypes.Structure):
+    """A learned lane as the connection hold finds it (weights/qk_hold.c's QkHoldLane): its DISPATCH's
+    metadata bytes and payload size, and the ExpressLane that answers it."""
+
+    _fields_ = [("meta", _PTR), ("meta_len", _I64), ("payload_len", _I64), ("lane", _PTR), ("exact", _I64),
+                ("tokens", _I64)]
+
+
+class HoldOut(ctypes.Structure):
+    """What a hold did (weights/qk_hold.c's QkHoldOut): frames answered and their tokens, a declined
+    frame's length, a reply's unsent bytes."""
+
+    _fields_ = [("answered", _I64), ("tokens", _I64), ("pending", _I64), ("unsent_at", _I64), ("unsent_len", _I64)]
+
+
+def hold(lanes: ctypes.Array, n_lanes: int, max_tokens: int, fd: int, loop_fd: int, wait_s: float, limit_s: float,
+         into: bytearray, reply: bytearray, threads: int, out: HoldOut) -> int:
+    """Answer a connection's DISPATCHes of learned lanes of at most `max_tokens` as they come, in C
+    (weights/qk_hold.c `qk_hold`): why it ended (worker/hold.py's outcomes), `out` what it did."""
+    return _library().qk_hold(ctypes.addressof(lanes), n_lanes, max_tokens, fd, loop_fd, wait_s, limit_s,
+                              ctypes.addressof(ctypes.c_char.from_buffer(into)), len(into),
+                              ctypes.addressof(ctypes.c_char.from_buffer(reply)), len(reply), threads,
+                              ctypes.byref(out))
 
 
 def dispatch_rows(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_bytes: int, k: int, weights: int,

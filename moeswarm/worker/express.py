@@ -37,6 +37,7 @@ import torch
 from msgpack import packb
 
 from moeswarm.weights import qkernels
+from moeswarm.worker.hold import Hold
 from moeswarm.worker.store import SelfSumming
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import HEADER, HEADER_SIZE, MAGIC, VERSION, Frame, Opcode, pack_meta
@@ -104,6 +105,7 @@ class Express:
         self._lanes: KnownLayouts[Lane | TorchLane | bool] = KnownLayouts()  # False: metadata seen, no lane for it
         self.answered = 0
         self.whole = 0  # of them, answered with the whole RESULT frame on the loop (`answer_now`)
+        self.hold = Hold()  # the lanes answered whole in C, for a connection held between them (worker/hold.py)
 
     def answer(self, frame: Frame) -> Frame | None:
         """The RESULT for `frame`, or None: not known here (or refused: the full path says why)."""
@@ -215,7 +217,11 @@ class Express:
         decoded DISPATCH and `reply` the RESULT the full path gave it."""
         if frame.meta_bytes is None or reply.opcode != Opcode.RESULT or self._lanes.get(frame) is not None:
             return  # learned from answers only (an ERROR may be about the values), once per metadata
-        self._lanes.remember(frame, self._lane(frame, request, reply))
+        lane = self._lane(frame, request, reply)
+        self._lanes.remember(frame, lane)
+        if type(lane) is Lane and lane.whole is not None:
+            self.hold.add(frame.meta_bytes, lane.payload_bytes, lane.tokens, lane.whole,
+                          lane.mode == CombineMode.EXACT, lane.reply_bytes)
 
     def _torch(self, lane: TorchLane, frame: Frame) -> Frame | None:
         """The RESULT the full path gives `frame` (a DISPATCH of `lane`), or None where the store

@@ -16,9 +16,11 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, printable
 from moeswarm.wire.frames import HEADER_SIZE, Frame, Opcode
@@ -27,6 +29,7 @@ from moeswarm.wire.messages import ErrorReply, Hello, WorkerInfo
 from moeswarm.wire.stream import decode_frame
 from moeswarm.worker.compute import Computation
 from moeswarm.worker.framing import Incoming
+from moeswarm.worker.hold import selector_fd
 from moeswarm.worker.limits import ByteBudget, WorkerLimits, check_dispatch_size, declared_shapes, reply_bound
 from moeswarm.worker.merge import merge_key
 from moeswarm.worker.replies import AwaitRoom, reply_room
@@ -133,6 +136,29 @@ class Requests:
             self._reply_in_turn(session, Frame(Opcode.RESULT, request_id, {}, (payload,),
                                                bytes(reply[HEADER_SIZE : HEADER_SIZE + meta_len])))
         return True
+
+    def hold(self, session: Session, feed: Callable[[bytes], None]) -> None:
+        """After `answered_whole`: hold the connection for its next decode DISPATCHes, answered in C
+        (worker/hold.py) while nothing else computes and nothing is unsent; `feed`: the connection's
+        reader, given a frame the hold read and did not answer."""
+        hold = self.computation.express.hold
+        fd, loop_fd = session.direct_fd, selector_fd(session.loop)
+        if not hold.count or fd is None or loop_fd is None or not session.can_write_now():
+            return
+        ran, held = self.runner.run_now(session, lambda: hold.serve(fd, loop_fd, self.inline_tokens,
+                                                                    torch.get_num_threads()), 1)
+        if not ran:
+            return
+        if held.answered:
+            session.slot.last_active = time.monotonic()
+            self.computation.express.answered += held.answered
+            self.computation.express.whole += held.answered
+            self.runner.charge(session, held.tokens - 1)
+        if held.unsent and not session.write_buffers_now([memoryview(held.unsent)], 0):
+            log.error("closing connection from %s: a held reply could not be sent in order", session.peer)
+            session.writer.transport.abort()  # cannot happen: nothing else wrote while the hold ran
+        if held.pending:
+            feed(held.pending)
 
     def _size(self, frame: Frame) -> Sized:
         """A DISPATCH's declared sizes checked against the limits, from its metadata alone."""

@@ -235,6 +235,11 @@ class ComputeRunner:
                 else:
                     self._on_idle()
 
+    def charge(self, owner: Hashable, cost: float) -> None:
+        """Charge `owner` for `cost` more of work `run_now` ran (it charged the call's own cost)."""
+        with self._ready:
+            self._finish[owner] = self._finish.get(owner, self._virtual_time) + cost
+
     def drop(self, owner: Hashable) -> int:
         """Forget `owner`'s jobs that have not started (their futures are cancelled); return how many."""
         with self._ready:

@@ -254,6 +254,7 @@ class WorkerServer:
             return False  # the reader's own checks name anything wrong
         if not self.requests.answered_whole(session, request_id, meta_len, data[HEADER_SIZE:]):
             return False
+        self.requests.hold(session, reader.feed_data)
         watch.renew(self.limits.idle_timeout_s)
         return True
 

@@ -120,6 +120,11 @@ class Session:
         return (self._direct is not None and not self.closed and not self._queued and not self._tail
                 and not self.writer.transport.get_write_buffer_size())
 
+    @property
+    def direct_fd(self) -> int | None:
+        """The descriptor of the compute thread's handle on a plain TCP connection (None: TLS)."""
+        return None if self._direct is None else self._direct.fileno()
+
     def write_buffers_now(self, buffers: list[memoryview], owed: int) -> bool:
         """`write_now` of a frame already encoded (its buffers, header first)."""
         size = sum(b.nbytes for b in buffers)

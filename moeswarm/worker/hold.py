@@ -1,0 +1,107 @@
+"""A connection held between a decode's DISPATCHes: the next ones read, answered and sent in C.
+
+A decode step's DISPATCH answered whole on the event loop (worker/express.py `answer_now`) is
+followed, a backbone's attention later, by the next layer's. Through the loop each one costs the
+loop's wake-up, the transport's read and callbacks, the lane's lookup and the reply's send, all in
+Python from caches the experts just swept: on a 2-core VM (OLMoE-shaped Q4_K_M, one worker
+thread; `perf` timestamps of its system calls) 50-80 us from epoll's return to the experts' first
+instruction and ~30 us from their last to the send, of a layer call's 0.2-0.35 ms beyond its
+experts. So after such an answer the loop's thread waits on the connection itself, in C
+(weights/qk_hold.c): a frame of a learned lane (its metadata bytes the lane's, its payload the
+lane's size) is read, answered by the express entries (the same calls, the same bits) and sent,
+and the wait goes on.
+
+The hold gives the loop back as soon as it has anything else to do: it waits on the loop's
+selector too, so another connection's bytes, a reply finished on the compute thread, or a new
+connection end it; so do bytes on this connection that are not a learned lane's frame (read by the
+loop's reader, with every check of its own), HOLD_WAIT_S without a frame, and HOLD_LIMIT_S in all
+(the loop's timers wait that long at most). It runs as the runner's work (nothing else computes
+meanwhile) and only on a plain TCP connection with nothing unsent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from moeswarm.weights import qkernels
+from moeswarm.wire.frames import HEADER_SIZE
+from moeswarm.worker.config import INLINE_TOKENS
+
+HOLD_WAIT_S = 0.05  # the longest a hold waits for the connection's next frame
+HOLD_LIMIT_S = 0.1  # the longest one hold keeps the loop's thread
+CAPACITY = 256  # lanes a hold knows (one per layer, mode and timing, per token count), kept for good
+
+# why a hold ended (weights/qk_hold.c)
+WAITED, LOOP, OTHER, DECLINED, FULL, CLOSED, SPENT = range(7)
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one hold did."""
+
+    why: int
+    answered: int  # frames answered (their replies sent, or `unsent` the rest of the last one)
+    tokens: int  # their tokens
+    pending: bytes  # a frame read and not answered (DECLINED): the loop's reader takes it
+    unsent: bytes  # the last reply's bytes the socket did not take (FULL): the loop writes them
+
+
+class Hold:
+    """The lanes a connection hold answers (the express lanes whose whole RESULT is made in C), and
+    its buffers. Lanes are added on the compute thread, holds run on the loop's: a hold sees the
+    lanes counted when it began, and the runner keeps the two apart (both run as its work)."""
+
+    def __init__(self, capacity: int = CAPACITY):
+        self._lanes = (qkernels.HoldLane * capacity)()
+        self._kept: list = []  # what the entries point into
+        self.count = 0
+        self._sizes: list[tuple[int, int, int]] = []  # each lane's (tokens, DISPATCH frame bytes, RESULT frame bytes)
+        self._sized = (0, 0)  # (lanes, max_tokens) the buffers were sized for
+        self._in = bytearray()
+        self._reply = bytearray()
+        self._out = qkernels.HoldOut()
+        self.answered = 0  # frames answered in holds
+
+    def add(self, meta: bytes, payload_bytes: int, tokens: int, whole: tuple, exact: bool, reply_bytes: int) -> None:
+        """A lane: DISPATCHes of `tokens` whose metadata bytes are `meta` and payload `payload_bytes`
+        long, answered by `whole` (qkernels.express_lane's struct and what it points into) into
+        `reply_bytes` at most."""
+        if self.count == len(self._lanes) or tokens > INLINE_TOKENS:
+            return  # the loop's express lane and the full path still answer it
+        kept = ctypes.create_string_buffer(meta, len(meta))
+        self._kept.append((kept, whole))
+        self._lanes[self.count] = qkernels.HoldLane(ctypes.addressof(kept), len(meta), payload_bytes,
+                                                    ctypes.addressof(whole[0]), int(exact), tokens)
+        self._sizes.append((tokens, HEADER_SIZE + len(meta) + payload_bytes, reply_bytes))
+        self.count += 1
+
+    def serve(self, fd: int, loop_fd: int, max_tokens: int, threads: int) -> Held:
+        """Hold connection `fd` (its socket's descriptor) with the lanes of at most `max_tokens` until
+        one of the ends above; `loop_fd`: the event loop's selector."""
+        if self._sized != (self.count, max_tokens):
+            fitting = [(frame, reply) for tokens, frame, reply in self._sizes if tokens <= max_tokens]
+            frame_bytes, reply_bytes = (max(sizes) for sizes in zip(*fitting)) if fitting else (0, 0)
+            if len(self._in) < frame_bytes:
+                self._in = bytearray(frame_bytes)
+            if len(self._reply) < reply_bytes:
+                self._reply = bytearray(reply_bytes)
+            self._sized = (self.count, max_tokens)
+        out = self._out
+        why = qkernels.hold(self._lanes, self.count, max_tokens, fd, loop_fd, HOLD_WAIT_S, HOLD_LIMIT_S, self._in, self._reply,
+                            threads, out)
+        self.answered += out.answered
+        pending = bytes(self._in[: out.pending]) if why == DECLINED else b""
+        unsent = bytes(self._reply[out.unsent_at : out.unsent_at + out.unsent_len]) if why == FULL else b""
+        return Held(why, out.answered, out.tokens, pending, unsent)
+
+
+def selector_fd(loop) -> int | None:
+    """The descriptor of `loop`'s selector (readable when anything it waits for is ready), or None
+    where the loop has none to offer (a loop other than asyncio's selector loop)."""
+    selector = getattr(loop, "_selector", None)  # asyncio's BaseSelectorEventLoop: no public handle
+    fileno = getattr(selector, "fileno", None)
+    try:
+        return fileno() if fileno is not None else None
+    except (OSError, ValueError):
+        return None
