@@ -36,10 +36,15 @@
 typedef struct {
     const uint8_t *meta; /* a DISPATCH's metadata bytes, as the lane was learned from */
     int64_t meta_len, payload_len;
-    const QkLane *lane;
-    int64_t exact;  /* 1: qk_express_rows; 0: qk_express_sums */
-    int64_t tokens; /* the DISPATCH's */
+    const QkLane *lane; /* NULL: answered by the caller's `answer` (float experts: a torch module) */
+    int64_t exact;      /* 1: qk_express_rows; 0: qk_express_sums */
+    int64_t tokens;     /* the DISPATCH's */
 } QkHoldLane;
+
+/* The RESULT frame answering the DISPATCH of lane `index` (its frame's body, body_len bytes, request
+ * rid) into reply [cap]: its length, or below zero where declined. */
+typedef int64_t (*QkHoldAnswer)(int64_t index, const uint8_t *body, int64_t body_len, uint64_t rid, uint8_t *reply,
+                                int64_t cap);
 
 enum {
     HOLD_WAITED = 0,   /* nothing came within the wait */
@@ -76,15 +81,17 @@ static int64_t readable(int fd) {
     return ioctl(fd, FIONREAD, &n) == 0 && n > 0 ? n : 0;
 }
 
-/* The lane of at most max_tokens whose frame starts with `head` (got bytes of it), or NULL. */
-static const QkHoldLane *lane_of(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, const uint8_t *head,
-                                 int64_t got) {
+/* The lane of at most max_tokens whose frame starts with `head` (got bytes of it), or NULL (a lane
+ * answered by the caller only where `answer` is given). */
+static const QkHoldLane *lane_of(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, QkHoldAnswer answer,
+                                 const uint8_t *head, int64_t got) {
     if (got < HEADER || memcmp(head, "MSWM", 4) != 0 || head[4] != 2 || head[5] != 2) return NULL;
     int64_t meta_len = (int64_t)get_le(head + 16, 4), payload_len = (int64_t)get_le(head + 20, 4);
     if (got < HEADER + meta_len) return NULL;
     for (int64_t i = 0; i < n_lanes; i++) {
         const QkHoldLane *lane = &lanes[i];
         if (lane->meta_len == meta_len && lane->payload_len == payload_len && lane->tokens <= max_tokens &&
+            (lane->lane != NULL || answer != NULL) &&
             memcmp(lane->meta, head + HEADER, (size_t)meta_len) == 0)
             return lane;
     }
@@ -94,10 +101,11 @@ static const QkHoldLane *lane_of(const QkHoldLane *lanes, int64_t n_lanes, int64
 /* Serve fd (a non-blocking TCP socket, nothing unread in the loop's reader, nothing unsent) for up
  * to limit_s, waiting at most wait_s for each next frame, with the lanes of at most max_tokens;
  * loop_fd: the event loop's selector (its readiness ends the hold when fd has nothing). in
- * [in_cap]: room for the largest such lane's frame; reply [reply_cap]: for its RESULT. Returns why
- * it ended (HOLD_*), out: what it did. */
-int64_t qk_hold(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, int fd, int loop_fd, double wait_s, double limit_s,
-                uint8_t *in, int64_t in_cap, uint8_t *reply, int64_t reply_cap, int threads, QkHoldOut *out) {
+ * [in_cap]: room for the largest such lane's frame; reply [reply_cap]: for its RESULT; answer: the
+ * caller's answer to a lane without a QkLane. Returns why it ended (HOLD_*), out: what it did. */
+int64_t qk_hold(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, int fd, int loop_fd, double wait_s,
+                double limit_s, uint8_t *in, int64_t in_cap, uint8_t *reply, int64_t reply_cap, QkHoldAnswer answer,
+                int threads, QkHoldOut *out) {
     memset(out, 0, sizeof *out);
     int64_t end = now_ns() + (int64_t)(limit_s * 1e9), wait_ns = (int64_t)(wait_s * 1e9);
     for (;;) {
@@ -113,7 +121,7 @@ int64_t qk_hold(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, in
         if (avail == 0) return p[0].revents ? HOLD_CLOSED : HOLD_LOOP;
         /* the frame's header and metadata: peeked, nothing read until it is whole and a lane's */
         ssize_t got = recv(fd, in, (size_t)(avail < in_cap ? avail : in_cap), MSG_PEEK | MSG_DONTWAIT);
-        const QkHoldLane *lane = got > 0 ? lane_of(lanes, n_lanes, max_tokens, in, got) : NULL;
+        const QkHoldLane *lane = got > 0 ? lane_of(lanes, n_lanes, max_tokens, answer, in, got) : NULL;
         if (lane == NULL) return HOLD_OTHER;
         int64_t total = HEADER + lane->meta_len + lane->payload_len;
         if (total > in_cap) return HOLD_OTHER;
@@ -134,8 +142,9 @@ int64_t qk_hold(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, in
             return got > 0 ? HOLD_DECLINED : HOLD_CLOSED;
         }
         uint64_t rid = get_le(in + 8, 8);
-        int64_t size = lane->exact ? qk_express_rows(lane->lane, in + HEADER, reply, reply_cap, rid, threads)
-                                   : qk_express_sums(lane->lane, in + HEADER, reply, reply_cap, rid, threads);
+        int64_t size = lane->lane == NULL ? answer(lane - lanes, in + HEADER, total - HEADER, rid, reply, reply_cap)
+                       : lane->exact      ? qk_express_rows(lane->lane, in + HEADER, reply, reply_cap, rid, threads)
+                                          : qk_express_sums(lane->lane, in + HEADER, reply, reply_cap, rid, threads);
         if (size < 0) {
             out->pending = total;
             return HOLD_DECLINED;

@@ -59,7 +59,7 @@ def _library() -> ctypes.CDLL | None:
                                                                     ctypes.c_uint64, ctypes.c_int]
     lib.qk_express_sums.restype = lib.qk_express_rows.restype = _I64
     lib.qk_hold.argtypes = [_PTR, _I64, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_double, ctypes.c_double, _PTR, _I64, _PTR,
-                            _I64, ctypes.c_int, _PTR]
+                            _I64, HOLD_ANSWER, ctypes.c_int, _PTR]
     lib.qk_hold.restype = _I64
     lib.qk_add_rows.argtypes, lib.qk_add_rows.restype = [_PTR, _PTR, _I64, _I64], None
     lib.qk_peak.argtypes, lib.qk_peak.restype = [_PTR, _I64], ctypes.c_double
@@ -360,9 +360,14 @@ def express_answer(lane: ExpressLane, exact: bool, body: bytes, reply: bytearray
     return run(ctypes.byref(lane), body, where, len(reply), request_id, threads)
 
 
+# A hold's answer to a lane it has no ExpressLane for (weights/qk_hold.c QkHoldAnswer): (lane index,
+# the DISPATCH frame's body, its length, request id, reply, its room) -> the RESULT frame's length, < 0: declined
+HOLD_ANSWER = ctypes.CFUNCTYPE(_I64, _I64, _PTR, _I64, ctypes.c_uint64, _PTR, _I64)
+
+
 class HoldLane(ctypes.Structure):
     """A learned lane as the connection hold finds it (weights/qk_hold.c's QkHoldLane): its DISPATCH's
-    metadata bytes and payload size, and the ExpressLane that answers it."""
+    metadata bytes and payload size, and the ExpressLane that answers it (None: the hold's HOLD_ANSWER)."""
 
     _fields_ = [("meta", _PTR), ("meta_len", _I64), ("payload_len", _I64), ("lane", _PTR), ("exact", _I64),
                 ("tokens", _I64)]
@@ -376,12 +381,12 @@ class HoldOut(ctypes.Structure):
 
 
 def hold(lanes: ctypes.Array, n_lanes: int, max_tokens: int, fd: int, loop_fd: int, wait_s: float, limit_s: float,
-         into: bytearray, reply: bytearray, threads: int, out: HoldOut) -> int:
+         into: bytearray, reply: bytearray, answer: ctypes._CFuncPtr, threads: int, out: HoldOut) -> int:
     """Answer a connection's DISPATCHes of learned lanes of at most `max_tokens` as they come, in C
     (weights/qk_hold.c `qk_hold`): why it ended (worker/hold.py's outcomes), `out` what it did."""
     return _library().qk_hold(ctypes.addressof(lanes), n_lanes, max_tokens, fd, loop_fd, wait_s, limit_s,
                               ctypes.addressof(ctypes.c_char.from_buffer(into)), len(into),
-                              ctypes.addressof(ctypes.c_char.from_buffer(reply)), len(reply), threads,
+                              ctypes.addressof(ctypes.c_char.from_buffer(reply)), len(reply), answer, threads,
                               ctypes.byref(out))
 
 

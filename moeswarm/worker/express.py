@@ -105,7 +105,7 @@ class Express:
         self._lanes: KnownLayouts[Lane | TorchLane | bool] = KnownLayouts()  # False: metadata seen, no lane for it
         self.answered = 0
         self.whole = 0  # of them, answered with the whole RESULT frame on the loop (`answer_now`)
-        self.hold = Hold()  # the lanes answered whole in C, for a connection held between them (worker/hold.py)
+        self.hold = Hold(self.answer_now)  # the lanes answered whole, for a connection held between them (worker/hold.py)
 
     def answer(self, frame: Frame) -> Frame | None:
         """The RESULT for `frame`, or None: not known here (or refused: the full path says why)."""
@@ -220,8 +220,10 @@ class Express:
         lane = self._lane(frame, request, reply)
         self._lanes.remember(frame, lane)
         if type(lane) is Lane and lane.whole is not None:
-            self.hold.add(frame.meta_bytes, lane.payload_bytes, lane.tokens, lane.whole,
-                          lane.mode == CombineMode.EXACT, lane.reply_bytes)
+            self.hold.add(frame.meta_bytes, lane.payload_bytes, lane.tokens, lane.reply_bytes, lane.whole,
+                          lane.mode == CombineMode.EXACT)
+        elif type(lane) is TorchLane:
+            self.hold.add(frame.meta_bytes, lane.payload_bytes, lane.tokens, _reply_bound(frame, request), lane=lane)
 
     def _torch(self, lane: TorchLane, frame: Frame) -> Frame | None:
         """The RESULT the full path gives `frame` (a DISPATCH of `lane`), or None where the store
@@ -299,6 +301,13 @@ def _torch_lane(store, frame: Frame, request: Dispatch, reply: Frame, at: dict) 
                    memoryview(weights.numpy()).cast("B"), slice(x_at, x_at + x_size), slice(w_at, w_at + w_size),
                    at["ids"][0])
     return TorchLane(tokens, payload_bytes, request.timed, prefix, sums)
+
+
+def _reply_bound(frame: Frame, request: Dispatch) -> int:
+    """The largest RESULT frame a DISPATCH with `frame`'s metadata (`request` decoded) may get from the
+    full path: each routed pair's row (exact), the metadata, its experts and counts."""
+    (tokens, k), hidden = request.top_k_index.shape, request.hidden.shape[1]
+    return HEADER_SIZE + len(frame.meta_bytes) + 256 + 18 * tokens * k + 4 * tokens * k * hidden
 
 
 def _partial_frame(lane: TorchLane, request_id: int, rows: np.ndarray, cpu_s: float | None) -> memoryview:

@@ -22,6 +22,7 @@ meanwhile) and only on a plain TCP connection with nothing unsent.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from moeswarm.weights import qkernels
@@ -42,37 +43,48 @@ class Held:
 
     why: int
     answered: int  # frames answered (their replies sent, or `unsent` the rest of the last one)
+    in_c: int  # of them, by the express entries in C (the others by `answer`, which counts its own)
     tokens: int  # their tokens
     pending: bytes  # a frame read and not answered (DECLINED): the loop's reader takes it
     unsent: bytes  # the last reply's bytes the socket did not take (FULL): the loop writes them
 
 
 class Hold:
-    """The lanes a connection hold answers (the express lanes whose whole RESULT is made in C), and
-    its buffers. Lanes are added on the compute thread, holds run on the loop's: a hold sees the
-    lanes counted when it began, and the runner keeps the two apart (both run as its work)."""
+    """The lanes a connection hold answers and its buffers: express lanes whose whole RESULT is made in
+    C, and others (float experts: a torch module's) that `answer(lane, body, request_id)` answers
+    (worker/express.py `answer_now`: the whole RESULT frame, or None), called from the hold.
+    Lanes are added on the compute thread, holds run on the loop's: a hold sees the lanes counted
+    when it began, and the runner keeps the two apart (both run as its work)."""
 
-    def __init__(self, capacity: int = CAPACITY):
+    def __init__(self, answer: Callable[[object, memoryview, int], memoryview | None], capacity: int = CAPACITY):
+        self._answer = answer
         self._lanes = (qkernels.HoldLane * capacity)()
         self._kept: list = []  # what the entries point into
+        self._python: dict[int, object] = {}  # entry -> the lane `answer` answers
+        self._callback = qkernels.HOLD_ANSWER(self._called)
         self.count = 0
         self._sizes: list[tuple[int, int, int]] = []  # each lane's (tokens, DISPATCH frame bytes, RESULT frame bytes)
         self._sized = (0, 0)  # (lanes, max_tokens) the buffers were sized for
         self._in = bytearray()
         self._reply = bytearray()
         self._out = qkernels.HoldOut()
+        self._by_python = 0  # frames `answer` answered in the hold under way
         self.answered = 0  # frames answered in holds
 
-    def add(self, meta: bytes, payload_bytes: int, tokens: int, whole: tuple, exact: bool, reply_bytes: int) -> None:
+    def add(self, meta: bytes, payload_bytes: int, tokens: int, reply_bytes: int, whole: tuple | None = None,
+            exact: bool = False, lane: object = None) -> None:
         """A lane: DISPATCHes of `tokens` whose metadata bytes are `meta` and payload `payload_bytes`
-        long, answered by `whole` (qkernels.express_lane's struct and what it points into) into
-        `reply_bytes` at most."""
+        long, their RESULT frames `reply_bytes` at most, answered by `whole` (qkernels.express_lane's
+        struct and what it points into; `exact`: its rows) or else by `answer` (`lane` given to it)."""
         if self.count == len(self._lanes) or tokens > INLINE_TOKENS:
             return  # the loop's express lane and the full path still answer it
         kept = ctypes.create_string_buffer(meta, len(meta))
         self._kept.append((kept, whole))
+        if whole is None:
+            self._python[self.count] = lane
         self._lanes[self.count] = qkernels.HoldLane(ctypes.addressof(kept), len(meta), payload_bytes,
-                                                    ctypes.addressof(whole[0]), int(exact), tokens)
+                                                    ctypes.addressof(whole[0]) if whole is not None else None,
+                                                    int(exact), tokens)
         self._sizes.append((tokens, HEADER_SIZE + len(meta) + payload_bytes, reply_bytes))
         self.count += 1
 
@@ -87,13 +99,28 @@ class Hold:
             if len(self._reply) < reply_bytes:
                 self._reply = bytearray(reply_bytes)
             self._sized = (self.count, max_tokens)
-        out = self._out
-        why = qkernels.hold(self._lanes, self.count, max_tokens, fd, loop_fd, HOLD_WAIT_S, HOLD_LIMIT_S, self._in, self._reply,
-                            threads, out)
+        out, self._by_python = self._out, 0
+        why = qkernels.hold(self._lanes, self.count, max_tokens, fd, loop_fd, HOLD_WAIT_S, HOLD_LIMIT_S, self._in,
+                            self._reply, self._callback, threads, out)
         self.answered += out.answered
         pending = bytes(self._in[: out.pending]) if why == DECLINED else b""
         unsent = bytes(self._reply[out.unsent_at : out.unsent_at + out.unsent_len]) if why == FULL else b""
-        return Held(why, out.answered, out.tokens, pending, unsent)
+        return Held(why, out.answered, out.answered - self._by_python, out.tokens, pending, unsent)
+
+    def _called(self, index: int, body_at: int, body_len: int, request_id: int, reply_at: int, room: int) -> int:
+        """qk_hold's call for a lane without an ExpressLane: `answer`'s RESULT frame copied into the
+        reply buffer; its length, or -1 (declined, or larger than the room: the loop's reader takes
+        the frame, and the full path answers it)."""
+        try:
+            body = memoryview((ctypes.c_char * body_len).from_address(body_at)).cast("B")
+            reply = self._answer(self._python[index], body, request_id)
+            if reply is None or reply.nbytes > room:
+                return -1
+            memoryview((ctypes.c_char * room).from_address(reply_at)).cast("B")[: reply.nbytes] = reply
+        except Exception:  # noqa: BLE001 - a bug: the full path answers the frame again and says what it is
+            return -1
+        self._by_python += 1
+        return reply.nbytes
 
 
 def selector_fd(loop) -> int | None:

@@ -151,8 +151,8 @@ class Requests:
             return
         if held.answered:
             session.slot.last_active = time.monotonic()
-            self.computation.express.answered += held.answered
-            self.computation.express.whole += held.answered
+            self.computation.express.answered += held.in_c  # `answer_now` counted the others
+            self.computation.express.whole += held.in_c
             self.runner.charge(session, held.tokens - 1)
         if held.unsent and not session.write_buffers_now([memoryview(held.unsent)], 0):
             log.error("closing connection from %s: a held reply could not be sent in order", session.peer)
