@@ -11,7 +11,8 @@
  * the lane's size) is read, answered by qk_express_sums / qk_express_rows and sent, and the wait
  * goes on. Anything else ends the hold with nothing of it read: another ready descriptor of the
  * loop, bytes of another frame (the loop's reader takes them and checks everything it checks),
- * the wait's end. A frame read whose answer the express entry declines (an id not held here) is
+ * the wait's end. Between frames the kernels' helper threads rest (qk_pool.c), as they do whenever
+ * the worker's runner is idle. A frame read whose answer the express entry declines (an id not held here) is
  * left whole in `in` for the loop's reader to take (the full path names the fault); a reply the
  * socket could not take whole is left for the loop to write (nothing else is written meanwhile).
  *
@@ -29,6 +30,7 @@
 #include <time.h>
 
 #include "qk_express.h"
+#include "qk_pool.h"
 
 #define HEADER 24
 #define PARTS_WAIT_NS 5000000 /* the longest a frame's later bytes may take once its first came */
@@ -166,5 +168,6 @@ int64_t qk_hold(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, in
             }
         }
         out->answered++, out->tokens += lane->tokens;
+        qk_pool_rest(); /* the kernels' helpers sleep while this thread waits (as the runner's idle does) */
     }
 }
