@@ -25,6 +25,8 @@ import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from moeswarm.weights import qkernels
 from moeswarm.wire.frames import HEADER_SIZE
 from moeswarm.worker.config import INLINE_TOKENS
@@ -41,7 +43,6 @@ WAITED, LOOP, OTHER, DECLINED, FULL, CLOSED, SPENT = range(7)
 class Held:
     """What one hold did."""
 
-    why: int
     answered: int  # frames answered (their replies sent, or `unsent` the rest of the last one)
     in_c: int  # of them, by the express entries in C (the others by `answer`, which counts its own)
     tokens: int  # their tokens
@@ -88,9 +89,10 @@ class Hold:
         self._sizes.append((tokens, HEADER_SIZE + len(meta) + payload_bytes, reply_bytes))
         self.count += 1
 
-    def serve(self, fd: int, loop_fd: int, max_tokens: int, threads: int) -> Held:
+    def serve(self, fd: int, loop_fd: int, max_tokens: int) -> Held:
         """Hold connection `fd` (its socket's descriptor) with the lanes of at most `max_tokens` until
-        one of the ends above; `loop_fd`: the event loop's selector."""
+        one of the ends above, the kernels on torch's thread count (as the express lane's); `loop_fd`:
+        the event loop's selector."""
         if self._sized != (self.count, max_tokens):
             fitting = [(frame, reply) for tokens, frame, reply in self._sizes if tokens <= max_tokens]
             frame_bytes, reply_bytes = (max(sizes) for sizes in zip(*fitting)) if fitting else (0, 0)
@@ -101,11 +103,11 @@ class Hold:
             self._sized = (self.count, max_tokens)
         out, self._by_python = self._out, 0
         why = qkernels.hold(self._lanes, self.count, max_tokens, fd, loop_fd, HOLD_WAIT_S, HOLD_LIMIT_S, self._in,
-                            self._reply, self._callback, threads, out)
+                            self._reply, self._callback, torch.get_num_threads(), out)
         self.answered += out.answered
         pending = bytes(self._in[: out.pending]) if why == DECLINED else b""
         unsent = bytes(self._reply[out.unsent_at : out.unsent_at + out.unsent_len]) if why == FULL else b""
-        return Held(why, out.answered, out.answered - self._by_python, out.tokens, pending, unsent)
+        return Held(out.answered, out.answered - self._by_python, out.tokens, pending, unsent)
 
     def _called(self, index: int, body_at: int, body_len: int, request_id: int, reply_at: int, room: int) -> int:
         """qk_hold's call for a lane without an ExpressLane: `answer`'s RESULT frame copied into the

@@ -20,8 +20,6 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from moeswarm.errors import MoeSwarmError, ProtocolError, printable
 from moeswarm.wire.frames import HEADER_SIZE, Frame, Opcode
 from moeswarm.wire.layouts import KnownLayouts
@@ -145,8 +143,7 @@ class Requests:
         fd, loop_fd = session.direct_fd, selector_fd(session.loop)
         if not hold.count or fd is None or loop_fd is None or not session.can_write_now():
             return
-        ran, held = self.runner.run_now(session, lambda: hold.serve(fd, loop_fd, self.inline_tokens,
-                                                                    torch.get_num_threads()), 1)
+        ran, held = self.runner.run_now(session, lambda: hold.serve(fd, loop_fd, self.inline_tokens), 1)
         if not ran:
             return
         if held.answered:
