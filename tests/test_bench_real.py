@@ -22,7 +22,7 @@ from llamacpp_fixtures import require_llama_cpp
 
 require_llama_cpp(__file__)
 
-CONFIGS = ["llama.cpp", "local", "loopback", "loopback1", "wan20", "wan80"]
+CONFIGS = ["local", "loopback", "loopback1", "wan20", "wan80"]
 SWARMS = ["loopback", "loopback1", "wan20", "wan80"]
 
 
@@ -47,13 +47,22 @@ def test_meta(report):
     assert meta["command"].startswith("moeswarm bench real --quick")
     assert (meta["prompt_tokens"], meta["decode_tokens"], meta["quant_type"]) == (64, 32, "Q4_K_M")
     assert meta["threads"] == 2 and meta["worker_threads"] == 2 and meta["repeats"] == 1
-    assert meta["llama_cpp_python"] and "use_extra_bufts=False" in meta["llama_cpp_buffers"]
+    assert meta["llama_cpp_python"] and "default buffer types" in meta["llama_cpp_buffers"]
     assert meta["files"][0]["file_bytes"] > 0
+    probe = meta["files"][0]["llama_cpp_default_buffers"]
+    assert probe == "run" or probe.startswith("crash: ")
+
+
+def _llama_rows(meta: dict) -> list[str]:
+    """llama.cpp as it ships, and its plain buffers beside it; the plain one alone where the default crashes."""
+    return ["llama.cpp", "llama.cpp plain"] if meta["files"][0]["llama_cpp_default_buffers"] == "run" else ["llama.cpp"]
 
 
 def test_every_configuration_measured(report):
     rows = report[0]["rows"]
-    assert [r["config"] for r in rows] == CONFIGS
+    assert [r["config"] for r in rows] == _llama_rows(report[0]["meta"]) + CONFIGS
+    labels = {r["config"]: r["label"] for r in rows}
+    assert ("default buffer types" in labels["llama.cpp"]) == (len(_llama_rows(report[0]["meta"])) == 2)
     for row in rows:
         assert row["shape"] == "tiny"
         assert row["decode_tokens_per_s"] > 0 and row["prompt_tokens_per_s"] > 0

@@ -13,4 +13,7 @@ void qk_pool_run(qk_job_fn fn, void *args, size_t arg_size, int n);
 /* The helpers stop spinning and sleep until the next call: this process waits for others now. */
 void qk_pool_rest(void);
 
+/* How long a wait spins before it sleeps, in ns, as measured on this host at the first call (0 before). */
+long long qk_pool_spin_ns(void);
+
 #endif

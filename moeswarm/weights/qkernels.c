@@ -62,12 +62,15 @@ typedef int32_t i16v __attribute__((vector_size(LANES * sizeof(int32_t)), aligne
  * to 4 lanes (one permute) and shifted (one variable shift). The load reads up to 48 bytes past
  * p + 16: decode_row makes sure they are readable (OVERREAD). */
 #define OVERREAD 64
-/* How the dots prefetch the next tile's weight rows (qk_use_isa chooses): non-temporal on AMD, where
- * such lines are not kept in the shared L3 when they leave L2, so a product that streams tens of MB of
- * weights once does not evict what the process reads again (its Python, the KV cache, the next
- * layer's activations); measured on a Zen 3 EPYC: a decode step 3 % faster, the Python of a layer call
- * after a worker's experts about a fifth cheaper. Elsewhere into L2, as before (not measured there). */
-static int prefetch_nta = 0;
+/* Choices that change how fast a product runs, never its bits (every one computes the same integer
+ * sums and float steps per (row, token)): measured on the host by moeswarm/weights/kernel_tuning.py at
+ * first use and set with qk_tune, rather than fixed for a CPU family. Until then, the defaults below.
+ *   prefetch   how the dots fetch the next row group's weights ahead: QK_PREFETCH_NONE, _L2 (into L2)
+ *              or _NTA (non-temporal: not kept in the shared L3 when they leave L2)
+ *   wide_from  the K-quants' wide tiles (several tokens' sums in one register) from this many tokens on
+ *   wide16     AVX-512's 16-token Q4_K tiles while more than 8 tokens are left (0: tiles of 8 only) */
+enum { QK_PREFETCH_NONE = 0, QK_PREFETCH_L2 = 1, QK_PREFETCH_NTA = 2 };
+static struct { int prefetch, wide_from, wide16; } tuning = {QK_PREFETCH_L2, 4, 1};
 static const u16 BYTE_SHIFT = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
 static inline __attribute__((always_inline)) u16 top_bytes16(const uint8_t *p) {
     u16 words;
@@ -684,7 +687,6 @@ int qk_use_isa(int level) {
     if (level < 0 || !runs_isa(level)) level = best_isa();
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
     __builtin_cpu_init();
-    prefetch_nta = __builtin_cpu_is("amd");
 #endif
     __atomic_store_n(&chosen_isa, level, __ATOMIC_RELAXED);
     return level;
@@ -700,6 +702,39 @@ int qk_isa(void) {
     level = -1;
     for (int i = 0; name && i < 4; i++) if (strcmp(name, NAMES[i]) == 0) level = i;
     return qk_use_isa(level);
+}
+
+/* Set the speed choices (see `tuning`): prefetch one of QK_PREFETCH_*, wide_from 1..9 (9: never wide,
+ * a product's tokens being tiled by 4 instead), wide16 0 or 1. Returns 0, or -1 (nothing changed) for
+ * a value out of range. The bits of every product are the same under every choice. */
+int qk_tune(int prefetch, int wide_from, int wide16) {
+    if (prefetch < QK_PREFETCH_NONE || prefetch > QK_PREFETCH_NTA || wide_from < 1 || wide_from > 9 ||
+        (wide16 != 0 && wide16 != 1))
+        return -1;
+    __atomic_store_n(&tuning.prefetch, prefetch, __ATOMIC_RELAXED);
+    __atomic_store_n(&tuning.wide_from, wide_from, __ATOMIC_RELAXED);
+    __atomic_store_n(&tuning.wide16, wide16, __ATOMIC_RELAXED);
+    return 0;
+}
+
+/* The choices in force: out[0..3) = prefetch, wide_from, wide16. */
+void qk_tuning(int out[3]) {
+    out[0] = __atomic_load_n(&tuning.prefetch, __ATOMIC_RELAXED);
+    out[1] = __atomic_load_n(&tuning.wide_from, __ATOMIC_RELAXED);
+    out[2] = __atomic_load_n(&tuning.wide16, __ATOMIC_RELAXED);
+}
+
+/* Evict p[0..n) from every cache level (x86: clflush), so that the next read of it comes from DRAM,
+ * as a decode step reads its weights: what kernel_tuning.py times the prefetch choices on. */
+void qk_evict(const void *p, int64_t n) {
+#ifdef QK_SIMD
+    for (int64_t i = 0; i < n; i += 64) _mm_clflush((const char *)p + i);
+    if (n > 0) _mm_clflush((const char *)p + n - 1);
+    _mm_mfence();
+#else
+    (void)p;
+    (void)n;
+#endif
 }
 
 typedef struct {
@@ -1315,9 +1350,11 @@ static inline AI __m256i S(words_s8)(const int8_t *p) {
     return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* The cache lines of p[0..n) on their way (a hint: no fault, no result changed; prefetch_nta says where). */
+/* The cache lines of p[0..n) on their way (a hint: no fault, no result changed; tuning.prefetch says where). */
 static inline AI void S(prefetch)(const uint8_t *p, int64_t n) {
-    if (prefetch_nta) {
+    const int how = __atomic_load_n(&tuning.prefetch, __ATOMIC_RELAXED);
+    if (how == QK_PREFETCH_NONE) return;
+    if (how == QK_PREFETCH_NTA) {
         for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_NTA);
         _mm_prefetch((const char *)p + n - 1, _MM_HINT_NTA);
     } else {
@@ -1884,11 +1921,13 @@ static inline AI void S(wide_tile)(const int type, const uint8_t *row, const QX 
 #define INT_ROW_TILE 8  /* = the 8 lanes of rows8_kquant */
 static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx,
                                  int64_t n, float *y, int64_t ldy) {
+    const int wide_from = __atomic_load_n(&tuning.wide_from, __ATOMIC_RELAXED);
+    const int wide16 = __atomic_load_n(&tuning.wide16, __ATOMIC_RELAXED);
     for (int64_t r0 = 0; r0 < rows; r0 += INT_ROW_TILE) {
         int64_t r1 = rows - r0 < INT_ROW_TILE ? rows : r0 + INT_ROW_TILE, t = 0;
-        const int wide = (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) && n >= 4;
+        const int wide = (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) && n >= wide_from;
         while (wide && t < n) {  /* AVX512's Q4_K: 16 tokens a tile while more than 8 are left */
-            const int width = S(wide16_for)(type) && n - t > WIDE_TILE ? WIDE16_TILE : WIDE_TILE;
+            const int width = S(wide16_for)(type) && wide16 && n - t > WIDE_TILE ? WIDE16_TILE : WIDE_TILE;
             int nt = (int)(n - t < width ? n - t : width);
             for (int64_t r = r0; r < r1; r++) {
                 const uint8_t *row = w + r * row_bytes;

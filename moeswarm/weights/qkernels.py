@@ -74,7 +74,45 @@ def _library() -> ctypes.CDLL | None:
     lib.qk_use_isa.argtypes = [ctypes.c_int]
     lib.qk_isa.argtypes = []
     lib.qk_pool_rest.argtypes, lib.qk_pool_rest.restype = [], None
+    lib.qk_pool_spin_ns.argtypes, lib.qk_pool_spin_ns.restype = [], ctypes.c_longlong
+    lib.qk_tune.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.qk_tuning.argtypes, lib.qk_tuning.restype = [ctypes.POINTER(ctypes.c_int)], None
+    lib.qk_evict.argtypes, lib.qk_evict.restype = [_PTR, _I64], None
+    _tune(lib)
     return lib
+
+
+def _tune(lib: ctypes.CDLL) -> None:
+    """The speed choices for this host (kernel_tuning.py: forced, cached or measured now), set once."""
+    global TUNING_SOURCE
+    from moeswarm.weights import kernel_tuning
+
+    try:
+        chosen, TUNING_SOURCE = kernel_tuning.choose(lib, ISAS[lib.qk_isa()])
+    except ValueError as error:  # a bad MOESWARM_QK_TUNING: said once, the built-in choices used
+        log.warning("%s; the built-in kernel choices are used", error)
+        chosen, TUNING_SOURCE = kernel_tuning.DEFAULT, "default (MOESWARM_QK_TUNING refused)"
+    chosen.apply(lib)
+
+
+TUNING_SOURCE = "not chosen yet"  # where the tuning in force came from (kernel_tuning.choose)
+
+
+def tuning() -> dict:
+    """The speed choices in force (kernel_tuning.py) and where they came from."""
+    from moeswarm.weights.kernel_tuning import PREFETCH
+
+    out = (ctypes.c_int * 3)()
+    _library().qk_tuning(out)
+    return {"prefetch": PREFETCH[out[0]], "wide_from": out[1], "wide16": out[2], "source": TUNING_SOURCE,
+            "spin_ns": _library().qk_pool_spin_ns()}
+
+
+def tune(prefetch: str, wide_from: int, wide16: int) -> None:
+    """Set the speed choices (for tests that prove every choice gives the same bits)."""
+    from moeswarm.weights.kernel_tuning import Tuning
+
+    Tuning(prefetch, wide_from, wide16).apply(_library())
 
 
 def available() -> bool:

@@ -1,11 +1,14 @@
 """llama.cpp's side of `moeswarm bench real`: a child process running the same GGUF file.
 
-`python -m moeswarm.tools.bench.real_llama FILE THREADS` loads the file with llama-cpp-python on plain
-CPU buffers (without llama.cpp's "extra buffer types", which crash on this project's AMX Xeons:
-worker_real_llamacpp.plain_cpu_buffers) and answers `run` requests (real_proc.serve): a fresh
+`python -m moeswarm.tools.bench.real_llama FILE THREADS [CTX] [BUFFERS]` loads the file with
+llama-cpp-python on BUFFERS: `default` (llama.cpp as it ships and as users run it: its CPU "extra
+buffer types", repacked or AMX weights where the CPU has them) or `plain` (without them:
+worker_real_llamacpp.plain_cpu_buffers; on some hosts the default crashes, `probe_buffers` finds out in
+a child of its own) and answers `run` requests (real_proc.serve): a fresh
 context state, the prompt as one batch (timed: prompt speed), then greedy decode steps, one
 token per eval with the argmax of its logits (timed together: decode speed), exactly as the
-moeswarm children time theirs. An optional third argument sets the context size (default N_CTX).
+moeswarm children time theirs. An optional third argument sets the context size (default N_CTX), a fourth the buffers (default
+`default`).
 
 A request with `reuse` and the prompt the context already starts with keeps the prompt's cache:
 it drops what came after the prompt's last token and evaluates that token again (`bench kv-cache`
@@ -24,14 +27,20 @@ from moeswarm.tools.bench.real_proc import serve
 N_CTX = 512  # the 64-token prompt and 32 decoded tokens, with room
 
 
-def load(path: str, threads: int, n_ctx: int = N_CTX):
+BUFFERS = ("default", "plain")
+
+
+def load(path: str, threads: int, n_ctx: int = N_CTX, buffers: str = "default"):
     from moeswarm.tools.bench.llamacpp_convert import require_llama_cpp
     from moeswarm.tools.bench.worker_real_llamacpp import plain_cpu_buffers
 
+    if buffers not in BUFFERS:
+        raise ValueError(f"buffers must be one of {', '.join(BUFFERS)}, not {buffers!r}")
     llama_cpp = require_llama_cpp("moeswarm bench real")
     import llama_cpp.llama_cpp as low
 
-    low.llama_model_default_params = plain_cpu_buffers(low.llama_model_default_params)
+    if buffers == "plain":
+        low.llama_model_default_params = plain_cpu_buffers(low.llama_model_default_params)
     model = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
                             n_threads_batch=threads, use_mmap=True, logits_all=False, verbose=False)
     vocab = model.n_vocab()
@@ -65,11 +74,37 @@ def load(path: str, threads: int, n_ctx: int = N_CTX):
         return {"prompt_s": prompt_s, "decode_s": decode_s, "step_s": step_s, "tokens": tokens,
                 "prompt_cpu_s": cpu_decode - cpu_start, "decode_cpu_s": time.process_time() - cpu_decode}
 
-    info = {"vocab": vocab, "buffers": "plain (use_extra_bufts=False)", "llama_cpp_python": llama_cpp.__version__,
+    info = {"vocab": vocab, "buffers": BUFFER_NAMES[buffers], "llama_cpp_python": llama_cpp.__version__,
             "threads": threads}
     return info, run
 
 
+BUFFER_NAMES = {"default": "default (extra buffer types: repacked weights where the CPU has them)",
+                "plain": "plain (use_extra_bufts=False)"}
+PROBE_PROMPT = 8  # tokens of the probe's prompt (a batch: the repacked kernels' tiles run) ...
+PROBE_DECODE = 2  # ... and its one-token steps
+
+
+def probe_buffers(path: str, threads: int, n_ctx: int = N_CTX) -> str | None:
+    """None when llama.cpp's default buffer types load `path` and run a short prompt and decode with
+    `threads` threads on this host; else why not, in one line (a crash is a child's, not ours)."""
+    from moeswarm.errors import MoeSwarmError
+    from moeswarm.tools.bench.real_proc import Child
+
+    try:
+        child = Child("llama.cpp (default buffers, probe)", "moeswarm.tools.bench.real_llama",
+                      [path, str(threads), str(n_ctx), "default"], {"OMP_NUM_THREADS": str(threads)})
+    except MoeSwarmError as error:
+        return str(error)
+    try:
+        child.request(op="run", prompt=list(range(1, PROBE_PROMPT + 1)), decode=PROBE_DECODE)
+        return None
+    except MoeSwarmError as error:
+        return str(error)
+    finally:
+        child.close()
+
+
 if __name__ == "__main__":
-    file, thread_count, *context = sys.argv[1:]
-    serve(lambda: load(file, int(thread_count), int(context[0]) if context else N_CTX))
+    file, thread_count, *rest = sys.argv[1:]
+    serve(lambda: load(file, int(thread_count), int(rest[0]) if rest else N_CTX, rest[1] if len(rest) > 1 else "default"))

@@ -2,7 +2,11 @@
 
 Per shape (real_shapes.py; the file from real_build.py), every process is started once, one
 after the other (so that each start-up is timed alone), on a file already in the page cache:
-  llama.cpp   llama-cpp-python, THREADS threads, plain CPU buffers (real_llama.py)
+  llama.cpp   llama-cpp-python, THREADS threads, as it ships: its default buffer types (repacked
+              weights where the CPU has them; real_llama.py), probed first in a child of its own;
+              where they crash on this host, plain CPU buffers instead, and the row says so
+  llama.cpp plain  the same on plain CPU buffers (use_extra_bufts=False), where the default runs:
+              both rows reported; ratios are against the `llama.cpp` row
   local       moeswarm with the whole model in one process, THREADS torch threads
   loopback    a moeswarm backbone (THREADS threads) and 2 `moeswarm worker` processes (THREADS
               threads each), each holding half of every layer's experts, over TCP on loopback: 3
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeswarm.tools.bench.real_build import model_file
+from moeswarm.tools.bench.real_llama import N_CTX
 from moeswarm.tools.bench.real_proc import Child, memory, prewarm
 from moeswarm.tools.bench.real_rows import shape_rows
 from moeswarm.tools.bench.real_shapes import DECODE_TOKENS, PROMPT_TOKENS, ModelShape
@@ -58,8 +63,13 @@ class Config:
 SPLIT = tuple(f"worker {i}" for i in range(WORKERS))
 
 
+LLAMA_DEFAULT = Config("llama.cpp", "llama.cpp (llama-cpp-python, default buffer types)", "llama.cpp")
+LLAMA_PLAIN = Config("llama.cpp plain", "llama.cpp (llama-cpp-python, plain buffers)", "llama.cpp plain")
+LLAMA_FALLBACK = Config("llama.cpp", "llama.cpp (llama-cpp-python, plain buffers: the default crashes here)",
+                        "llama.cpp plain")
 CONFIGS = (
-    Config("llama.cpp", "llama.cpp (llama-cpp-python)", "llama.cpp"),
+    LLAMA_DEFAULT,
+    LLAMA_PLAIN,
     Config("local", "moeswarm local (one process)", "local"),
     Config("loopback", "moeswarm, 2 workers on loopback", "backbone (loopback)", workers=SPLIT),
     Config("loopback1", "moeswarm, 1 worker on loopback", "backbone (1 worker)", workers=(ALONE,)),
@@ -73,13 +83,25 @@ def prompt_ids(vocab: int, count: int = PROMPT_TOKENS) -> list[int]:
     return [(7919 * i + 11) % vocab for i in range(count)]
 
 
+def configs_for(default_crash: str | None) -> tuple[Config, ...]:
+    """The configurations measured: both llama.cpp rows where its default buffers run, else the plain
+    one standing in as `llama.cpp` (its label says why)."""
+    if default_crash is None:
+        return CONFIGS
+    return (LLAMA_FALLBACK, *(config for config in CONFIGS if not config.name.startswith("llama.cpp")))
+
+
 def run_shape(shape: ModelShape, cache: Path, threads: int, repeats: int) -> tuple[list[dict], dict]:
     """(rows, the shape's meta) for one shape: its file built or found, every configuration measured."""
+    from moeswarm.tools.bench.real_llama import probe_buffers
+
     path = model_file(shape, cache)
     prewarm_s = prewarm(path)
     prompt = prompt_ids(shape.vocab)
-    with _processes(path, shape, threads) as (children, workers):
-        runs = _alternate(children, prompt, repeats, shape.name)
+    default_crash = probe_buffers(str(path), threads)
+    configs = configs_for(default_crash)
+    with _processes(path, shape, threads, configs) as (children, workers):
+        runs = _alternate(children, prompt, repeats, shape.name, configs)
         profiles = {name: children[name].request(op="run", prompt=prompt, decode=DECODE_TOKENS, profile=True)
                     for name in PROFILED}
         processes = [{"role": child.role, "pid": child.pid, "startup_s": child.startup_s, **memory(child.pid)}
@@ -87,25 +109,32 @@ def run_shape(shape: ModelShape, cache: Path, threads: int, repeats: int) -> tup
         processes += [{"role": role, "pid": pid, "startup_s": startup_s, "experts": held, "threads": count,
                        **memory(pid)} for role, pid, startup_s, held, count in workers]
         ready = {child.role: child.ready for child in _unique(children.values())}
-    rows = shape_rows(shape, CONFIGS, runs, profiles, processes, threads)
+    rows = shape_rows(shape, configs, runs, profiles, processes, threads)
     meta = {"shape": shape.name, "file": str(path), "file_bytes": path.stat().st_size, "prewarm_s": prewarm_s,
-            "parameters": shape.parameters(), "ready": ready}
+            "parameters": shape.parameters(), "ready": ready,
+            "llama_cpp_default_buffers": "run" if default_crash is None else f"crash: {default_crash}"}
     return rows, meta
 
 
 @contextlib.contextmanager
-def _processes(path: Path, shape: ModelShape, threads: int) -> Iterator[tuple[dict[str, Child], list]]:
+def _processes(path: Path, shape: ModelShape, threads: int,
+               configs: tuple[Config, ...]) -> Iterator[tuple[dict[str, Child], list]]:
     """Every process of the bench, started one after another: ({config name: its child}, workers as
     (role, pid, start-up s, experts "first-last", threads))."""
-    with contextlib.ExitStack() as stack, progress(desc=f"starting {shape.name}'s processes", total=8,
-                                                   unit="process") as bar:
+    llamas = {config.process for config in configs if config.name.startswith("llama.cpp")}
+    with contextlib.ExitStack() as stack, progress(desc=f"starting {shape.name}'s processes",
+                                                   total=6 + len(llamas), unit="process") as bar:
         def child(role: str, module: str, args: list, env: dict | None = None) -> Child:
             started = Child(role, module, [str(a) for a in args], env)
             stack.callback(started.close)
             bar.update()
             return started
 
-        llama = child("llama.cpp", "moeswarm.tools.bench.real_llama", [path, threads], {"OMP_NUM_THREADS": str(threads)})
+        by_role = {}
+        for role in sorted(llamas):  # "llama.cpp" (default buffers), "llama.cpp plain"
+            buffers = "plain" if role.endswith("plain") else "default"
+            by_role[role] = child(role, "moeswarm.tools.bench.real_llama", [path, threads, N_CTX, buffers],
+                                  {"OMP_NUM_THREADS": str(threads)})
         local = child("local", "moeswarm.tools.bench.real_moeswarm", [path, threads, "local"])
         workers, holders = [], {}
         for role, experts, count in [*zip(SPLIT, split_experts(shape.experts, WORKERS), [threads] * WORKERS),
@@ -120,21 +149,22 @@ def _processes(path: Path, shape: ModelShape, threads: int) -> Iterator[tuple[di
         direct = child("backbone (loopback)", "moeswarm.tools.bench.real_moeswarm", [path, threads, "direct", *split])
         alone = child("backbone (1 worker)", "moeswarm.tools.bench.real_moeswarm", [path, threads, "direct", holders[ALONE]])
         wan = child("backbone (WAN)", "moeswarm.tools.bench.real_moeswarm", [path, threads, "wan", *split])
-        by_role = {c.role: c for c in (llama, local, direct, alone, wan)}
-        yield {config.name: by_role[config.process] for config in CONFIGS}, workers
+        by_role.update({c.role: c for c in (local, direct, alone, wan)})
+        yield {config.name: by_role[config.process] for config in configs}, workers
 
 
-def _alternate(children: dict[str, Child], prompt: list[int], repeats: int, name: str) -> dict[str, list[dict]]:
+def _alternate(children: dict[str, Child], prompt: list[int], repeats: int, name: str,
+               configs: tuple[Config, ...]) -> dict[str, list[dict]]:
     """{config name: its timed runs}: one warm-up run each (WAN links at 0 ms), then `repeats`
     rounds, every configuration once per round, the order reversed every other round."""
-    runs: dict[str, list[dict]] = {config.name: [] for config in CONFIGS}
-    total = len(CONFIGS) * (repeats + 1)
+    runs: dict[str, list[dict]] = {config.name: [] for config in configs}
+    total = len(configs) * (repeats + 1)
     with progress(desc=f"{name}: {repeats} alternating repeats", total=total, unit="run") as bar:
-        for config in CONFIGS:
+        for config in configs:
             children[config.name].request(op="run", prompt=prompt, decode=DECODE_TOKENS, rtt_ms=0.0)
             bar.update()
         for repeat in range(repeats):
-            order = CONFIGS if repeat % 2 == 0 else tuple(reversed(CONFIGS))
+            order = configs if repeat % 2 == 0 else tuple(reversed(configs))
             for config in order:
                 runs[config.name].append(children[config.name].request(
                     op="run", prompt=prompt, decode=DECODE_TOKENS, rtt_ms=config.rtt_ms))
@@ -174,8 +204,9 @@ def run_bench_real(shapes: tuple[str, ...], cache: Path, threads: int, repeats: 
         "date": started,
         "machine": platform.machine(), "cpu": _cpu_model(), "cpu_count": _cpu_count(), "kernels": _kernels(),
         "torch": torch.__version__, "llama_cpp_python": llama_cpp.__version__,
-        "llama_cpp_buffers": "plain CPU buffers (use_extra_bufts=False): the default extra buffer types crash on "
-                             "this project's AMX Xeons (worker_real_llamacpp.plain_cpu_buffers)",
+        "llama_cpp_buffers": "default buffer types (as it ships) where they run on this host, probed in a child "
+                             "first; plain CPU buffers (use_extra_bufts=False) beside them, and in their place "
+                             "where the default crashes (each file's llama_cpp_default_buffers says which)",
         "threads": threads, "worker_threads": threads, "workers": WORKERS, "repeats": repeats,
         "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS, "quant_type": QUANT_TYPE,
         "cache_dir": str(cache), "files": files,
