@@ -156,3 +156,23 @@ def test_a_latent_shape_converts_and_runs_as_deepseek_v3(tmp_path):
     with open_swarm(path, []) as swarm:
         result = generate(swarm, prompt[:5], 4, reference=load_local(swarm.source))
     assert result.check.bit_identical and result.check.positions >= 4
+
+
+def test_llama_cpp_step_by_part_from_its_scheduler(report):
+    """llama.cpp's decode step by part (its scheduler's eval callback, node names classified), the
+    shares applied to its own unprofiled step: the parts add up to that step."""
+    llama = next(r for r in report[0]["rows"] if r["config"] == "llama.cpp")
+    parts = llama["parts_ms"]
+    assert set(parts) == {"attention", "moe_calls", "router", "head", "other"}
+    assert parts["moe_calls"] > 0 and parts["attention"] > 0 and parts["head"] > 0
+    assert sum(parts.values()) == pytest.approx(llama["profiled_step_ms"])
+
+
+def test_llama_cpp_nodes_fall_in_the_parts_moeswarm_reports():
+    from moeswarm.tools.bench.real_llama_parts import part_of
+
+    assert [part_of(name) for name in ("Qcur-3", "kq_soft_max", "cache_k_l0 (view)", "ffn_moe_logits-2",
+                                       "ffn_moe_topk-0", "ffn_moe_gate-5", "ffn_moe_down", "result_output",
+                                       "ffn_norm-1 (reshaped)", "attn_norm-0", "l_out-4")] == [
+        "attention", "attention", "attention", "router", "router", "moe_calls", "moe_calls", "head", "other",
+        "other", "other"]

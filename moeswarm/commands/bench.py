@@ -36,6 +36,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "real": Benchmark("whole random models at real dimensions (OLMoE-1B-7B, Qwen3-30B-A3B) against llama.cpp on the "
                       "same Q4_K_M file: local, 2 workers on loopback and at 20/80 ms RTT (docs/bench-real.md)",
                       flags.real, runs.real),
+    "products": Benchmark("one-row products of a real file's tensors from DRAM (attention, head, a token's experts) at 1 "
+                          "and 2 threads, idle and beside a busy process: min and median (docs/bench-real.md)",
+                          flags.products, runs.products),
     "fuzz": Benchmark("fuzz a live worker: crashes, hangs, wrong replies, RSS (docs/protocol.md, Limits)",
                       flags.fuzz, runs.fuzz),
     "flood": Benchmark("a well-behaved client's latency before and during floods of a worker", flags.flood, runs.flood),

@@ -93,6 +93,14 @@ def real(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", action="store_true", help="write docs/bench-real.md, docs/bench/real.png and real.json")
 
 
+def products(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="GGUF file with attn_q/k/v/output, output.weight and ffn_*_exps tensors (default: the "
+                             "OLMoE-shaped Q4_K_M file of `bench real`, built first if missing)")
+    parser.add_argument("--repeats", type=positive, default=30, help="timed passes per figure (default 30)")
+    parser.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
 def fuzz(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", type=int, default=2000, help="fuzz cases to send (default 2000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the case generator (default 0)")

@@ -74,6 +74,18 @@ def real(args: argparse.Namespace) -> None:
     print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
 
 
+def products(args: argparse.Namespace) -> None:
+    from moeswarm.tools.bench.products import run_products_bench, table_lines
+
+    if args.model is None:
+        from moeswarm.tools.bench.real_build import DEFAULT_CACHE, model_file
+        from moeswarm.tools.bench.real_shapes import SHAPES
+
+        args.model = str(model_file(SHAPES["olmoe"], DEFAULT_CACHE))
+    result = run_products_bench(args.model, args.repeats)
+    print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
+
+
 def fuzz(args: argparse.Namespace) -> None:
     from moeswarm.tools.bench.fuzz import run_fuzz
 

@@ -49,7 +49,41 @@ def load(path: str, threads: int, n_ctx: int = N_CTX, buffers: str = "default"):
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(model.ctx, -1), shape=(vocab,))  # [V]
         return int(logits.argmax())
 
+    profiled = {}
+
+    def profile(request: dict) -> dict:
+        """A plain run, then the same on a second context whose scheduler calls back after every
+        node (real_llama_parts.py): the parts' shares applied to the plain run's step time."""
+        from moeswarm.tools.bench.real_llama_parts import NodeTimer, scale_to, with_callback
+
+        plain = run({**request, "profile": False})
+        if not profiled:
+            timer = NodeTimer(low)
+            default = low.llama_context_default_params
+            low.llama_context_default_params = with_callback(default, timer)
+            try:
+                profiled["model"] = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
+                                                    n_threads_batch=threads, use_mmap=True, logits_all=False,
+                                                    verbose=False)
+            finally:
+                low.llama_context_default_params = default
+            profiled["timer"] = timer
+        other, timer = profiled["model"], profiled["timer"]
+        other.reset()
+        other.eval(request["prompt"])
+        token = plain["tokens"][0]
+        timer.start()
+        for step in range(request["decode"]):
+            other.eval([token])
+            token = plain["tokens"][step + 1]
+        timer.enabled = False
+        step_ms = 1e3 * plain["decode_s"] / request["decode"]
+        return {**plain, "parts_ms": scale_to(timer.parts, request["decode"], step_ms),
+                "callback_step_ms": 1e3 * sum(timer.parts.values()) / request["decode"]}
+
     def run(request: dict) -> dict:
+        if request.get("profile"):
+            return profile(request)
         prompt, steps = request["prompt"], request["decode"]
         held = model.n_tokens >= len(prompt) and list(model.input_ids[: len(prompt)]) == prompt
         cpu_start, start = time.process_time(), time.perf_counter()

@@ -48,7 +48,7 @@ from moeswarm.progress import progress
 WORKERS = 2
 ALONE = "lone worker"  # loopback1's, holding every expert
 WORKER_START_TIMEOUT_S = 900.0  # a worker mapping half of a 4 GB file on a busy 2-core machine
-PROFILED = ("local", "loopback", "loopback1")
+PROFILED = ("llama.cpp", "local", "loopback", "loopback1")  # llama.cpp's by its scheduler's callback
 
 
 @dataclass(frozen=True)

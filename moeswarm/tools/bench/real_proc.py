@@ -55,7 +55,7 @@ class Child:
             raise MoeSwarmError(f"{self.role} gave no reply within {REPLY_TIMEOUT_S:.0f} s: {self._tail()}")
         line = self.process.stdout.readline()
         if not line:
-            raise MoeSwarmError(f"{self.role} exited (code {self.process.wait()}): {self._tail()}")
+            raise MoeSwarmError(f"{self.role} {exit_words(self.process.wait())}: {self._tail()}")
         reply = json.loads(line)
         if "error" in reply:
             raise MoeSwarmError(f"{self.role}: {reply['error']}")
@@ -77,6 +77,18 @@ class Child:
                 self.process.wait()
         for stream in (self.process.stdin, self.process.stdout, self._log):
             stream.close()
+
+
+def exit_words(code: int) -> str:
+    """A child's exit status in words: 'exited (code 1)', 'was killed by SIGSEGV'."""
+    import signal
+
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited (code {code})"
 
 
 def serve(load: Callable[[], tuple[dict, Callable[[dict], dict]]]) -> None:

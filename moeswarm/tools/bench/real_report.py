@@ -47,7 +47,7 @@ def parts_table(rows: list[dict]) -> tuple[list[str], list[list]]:
                "CPU cores (llama.cpp, backbone)", "workers' CPU cores"]
     lines = []
     for r in rows:
-        if r["config"].startswith("llama.cpp"):  # not profiled by part: its step and its CPU in use, to compare
+        if r["config"].startswith("llama.cpp") and "parts_ms" not in r:  # its step and CPU in use, to compare
             lines.append([r["shape"], r["label"], None, None, None, None, None, r["step_ms"], r["cpu_cores_decode"], None])
         if "parts_ms" not in r:
             continue

@@ -1,0 +1,27 @@
+"""`moeswarm bench products` end to end on a tiny Q4_K_M file made by llama.cpp's tools: every group at
+1 and 2 threads, idle and beside a busy process, with figures that come from real timings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from llamacpp_fixtures import require_llama_cpp
+
+require_llama_cpp(__file__)
+
+
+def test_products_bench_reports_every_group_threads_and_neighbour(qwen3_q4_k_m):
+    done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "bench", "products", "--model", qwen3_q4_k_m,
+                           "--repeats", "3", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    rows = result["rows"]
+    assert [(r["group"], r["threads"], r["neighbour"]) for r in rows] == [
+        (group, threads, neighbour) for neighbour in ("idle", "busy") for group in ("attention", "head", "experts")
+        for threads in (1, 2)]
+    for row in rows:
+        assert 0 < row["min_ms"] <= row["median_ms"] and row["median_over_min"] >= 1.0
+    assert {r["matrices"] for r in rows if r["group"] == "head"} == {1}
+    assert result["meta"]["tuning"]["prefetch"] in ("none", "l2", "nta")
