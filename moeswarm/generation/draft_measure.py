@@ -38,8 +38,9 @@ class Acceptance:
         known = self.values[:positions]
         return known + [PRIOR] * (positions - len(known))
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """One verify step: `accepted` of the `drafted` tokens of its kept draft were kept."""
+    def record(self, drafted: int, accepted: int, counted: bool = True) -> None:
+        """One verify step: `accepted` of the `drafted` tokens of its kept draft were kept (counted: a
+        draft really fed, not a shadow one scored against the output: serve/speculation.py)."""
         if drafted <= 0:
             return
         drafted = min(drafted, MAX_POSITIONS)
@@ -50,7 +51,8 @@ class Acceptance:
         for position in range(tried):
             outcome = 1.0 if position < accepted else 0.0
             self.values[position] += ACCEPT_WEIGHT * (outcome - self.values[position])
-        self.observe(drafted, accepted)
+        if counted:
+            self.observe(drafted, accepted)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Count a verified draft (what the metrics report); `record` calls it."""

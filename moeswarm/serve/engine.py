@@ -37,7 +37,7 @@ from moeswarm.serve.runner import PackedRunner, build_runners, split_groups
 from moeswarm.serve.scheduler import Slot, plan_step
 from moeswarm.serve.sequence import Sequence, apart
 from moeswarm.serve.spec_metrics import register_spec_metrics
-from moeswarm.serve.speculation import Speculation
+from moeswarm.serve.speculation import Speculation, resolve_speculation
 from moeswarm.serve.stats import EngineStats, StepRecord
 from moeswarm.serve.step_budget import GROWTH as STEP_TOKENS_GROWTH, StepBudget
 from moeswarm.serve.tally import Tally
@@ -49,7 +49,8 @@ from moeswarm.swarm import Swarm
 class EngineConfig:
     context: int  # positions a sequence may use (prompt + output)
     max_batch: int = 16  # sequences stepped together; more wait in the queue
-    speculate: int = 0  # most drafts per sequence per step, in each of its branches (0: off)
+    speculate: int | None = 0  # most drafts per sequence per step, in each of its branches (0: off; None: on with
+    # AUTO_SPECULATE and the goodput rule where steps have remote trips, off otherwise: serve/speculation.py)
     prefill_chunk: int = 64  # most prompt tokens a sequence feeds per step
     step_tokens: int = 256  # token budget of a step (decode tokens first, then prompt chunks); more, up to
     # STEP_TOKENS_GROWTH times, while their compute fits in the step's wait on replies (serve/step_budget.py)
@@ -68,6 +69,7 @@ class Engine:
         """swarm: where the forwards run (a WholeModel: a model computing its own experts here);
         reference: a local eager model every step is compared with (--check-local);
         drafter: makes each sequence's drafter (default: config.draft's, over the swarm's local experts)."""
+        config = resolve_speculation(config, swarm)
         if drafter is None:
             check_draft_flags(config.draft, config.speculate, swarm.local_store is not None)
         self.swarm, self.codec, self.config = swarm, codec, config

@@ -20,9 +20,10 @@ fixed`) every step drafts up to the cap, as before; the acceptance is still coun
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moeswarm.generation.draft_measure import Acceptance, CostModel
+from moeswarm.generation.draft_names import AUTO_SPECULATE
 from moeswarm.generation.goodput import choose_k
 from moeswarm.generation.ragged import JOURNAL
 
@@ -114,9 +115,9 @@ class Speculation:
             self.cost.record_drafting(drafting_s)
 
     def _record(self, sequence, drafts: SequenceDrafts, drafted: int, accepted: int, fed: bool = True) -> None:
-        drafts.acceptance.record(drafted, accepted)
+        drafts.acceptance.record(drafted, accepted, fed)
         shared = self.by_drafter.setdefault(_key(sequence), Acceptance())
-        shared.record(drafted, accepted)
+        shared.record(drafted, accepted, fed)
         if fed:
             self.totals.observe(drafted, accepted)
 
@@ -152,3 +153,14 @@ def has_remote_trips(swarm) -> bool:
     """Whether a step waits on other machines: remote expert holders, or a gateway's chain of stages
     (where speculation is on by default: the commands' `--speculate` unset)."""
     return bool(getattr(swarm, "remote", False)) or hasattr(swarm.model, JOURNAL)
+
+
+def resolve_speculation(config, swarm):
+    """An EngineConfig with its default speculation decided (speculate None): AUTO_SPECULATE drafts
+    (under the goodput rule when config.adaptive, as the commands ask by default) where a step has
+    remote trips, none where it has not."""
+    if config.speculate is not None:
+        return config
+    if has_remote_trips(swarm):
+        return replace(config, speculate=AUTO_SPECULATE)
+    return replace(config, speculate=0)
