@@ -18,7 +18,7 @@ from __future__ import annotations
 from moeswarm.generation.goodput import StepCost
 
 PRIOR = 0.5  # a position's acceptance before any verify step tried it
-ACCEPT_WEIGHT = 0.25  # of the newest outcome in a position's EMA
+ACCEPT_WEIGHT = 0.4  # of the newest outcome in a position's EMA (7 rejections take a position from PRIOR to 2 %)
 COST_WEIGHT = 0.25  # of the newest step in a token count's EMA
 MIN_TOKEN_SHARE = 0.02  # the least a token costs, as a share of a one-token step
 MAX_POSITIONS = 64  # positions tracked (drafts past them count as the last one's)

@@ -127,6 +127,7 @@ def speculation_figures(result: GenerationResult) -> dict:
     EMA the goodput rule reads, and the count of drafts kept at each), mean accepted drafts per step."""
     s = result.speculation
     return {"speculate_chosen": s.get("speculate_chosen", 0), "speculate_mean": s.get("speculate_mean", 0.0),
+            "speculate_per_step": s.get("speculate_per_step", []),
             "acceptance_per_position": s.get("acceptance_per_position", []),
             "accepted_per_position": s.get("accepted_per_position", []),
             "mean_accepted_per_step": result.accepted / result.steps if result.steps else None}

@@ -29,6 +29,7 @@ from moeswarm.generation.ragged import JOURNAL
 
 FREE_DRAFTERS = ("ngram", "suffix")  # a lookup, no forward: shadow drafts every step
 PROBE_EVERY = 8  # steps between shadow drafts of a drafter that runs forwards
+HISTORY = 1024  # a sequence's K per step kept for its report (the first ones)
 
 
 @dataclass
@@ -43,11 +44,13 @@ class SequenceDrafts:
     rows: int = 1  # rows (branches) it fed in its latest drafting step
     shadow: tuple[int, list[list[int]]] | None = None  # (context length drafted at, drafts) while K = 0
     since_probe: int = 0
+    history: list[int] = field(default_factory=list)  # K per decode step, the first HISTORY
 
     def summary(self) -> dict:
         a = self.acceptance
         return {"speculate_chosen": max(self.chosen, 0),
                 "speculate_mean": self.chosen_sum / self.steps if self.steps else 0.0,
+                "speculate_per_step": list(self.history),
                 "acceptance_per_position": [round(v, 4) for v in a.values],
                 "accepted_per_position": list(a.accepted_at),
                 "verify_drafts": a.drafts,
@@ -79,6 +82,8 @@ class Speculation:
                 k = choose_k(drafts.acceptance.rates(cap), line, cap, rows, total - drafts.fed)
                 sequence.k_limit = k
             drafts.chosen, drafts.chosen_sum, drafts.steps = k, drafts.chosen_sum + k, drafts.steps + 1
+            if len(drafts.history) < HISTORY:
+                drafts.history.append(k)
 
     def shadow(self, sequence, drafts: SequenceDrafts) -> None:
         """After planning: a sequence at K = 0 drafts without feeding, to keep learning its acceptance."""
