@@ -53,3 +53,32 @@ def test_on_random_text_k_falls_to_zero_quickly_and_the_seed_keeps_its_tokens(tr
     assert per_step[0] > 0 and 0 in per_step[:40], per_step  # a few rejected drafts bring K down to 0
     assert per_step[-16:].count(0) >= 14, per_step  # and keep it there (a noisy step cost may let a draft through)
     assert report["acceptance_per_position"][0] < 0.1
+
+
+def test_serve_drafts_by_default_and_shows_acceptance_in_metrics_and_dashboard(trained_workers):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from moeswarm.tools.serve_process import ServeProcess
+
+    with ServeProcess(str(TRAINED), trained_workers, "--model-name", "pymoe") as server:
+        server.wait_ready()
+        body = {"model": "pymoe", "prompt": REPEATING, "max_tokens": 24, "temperature": 0}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        dashboard = httpx.get(server.url + "/v1/dashboard", timeout=10).json()["speculation"]
+
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(metrics) for s in family.samples}
+    drafts = samples["vllm:spec_decode_num_drafts_total", None]
+    drafted = samples["vllm:spec_decode_num_draft_tokens_total", None]
+    accepted = samples["vllm:spec_decode_num_accepted_tokens_total", None]
+    per_position = [samples["vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i)]
+                    for i in range(len(dashboard["accepted_per_position"]))]
+    assert 0 < accepted <= drafted and drafts > 0  # on by default over workers, and kept on repeating text
+    assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
+    assert samples["moeswarm_accepted_drafts_total", None] == accepted  # the same drafts the older counter counts
+    assert (dashboard["drafts"], dashboard["draft_tokens"], dashboard["accepted_tokens"]) == (drafts, drafted, accepted)
+    assert (dashboard["cap"], dashboard["adaptive"]) == (AUTO_SPECULATE, True)
+    assert dashboard["accepted_per_position"] == per_position
+    assert dashboard["mean_accepted_per_draft"] == accepted / drafts
