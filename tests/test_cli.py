@@ -144,7 +144,7 @@ def plain_local(qwen2_moe):
 
 def test_generate_check_local_is_bit_identical(qwen2_moe, qwen2_workers, plain_local):
     prompt_ids, local, calls, codec = plain_local
-    report = _generate(qwen2_moe, qwen2_workers, "--check-local")
+    report = _generate(qwen2_moe, qwen2_workers, "--check-local", "--speculate", "0")  # remote workers: drafts by default
 
     assert (report["bit_identical"], report["tokens_match_local"], report["first_mismatch"]) == (True, True, None)
     assert report["tokens"] == local.tokens and len(local.tokens) == MAX_NEW_TOKENS
@@ -172,9 +172,9 @@ def test_workers_at_another_thread_count_than_the_backbone_stay_bit_identical(qw
 
 def test_speculation_keeps_greedy_tokens_and_saves_round_trips(qwen2_moe, qwen2_workers, plain_local, capsys):
     # the command in this process (test_generate_check_local_is_bit_identical runs it as its own process)
-    _, plain = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT)
+    _, plain = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--speculate", "0")
     _, fast = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--speculate", "4", "--draft", "ngram",
-                             "--check-local")  # as local_generation drafts
+                             "--speculate-policy", "fixed", "--check-local")  # as local_generation drafts
     _, local, calls, _ = local_generation(qwen2_moe, PROMPT, MAX_NEW_TOKENS, speculate=4)
 
     assert fast["tokens"] == plain["tokens"] == local.tokens == plain_local[1].tokens
@@ -188,8 +188,8 @@ def test_speculation_keeps_greedy_tokens_and_saves_round_trips(qwen2_moe, qwen2_
 
 
 def test_chain_fanout_same_tokens_one_round_trip_per_worker_reached(qwen2_moe, qwen2_workers, plain_local, capsys):
-    _, star = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT)
-    _, chain = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--fanout", "chain")
+    _, star = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--speculate", "0")
+    _, chain = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--fanout", "chain", "--speculate", "0")
     traffic = exact_traffic(plain_local[2], TWO_WORKERS)
 
     assert chain["tokens"] == star["tokens"] == plain_local[1].tokens
@@ -314,7 +314,8 @@ def test_generate_lossy_check_local_follows_the_gates_thresholds(qwen2_moe, qwen
     """Under a lossy wire --check-local reports argmax agreement and cosine; the exit status is the gate's verdict."""
     from moeswarm import gate
 
-    status, report = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--check-local", "--wire", "wan")
+    status, report = _generate_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--check-local", "--wire", "wan",
+                                    "--speculate", "0")  # one row per step (remote workers draft by default)
     thresholds = gate.GateConfig()
     assert (report["check"], report["mode"], report["wire_dispatch"]) == ("gate", "partial", "int8-b128")
     assert report["positions_checked"] == report["prompt_tokens"] + report["steps"]  # prefill rows, then one per step
@@ -323,7 +324,8 @@ def test_generate_lossy_check_local_follows_the_gates_thresholds(qwen2_moe, qwen
     assert report["check_passed"] is (report["argmax_agreement"] >= thresholds.min_argmax_agreement
                                       and report["cosine_mean"] >= thresholds.min_cosine_mean)
     assert report["check_passed"] and status == 0  # int8 both ways keeps the tiny model close
-    lines = _summary_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--check-local", "--wire", "wan")
+    lines = _summary_here(capsys, qwen2_moe, qwen2_workers, "--prompt", PROMPT, "--check-local", "--wire", "wan",
+                          "--speculate", "0")
     assert lines[-1].startswith(f"close to local (lossy wire, gate check over {report['positions_checked']} positions)")
 
     monkeypatch.setattr(gate, "GateConfig", lambda: thresholds.__class__(min_cosine_mean=1.01))  # a gate nothing passes

@@ -255,7 +255,8 @@ def test_a_decode_over_two_worker_processes_makes_every_one_token_call_in_c_bit_
     and 16-31 of the bundled model); every decode step's layer calls go in C, none handed back."""
     done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "generate", "--model", "models/pymoe/hf",
                            "--workers", ",".join(trained_workers), "--prompt", "def main(", "--max-new-tokens", "10",
-                           "--check-local", "--json", "--threads", "2"], capture_output=True, text=True, timeout=300)
+                           "--check-local", "--json", "--threads", "2", "--speculate", "0"],  # one-token steps
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["bit_identical"] is True

@@ -155,7 +155,8 @@ def test_generate_cli_drafts_locally_and_stays_bit_identical(qwen2_moe, qwen2_wo
     held.write_text(json.dumps({"0": [0, 3], "1": [4, 7]}))
     args = ["generate", "--model", qwen2_moe, "--workers", ",".join(qwen2_workers), "--prompt-ids",
             ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW_TOKENS), "--threads", "1", "--json"]
-    assert main(args + ["--local-experts", str(held), "--speculate", "3", "--draft", "local", "--check-local"]) == 0
+    assert main(args + ["--local-experts", str(held), "--speculate", "3", "--draft", "local", "--check-local",
+                        "--speculate-policy", "fixed"]) == 0  # up to 3 drafts every step
     report = json.loads(capsys.readouterr().out)
     assert main(args) == 0
     plain = json.loads(capsys.readouterr().out)
@@ -169,7 +170,7 @@ def test_generate_cli_drafts_locally_and_stays_bit_identical(qwen2_moe, qwen2_wo
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--draft", "local"], "--draft local drafts nothing without --speculate K (the most drafts per step)"),
+    (["--draft", "local", "--speculate", "0"], "--draft local drafts nothing without --speculate K (the most drafts per step)"),
     (["--draft", "both", "--speculate", "2"], "--draft both drafts with the experts the backbone holds itself: "
                                               "give --local-experts N|P%|FILE"),
 ])

@@ -26,7 +26,8 @@ def summary_lines(report: GenerationReport) -> list[str]:
     drafts = ""
     if request.speculate and result.steps:
         drafts = (f", {result.accepted}/{result.drafted} {request.draft} drafts accepted "
-                  f"({report.per_step(1e3 * result.draft_seconds):.1f} ms drafting per step)")
+                  f"({report.per_step(1e3 * result.draft_seconds):.1f} ms drafting per step; up to {request.speculate} "
+                  f"a step, {request.speculate_policy}: {result.speculation.get('speculate_mean', 0.0):.1f} on average)")
     return [
         f"model       {swarm.model_type} {swarm.fingerprint} ({swarm.moe_layers} MoE layers)",
         f"workers     {', '.join(swarm.workers)} ({swarm.fanout} fan-out, {swarm.mode} combine)",

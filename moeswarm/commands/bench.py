@@ -51,7 +51,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "federation": Benchmark("aggregate decode tokens/s of 1, 2 and 4 backbones sharing 4 workers at 80 ms RTT, and the "
                             "workers' merged calls (docs/federation.md)", flags.federation, runs.federation),
     "drafters": Benchmark("tokens per verify step of the model-free drafters (ngram, suffix) on held-out prompts and a "
-                          "file-editing workload (docs/drafts.md)", flags.json_only, runs.drafters),
+                          "file-editing workload; with --rtts, the default speculation against --speculate 0 and fixed "
+                          "K over emulated WAN links, star and 2 islands (docs/drafts.md)", flags.drafters, runs.drafters),
     "islands": Benchmark("a star of remote experts against chains of 1, 2 and 4 stages (islands) over the same emulated "
                          "WAN links at 20/50/100 ms, on the real-dimension OLMoE-shaped file (docs/bench-islands.md)",
                          bench_islands.flags, bench_islands.run),

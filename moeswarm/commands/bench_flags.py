@@ -163,6 +163,23 @@ def json_only(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
+def drafters(parser: argparse.ArgumentParser) -> None:
+    from moeswarm.commands.bench_islands import _rtts
+
+    parser.add_argument("--rtts", type=_rtts, default=None, metavar="MS,...",
+                        help="run over emulated links at these RTTs (e.g. 5,20,50): the default speculation against "
+                             "--speculate 0 and fixed K, star and 2 islands (without it: the drafters' replay)")
+    parser.add_argument("--model", default=None,
+                        help="with --rtts: a model directory or GGUF file (default: the real-dimension OLMoE-shaped "
+                             "file of `bench real`, built and cached on first use; 'bundled': the bundled model)")
+    parser.add_argument("--tokens", type=positive, default=32, help="with --rtts: tokens per run (default 32)")
+    parser.add_argument("--fixed", type=counts, default=(2, 4, 8), help="with --rtts: fixed K runs (default 2,4,8)")
+    parser.add_argument("--topologies", type=names("star", "islands"), default=("star", "islands"),
+                        help="with --rtts: star, islands or both (default both)")
+    parser.add_argument("--report", action="store_true", help="with --rtts: write docs/bench-drafters.md")
+    parser.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
 def kv_cache(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="GGUF file or model directory (default: the OLMoE-shaped Q4_K_M file of `bench real`, built "

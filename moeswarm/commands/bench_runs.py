@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from moeswarm.bundled import PYMOE, demo_model
@@ -131,9 +132,32 @@ def federation(args: argparse.Namespace) -> None:
 
 
 def drafters(args: argparse.Namespace) -> None:
+    if args.rtts is not None:
+        return drafters_wan(args)
     from moeswarm.tools.bench.drafters import run_drafters_bench, table_lines
 
     result = run_drafters_bench()
+    print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
+
+
+def drafters_wan(args: argparse.Namespace) -> None:
+    import platform
+
+    from moeswarm.tools.bench.drafters_wan import run_drafters_wan, table_lines
+    from moeswarm.tools.bench.drafters_wan_report import write_report
+
+    model = args.model
+    if model == "bundled":
+        model = str(demo_model())
+    elif model is None:
+        from moeswarm.tools.bench.real_build import DEFAULT_CACHE, model_file
+        from moeswarm.tools.bench.real_shapes import SHAPES
+
+        model = str(model_file(SHAPES["olmoe"], DEFAULT_CACHE))
+    topologies = tuple("2 islands" if t == "islands" else t for t in args.topologies)
+    result = run_drafters_wan(model, args.rtts, args.fixed, args.tokens, topologies)
+    if args.report:
+        write_report(result, f"{platform.node()} ({os.cpu_count()} CPUs)")
     print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
 
 

@@ -10,6 +10,7 @@ from moeswarm.commands._stages import add_stages, open_backbone
 from moeswarm.commands._swarm import check_workers_or_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
 from moeswarm.commands._types import non_negative, positive, prompt_file, prompt_text, seed, stop_string, temperature, top_p
+from moeswarm.commands._speculate import add_speculate
 from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS
 
 
@@ -31,8 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "shown in the report)")
     parser.add_argument("--stop", type=stop_string, action="append", default=[], metavar="STR",
                         help="end the generation where STR appears (STR itself is not printed); repeatable")
-    parser.add_argument("--speculate", type=non_negative, default=0, metavar="K",
-                        help="draft up to K tokens per step, verified in one forward (0: off)")
+    add_speculate(parser.add_argument, "step")
     parser.add_argument("--draft", choices=DRAFTERS, default=DEFAULT_DRAFT,
                         help="where --speculate's drafts come from: ngram (prompt lookup), suffix (the longest earlier match in this and recent requests), local (the backbone with "
                              "only its --local-experts, no round trip; adaptive length), both (n-gram on a match of "
@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,
-                                args.check_local, sampling=sampling, stops=tuple(args.stop), draft=args.draft)
+                                args.check_local, sampling=sampling, stops=tuple(args.stop), draft=args.draft,
+                                speculate_policy=args.speculate_policy)
     report = generate_from_model(args.model, request, lambda source: swarm_config(args, source),
                                  _opener(args), args.backbone_dtype,
                                  on_event=None if args.json else stream_text)

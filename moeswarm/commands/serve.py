@@ -11,6 +11,7 @@ import os
 import sys
 
 from moeswarm.commands._setup import add_quiet, quiet_progress, set_backbone_threads, set_switch_interval
+from moeswarm.commands._speculate import add_speculate
 from moeswarm.commands._stages import add_stages, check_stages
 from moeswarm.commands._swarm import check_workers_or_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
@@ -29,8 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--port", type=port, default=8080, help="TCP port to listen on (0: any free one, printed at start)")
     add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     add("--model-name", default=None, help="the model's id in the API (default: the model's directory or file name)")
-    add("--speculate", type=non_negative, default=0, metavar="K",
-        help="most drafts per request per step (0: off); a request may ask for fewer with 'speculate'")
+    add_speculate(add, "request per step; a request may ask for fewer with 'speculate'")
     add("--draft", choices=DRAFTERS, default=DEFAULT_DRAFT,
         help="where --speculate's drafts come from: ngram (prompt lookup), suffix (the longest earlier match in this and recent requests), local (the backbone with only its "
              "--local-experts, no round trip), both (n-gram on a match of 2+ tokens, else local)")
@@ -108,7 +108,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(
         model=args.model, backbone_dtype=args.backbone_dtype, host=args.host, port=args.port, api_key=args.api_key,
         model_name=args.model_name, log_level=args.log_level, ctx_size=args.ctx_size, max_batch=args.max_batch,
-        speculate=args.speculate, draft=args.draft, groups=args.groups, prefill_chunk=args.prefill_chunk,
+        speculate=args.speculate, speculate_policy=args.speculate_policy, draft=args.draft, groups=args.groups, prefill_chunk=args.prefill_chunk,
         step_tokens=args.step_tokens, cache_slots=args.cache_slots, check_local=args.check_local,
         workers=tuple(args.workers or ()), chat_template=args.chat_template,
         max_tokens=args.max_tokens, cors_origins=tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip()),

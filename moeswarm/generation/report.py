@@ -90,8 +90,10 @@ class GenerationReport:
             "first_mismatch": result.first_mismatch,
             **check_figures(result.check),
             "steps": result.steps,
-            "speculate": request.speculate,
+            "speculate": request.speculate,  # the cap (the default resolved)
+            "speculate_policy": request.speculate_policy if request.speculate else None,
             "draft": request.draft if request.speculate else None,
+            **speculation_figures(result),
             "draft_seconds": result.draft_seconds,
             "draft_ms_per_step": self.per_step(1e3 * result.draft_seconds),
             "drafted": result.drafted,  # of the branches kept
@@ -118,6 +120,17 @@ class GenerationReport:
             "trip_share": traffic["trip_share"],  # (token, layer) pairs that went to a remote holder
             "local_experts": swarm.local_experts,
         }
+
+
+def speculation_figures(result: GenerationResult) -> dict:
+    """The drafts' figures: the K chosen (the last step's and the mean), acceptance per position (the
+    EMA the goodput rule reads, and the count of drafts kept at each), mean accepted drafts per step."""
+    s = result.speculation
+    return {"speculate_chosen": s.get("speculate_chosen", 0), "speculate_mean": s.get("speculate_mean", 0.0),
+            "speculate_per_step": s.get("speculate_per_step", []),
+            "acceptance_per_position": s.get("acceptance_per_position", []),
+            "accepted_per_position": s.get("accepted_per_position", []),
+            "mean_accepted_per_step": result.accepted / result.steps if result.steps else None}
 
 
 def check_figures(check: LocalCheck | None) -> dict:

@@ -22,6 +22,8 @@ class GenerationResult:
     finish_reason: str | None = None  # "stop": eos or a stop string; "length": max_new_tokens reached
     check: LocalCheck | None = None  # with a reference
     text: str = ""  # the output's text as shown (a stop string and what follows it cut off)
+    speculate: int = 0  # the cap of drafts per step it ran with (the default resolved)
+    speculation: dict = field(default_factory=dict)  # serve/speculation.py's SequenceDrafts.summary(): K chosen, acceptance
 
     @property
     def tokens_per_s(self) -> float:

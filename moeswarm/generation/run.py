@@ -34,10 +34,10 @@ PREFILL_CHUNK = 256  # prompt tokens per forward: 256 x top-8 x 2048 float32 val
 GREEDY = SamplingParams()
 
 
-def generate(backbone: Swarm | WholeModel, prompt: list[int], max_new_tokens: int, speculate: int = 0,
+def generate(backbone: Swarm | WholeModel, prompt: list[int], max_new_tokens: int, speculate: int | None = 0,
              reference: torch.nn.Module | None = None, *, codec: TextCodec | None = None,
              sampling: SamplingParams = GREEDY, stops: tuple[str, ...] = (), draft: str = DEFAULT_DRAFT,
-             drafter: Callable[[], Drafter] | None = None,
+             drafter: Callable[[], Drafter] | None = None, adaptive: bool = False,
              on_event: Callable[[Event], None] | None = None) -> GenerationResult:
     """Up to `max_new_tokens` tokens after `prompt`, through the engine, alone.
 
@@ -45,7 +45,9 @@ def generate(backbone: Swarm | WholeModel, prompt: list[int], max_new_tokens: in
     reference: a local eager model every step is compared with (the swarm's wire says how: exact or gate).
     codec: its end-of-sequence token ends the generation, its text is what `stops` are looked for in
     (None: token ids only, no end-of-sequence token).
+    speculate: the most drafts per step (None: the default, on where a step has remote trips: serve/speculation.py).
     draft, drafter: where up to `speculate` drafts per step come from (drafter: a maker of one; default `draft`'s).
+    adaptive: each step's drafts counted by the goodput rule under `speculate` (else up to it every step).
     on_event: each of the engine's events for the request (Delta, Rewind, ...), as they come.
     A failed step raises what failed it when that is a MoeSwarmError (a holder lost: WorkerError,
     ExpertsUnavailable), else MoeSwarmError with its one-line message.
@@ -56,9 +58,10 @@ def generate(backbone: Swarm | WholeModel, prompt: list[int], max_new_tokens: in
     codec = codec or TextCodec("token ids only", None, config.vocab_size)
     positions = getattr(config, "max_position_embeddings", None) or len(prompt) + max_new_tokens + 1
     chunk = min(len(prompt), PREFILL_CHUNK)
-    draft = draft if speculate else DEFAULT_DRAFT  # without drafts the drafter is moot (the engine refuses another)
+    draft = draft if speculate != 0 else DEFAULT_DRAFT  # without drafts the drafter is moot (the engine refuses another)
     engine_config = EngineConfig(positions, max_batch=1, speculate=speculate, prefill_chunk=chunk,
-                                 step_tokens=max(256, chunk), cache_slots=0, draft=draft, keep_accounting=True)
+                                 step_tokens=max(256, chunk), cache_slots=0, draft=draft, keep_accounting=True,
+                                 adaptive=adaptive)
     outcome = _Outcome(on_event)
     engine = Engine(backbone, codec, engine_config, UnrecordedMetrics(), reference, drafter)
     try:
@@ -70,7 +73,8 @@ def generate(backbone: Swarm | WholeModel, prompt: list[int], max_new_tokens: in
         raise cause if isinstance(cause, MoeSwarmError) else MoeSwarmError(outcome.failure.message)
     return GenerationResult(list(prompt), list(tally.tokens), tally.steps, tally.drafted, tally.accepted,
                             tally.branches, tally.drafted_all, tally.seconds, tally.draft_seconds,
-                            tally.prefill_seconds, outcome.finish_reason, engine.check, outcome.text)
+                            tally.prefill_seconds, outcome.finish_reason, engine.check, outcome.text,
+                            engine.config.speculate, tally.drafts.summary() if tally.drafts is not None else {})
 
 
 def check_request(source: ModelSource, request: GenerationRequest) -> None:
@@ -91,9 +95,10 @@ def run_generation(swarm: Swarm, request: GenerationRequest,
     if not sampling.greedy and sampling.seed is None:  # draw the seed here, to report it
         sampling = replace(sampling, seed=make_generator(None).initial_seed())
     result = generate(swarm, prompt, request.max_new_tokens, request.speculate, reference, codec=codec,
-                      sampling=sampling, stops=request.stops, draft=request.draft, on_event=on_event)
-    return GenerationReport(result, replace(request, sampling=sampling), SwarmFacts.of(swarm, codec.name),
-                            swarm.accounting())
+                      sampling=sampling, stops=request.stops, draft=request.draft,
+                      adaptive=request.speculate_policy == "goodput", on_event=on_event)
+    return GenerationReport(result, replace(request, sampling=sampling, speculate=result.speculate),
+                            SwarmFacts.of(swarm, codec.name), swarm.accounting())
 
 
 class _Outcome:

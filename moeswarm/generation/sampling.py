@@ -7,6 +7,12 @@ renormalised, which is p_i with the drafted token removed. The emitted tokens th
 model's own sampling distribution exactly, whatever the drafts were. Greedy is the same rule
 with p a one-hot of the argmax: drafts are kept while they equal it.
 
+The rule is coupled to plain sampling: at each position one token is drawn from p_i, with one
+uniform, as plain sampling draws it; the draft is kept when that token is the draft (probability
+p_i(draft_i)), and otherwise that token is the step's next one (a draw from p_i given it is not
+the draft: the residual). So a seed's tokens are those of plain sampling with that seed, whatever
+was drafted: a draft count chosen by measured timings (serve/speculation.py) never changes them.
+
 Penalties (repetition, presence, frequency) and logit_bias change the logits before any of that
 (`penalize`, `biased`);
 they depend on the tokens so far, so a penalised sequence is decoded without drafts. Log-probabilities
@@ -182,11 +188,9 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
         return accepted, best[accepted]
     probs = probabilities(logits, params)  # [1 + D, V]
     for position, draft in enumerate(drafts):
-        if _uniform(generator) < float(probs[position, draft]):
-            continue
-        residual = probs[position].clone()  # [V]: max(0, p - q) with q a point mass on the draft
-        residual[draft] = 0.0
-        return position, _draw(residual, generator)
+        token = _draw(probs[position], generator)  # the token plain sampling draws here, with the same uniform
+        if token != draft:  # kept with probability p(draft); else a token of p without the draft: the residual
+            return position, token
     return len(drafts), _draw(probs[-1], generator)
 
 

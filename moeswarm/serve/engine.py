@@ -36,6 +36,8 @@ from moeswarm.serve.rollback import Rollback
 from moeswarm.serve.runner import PackedRunner, build_runners, split_groups
 from moeswarm.serve.scheduler import Slot, plan_step
 from moeswarm.serve.sequence import Sequence, apart
+from moeswarm.serve.spec_metrics import register_spec_metrics
+from moeswarm.serve.speculation import Speculation, resolve_speculation
 from moeswarm.serve.stats import EngineStats, StepRecord
 from moeswarm.serve.step_budget import GROWTH as STEP_TOKENS_GROWTH, StepBudget
 from moeswarm.serve.tally import Tally
@@ -47,7 +49,8 @@ from moeswarm.swarm import Swarm
 class EngineConfig:
     context: int  # positions a sequence may use (prompt + output)
     max_batch: int = 16  # sequences stepped together; more wait in the queue
-    speculate: int = 0  # most drafts per sequence per step, in each of its branches (0: off)
+    speculate: int | None = 0  # most drafts per sequence per step, in each of its branches (0: off; None: on with
+    # AUTO_SPECULATE and the goodput rule where steps have remote trips, off otherwise: serve/speculation.py)
     prefill_chunk: int = 64  # most prompt tokens a sequence feeds per step
     step_tokens: int = 256  # token budget of a step (decode tokens first, then prompt chunks); more, up to
     # STEP_TOKENS_GROWTH times, while their compute fits in the step's wait on replies (serve/step_budget.py)
@@ -56,6 +59,7 @@ class EngineConfig:
     health_interval_s: float = 2.0
     draft: str = DEFAULT_DRAFT  # where drafts come from (generation/drafters.py): ngram, suffix, local or both
     groups: int = 0  # batches in flight per step (serve/turns.py); 0: one or two, by measurement (serve/group_policy.py)
+    adaptive: bool = False  # each step's drafts chosen by the goodput rule, `speculate` their cap (serve/speculation.py)
 
 
 class Engine:
@@ -65,6 +69,7 @@ class Engine:
         """swarm: where the forwards run (a WholeModel: a model computing its own experts here);
         reference: a local eager model every step is compared with (--check-local);
         drafter: makes each sequence's drafter (default: config.draft's, over the swarm's local experts)."""
+        config = resolve_speculation(config, swarm)
         if drafter is None:
             check_draft_flags(config.draft, config.speculate, swarm.local_store is not None)
         self.swarm, self.codec, self.config = swarm, codec, config
@@ -76,6 +81,8 @@ class Engine:
         self.admission = Admission(swarm, codec, config, self.runner, self.reference_runner, self.metrics, self.packed,
                                    drafter)
         self.group_policy = GroupPolicy()  # --groups 0: one or two batches in flight, by measurement
+        self.speculation = Speculation(config.speculate, config.adaptive)  # drafts per step, and their acceptance
+        register_spec_metrics(self.metrics, self.speculation)
         self.budget = StepBudget(config.step_tokens, STEP_TOKENS_GROWTH * config.step_tokens)
         self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
         # --check-local: every step's logits against the reference's (bit for bit; a lossy wire: the gate's thresholds)
@@ -194,6 +201,7 @@ class Engine:
                 sequence = self.admission.start(job, self._active)
                 self._active.append(sequence)
                 self._tallies[id(sequence)] = tally
+                tally.drafts = self.speculation.start(sequence)
                 tally.tokens = sequence.output  # the same list: it grows as the sequence does
             self._queue.extendleft(reversed(waiting))
             self.metrics.queue_depth.set(len(self._queue))
@@ -208,13 +216,17 @@ class Engine:
             self._count_cache_bytes()
             return
         sequences = list(self._active)
+        self.speculation.plan(sequences, [self._tallies[id(s)].drafts for s in sequences])
+        step_drafting = 0.0
         for sequence in sequences:
             drafting = time.perf_counter()
-            sequence.plan_drafts(self.config.context)
-            drafting = time.perf_counter() - drafting
             tally = self._tallies[id(sequence)]
+            sequence.plan_drafts(self.config.context)
+            self.speculation.shadow(sequence, tally.drafts)
+            drafting = time.perf_counter() - drafting
             tally.draft_seconds += drafting
             tally.seconds += drafting
+            step_drafting += drafting
         plans = plan_step([Slot(s.prefill_left, s.draft_counts) for s in sequences],
                           self.config.prefill_chunk, self.budget.tokens())
         work = [(s, s.feed(plan.tokens, plan.rows), self._keep(s)) for s, plan in zip(sequences, plans) if plan.tokens]
@@ -245,8 +257,11 @@ class Engine:
         forward = time.perf_counter() - forward
         last_call = self.swarm.layer_call_number()
         self.rollback.record(points, first_call, last_call)
-        if not self.config.groups and all(s.output for s, _, _ in work):  # decode steps teach the policy
-            self.group_policy.record(len(groups), forward, fed)
+        if all(s.output for s, _, _ in work):  # decode steps teach the policies
+            if not self.config.groups:
+                self.group_policy.record(len(groups), forward, fed)
+            drafted_any = any(s.draft_counts for s, _, _ in work)
+            self.speculation.record_step(fed, forward, step_drafting if drafted_any else None)
         for sequence, _, _ in work:
             tally = self._tallies[id(sequence)]
             tally.seconds += forward
@@ -259,12 +274,17 @@ class Engine:
             expected = self.reference_runner.run([(s.reference, feed, keep) for s, feed, keep in work], groups)
             self._compare(work, outputs, expected, located=len(groups) == 1)
         failed_worker, generated, drafted, accepted = False, 0, 0, 0
-        for (sequence, _, _), logits in zip(work, outputs):
+        for (sequence, feed, _), logits in zip(work, outputs):
             if isinstance(logits, BaseException):
                 failed_worker |= isinstance(logits, MoeSwarmError)
                 self._fail(sequence, logits)
                 continue
+            decoding = sequence.chunk is None
             counts = self._advance(sequence, logits)
+            if decoding and sequence in self._active:
+                rows = len(feed) if _is_rows(feed) else 1
+                self.speculation.after_step(sequence, self._tallies[id(sequence)].drafts, _tokens(feed), rows,
+                                            counts[1], counts[2])
             generated, drafted, accepted = generated + counts[0], drafted + counts[1], accepted + counts[2]
         self.steps += 1
         self.metrics.observe_step(len(work), fed, time.monotonic() - started, calls, len(groups), waiting_s)

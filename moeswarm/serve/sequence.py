@@ -64,6 +64,7 @@ class Sequence:
         self.cached_tokens = cached_tokens
         self.max_drafts = speculate
         self.draft_len = speculate
+        self.k_limit: int | None = None  # this step's most drafts by the goodput rule (serve/speculation.py); None: not adaptive
         self.branches: list[list[int]] = [[]]  # the drafts proposed for the step being planned, one list a row
         self.branching = False  # whether this step's drafts are alternatives verified side by side
         self.drafter = drafter if drafter is not None else NgramDrafter()
@@ -101,6 +102,8 @@ class Sequence:
         room = min(self.job.max_tokens - len(self.output) - 1, context_limit - len(self.context) - 1)
         self.branching = not self.prefill_left and self._can_branch()
         limit = min(self.max_drafts if self.branching else self.draft_len, room)
+        if self.k_limit is not None:  # the goodput rule's K replaces the sampled draft length's own rule
+            limit = min(self.k_limit, room)
         self.branches = [[]]
         if self.prefill_left or limit <= 0:
             return

@@ -54,7 +54,8 @@ def serve(options: ServeOptions, holders: HoldersFor,
     check_can_listen(options.host, options.port)
     before_load()
     engine = EngineConfig(context, options.max_batch, options.speculate, options.prefill_chunk, options.step_tokens,
-                          options.cache_slots, draft=options.draft, groups=options.groups)
+                          options.cache_slots, draft=options.draft, groups=options.groups,
+                          adaptive=options.speculate_policy == "goodput")
     state = ServeState(options.model_name or model_name(source.path), options.api_key,
                        default_max_tokens=options.max_tokens, max_queue=options.max_queue)
     config = uvicorn.Config(create_app(state, list(options.cors_origins)), host=options.host, port=options.port,

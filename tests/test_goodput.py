@@ -1,0 +1,136 @@
+"""The goodput rule (generation/goodput.py) and what feeds it (generation/draft_measure.py): pure numbers.
+
+choose_k is checked against a brute force that knows nothing of the closed form: each outcome of a
+K-draft step (first rejection at position j, or all kept) enumerated with its probability.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from moeswarm.generation.draft_measure import MIN_TOKEN_SHARE, PRIOR, Acceptance, CostModel
+from moeswarm.generation.goodput import StepCost, choose_k, expected_tokens
+
+
+def brute_tokens(acceptance: list[float], k: int) -> float:
+    """E[tokens] of a K-draft step, by enumerating where the first rejection falls."""
+    total = 0.0
+    for first_rejected in range(k + 1):  # k: every draft kept
+        p = 1.0
+        for i in range(first_rejected):
+            p *= acceptance[i]
+        if first_rejected < k:
+            p *= 1 - acceptance[first_rejected]
+        total += p * (first_rejected + 1)  # the kept drafts and the step's own token
+    return total
+
+
+def brute_k(acceptance: list[float], cost: StepCost, cap: int, rows: int, base: int) -> int:
+    rates = {k: brute_tokens(acceptance, k) / cost.seconds(base + rows * (1 + k), k > 0) for k in range(cap + 1)}
+    best = max(rates.values())
+    return min(k for k, rate in rates.items() if rate >= best * (1 - 1e-9))
+
+
+def test_expected_tokens_is_the_enumerated_expectation():
+    for acceptance in ([0.0] * 4, [1.0] * 4, [0.9, 0.5, 0.2, 0.7], [0.3, 1.0, 0.0, 1.0]):
+        for k in range(5):
+            assert expected_tokens(acceptance, k) == pytest.approx(brute_tokens(acceptance, k), abs=1e-12)
+    assert expected_tokens([1.0, 1.0, 1.0], 3) == 4.0 and expected_tokens([0.0, 1.0], 2) == 1.0
+
+
+def test_choose_k_matches_brute_force_over_random_inputs():
+    pick = random.Random(58)
+    for _ in range(2000):
+        cap = pick.randrange(0, 9)
+        acceptance = [pick.choice([0.0, 1.0, pick.random()]) for _ in range(cap)]
+        cost = StepCost(pick.choice([0.0, pick.random()]) + 1e-6, pick.random() * pick.choice([1e-4, 1e-2, 1.0]),
+                        pick.choice([0.0, pick.random() * 0.05]))
+        rows, base = pick.randrange(1, 4), pick.randrange(0, 20)
+        assert choose_k(acceptance, cost, cap, rows, base) == brute_k(acceptance, cost, cap, rows, base)
+
+
+def test_a_wan_step_drafts_where_a_local_step_does_not():
+    acceptance = [0.6, 0.5, 0.5, 0.4]
+    wan = StepCost(fixed_s=0.080, per_token_s=0.001)  # 80 ms of trips, 1 ms a token
+    local = StepCost(fixed_s=0.002, per_token_s=0.010)  # compute-bound: each row costs as much as a step
+    assert choose_k(acceptance, wan, 4) == 4
+    assert choose_k(acceptance, local, 4) == 0
+
+
+def test_no_acceptance_or_no_cap_means_no_drafts():
+    cheap = StepCost(0.1, 1e-6)
+    assert choose_k([0.0] * 8, cheap, 8) == 0  # drafts that are never kept only cost
+    assert choose_k([1.0] * 8, cheap, 0) == 0  # --speculate 0: off
+    assert choose_k([0.9] * 8, StepCost(0.1, 1e-6, draft_s=1.0), 8) == 0  # drafting slower than it saves
+
+
+def test_break_even_is_where_the_issue_puts_it():
+    """One draft pays when a_1 > per_token / (fixed + per_token): the extra row's share of a step."""
+    cost = StepCost(fixed_s=0.080, per_token_s=0.016)  # a row is a fifth of a one-token step... of 96 ms
+    edge = 0.016 / 0.096
+    assert choose_k([edge * 1.01], cost, 1) == 1 and choose_k([edge * 0.99], cost, 1) == 0
+
+
+def test_acceptance_ema_per_position():
+    a = Acceptance()
+    assert a.rates(3) == [PRIOR] * 3
+    a.record(drafted=4, accepted=2)  # positions 1, 2 kept, 3 rejected, 4 not tried
+    r = a.rates(4)
+    assert r[0] > PRIOR and r[1] > PRIOR and r[2] < PRIOR and r[3] == PRIOR
+    assert (a.drafts, a.drafted, a.accepted, a.accepted_at) == (1, 4, 2, [1, 1])
+    for _ in range(12):
+        a.record(drafted=3, accepted=0)
+    assert a.rates(1)[0] < 0.05  # a dozen rejections bring position 1 down
+    a.record(0, 0)  # nothing drafted: nothing learnt
+    assert a.drafts == 13
+
+
+def test_cost_model_fits_a_line_and_floors_its_slope():
+    model = CostModel()
+    assert not model.measured
+    for tokens, seconds in ((1, 0.100), (3, 0.104), (5, 0.108)):
+        model.record(tokens, seconds)
+    line = model.line()
+    assert line.fixed_s == pytest.approx(0.098) and line.per_token_s == pytest.approx(0.002)
+    flat = CostModel()
+    flat.record(1, 0.05)  # one count seen: the slope is the floor
+    assert flat.line().per_token_s == pytest.approx(MIN_TOKEN_SHARE * 0.05)
+    noisy = CostModel()
+    noisy.record(1, 0.05)
+    noisy.record(4, 0.04)  # a faster bigger step (noise): never a negative slope
+    assert noisy.line().per_token_s > 0
+
+
+def test_cost_model_ignores_nonsense_and_stays_bounded():
+    model = CostModel()
+    model.record(0, 1.0)
+    model.record(2, float("nan"))
+    model.record(2, -1.0)
+    assert not model.measured
+    for tokens in range(1, 1000):
+        model.record(tokens, 0.01)
+    assert len(model.by_tokens) == 256
+
+
+@pytest.mark.parametrize("cap", [1, 4, 8])
+def test_k_falls_to_zero_after_rejections_and_returns_with_acceptance(cap):
+    a, cost = Acceptance(), StepCost(0.020, 0.0005)
+    chosen = []
+    for _ in range(30):
+        k = choose_k(a.rates(cap), cost, cap)
+        chosen.append(k)
+        a.record(max(k, 1), 0)  # (a shadow draft when K is 0)
+    assert chosen[0] >= 1 and chosen[-1] == 0 and chosen.index(0) <= 12
+    for _ in range(10):
+        a.record(cap, cap)
+    assert choose_k(a.rates(cap), cost, cap) == cap
+
+
+def test_brute_force_agrees_on_every_small_grid_point():
+    grid = [0.0, 0.25, 0.5, 0.9, 1.0]
+    cost = StepCost(0.05, 0.004)
+    for acceptance in itertools.product(grid, repeat=3):
+        assert choose_k(list(acceptance), cost, 3) == brute_k(list(acceptance), cost, 3, 1, 0)

@@ -1,0 +1,69 @@
+"""The engine's speculation hook (serve/speculation.py) on fake models, no network: K follows the
+acceptance, shadow drafts bring it back, and the output never depends on it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from test_engine_acceptance import FakeCache
+from transformers import PretrainedConfig
+
+from moeswarm.generation.run import generate
+from moeswarm.model.tokenizer import TextCodec
+from moeswarm.serve.whole_model import WholeModel
+
+VOCAB = 64
+
+
+class Scripted(torch.nn.Module):
+    """After a context of n tokens it predicts script(n): whatever the drafts say."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.config = PretrainedConfig(vocab_size=VOCAB)
+        self.script = script
+        self.context: list[int] = []
+        self.crops: list[int] = []
+
+    def forward(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = True) -> SimpleNamespace:
+        tokens = input_ids[0].tolist()
+        logits = torch.zeros(len(tokens), VOCAB)  # [n, V]
+        for row, token in enumerate(tokens):
+            self.context.append(token)
+            logits[row, self.script(len(self.context))] = 1.0
+        return SimpleNamespace(logits=logits[None], past_key_values=FakeCache(self))
+
+
+def _codec() -> TextCodec:
+    return TextCodec("ids", SimpleNamespace(eos_token_id=None, decode=lambda ids, **_: ""), VOCAB)
+
+
+def noisy(n: int) -> int:
+    """A token sequence no lookup predicts: (n * 37 + n * n) mod 61, token 0 after every other one,
+    so the last token (0) recurs and the drafter keeps proposing what followed it before."""
+    return 0 if n % 2 else (n * 37 + n * n) % 61 + 1
+
+
+def test_rejected_drafts_bring_k_to_zero_and_the_tokens_stay_the_same():
+    prompt = [0, 5, 0, 6, 0, 7]
+    plain = generate(WholeModel(Scripted(noisy)), prompt, 60, 0, codec=_codec())
+    adaptive = generate(WholeModel(Scripted(noisy)), prompt, 60, 4, codec=_codec(), adaptive=True)
+
+    assert adaptive.tokens == plain.tokens  # the verify rule: drafts never change the output
+    per_step = adaptive.speculation["speculate_per_step"]
+    assert per_step[0] > 0 and per_step[-10:] == [0] * 10, per_step
+    assert adaptive.speculation["acceptance_per_position"][0] < 0.05
+    assert adaptive.accepted == 0 and 0 < adaptive.drafted < 4 * len(per_step)
+
+
+def test_a_periodic_text_keeps_k_at_the_cap_and_saves_steps():
+    cycle = [3, 1, 4, 1, 5, 9, 2, 6]
+    periodic = lambda n: cycle[n % len(cycle)]  # noqa: E731
+    prompt = [periodic(i) for i in range(16)]
+    plain = generate(WholeModel(Scripted(periodic)), prompt, 40, 0, codec=_codec())
+    adaptive = generate(WholeModel(Scripted(periodic)), prompt, 40, 4, codec=_codec(), adaptive=True)
+
+    assert adaptive.tokens == plain.tokens
+    assert adaptive.steps < plain.steps / 2  # most drafts kept
+    assert adaptive.speculation["speculate_per_step"][-1] > 0
