@@ -174,43 +174,53 @@ class StageCaches:
     # -- accounting --------------------------------------------------------------------------------
 
     def _make_room(self, session: str, need_bytes: int, need_slots: int, step: frozenset[int]) -> None:
-        """Evict until `need_bytes` and `need_slots` more fit, by the module's rules; ProtocolError when they cannot."""
+        """Evict until `need_bytes` and `need_slots` more fit, by the module's rules; ProtocolError,
+        with nothing evicted, when they cannot."""
         limits = self.limits
-        if self._fits(need_bytes, need_slots):
-            return
         own = self._sessions.get(session, OrderedDict())
-        self._evict_from(own, session, need_bytes, need_slots, step, others=False)
-        if self._fits(need_bytes, need_slots):
+        mine_bytes, mine_slots = self._session_bytes.get(session, 0), len(own)
+        quota_bytes, quota_slots = limits.session_bytes or limits.max_bytes, limits.session_sequences or limits.max_sequences
+        if self._fits(need_bytes, need_slots) and mine_bytes + need_bytes <= quota_bytes and \
+                mine_slots + need_slots <= quota_slots:
             return
+        kept = [(session, seq) for seq in step if (session, seq) in self._held]  # the step's own: never evicted
+        kept_bytes = sum(self._held[key].nbytes for key in kept)
         holders = len(self._sessions) + (session not in self._sessions)
-        share_bytes = limits.session_bytes or limits.max_bytes // holders
-        share_slots = limits.session_sequences or max(1, limits.max_sequences // holders)
-        mine_bytes, mine_slots = self._session_bytes.get(session, 0) + need_bytes, len(own) + need_slots
-        if mine_bytes <= share_bytes and mine_slots <= share_slots:
-            self._evict_from(self._held, session, need_bytes, need_slots, step, others=True)
-            if self._fits(need_bytes, need_slots):
-                return
-        raise ProtocolError(f"this step needs {max(need_bytes, 0) / MIB:.1f} MiB and {need_slots} new sequences more "
-                            f"than the stage's cache lets this session hold (it holds {len(own)} sequences, "
-                            f"{self._session_bytes.get(session, 0) / MIB:.1f} MiB; the stage {len(self._held)} of "
-                            f"{limits.max_sequences}, {self._bytes / MIB:.1f} of {limits.max_bytes / MIB:.0f} MiB, "
-                            f"shared by {holders} sessions)")
+        share_bytes = min(quota_bytes, limits.max_bytes // holders)
+        share_slots = min(quota_slots, max(1, limits.max_sequences // holders))
+        takes_others = kept_bytes + need_bytes <= share_bytes and len(kept) + need_slots <= share_slots
+        floor_bytes = self._bytes - (mine_bytes - kept_bytes) - ((self._bytes - mine_bytes) if takes_others else 0)
+        floor_slots = len(self._held) - (mine_slots - len(kept)) - ((len(self._held) - mine_slots) if takes_others else 0)
+        if floor_bytes + need_bytes > limits.max_bytes or floor_slots + need_slots > limits.max_sequences or \
+                kept_bytes + need_bytes > quota_bytes or len(kept) + need_slots > quota_slots:
+            raise ProtocolError(
+                f"this step needs {max(need_bytes, 0) / MIB:.1f} MiB and {need_slots} new sequences more than the "
+                f"stage's cache lets this session hold (it holds {mine_slots} sequences, {mine_bytes / MIB:.1f} MiB; "
+                f"the stage {len(self._held)} of {limits.max_sequences}, {self._bytes / MIB:.1f} of "
+                f"{limits.max_bytes / MIB:.0f} MiB, shared by {holders} sessions)")
+
+        def own_enough(freed_bytes: int, freed_slots: int) -> bool:
+            return self._fits(need_bytes - freed_bytes, need_slots - freed_slots) and \
+                mine_bytes - freed_bytes + need_bytes <= quota_bytes and mine_slots - freed_slots + need_slots <= quota_slots
+
+        self._evict_from(own, session, own_enough, step, others=False)
+        if not self._fits(need_bytes, need_slots):
+            self._evict_from(self._held, session, lambda b, n: self._fits(need_bytes - b, need_slots - n), step,
+                             others=True)
 
     def _fits(self, need_bytes: int, need_slots: int) -> bool:
         return self._bytes + need_bytes <= self.limits.max_bytes and \
             len(self._held) + need_slots <= self.limits.max_sequences
 
-    def _evict_from(self, order, session: str, need_bytes: int, need_slots: int, step: frozenset[int],
-                    others: bool) -> None:
-        """Drop keys of `order` (oldest first) until the need fits: `others`: other sessions' only,
-        else `session`'s own; never the step's sequences. Walks past at most the step's own keys."""
+    def _evict_from(self, order, session: str, enough, step: frozenset[int], others: bool) -> None:
+        """Drop keys of `order` (oldest first) until `enough(freed bytes, freed sequences)`: `others`:
+        other sessions' only, else `session`'s own; never the step's. Walks past at most the step's own keys."""
         freed_bytes = freed_slots = 0
         victims = []
         for key in order:
-            if self._bytes - freed_bytes + need_bytes <= self.limits.max_bytes and \
-                    len(self._held) - freed_slots + need_slots <= self.limits.max_sequences:
+            if enough(freed_bytes, freed_slots):
                 break
-            if (key[0] == session) != (not others) or (key[0] == session and key[1] in step):
+            if (key[0] == session) == others or key[1] in step and key[0] == session:
                 continue
             victims.append(key)
             freed_bytes += self._held[key].nbytes

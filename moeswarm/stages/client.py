@@ -168,23 +168,27 @@ class Chain:
     def connect(self) -> "Chain":
         """Open a session on the route. A stage that cannot be reached, at start as after a failure,
         is passed over for the next replica of its span; StageError when a span has none left."""
-        self.session = os.urandom(8).hex()
-        self._links = []
-        # one token per pair of neighbours: what stage i shows stage i + 1 with each step it forwards
-        tokens = [os.urandom(16).hex() for _ in self.positions]
-        try:
-            # from the last stage back: each HELLO names the next stage as finally chosen (a replica, when one is down)
-            for position in reversed(range(len(self.positions))):
-                links = {"upstream": tokens[position]} if position > 0 else {}
-                if position + 1 < len(self.positions):
-                    links.update(onward=self.route[position + 1], onward_token=tokens[position + 1])
-                self._links.insert(0, self._reach(position, links))
-            self._check_cover()
-            self.spans = [link.layers for link in self._links]
-        except BaseException:
-            self.close()
-            raise
-        return self
+        for _ in range(sum(map(len, self.positions))):
+            chosen = list(self._choice)
+            self.session = os.urandom(8).hex()
+            self._links = []
+            tokens = [os.urandom(16).hex() for _ in self.positions]  # what stage i shows stage i + 1 with its steps
+            try:
+                for position in range(len(self.positions)):
+                    links = {"upstream": tokens[position]} if position > 0 else {}
+                    if position + 1 < len(self.positions):
+                        links.update(onward=self.route[position + 1], onward_token=tokens[position + 1])
+                    self._links.append(self._reach(position, links))
+                if self._choice[1:] != chosen[1:]:  # a stage named as the next of the one before it was passed over
+                    self.close()
+                    continue  # again, on the replicas now chosen, under a new session
+                self._check_cover()
+                self.spans = [link.layers for link in self._links]
+            except BaseException:
+                self.close()
+                raise
+            return self
+        raise StageError("the chain's stages kept changing while it connected")
 
     def _reach(self, position: int, links: dict) -> StageLink:
         """A connected link to the chosen replica of `position`, or to the next ones in turn."""
