@@ -217,3 +217,44 @@ def test_accepting_survives_running_out_of_descriptors(serve):
     _hello(server, address, session="after").close()
     assert time.monotonic() - started < 1.0
     assert server.failures.counts["accept: OSError EMFILE"] == 8
+
+
+class _BansOnce:
+    """A swarm whose first step's layer calls are all tainted by a ban (a liar found out mid-step)."""
+
+    def __init__(self):
+        self.calls, self.banned = 0, False
+
+    def layer_call_number(self) -> int:
+        self.calls += 1
+        return self.calls
+
+    def take_taints(self):
+        from moeswarm.dispatch.taint import Taint
+
+        if self.banned:
+            return []
+        self.banned = True
+        return [Taint("127.0.0.1:9", "answered zeros", ((1, 1 << 40),))]
+
+
+def test_a_step_a_ban_hits_is_computed_again_from_the_caches_as_they_were(serve):
+    """Marks restored, the span run again: the answer and the caches are bit for bit a clean run's,
+    for a prompt, a decode step and branch rows."""
+    banned, banned_address = serve(0)
+    banned.swarm = _BansOnce()
+    clean, clean_address = serve(0)
+    answers = []
+    for server, address in ((banned, banned_address), (clean, clean_address)):
+        sock = _hello(server, address, session="s")
+        got = [_ask(sock, _step("s", 1, [Segment(1, None, 0, 3, 0)], PROMPT))]
+        server.swarm = _BansOnce() if server is banned else None  # a ban during the decode step too
+        got.append(_ask(sock, _step("s", 2, [Segment(1, None, 0, 1, 3)], NEXT)))
+        server.swarm = _BansOnce() if server is banned else None  # and during two branch rows
+        got.append(_ask(sock, _step("s", 3, [Segment(1, 0, 0, 1, 4), Segment(1, 1, 1, 2, 4)], torch.cat([NEXT, NEXT]))))
+        got.append(_ask(sock, _step("s", 4, [Segment(1, None, 0, 1, 5)], NEXT, records=[["keep", 1, 1]])))
+        assert all(frame.opcode == Opcode.STEP_RESULT for frame in got), [frame.meta for frame in got]
+        answers.append([bytes(frame.payload) for frame in got])
+        sock.close()
+    assert banned.recomputed == 3
+    assert answers[0] == answers[1]

@@ -38,6 +38,7 @@ from moeswarm.stages.forward import run_span
 from moeswarm.stages.onward import OnwardLimits, OnwardLinks
 from moeswarm.stages.outbox import shut
 from moeswarm.stages.protocol import Step, error_frame, result_frame
+from moeswarm.stages.recompute import MAX_RECOMPUTES, mark, restore
 from moeswarm.stages.sessions import Session, check_step, parse_hello, tag
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.stream import recv_frame, send_frame
@@ -86,7 +87,9 @@ class StageServer:
         self._closed = threading.Event()
         self._listener: socket.socket | None = None
         self.failures = CountedLog(log, "connections refused or failed before a HELLO")
+        self.swarm = None  # the swarm holding the span's experts (node.py): its bans make a step be computed again
         self.steps = 0
+        self.recomputed = 0  # steps computed again after a ban
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -324,7 +327,7 @@ class StageServer:
     def _step(self, session: Session, step: Step) -> None:
         self.caches.apply(step.session, step.records, frozenset(s.seq for s in step.segments))
         caches = self.caches.take(step.session, step.segments)
-        hidden = run_span(self.model, caches, step.segments, step.hidden)  # [T, d]
+        hidden = self._run_honestly(caches, step)  # [T, d]
         self.caches.settle(step.session, step.segments)
         self.steps += 1
         if step.route:
@@ -333,6 +336,24 @@ class StageServer:
             self._onward.send(session.onward, onward.to_frame())
         else:
             session.owner.send(result_frame(step.session, step.step, hidden))
+
+    def _run_honestly(self, caches: list, step: Step):
+        """The span over the step's rows, again when a holder it used is banned meanwhile (recompute.py)."""
+        if self.swarm is None:
+            return run_span(self.model, caches, step.segments, step.hidden)
+        for _ in range(MAX_RECOMPUTES + 1):
+            marks = mark(caches)
+            first = self.swarm.layer_call_number() + 1
+            hidden = run_span(self.model, caches, step.segments, step.hidden)  # [T, d]
+            last = self.swarm.layer_call_number()
+            taints = self.swarm.take_taints()
+            if not any(taint.hits(first, last) for taint in taints):
+                return hidden
+            restore(caches, marks)
+            self.recomputed += 1
+            log.warning("step %d of session %s computed again: %s banned during it", step.step,
+                        tag(step.session), ", ".join(printable(t.holder, 80) for t in taints))
+        raise MoeSwarmError(f"holders were banned during each of {MAX_RECOMPUTES + 1} computations of this step")
 
     def _onward_failed(self, address: str, reason: str, frames: list[Frame]) -> None:
         """Steps a link to the next stage never delivered: each session's gateway hears it in one line."""
