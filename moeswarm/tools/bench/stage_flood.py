@@ -9,7 +9,8 @@ then one-row decode steps) times its steps in each phase, and a fresh connect + 
   new_seqs      a session's STEP opening `new_sequences` one-row sequences
   respellings   `respellings` connections, each a session naming a respelling of one next stage
   non_reader    a gateway that pipelines 64-row steps and never reads its answers
-  silent        `silent` connections that connect and say nothing
+  silent        `silent` connections that connect and say nothing (counted 12 s later: closed
+                by the HELLO deadline, refused at accept, or still open)
 
 Reported per phase: p50 and max (ms) of the honest step and of connect + HELLO, the stage's RSS
 (MB) and open descriptors at the end of the phase, whether the honest session's sequence survived
@@ -34,6 +35,7 @@ from moeswarm.wire.stream import recv_frame, send_frame
 
 WAIT_S = 60.0
 HIDDEN = 256
+HONEST, ATTACKER = "127.0.0.1", "127.0.0.2"  # the attacks from an address of their own, as from another machine
 PROMPT = 1000  # the copied sequence's positions: 1000 x 2 layers x 8 heads x 32 x 2 x 4 bytes = 4 MB
 
 
@@ -84,7 +86,7 @@ class _Gateway:
 
     def __init__(self, address: str, fingerprint: str, session: str):
         self.address, self.fingerprint, self.session = address, fingerprint, session
-        self.sock = _hello(address, fingerprint, session)
+        self.sock = _hello(address, fingerprint, session, HONEST)
         self.number, self.past, self.kept = 0, 0, True
 
     def step(self) -> float:
@@ -103,7 +105,7 @@ class _Gateway:
         for _ in range(samples):
             steps.append(self.step())
             started = time.perf_counter()
-            _hello(self.address, self.fingerprint, f"probe-{self.number}").close()
+            _hello(self.address, self.fingerprint, f"probe-{self.number}", HONEST).close()
             hellos.append((time.perf_counter() - started) * 1e3)
             time.sleep(0.05)
         return steps, hellos
@@ -116,13 +118,13 @@ class _Gateway:
         self.sock.close()
 
 
-def _connect(address: str) -> socket.socket:
+def _connect(address: str, source: str = ATTACKER) -> socket.socket:
     host, port = address.rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=WAIT_S)
+    return socket.create_connection((host, int(port)), timeout=WAIT_S, source_address=(source, 0))
 
 
-def _hello(address: str, fingerprint: str, session: str, **fields) -> socket.socket:
-    sock = _connect(address)
+def _hello(address: str, fingerprint: str, session: str, source: str = ATTACKER, **fields) -> socket.socket:
+    sock = _connect(address, source)
     send_frame(sock, Frame(Opcode.HELLO, 0, {"role": "gateway", "fingerprint": fingerprint, "session": session,
                                             **fields}))
     reply, _ = recv_frame(sock, time.monotonic() + WAIT_S)
@@ -210,7 +212,7 @@ def _silent(address: str, count: int) -> Counter:
     for sock in sockets:
         sock.settimeout(0.1)
         try:
-            found["closed" if sock.recv(1) == b"" else "open"] += 1
+            found["closed" if sock.recv(1) == b"" else "refused with an ERROR"] += 1
         except socket.timeout:
             found["open"] += 1
         except OSError:
