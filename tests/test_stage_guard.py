@@ -258,3 +258,39 @@ def test_a_step_a_ban_hits_is_computed_again_from_the_caches_as_they_were(serve)
         sock.close()
     assert banned.recomputed == 3
     assert answers[0] == answers[1]
+
+
+def test_a_member_revoked_while_connected_is_closed(spans, tmp_path):
+    import shutil
+    import ssl
+
+    from moeswarm.transport.member_cert import revoke, write_member
+    from moeswarm.transport.tls import client_context, server_context, write_swarm_key
+
+    swarm = write_swarm_key(tmp_path / "swarm.key")
+    for name in ("stage", "gateway"):
+        write_member(swarm, name, tmp_path / f"{name}.pem")
+    base = spans[0]
+    server = StageServer(base.model, base.span, base.fingerprint, StageLimits(),
+                         tls_server=server_context(tmp_path / "stage.pem"))
+    port = server.listen("127.0.0.1", 0)
+    try:
+        raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+        sock = client_context(tmp_path / "gateway.pem").wrap_socket(raw, server_hostname="127.0.0.1")
+        send_frame(sock, Frame(Opcode.HELLO, 0, {"role": "gateway", "fingerprint": base.fingerprint, "session": "m"}))
+        assert recv_frame(sock, time.monotonic() + 30)[0].opcode == Opcode.HELLO
+        assert _ask(sock, Frame(Opcode.PING, 1)).opcode == Opcode.PONG
+        revoke(swarm, tmp_path / "gateway.pem")
+        shutil.copy(f"{swarm}.revoked", tmp_path / "stage.pem.revoked")  # the list beside the stage's key, as an operator does
+        sock.settimeout(10)
+        started = time.monotonic()
+        with pytest.raises((ConnectionError, ssl.SSLError, OSError)):
+            while time.monotonic() - started < 10:
+                send_frame(sock, Frame(Opcode.PING, 2))
+                if recv_frame(sock, time.monotonic() + 10)[0].opcode != Opcode.PONG:
+                    break
+                time.sleep(0.2)
+        assert time.monotonic() - started < 5.0  # re-read within a second, checked at the next round
+        assert server.connections == 0
+    finally:
+        server.close()

@@ -40,6 +40,7 @@ from moeswarm.stages.outbox import shut
 from moeswarm.stages.protocol import Step, error_frame, result_frame
 from moeswarm.stages.recompute import MAX_RECOMPUTES, mark, restore
 from moeswarm.stages.sessions import Session, check_step, parse_hello, tag
+from moeswarm.transport.tls import RevocationWatch, revoked_reason
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.stream import recv_frame, send_frame
 from moeswarm.worker.admission import ConnectionTable, CountedLog, Slot, error_cause
@@ -76,6 +77,7 @@ class StageServer:
         self.limits = limits or StageLimits()
         self.caches = StageCaches(self.limits.caches, kv_dtype(model))
         self._tls_server = tls_server
+        self._revocations = RevocationWatch(tls_server) if tls_server is not None else None
         self._queue: queue.Queue = queue.Queue()  # (connection, session, step) or ("close", session id); None: stop
         self._queued = 0
         self._sessions: dict[str, Session] = {}
@@ -276,28 +278,37 @@ class StageServer:
         connection.drop(reason)
 
     def _keep_house(self) -> None:
-        """HELLO and frame deadlines, stalled outboxes, members revoked while connected, idle onward links."""
+        """HELLO and frame deadlines, stalled outboxes, members revoked while connected (checked when the
+        revocation list changes), idle onward links."""
         while not self._closed.wait(HOUSEKEEPING_S):
-            now = time.monotonic()
-            with self._lock:
-                silent = [s for s in self._table.slots if not s.greeted and now - s.opened > self.limits.hello_timeout_s]
-                connections = list(self._connections)
-            for slot in silent:
-                slot.evict(f"no HELLO within {self.limits.hello_timeout_s:g} s")
-            for connection in connections:
-                since = connection.reading_since
-                if since is not None and now - since > self.limits.frame_timeout_s:
-                    connection.drop(f"a frame not read whole within {self.limits.frame_timeout_s:g} s")
-                elif connection.outbox.stalled(now):
-                    connection.outbox.fail(f"took no bytes for {self.limits.send_timeout_s:g} s")
-                elif self._tls_server is not None:
-                    _check_member(connection)
-            self._onward.expire(now)
-            if self._tls_server is not None:
-                from moeswarm.transport.tls import check_peer
+            try:
+                self._keep_house_once()
+            except Exception as error:  # a bug here must not end the housekeeping
+                log.warning("housekeeping failed: %s", printable(one_line(error), 300))
 
-                self._onward.check(check_peer)
-            self.failures.tick()
+    def _keep_house_once(self) -> None:
+        """One round of `_keep_house`."""
+        now = time.monotonic()
+        with self._lock:
+            silent = [s for s in self._table.slots if not s.greeted and now - s.opened > self.limits.hello_timeout_s]
+            connections = list(self._connections)
+        for slot in silent:
+            slot.evict(f"no HELLO within {self.limits.hello_timeout_s:g} s")
+        revoked = self._revocations is not None and self._revocations.changed()
+        for connection in connections:
+            since = connection.reading_since
+            if since is not None and now - since > self.limits.frame_timeout_s:
+                connection.drop(f"a frame not read whole within {self.limits.frame_timeout_s:g} s")
+            elif connection.outbox.stalled(now):
+                connection.outbox.fail(f"took no bytes for {self.limits.send_timeout_s:g} s")
+            elif revoked:
+                _check_member(connection)
+        self._onward.expire(now)
+        if revoked:
+            from moeswarm.transport.tls import check_peer
+
+            self._onward.check(check_peer)
+        self.failures.tick()
 
     # -- compute ---------------------------------------------------------------------------------
 
@@ -369,16 +380,11 @@ class StageServer:
 
 def _check_member(connection: Connection) -> None:
     """Close a connection whose member was revoked while it was connected."""
-    from moeswarm.transport.tls import PeerRefused, check_peer
-
     if isinstance(connection.sock, ssl.SSLSocket) and connection.dropped is None:
-        try:
-            check_peer(connection.sock)
-        except PeerRefused as error:
-            log.warning("connection from %s closed: %s", connection.peer, printable(error.reason, 200))
-            connection.drop(f"member revoked: {error.reason}")
-        except (OSError, ValueError):
-            pass  # closing already
+        why = revoked_reason(connection.sock)
+        if why is not None:
+            log.warning("connection from %s closed: %s", connection.peer, printable(why, 200))
+            connection.drop(f"member revoked: {why}")
 
 
 def _refuse(sock: socket.socket, message: str) -> None:
