@@ -15,9 +15,18 @@ record of which of its past steps used the holder (see docs/stages.md).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+import torch
+from transformers import PreTrainedModel
+
+from moeswarm.errors import MoeSwarmError, printable
 from moeswarm.generation.sequence_cache import SequenceCache
+from moeswarm.stages.forward import run_span
+from moeswarm.stages.protocol import Segment
+
+log = logging.getLogger("moeswarm.stage")
 
 MAX_RECOMPUTES = 4  # bans during one step's recomputations before the step fails instead
 
@@ -41,3 +50,23 @@ def restore(caches: list[SequenceCache], marks: list[Mark]) -> None:
         cache.lengths = dict(point.lengths)
         cache.pending = {layer: dict(held) for layer, held in point.pending.items()}
         cache.rows = point.rows
+
+
+def run_honestly(model: PreTrainedModel, swarm, caches: list[SequenceCache], segments: tuple[Segment, ...],
+                 hidden: torch.Tensor, what: str) -> tuple[torch.Tensor, int]:
+    """run_span (hidden [T, d] -> [T, d]), again from the marks while a holder it used is banned
+    during it (swarm: `layer_call_number` and `take_taints`, as a Swarm has them). Returns the
+    honest hidden states and how many times the step was computed again; MoeSwarmError past
+    MAX_RECOMPUTES. `what`: the step, as logs may name it."""
+    for again in range(MAX_RECOMPUTES + 1):
+        marks = mark(caches)
+        first = swarm.layer_call_number() + 1
+        out = run_span(model, caches, segments, hidden)  # [T, d]
+        last = swarm.layer_call_number()
+        taints = swarm.take_taints()
+        if not any(taint.hits(first, last) for taint in taints):
+            return out, again
+        restore(caches, marks)
+        log.warning("a step of session %s computed again: %s banned during it", what,
+                    ", ".join(printable(t.holder, 80) for t in taints))
+    raise MoeSwarmError(f"holders were banned during each of {MAX_RECOMPUTES + 1} computations of this step")

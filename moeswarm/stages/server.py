@@ -18,7 +18,6 @@ queued steps and unsent bytes are capped. A bad step costs its sender one ERROR 
 
 from __future__ import annotations
 
-import errno
 import logging
 import queue
 import select
@@ -32,23 +31,22 @@ from transformers import PreTrainedModel
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, one_line, printable
 from moeswarm.generation.ragged import kv_cache_name, kv_dtype
+from moeswarm.stages.accept import accept_forever, refuse
 from moeswarm.stages.caches import CacheLimits, StageCaches
 from moeswarm.stages.connection import Connection
 from moeswarm.stages.forward import run_span
 from moeswarm.stages.onward import OnwardLimits, OnwardLinks
 from moeswarm.stages.outbox import shut
 from moeswarm.stages.protocol import Step, error_frame, result_frame
-from moeswarm.stages.recompute import MAX_RECOMPUTES, mark, restore
+from moeswarm.stages.recompute import run_honestly
 from moeswarm.stages.sessions import Session, check_step, parse_hello, tag
 from moeswarm.transport.tls import RevocationWatch, revoked_reason
 from moeswarm.wire.frames import Frame, Opcode
-from moeswarm.wire.stream import recv_frame, send_frame
+from moeswarm.wire.stream import recv_frame
 from moeswarm.worker.admission import ConnectionTable, CountedLog, Slot, error_cause
 
 log = logging.getLogger("moeswarm.stage")
 
-OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-MAX_ACCEPT_BACKOFF_S = 0.25
 HOUSEKEEPING_S = 0.5
 
 
@@ -128,31 +126,24 @@ class StageServer:
     # -- connections -----------------------------------------------------------------------------
 
     def _accept(self) -> None:
-        backoff = 0.0
-        while not self._closed.is_set():
-            try:
-                sock, address = self._listener.accept()
-            except OSError as error:
-                if self._closed.is_set() or error.errno == errno.EBADF:
-                    return
-                self.failures.note(f"accept: {error_cause(error)}")
-                if error.errno in OUT_OF_DESCRIPTORS:
-                    with self._lock:  # a quiet connection's descriptor for the ones waiting
-                        self._table._evict(self._table.slots, time.monotonic(), "while descriptors ran out")
-                backoff = min(max(backoff * 2, 0.01), MAX_ACCEPT_BACKOFF_S)
-                time.sleep(backoff)
-                continue
-            backoff = 0.0
-            with self._lock:
-                slot = self._table.admit(address[0], "stage connection")
-                if isinstance(slot, Slot):
-                    slot.evict = lambda message, s=sock: shut(s)
-            if not isinstance(slot, Slot):
-                self.failures.note("refused: connections at their limit")
-                _refuse(sock, slot)
-                continue
-            threading.Thread(target=self._serve, args=(sock, f"{address[0]}:{address[1]}", slot), daemon=True,
-                             name="moeswarm-stage-conn").start()
+        accept_forever(lambda: self._listener, self._closed, self._admit, self._free_descriptor, self.failures)
+
+    def _admit(self, sock: socket.socket, address: tuple) -> None:
+        with self._lock:
+            slot = self._table.admit(address[0], "stage connection")
+            if isinstance(slot, Slot):
+                slot.evict = lambda message, s=sock: shut(s)
+        if not isinstance(slot, Slot):
+            self.failures.note("refused: connections at their limit")
+            refuse(sock, slot)
+            return
+        threading.Thread(target=self._serve, args=(sock, f"{address[0]}:{address[1]}", slot), daemon=True,
+                         name="moeswarm-stage-conn").start()
+
+    def _free_descriptor(self) -> None:
+        """Out of descriptors: a quiet connection's, for the ones waiting to be accepted."""
+        with self._lock:
+            self._table._evict(self._table.slots, time.monotonic(), "while descriptors ran out")
 
     def _serve(self, sock: socket.socket, peer: str, slot: Slot) -> None:
         try:
@@ -349,22 +340,12 @@ class StageServer:
             session.owner.send(result_frame(step.session, step.step, hidden))
 
     def _run_honestly(self, caches: list, step: Step):
-        """The span over the step's rows, again when a holder it used is banned meanwhile (recompute.py)."""
+        """The span over the step's rows, computed again when a holder it used is banned meanwhile."""
         if self.swarm is None:
             return run_span(self.model, caches, step.segments, step.hidden)
-        for _ in range(MAX_RECOMPUTES + 1):
-            marks = mark(caches)
-            first = self.swarm.layer_call_number() + 1
-            hidden = run_span(self.model, caches, step.segments, step.hidden)  # [T, d]
-            last = self.swarm.layer_call_number()
-            taints = self.swarm.take_taints()
-            if not any(taint.hits(first, last) for taint in taints):
-                return hidden
-            restore(caches, marks)
-            self.recomputed += 1
-            log.warning("step %d of session %s computed again: %s banned during it", step.step,
-                        tag(step.session), ", ".join(printable(t.holder, 80) for t in taints))
-        raise MoeSwarmError(f"holders were banned during each of {MAX_RECOMPUTES + 1} computations of this step")
+        hidden, again = run_honestly(self.model, self.swarm, caches, step.segments, step.hidden, tag(step.session))
+        self.recomputed += again
+        return hidden
 
     def _onward_failed(self, address: str, reason: str, frames: list[Frame]) -> None:
         """Steps a link to the next stage never delivered: each session's gateway hears it in one line."""
@@ -385,13 +366,3 @@ def _check_member(connection: Connection) -> None:
         if why is not None:
             log.warning("connection from %s closed: %s", connection.peer, printable(why, 200))
             connection.drop(f"member revoked: {why}")
-
-
-def _refuse(sock: socket.socket, message: str) -> None:
-    """One ERROR line to a connection over the limits, if it fits the send buffer, then close."""
-    try:
-        sock.setblocking(False)
-        send_frame(sock, error_frame("", 0, "busy", message), deadline=time.monotonic())
-    except OSError:
-        pass
-    shut(sock, close=True)
