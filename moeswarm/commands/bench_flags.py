@@ -117,6 +117,9 @@ def flood(parser: argparse.ArgumentParser) -> None:
                              "the worker's RSS before, at peak and after")
     parser.add_argument("--handshakes", type=int, default=None, metavar="N",
                         help="instead: N silent connections to a keyed worker, and a keyed backbone's wait to greet it")
+    parser.add_argument("--stage", action="store_true",
+                        help="instead: issue 62's attacks on a `moeswarm stage` (copies, new sequences, respelled next "
+                             "stages, a non-reader, silent connections) and an honest gateway's steps through them")
     parser.add_argument("--connections", type=int, default=256, help="attack connections (--amplification; default 256)")
     parser.add_argument("--tokens", type=int, default=8185,
                         help="tokens per attack DISPATCH (default 8185: the largest RESULT a default worker admits "

@@ -99,6 +99,12 @@ def fuzz(args: argparse.Namespace) -> None:
 def flood(args: argparse.Namespace) -> None:
     from moeswarm.tools.bench.flood import run_flood_bench
 
+    if args.stage:
+        from moeswarm.tools.bench.stage_flood import run_stage_flood
+
+        print_result(run_stage_flood(), args.json)
+        return
+
     print_result(run_flood_bench(args.half_open, args.flooders, args.samples, handshakes=args.handshakes,
                                  amplification=args.amplification, connections=args.connections, tokens=args.tokens,
                                  top_k=args.top_k, hold_s=args.hold), args.json)

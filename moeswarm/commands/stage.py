@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-cache-mb", type=positive, default=4096,
                         help="keys and values held, in MiB; past it the least recently used sequences are dropped "
                              "(their gateway replays them) (default 4096)")
+    limits.add_argument("--session-sequences", type=positive, default=None, metavar="N",
+                        help="sequences one gateway session may hold (default: its fair share, the bound divided "
+                             "by the sessions holding caches, when the stage is full)")
+    limits.add_argument("--session-cache-mb", type=positive, default=None, metavar="MIB",
+                        help="keys and values one gateway session may hold, in MiB (default: its fair share)")
     limits.add_argument("--sequence-ttl", type=seconds, default=600.0, metavar="SECONDS",
                         help="a sequence untouched this long is dropped (default 600)")
     add_swarm_flags(parser)
@@ -81,7 +86,8 @@ def _options(args: argparse.Namespace):
     from moeswarm.stages.node import StageAnnouncement, StageOptions
     from moeswarm.stages.server import StageLimits
 
-    caches = CacheLimits(args.max_sequences, args.max_cache_mb << 20, args.sequence_ttl)
+    caches = CacheLimits(args.max_sequences, args.max_cache_mb << 20, args.sequence_ttl,
+                         args.session_sequences or 0, (args.session_cache_mb or 0) << 20)
     announce = None if args.announce_swarm is None else StageAnnouncement(
         tuple(args.announce_swarm), args.announce_host, args.announce_ttl, args.dht_port, args.swarm_key)
     return StageOptions(args.model, args.layers, args.host, args.port, tuple(args.workers or ()),

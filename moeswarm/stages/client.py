@@ -60,8 +60,10 @@ class StageLink:
         self._sock: socket.socket | None = None
         self._send = threading.Lock()
 
-    def connect(self, session: str, fingerprint: str, tls: ssl.SSLContext | None) -> None:
-        hello = {"role": "gateway", "session": session, "fingerprint": fingerprint}
+    def connect(self, session: str, fingerprint: str, tls: ssl.SSLContext | None, links: dict | None = None) -> None:
+        """links: the session's place in its chain, for the stage's HELLO (`upstream`, `onward`,
+        `onward_token`: stages/sessions.py)."""
+        hello = {"role": "gateway", "session": session, "fingerprint": fingerprint, **(links or {})}
         try:
             sock, reply = dial(self.address, hello, tls, CONNECT_TIMEOUT_S)
         except DialError as error:
@@ -166,25 +168,35 @@ class Chain:
     def connect(self) -> "Chain":
         """Open a session on the route. A stage that cannot be reached, at start as after a failure,
         is passed over for the next replica of its span; StageError when a span has none left."""
-        self.session = os.urandom(8).hex()
-        self._links = []
-        try:
-            for position in range(len(self.positions)):
-                self._links.append(self._reach(position))
-            self._check_cover()
-            self.spans = [link.layers for link in self._links]
-        except BaseException:
-            self.close()
-            raise
-        return self
+        for _ in range(sum(map(len, self.positions))):
+            chosen = list(self._choice)
+            self.session = os.urandom(8).hex()
+            self._links = []
+            tokens = [os.urandom(16).hex() for _ in self.positions]  # what stage i shows stage i + 1 with its steps
+            try:
+                for position in range(len(self.positions)):
+                    links = {"upstream": tokens[position]} if position > 0 else {}
+                    if position + 1 < len(self.positions):
+                        links.update(onward=self.route[position + 1], onward_token=tokens[position + 1])
+                    self._links.append(self._reach(position, links))
+                if self._choice[1:] != chosen[1:]:  # a stage named as the next of the one before it was passed over
+                    self.close()
+                    continue  # again, on the replicas now chosen, under a new session
+                self._check_cover()
+                self.spans = [link.layers for link in self._links]
+            except BaseException:
+                self.close()
+                raise
+            return self
+        raise StageError("the chain's stages kept changing while it connected")
 
-    def _reach(self, position: int) -> StageLink:
+    def _reach(self, position: int, links: dict) -> StageLink:
         """A connected link to the chosen replica of `position`, or to the next ones in turn."""
         replicas = self.positions[position]
         while True:
             link = StageLink(replicas[self._choice[position]], self)
             try:
-                link.connect(self.session, self.fingerprint, self.tls)
+                link.connect(self.session, self.fingerprint, self.tls, links)
                 return link
             except StageError as error:
                 if self._choice[position] + 1 >= len(replicas):

@@ -183,6 +183,7 @@ def open_stage(model_path, span: range, workers: list[str], config: SwarmConfig 
         keep_span(swarm.model, span)
         config = config or SwarmConfig()
         server = StageServer(swarm.model, span, source.fingerprint, limits, tls_server, config.tls)
+        server.swarm = swarm
     except BaseException:
         swarm.close()
         raise

@@ -3,11 +3,13 @@
 Frames are the workers' (wire/frames.py: magic, version, opcode, request id, msgpack metadata,
 raw payload), with two opcodes of their own (docs/stages.md):
 
-HELLO        gateway -> stage: {"role": "gateway", "session", "fingerprint"};
+HELLO        gateway -> stage: {"role": "gateway", "session", "fingerprint"} and, in a chain,
+             {"upstream"} (not to the first stage), {"onward", "onward_token"} (not to the last);
              stage -> stage: {"role": "stage", "fingerprint"};
              stage's answer: {"role": "stage", "fingerprint", "layers": [first, last], "hidden_size"}
 STEP         gateway -> first stage, stage -> next stage: {"session", "step", "route", "records",
-             "segments", "tensors"}; payload: the hidden states [T, d] entering the stage
+             "segments", "tensors"}, and from a stage {"token"} (stages/sessions.py); payload: the
+             hidden states [T, d] entering the stage
 STEP_RESULT  last stage -> gateway: {"session", "step", "tensors"}; payload: the hidden states [T, d]
              after the chain's last layer
 ERROR        any stage -> gateway: {"code", "message", "session", "step"}
@@ -63,6 +65,7 @@ class Step:
     records: tuple[tuple, ...]
     segments: tuple[Segment, ...]
     hidden: torch.Tensor  # [T, d]
+    token: str = ""  # a stage's link token for the session ("" from the gateway)
 
     def to_frame(self) -> Frame:
         descriptors, buffers = wire_tensors.pack([("hidden", self.hidden.contiguous(), lossless_codec(self.hidden.dtype))])
@@ -70,6 +73,8 @@ class Step:
                 "records": [list(r) for r in self.records],
                 "segments": [[s.seq, NO_ROW if s.row is None else s.row, s.start, s.end, s.past] for s in self.segments],
                 "tensors": descriptors}
+        if self.token:
+            meta["token"] = self.token
         return Frame(Opcode.STEP, self.step, meta, tuple(buffers))
 
     @classmethod
@@ -84,7 +89,10 @@ class Step:
         hidden = _hidden(meta, frame.payload, hidden_size, max_tokens)
         segments = _segments(field(meta, "segments", list), hidden.shape[0])
         records = _records(field(meta, "records", list))
-        return cls(session, step, tuple(route), records, segments, hidden)
+        token = meta.get("token", "")
+        if not isinstance(token, str) or len(token) > MAX_SESSION_CHARS:
+            raise ProtocolError(f"metadata field 'token' must be at most {MAX_SESSION_CHARS} characters")
+        return cls(session, step, tuple(route), records, segments, hidden, token)
 
 
 def result_frame(session: str, step: int, hidden: torch.Tensor) -> Frame:

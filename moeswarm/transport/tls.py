@@ -161,3 +161,38 @@ def _own_member(key_file: Path, authority: Authority) -> str | None:
     except CertError:
         return None  # the swarm's own certificate: not a member's
     return f"{member.name!r} (serial {member.serial:x})"
+
+
+class RevocationWatch:
+    """Finds connections whose member was revoked after they connected: `revoked` names each one's
+    reason, checking peers again only when the revocation list has changed since the last call."""
+
+    def __init__(self, context: ssl.SSLContext):
+        self.authority = getattr(context, "authority", None)
+        self._seen = None if self.authority is None else self.authority.revoked
+
+    def changed(self) -> bool:
+        """Whether the list changed since the last call (it is re-read at most once a second)."""
+        if self.authority is None:
+            return False
+        try:
+            current = self.authority.revoked
+        except CertError:  # unreadable for now: new handshakes are refused; connections stay until it reads
+            return False
+        if current is self._seen:
+            return False
+        self._seen = current
+        return True
+
+
+def revoked_reason(connection: ssl.SSLSocket | ssl.SSLObject | None) -> str | None:
+    """Why a connected peer is no longer a member (revoked, or the list unreadable); None while it is."""
+    if connection is None:
+        return None
+    try:
+        check_peer(connection)
+    except PeerRefused as error:
+        return error.reason
+    except (OSError, ValueError):  # closing already
+        return None
+    return None

@@ -68,16 +68,24 @@ def check_reply_bytes(request: Dispatch, hidden: int, num_experts: int, limit: i
     return routed
 
 
-async def watch_replies(sessions: dict[asyncio.Task, Session], timeout_s: float, logs: Iterable[CountedLog]) -> None:
+async def watch_replies(sessions: dict[asyncio.Task, Session], timeout_s: float, logs: Iterable[CountedLog],
+                        tls=None) -> None:
     """Until cancelled, every second (or a quarter of `timeout_s`): close connections whose client
     took no byte of their written replies for `timeout_s`, so a client that does not read holds its
-    reply bytes that long, not for the idle timeout; and report the counted logs that are due."""
+    reply bytes that long, not for the idle timeout; report the counted logs that are due; and, with
+    `tls` (the swarm key's server context), close the connections of members revoked since they
+    connected (checked when the revocation list changes)."""
+    from moeswarm.transport.tls import RevocationWatch
+
+    revocations = RevocationWatch(tls) if tls is not None else None
     while True:
         await asyncio.sleep(min(1.0, timeout_s / 4))
         try:
             for counted in logs:
                 counted.tick()
             now = time.monotonic()
+            if revocations is not None and revocations.changed():
+                _close_revoked(sessions)
             for session in list(sessions.values()):
                 waiting = session.written_unsent
                 if waiting == 0 or waiting < session.last_waiting:
@@ -89,3 +97,14 @@ async def watch_replies(sessions: dict[asyncio.Task, Session], timeout_s: float,
                     session.wake()
         except Exception:  # a bug here must not end the watch
             log.exception("the reply watch failed; it goes on")
+
+
+def _close_revoked(sessions: dict[asyncio.Task, Session]) -> None:
+    from moeswarm.transport.tls import revoked_reason
+
+    for session in list(sessions.values()):
+        why = revoked_reason(session.writer.get_extra_info("ssl_object"))
+        if why is not None and not session.writer.transport.is_closing():
+            log.warning("closing connection from %s: its member is no longer admitted: %s", session.peer, why)
+            session.writer.transport.abort()
+            session.wake()

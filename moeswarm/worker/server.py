@@ -134,7 +134,7 @@ class WorkerServer:
 
         self._server = await loop.create_server(protocol, host, port, backlog=min(self.limits.max_connections, 4096))
         self._watch = asyncio.create_task(watch_replies(self._sessions, self.limits.frame_timeout_s,
-                                                         (self.failures, self.refusals)))
+                                                         (self.failures, self.refusals), self.tls))
         return self._server.sockets[0].getsockname()[:2]
 
     async def serve_socket(self, sock: socket.socket) -> None:
