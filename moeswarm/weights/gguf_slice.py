@@ -96,4 +96,6 @@ def write_slice(source: str | Path, out: str | Path, experts: Sequence[int], lay
 def _rows(data: np.ndarray, stored_runs: list[range]) -> np.ndarray:
     """The blocks of some experts of a stacked tensor, byte for byte (one read per contiguous run)."""
     pieces = [data[run.start : run.stop] for run in stored_runs]
+    if [len(piece) for piece in pieces] != [len(run) for run in stored_runs]:  # numpy clips a slice past the end
+        raise ModelError(f"an expert tensor holds {len(data)} experts, fewer than the ones asked for")
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
