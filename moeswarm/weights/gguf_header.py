@@ -14,7 +14,7 @@ the same float32 (1e-5, not 9.99999974e-06): an epsilon 1 ulp off changes the lo
 The file is hostile until checked: every count is bounded by what the bytes left could hold
 before a loop runs on it, every tensor's dims, type and data range are checked before a view is
 made (at most MAX_DIMS dims of at least 1, a known type, ne[0] a whole number of blocks, its data
-aligned and inside the file), and keys and tensor names must be UTF-8. A string value that is not
+aligned, inside the file and apart from every other tensor's), and keys and tensor names must be UTF-8. A string value that is not
 UTF-8 is refused (HeaderError naming its key) when it is decoded. Every refusal is a HeaderError.
 """
 
@@ -96,6 +96,7 @@ class GGUFHeader:
         self.alignment = self._alignment()
         self.data_offset = offset + (-offset % self.alignment)
         self.tensors = [self._tensor(*info) for info in infos]
+        self._check_disjoint()
 
     # -- values -----------------------------------------------------------------------------
 
@@ -241,6 +242,13 @@ class GGUFHeader:
         view = view.view(view.dtype.newbyteorder(self._order)).reshape(np_dims)
         return ReaderTensor(name=name, tensor_type=ggml_type, shape=np.array(dims, dtype=np.uint64),
                             n_elements=elements, n_bytes=n_bytes, data_offset=offset, data=view, field=None)
+
+    def _check_disjoint(self) -> None:
+        """No two tensors' data overlap (llama.cpp requires them back to back): each byte means one thing."""
+        spans = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in self.tensors)
+        for (_, end, name), (start, _, following) in zip(spans, spans[1:]):
+            if start < end:
+                raise HeaderError(f"tensor {following!r}: its data overlaps tensor {name!r}'s")
 
     def _unpack(self, codes: str, offset: int) -> tuple:
         fmt = self._order + codes

@@ -227,3 +227,52 @@ def _flip(data: bytearray, layout: Layout, rng: random.Random) -> str:
 _MUTATIONS = [_int_value, _int_value, _int_value, _float_value, _value_type, _string_bytes, _array, _array,
               _tensor_dim, _tensor_dim, _tensor_dim, _tensor_n_dims, _tensor_type, _tensor_type, _tensor_offset,
               _counts, _truncate, _flip]
+
+
+# -- named mutations (the tests' reproductions of known findings) -------------------------------
+
+
+def _kv(layout: Layout, key: str) -> KeyValue:
+    return next(kv for kv in layout.kvs if kv.key == key)
+
+
+def _tensor(layout: Layout, name: str) -> TensorEntry:
+    return next(t for t in layout.tensors if t.name == name)
+
+
+def with_int(layout: Layout, key: str, value: int) -> bytes:
+    """The file with scalar metadata `key` (an integer type) set to `value` (its low bits)."""
+    data, kv = bytearray(layout.data), _kv(layout, key)
+    _put(data, kv.value_at, _SCALAR_CODES[kv.kind], value)
+    return bytes(data)
+
+
+def with_dim(layout: Layout, name: str, axis: int, value: int) -> bytes:
+    """The file with tensor `name`'s ne[axis] set to `value`."""
+    data, tensor = bytearray(layout.data), _tensor(layout, name)
+    _put(data, tensor.n_dims_at + 4 + 8 * axis, "Q", value)
+    return bytes(data)
+
+
+def with_type(layout: Layout, name: str, ggml_type: int) -> bytes:
+    """The file with tensor `name`'s ggml type set to `ggml_type`."""
+    data = bytearray(layout.data)
+    _put(data, _tensor(layout, name).type_at, "I", ggml_type)
+    return bytes(data)
+
+
+def with_string_byte(layout: Layout, key: str, index: int, byte: int) -> bytes:
+    """The file with byte `index` of string metadata `key` set to `byte` (0xFF: not UTF-8)."""
+    data, kv = bytearray(layout.data), _kv(layout, key)
+    data[kv.value_at + 8 + index] = byte
+    return bytes(data)
+
+
+def with_array_string_byte(layout: Layout, key: str, item: int, index: int, byte: int) -> bytes:
+    """The file with byte `index` of item `item` of string array `key` set to `byte`."""
+    data, kv = bytearray(layout.data), _kv(layout, key)
+    at = kv.items_at
+    for _ in range(item):
+        at += 8 + struct.unpack_from("<Q", data, at)[0]
+    data[at + 8 + index] = byte
+    return bytes(data)
