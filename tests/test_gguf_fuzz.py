@@ -161,7 +161,7 @@ def test_info_on_a_hostile_file_is_exit_2_and_one_line(tmp_path, layout):
     path.write_bytes(with_int(layout, "qwen2moe.block_count", 2**31 - 1))
     result = _moeswarm("info", str(path))
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.splitlines() == [f"moeswarm info: error: {path}: qwen2moe.block_count = 2147483647 is outside 1-512"]
+    assert result.stderr.splitlines() == [f"moeswarm info: error: {path}: qwen2moe.block_count = 2147483647 is outside 1-256"]
 
 
 def test_a_worker_refuses_a_short_expert_tensor_at_startup(tmp_path, layout):

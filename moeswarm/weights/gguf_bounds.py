@@ -7,7 +7,7 @@ over or handed to the C kernels unchecked:
 - the hyperparameters that size a model (BOUNDS): integers (a per-layer list where allowed, as
   long as block_count), inside their bounds; every float hyperparameter finite;
 - block_count: every `blk.N` tensor has N < block_count, and a whole model file (not a slice)
-  has tensors for every layer: 4 bytes of metadata cannot make a 6-layer file a 100,000-layer model;
+  has tensors for every layer (but the nextn_predict_layers last, which converters may drop): 4 bytes of metadata cannot make a 6-layer file a 100,000-layer model;
 - routed experts: every stacked expert tensor holds exactly the experts the metadata says (ne[2]
   = expert_count in a whole file, the number of `moeswarm.expert_ids` in a slice); the slice's
   ids and layers distinct, ascending and inside expert_count and block_count;
@@ -32,7 +32,7 @@ from moeswarm.errors import ModelError
 if TYPE_CHECKING:
     from moeswarm.weights.gguf_file import GGUFFile
 
-MAX_BLOCKS = 512  # decoder layers (the largest MoE models have ~100): bounds the skeleton's size
+MAX_BLOCKS = 256  # decoder layers (the largest MoE models have <100): bounds the skeleton's size and build time
 MAX_EXPERTS = 4096  # routed experts per layer (the largest have 384-512)
 MAX_WIDTH = 1 << 18  # hidden, intermediate and head sizes
 MAX_HEADS = 1 << 12
@@ -141,7 +141,8 @@ def _check_layers(f: GGUFFile, arch: str, blocks: int, values: dict) -> None:
     layers = {int(m.group(1)) for name in f.tensors if (m := _LAYER.match(name))}
     if layers and max(layers) >= blocks:
         raise _fail(f, f"{arch}.block_count is {blocks} but the file has tensors of layer {max(layers)}")
-    if not f.is_slice and len(layers) != blocks:
+    trunk = blocks - values.get("nextn_predict_layers", 0)  # a converter may drop the multi-token-prediction layers
+    if not f.is_slice and not set(range(trunk)) <= layers:
         raise _fail(f, f"{arch}.block_count is {blocks} but the file has tensors for {len(layers)} layers")
     for key, value in values.items():
         if isinstance(value, list) and len(value) != blocks:
