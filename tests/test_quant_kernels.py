@@ -209,7 +209,7 @@ def unfused_expert(gate, up, down, x, activation, biases=None, alpha=1.702, limi
 
 
 def blocks(qtype: Q, raw: np.ndarray) -> qkernels.Blocks:
-    return qkernels.Blocks(int(qtype), qkernels.address(raw), raw.shape[0])
+    return qkernels.Blocks(int(qtype), qkernels.address(raw), raw.shape[0], raw.nbytes)
 
 
 FUSED_TYPES = [(Q.Q4_K,) * 3, (Q.Q6_K,) * 3, (Q.Q8_0,) * 3, (Q.Q5_0,) * 3, (Q.MXFP4,) * 3, (Q.F16,) * 3,

@@ -104,7 +104,14 @@ def products(parser: argparse.ArgumentParser) -> None:
 def fuzz(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", type=int, default=2000, help="fuzz cases to send (default 2000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the case generator (default 0)")
-    parser.add_argument("--model", default=None, help="model directory (default: a tiny random qwen2_moe)")
+    parser.add_argument("--model", default=None, help="model directory (default: a tiny random qwen2_moe); with "
+                                                      "--files, the GGUF file to mutate (default: the bundled Q4_K_M)")
+    parser.add_argument("--files", type=int, default=None, metavar="N",
+                        help="instead: N mutated GGUF files through info, slice, worker and generate, each a forked "
+                             "process under a deadline and an RSS cap (crashes, hangs, tracebacks; docs/gguf.md)")
+    parser.add_argument("--commands", default="info,slice,worker,generate", help="with --files: the commands to run")
+    parser.add_argument("--timeout", type=float, default=60.0, help="with --files: seconds a run may take")
+    parser.add_argument("--rss-cap-mb", type=float, default=3000.0, help="with --files: MB of RSS a run may reach")
     parser.add_argument("--json", action="store_true", help=JSON_HELP)
 
 

@@ -90,10 +90,28 @@ def products(args: argparse.Namespace) -> None:
 def fuzz(args: argparse.Namespace) -> None:
     from moeswarm.tools.bench.fuzz import run_fuzz
 
+    if args.files is not None:
+        return fuzz_files(args)
+
     def progress(done: int, counts: dict) -> None:
         print(f"fuzz: {done} cases, findings {counts or 'none'}", file=sys.stderr, flush=True)
 
     print_result(run_fuzz(args.cases, args.seed, args.model, progress=progress), args.json)
+
+
+def fuzz_files(args: argparse.Namespace) -> None:
+    from moeswarm.errors import MoeSwarmError
+    from moeswarm.tools.bench.file_fuzz import COMMANDS, run_file_fuzz
+
+    commands = tuple(c for c in args.commands.split(",") if c)
+    if args.files < 1 or not commands or not set(commands) <= set(COMMANDS):
+        raise MoeSwarmError(f"--files takes N >= 1 and --commands some of {','.join(COMMANDS)}")
+
+    def progress(done: int, counts: dict) -> None:
+        print(f"fuzz: {done} files, findings {counts or 'none'}", file=sys.stderr, flush=True)
+
+    print_result(run_file_fuzz(args.files, args.seed, args.model, commands, args.timeout, args.rss_cap_mb,
+                               progress=progress), args.json)
 
 
 def flood(args: argparse.Namespace) -> None:

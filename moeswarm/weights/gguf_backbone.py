@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moeswarm.errors import ModelError
 from moeswarm.weights import qkernels
 from moeswarm.weights.gguf_dequant import dequantize
 from moeswarm.weights.gguf_names import NameMapper
@@ -41,6 +42,9 @@ def encode_backbone(model: torch.nn.Module, mapper: NameMapper, skip: set[str], 
             replacement = QuantEmbedding(int(tensor.tensor_type), data, row_length)
         else:
             bias_name = mapper.plain_tensor(f"{module_name}.bias") if module.bias is not None else None
+            if bias_name and int(f.tensors[bias_name].n_elements) != rows:
+                raise ModelError(f"{f.path}: tensor {bias_name} has {int(f.tensors[bias_name].n_elements)} values, "
+                                 f"{tensor_name} has {rows} rows")
             bias = dequantize(f.path, f.tensors[bias_name]).reshape(rows) if bias_name else None
             if module.bias is not None and bias is None:
                 continue

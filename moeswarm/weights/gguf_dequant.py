@@ -15,7 +15,7 @@ from gguf.gguf_reader import ReaderTensor
 
 from moeswarm.errors import ModelError
 
-_FLOAT = {Q.F32, Q.F16, Q.BF16, Q.F64}
+_FLOAT = {Q.F32, Q.F16, Q.BF16}  # F64: gguf-py has no decoder for it
 SUPPORTED: frozenset[Q] = frozenset(_FLOAT | set(quants._type_traits))
 
 

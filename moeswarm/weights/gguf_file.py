@@ -20,7 +20,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderTensor
 
 from moeswarm.errors import ModelError
-from moeswarm.weights.gguf_header import GGUFHeader
+from moeswarm.weights.gguf_bounds import check_model
+from moeswarm.weights.gguf_header import GGUFHeader, HeaderError
 
 GGUF_MAGIC = b"GGUF"
 SLICE_PREFIX = "moeswarm."  # metadata keys a slice file adds; never part of the fingerprint
@@ -49,16 +50,13 @@ class GGUFFile:
             raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
         try:
             header = GGUFHeader(np.memmap(path, mode="r"))
-        except Exception as error:  # a cut or corrupt header: HeaderError, or gguf's ValueError on an unknown type
+        except HeaderError as error:  # every tensor's data lies inside the file once this passes
+            raise ModelError(f"{path}: truncated or corrupt GGUF file ({error})") from None
+        except (ValueError, OverflowError, IndexError) as error:  # a case the header's checks missed: still one line
             raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(error).__name__}: {error})") from None
-        size = path.stat().st_size
-        for tensor in header.tensors:
-            if tensor.data_offset + tensor.n_bytes > size:
-                raise ModelError(
-                    f"{path}: truncated: tensor {tensor.name} ends at byte {tensor.data_offset + tensor.n_bytes}, "
-                    f"the file has {size} bytes"
-                )
-        return cls(path, header)
+        opened = cls(path, header)
+        check_model(opened)  # the metadata against its bounds and the tensors (gguf_bounds.py)
+        return opened
 
     @cached_property
     def reader(self) -> GGUFReader:
@@ -70,7 +68,7 @@ class GGUFFile:
     @cached_property
     def metadata(self) -> Mapping[str, object]:
         """Every key/value field, each decoded when read (a read-only mapping, in file order)."""
-        return _Metadata(self.header)
+        return _Metadata(self.header, self.path)
 
     def metadata_length(self, key: str) -> int | None:
         """The item count of an array field without decoding it; None when absent or not an array."""
@@ -145,8 +143,11 @@ class GGUFFile:
             if not key.startswith(SLICE_PREFIX):
                 # f"{key}={value!r}\n", a long list streamed: the vocabulary is never held whole
                 digest.update(f"{key}=".encode())
-                for piece in self.header.repr_pieces(key):
-                    digest.update(piece.encode())
+                try:
+                    for piece in self.header.repr_pieces(key):
+                        digest.update(piece.encode())
+                except HeaderError as error:  # a string that is not UTF-8
+                    raise ModelError(f"{self.path}: {error}") from None
                 digest.update(b"\n")
         for t in self.header.tensors:
             digest.update(f"{t.name}:{int(t.tensor_type)}:{[int(n) for n in t.shape]}\n".encode())
@@ -160,13 +161,17 @@ class GGUFFile:
 class _Metadata(Mapping):
     """A GGUF file's metadata, read-only: each value decoded from the map when read, never kept."""
 
-    def __init__(self, header: GGUFHeader):
+    def __init__(self, header: GGUFHeader, path: Path):
         self._header = header
+        self._path = path
 
     def __getitem__(self, key: str) -> object:
         if key not in self._header.fields:
             raise KeyError(key)
-        return self._header.value(key)
+        try:
+            return self._header.value(key)
+        except HeaderError as error:  # a string that is not UTF-8: one line naming the file and the key
+            raise ModelError(f"{self._path}: {error}") from None
 
     def __contains__(self, key: object) -> bool:
         return key in self._header.fields

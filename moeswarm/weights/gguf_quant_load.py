@@ -54,6 +54,8 @@ def quant_experts(f: GGUFFile, layer: int, module: torch.nn.Module, quirks: Arch
         check_supported(f.path, tensor)
         row_length, rows = int(tensor.shape[0]), int(tensor.shape[1])  # ne: [K, rows, experts]
         views = [np.asarray(tensor.data[run.start:run.stop]) for run in stored_runs]  # [n_i, rows, ...]: no copy
+        if [len(view) for view in views] != [len(run) for run in stored_runs]:  # numpy clips a slice past the end
+            raise ModelError(f"{f.path}: tensor {tensor.name} holds {len(tensor.data)} experts, fewer than the hosted ones")
         matrices[role] = quant_matrix(views, int(tensor.tensor_type), rows, row_length)
         prefault(matrices[role])
     biases = {}

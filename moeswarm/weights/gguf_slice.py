@@ -62,11 +62,11 @@ def write_slice(source: str | Path, out: str | Path, experts: Sequence[int], lay
     stored_runs = runs([where[e] for e in experts])  # contiguous index ranges along ne[2]
 
     writer = GGUFWriter(str(out), f.arch)
-    for key, field in f.reader.fields.items():
-        if key.startswith("GGUF.") or key.startswith(SLICE_PREFIX) or key == "general.architecture":
+    for key, field in f.header.fields.items():  # the checked header's values (a list not UTF-8: a ModelError here)
+        if key.startswith(SLICE_PREFIX) or key == "general.architecture":
             continue
-        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+        sub_type = GGUFValueType(field.item) if field.kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.metadata[key], GGUFValueType(field.kind), sub_type=sub_type)
     if f.get("vocab_size") is None and "token_embd.weight" in f.tensors:  # a slice may lack the embedding
         writer.add_uint32(f"{f.arch}.vocab_size", int(f.tensors["token_embd.weight"].shape[1]))
     writer.add_key_value(FINGERPRINT_KEY, f.fingerprint, GGUFValueType.STRING)
@@ -75,7 +75,7 @@ def write_slice(source: str | Path, out: str | Path, experts: Sequence[int], lay
     writer.add_key_value(LAYERS_KEY, chosen, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
 
     copied = {"expert_tensors": 0, "backbone_tensors": 0, "bytes": 0}
-    for tensor in progress(f.reader.tensors, desc=f"slicing {f.path.name}", unit="tensor"):
+    for tensor in progress(f.header.tensors, desc=f"slicing {f.path.name}", unit="tensor"):
         layer = expert_layer(tensor.name)
         if layer is None and not with_backbone:
             continue
@@ -96,4 +96,6 @@ def write_slice(source: str | Path, out: str | Path, experts: Sequence[int], lay
 def _rows(data: np.ndarray, stored_runs: list[range]) -> np.ndarray:
     """The blocks of some experts of a stacked tensor, byte for byte (one read per contiguous run)."""
     pieces = [data[run.start : run.stop] for run in stored_runs]
+    if [len(piece) for piece in pieces] != [len(run) for run in stored_runs]:  # numpy clips a slice past the end
+        raise ModelError(f"an expert tensor holds {len(data)} experts, fewer than the ones asked for")
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)

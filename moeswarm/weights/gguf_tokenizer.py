@@ -4,6 +4,10 @@ BPE vocabularies (`tokenizer.ggml.model = gpt2`) are byte-level: tokens are GPT-
 byte strings and `tokenizer.ggml.merges` the merge list. `tokenizer.ggml.pre` names llama.cpp's
 pre-tokenizer (how text is split before BPE); the known ones map to their split regex below.
 Control and user-defined tokens become special tokens, matched whole and never split.
+
+The lists are checked before the tokenizer is built (gguf_bounds.py checked their types and
+lengths): every merge is two tokens of the vocabulary whose join is one too, as `tokenizers`'
+BPE requires; what `tokenizers` still refuses ends in the same one-line ModelError.
 """
 
 from __future__ import annotations
@@ -23,19 +27,41 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 def gguf_tokenizer(f: GGUFFile):
     """A transformers fast tokenizer built from the file's tokenizer.ggml.* metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     meta = f.metadata
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ModelError(f"{f.path}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_REGEX:
         raise ModelError(f"{f.path}: pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted(PRE_TOKENIZER_REGEX))}")
     vocab = {token: i for i, token in enumerate(tokens)}
+    merges = _merges(f, meta.get("tokenizer.ggml.merges", []), vocab)
+    try:
+        return _build(f, tokens, vocab, merges, pre)
+    except ModelError:
+        raise
+    except Exception as error:  # tokenizers' own refusals (a Rust error as Exception): one line
+        raise ModelError(f"{f.path}: tokenizer.ggml.*: cannot build the BPE tokenizer ({error})") from None
+
+
+def _merges(f: GGUFFile, merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The merge list as pairs, each of two vocabulary tokens whose join is in the vocabulary."""
+    pairs = []
+    for index, merge in enumerate(merges):
+        pair = tuple(merge.split(" "))
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+            raise ModelError(f"{f.path}: tokenizer.ggml.merges[{index}] {merge[:40]!r} is not two vocabulary tokens "
+                             "whose join is one")
+        pairs.append(pair)
+    return pairs
+
+
+def _build(f: GGUFFile, tokens: list[str], vocab: dict[str, int], merges: list[tuple[str, str]], pre: str):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    meta = f.metadata
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEX[pre]), behavior="isolated"),

@@ -6,6 +6,11 @@
 
 Every function takes float32 torch tensors and returns new ones; the bits of each output value
 depend only on its weight row and its input row (see the C file): never on the thread count.
+
+The C code trusts the shapes it is given, so each wrapper asserts them first: a weight's bytes a
+row equal what `row_length` values of its type take (`row_bytes`), and an expert's matrix holds
+at least its rows' bytes (`Blocks.nbytes`). A model file's shapes reach here only after
+weights/gguf_header.py and gguf_bounds.py have checked them; these asserts are the last fence.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 
 from moeswarm import native
 
 log = logging.getLogger(__name__)
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_BLOCK_SIZES = {int(qtype): sizes for qtype, sizes in GGML_QUANT_SIZES.items()}  # type -> (values, bytes) a block
 
 
 @cache
@@ -151,6 +158,13 @@ def supported(qtype: int, row_length: int) -> bool:
     return lib is not None and bool(lib.qk_supported(int(qtype), row_length))
 
 
+def row_bytes(qtype: int, row_length: int) -> int:
+    """The bytes of one row of `row_length` values of GGUF type `qtype` (a whole number of blocks)."""
+    block, type_size = _BLOCK_SIZES[int(qtype)]
+    assert row_length > 0 and row_length % block == 0, f"rows of {row_length} values are not whole blocks of {block}"
+    return row_length // block * type_size
+
+
 def _address(array: np.ndarray | torch.Tensor) -> int:
     """The first byte's address (numpy's array interface: cheaper than `.ctypes.data`)."""
     return array.__array_interface__["data"][0] if isinstance(array, np.ndarray) else array.data_ptr()
@@ -175,12 +189,12 @@ def matmul(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tensor, thr
     dot products (llama.cpp's scheme: several times faster, ~0.5-1% relative error from the int8
     rounding of x); otherwise (and for the other types) the decoded weights times float32 x. Either
     way each output's bits depend only on its weight row and its x row."""
-    rows, row_bytes = weight.shape
+    rows, stride = weight.shape
     n = x.shape[0]
     assert x.dtype == torch.float32 and x.shape[1] == row_length and x.stride(1) == 1 and weight.strides[1] == 1
-    assert weight.strides[0] == row_bytes  # rows back to back
+    assert weight.strides[0] == stride == row_bytes(qtype, row_length)  # rows back to back, each whole
     y = torch.empty(n, rows, dtype=torch.float32)
-    code = _library().qk_matmul(int(qtype), _address(weight), rows, row_length, row_bytes,
+    code = _library().qk_matmul(int(qtype), _address(weight), rows, row_length, stride,
                                 x.data_ptr(), n, x.stride(0), y.data_ptr(), rows, threads, int(int8_activations))
     if code != 0:
         raise RuntimeError(f"qk_matmul failed for GGUF type {qtype} with rows of {row_length} values")
@@ -192,12 +206,13 @@ def matmul_heads(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tenso
     """x [n, H, K] float32, head h times W_h^T: weight [H, rows, row_bytes] holds H matrices of `qtype`
     blocks (K values a row) -> [n, H, rows]. Each head is `matmul` on its matrix and columns (the same
     bits), all in one call: multi-head latent attention's absorbed products (generation/latent.py)."""
-    heads, rows, row_bytes = weight.shape
+    heads, rows, stride = weight.shape
     n = x.shape[0]
     assert x.dtype == torch.float32 and x.shape[1:] == (heads, row_length) and x.stride(2) == 1 and x.stride(1) == row_length
-    assert weight.strides == (rows * row_bytes, row_bytes, 1)  # matrices and their rows back to back
+    assert weight.strides == (rows * stride, stride, 1)  # matrices and their rows back to back
+    assert stride == row_bytes(qtype, row_length)
     y = torch.empty(n, heads, rows, dtype=torch.float32)
-    code = _library().qk_matmul_heads(int(qtype), _address(weight), heads, rows * row_bytes, rows, row_length, row_bytes,
+    code = _library().qk_matmul_heads(int(qtype), _address(weight), heads, rows * stride, rows, row_length, stride,
                                       x.data_ptr(), n, x.stride(0), y.data_ptr(), heads * rows, threads,
                                       int(int8_activations))
     if code != 0:
@@ -266,6 +281,7 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 def dequantize(qtype: int, weight: np.ndarray, row_length: int) -> torch.Tensor:
     """weight [rows, row_bytes] of `qtype` blocks -> [rows, K] float32, decoded by the C kernels."""
     rows = weight.shape[0]
+    assert weight.ndim == 2 and weight.shape[1] * weight.itemsize == row_bytes(qtype, row_length)
     out = torch.empty(rows, row_length, dtype=torch.float32)
     if _library().qk_dequantize(int(qtype), _address(np.ascontiguousarray(weight)), rows, row_length,
                                 weight.shape[1], out.data_ptr()) != 0:
@@ -293,6 +309,7 @@ class Blocks(NamedTuple):
     qtype: int
     address: int
     rows: int
+    nbytes: int = -1  # the matrix's bytes, checked against rows and the row length (-1: unknown, refused)
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -313,6 +330,7 @@ def expert(gate: Blocks, up: Blocks, down: Blocks, x: torch.Tensor, threads: int
     `int8_activations` (biases: float32, contiguous, [I], [I], [H]; None for none)."""
     n, hidden = x.shape
     assert x.dtype == torch.float32 and x.stride(1) == 1 and up.rows == gate.rows and down.rows == hidden
+    _check_blocks([gate], [up], [down])
     out = torch.empty(n, hidden, dtype=torch.float32)
     code = _library().qk_expert(gate.qtype, gate.address, up.qtype, up.address, down.qtype, down.address, hidden,
                                 gate.rows, x.data_ptr(), n, x.stride(0), _pointer(gate_bias), _pointer(up_bias),
@@ -322,6 +340,18 @@ def expert(gate: Blocks, up: Blocks, down: Blocks, x: torch.Tensor, threads: int
         raise RuntimeError(f"qk_expert failed for GGUF types {gate.qtype}, {up.qtype}, {down.qtype} "
                            f"(hidden size {hidden}, intermediate size {gate.rows})")
     return out
+
+
+def _check_blocks(gate: list[Blocks], up: list[Blocks], down: list[Blocks]) -> None:
+    """Every expert's gate and up [I, H] and down [H, I] hold at least their rows' bytes (what the C code reads)."""
+    if not gate:
+        return
+    inner, hidden = gate[0].rows, down[0].rows
+    for role, blocks, rows, row_length in (("gate", gate, inner, hidden), ("up", up, inner, hidden),
+                                           ("down", down, hidden, inner)):
+        for b in blocks:
+            assert b.rows == rows and b.nbytes >= rows * row_bytes(b.qtype, row_length), (
+                f"{role} blocks of {b.nbytes} bytes for {b.rows} rows of {row_length} values (type {b.qtype})")
 
 
 class ExpertsPlan:
@@ -334,6 +364,8 @@ class ExpertsPlan:
                  alpha: float, limit: float):
         n = len(gate)
         assert len({b.qtype for b in gate}) <= 1 and len({b.qtype for b in up}) <= 1 and len({b.qtype for b in down}) <= 1
+        assert len(up) == len(down) == n
+        _check_blocks(gate, up, down)
         self.num_experts = n
         self.hidden = down[0].rows if n else 0
         self._tables = [(ctypes.c_int64 * max(n, 1))(*(b.address for b in m)) for m in (gate, up, down)]

@@ -46,7 +46,7 @@ class QuantMatrix:
     blocks: tuple[qkernels.Blocks, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "blocks", tuple(qkernels.Blocks(self.qtype, qkernels.address(m), m.shape[0])
+        object.__setattr__(self, "blocks", tuple(qkernels.Blocks(self.qtype, qkernels.address(m), m.shape[0], m.nbytes)
                                                  for m in self.experts))
 
     @property
