@@ -12,31 +12,16 @@ import threading
 import time
 
 import pytest
-from fastapi.testclient import TestClient
+from inprocess_serve import in_process_serve
 
 from moeswarm.bundled import TRAINED
-from moeswarm.model.tokenizer import load_text_codec
 from moeswarm.placement.profile import PENDING_CALLS
-from moeswarm.serve.api import ServeState, create_app
-from moeswarm.serve.engine import Engine, EngineConfig
-from moeswarm.swarm import open_swarm
 from moeswarm.tools.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def deep_toy(tmp_path_factory):
     return str(make_tiny_model("qwen2_moe", tmp_path_factory.mktemp("deep"), num_hidden_layers=48))
-
-
-def _served(model: str):
-    swarm = open_swarm(model, [])  # local mode: the in-process dispatcher counts the routing
-    codec = load_text_codec(model, swarm.model.config.vocab_size)
-    context = swarm.model.config.max_position_embeddings
-    engine = Engine(swarm, codec, EngineConfig(context=context, cache_slots=0))  # every prompt routed again
-    state = ServeState("m", codec=codec, context=context, vocab_size=swarm.model.config.vocab_size)
-    state.engine = engine
-    engine.start()
-    return swarm, engine, TestClient(create_app(state))
 
 
 def _complete(http: TestClient, prompt: str, max_tokens: int) -> int:
@@ -52,8 +37,8 @@ def _complete(http: TestClient, prompt: str, max_tokens: int) -> int:
 @pytest.mark.parametrize("which", ["bundled", "deep_toy"])
 def test_the_dashboard_is_right_when_opened_after_thousands_of_unobserved_calls(which, request):
     model = str(TRAINED) if which == "bundled" else request.getfixturevalue("deep_toy")
-    swarm, engine, http = _served(model)
-    try:
+    with in_process_serve(model, cache_slots=0) as (http, _, engine):  # no prefix cache: every prompt routed
+        swarm = engine.swarm
         layers = len(swarm.moe_layers)
         routed, at, each = 0, 0, min(240, PENDING_CALLS // layers + 20)
         while layers * engine.steps <= PENDING_CALLS:  # until the engine's thread has counted them itself
@@ -72,6 +57,3 @@ def test_the_dashboard_is_right_when_opened_after_thousands_of_unobserved_calls(
         k = swarm.model.config.num_experts_per_tok
         assert [data["routing"]["layers"][str(layer)]["tokens"] for layer in data["layers"]] == [routed] * layers
         assert [sum(row) for row in data["heat"]] == [routed * k] * layers
-    finally:
-        engine.stop()
-        swarm.close()
