@@ -23,8 +23,9 @@ from moeswarm.serve.schemas import Tool
 
 MAX_CALLS = 8  # calls in one answer
 # the start of a call as the grammar writes it: the function's name, then its arguments so far
-_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
-_CALL_OPENING = '{"name":'
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(.*)', re.DOTALL)
+_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
+_CALL_OPENING, _ARGUMENTS_OPENING = '{"name":', ',"arguments":'
 
 
 def call_schemas(tools: list[Tool], mode: str) -> list[dict]:
@@ -59,7 +60,12 @@ def cut_calls(text: str, tools: list[Tool]) -> list[dict] | None:
     last = lines[-1].strip()
     cut = _CUT_CALL.match(last)
     if cut is not None and cut.group(1) in {tool.function.name for tool in tools}:
-        return whole + [{"name": cut.group(1), "arguments": cut.group(2)}]
+        arguments = _ARGUMENTS.match(cut.group(2))
+        if arguments is not None:
+            return whole + [{"name": cut.group(1), "arguments": arguments.group(1)}]
+        if _ARGUMENTS_OPENING.startswith(re.sub(r"\s+", "", cut.group(2))):  # named, no arguments written yet
+            return whole + [{"name": cut.group(1), "arguments": ""}]
+        return None
     compact = re.sub(r"\s+", "", last)
     if compact[: len(_CALL_OPENING)] == _CALL_OPENING[: len(compact)] or compact.startswith(_CALL_OPENING + '"'):
         return whole  # the name is not whole yet: no call can be named
