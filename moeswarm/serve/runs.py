@@ -49,7 +49,6 @@ class Ask:
     ignore_eos: bool = False
     min_tokens: int = 0
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token; None: off
-    parallel_calls: bool = True  # tools: an answer may make several calls
 
 
 class Run:
