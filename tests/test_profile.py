@@ -95,3 +95,22 @@ def test_profile_command_counts_what_the_router_chose(qwen2_moe, tmp_path):
         assert torch.equal(profile.pairs[layer], pairs)
         assert profile.tokens[layer] == index.shape[0] == sum(min(12, len(codec.encode(t))) for t in texts)
     assert json.loads(out.read_text())["model"] == open_source(qwen2_moe).fingerprint
+
+
+def test_counts_folded_in_inference_mode_stay_usable_outside_it_and_none_are_dropped():
+    """The model's thread folds under torch.inference_mode; a reader outside it (the dashboard) must
+    still fold and read, and every call's rows are counted once."""
+    from moeswarm.placement.profile import PENDING_CALLS, RoutingStats
+
+    stats, generator = RoutingStats(8), torch.Generator().manual_seed(0)
+    rows = 0
+    for calls in (PENDING_CALLS + 5, 37, PENDING_CALLS * 2 + 1):
+        with torch.inference_mode():
+            for call in range(calls):
+                index = torch.randint(0, 8, (1 + call % 3, 2), generator=generator)
+                stats.update(call % 4, index, torch.rand(index.shape, generator=generator))
+                rows += index.shape[0]
+        summary = stats.summary()  # outside inference mode: folds what is pending
+        assert sum(layer["tokens"] for layer in summary["layers"].values()) == rows
+        assert sum(int(c.sum()) for c in stats.counts.values()) == 2 * rows
+        assert not any(t.is_inference() for table in (stats.counts, stats.pairs, stats.mass) for t in table.values())

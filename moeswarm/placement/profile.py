@@ -63,27 +63,30 @@ class RoutingStats:
 
     @property
     def tokens(self) -> dict[LayerId, int]:
-        """{layer: rows routed}."""
-        self._fold()
-        return self._tokens
+        """{layer: rows routed} (a snapshot: later calls do not change it)."""
+        return self._folded(self._tokens)
 
     @property
     def counts(self) -> dict[LayerId, torch.Tensor]:
-        """{layer: [E] int64 times each expert was chosen}."""
-        self._fold()
-        return self._counts
+        """{layer: [E] int64 times each expert was chosen} (a snapshot)."""
+        return self._folded(self._counts)
 
     @property
     def pairs(self) -> dict[LayerId, torch.Tensor]:
-        """{layer: [E, E] int64 rows that chose both i and j}."""
-        self._fold()
-        return self._pairs
+        """{layer: [E, E] int64 rows that chose both i and j} (a snapshot)."""
+        return self._folded(self._pairs)
 
     @property
     def mass(self) -> dict[LayerId, torch.Tensor]:
-        """{layer: [E] float64 sum of the routing weights each expert was chosen with}."""
+        """{layer: [E] float64 sum of the routing weights each expert was chosen with} (a snapshot)."""
+        return self._folded(self._mass)
+
+    def _folded(self, table: dict) -> dict:
+        """A copy of `table` with every pending call counted. The tables' tensors are replaced, never
+        changed in place, so a copy stays as it was while the model's thread counts on."""
         self._fold()
-        return self._mass
+        with self._lock:
+            return dict(table)
 
     def update(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None = None) -> None:
         """Count one call's routing. top_k_index [T, k] long, top_k_weights [T, k] (None: counts only);
@@ -96,34 +99,54 @@ class RoutingStats:
             self._fold()
 
     def _fold(self) -> None:
-        """Count the pending calls, one layer at a time (their rows concatenated)."""
-        with self._lock:
-            pending, self._pending = self._pending, []
+        """Count the pending calls, one layer at a time (their rows concatenated).
+
+        The model's thread folds under torch.inference_mode; the tables must stay normal tensors all
+        the same (a reader outside it could not use inference tensors in place), so counting leaves
+        inference mode. Every layer's sums are computed before any table changes: a call that cannot
+        be counted leaves every pending call pending, none half counted and none dropped."""
+        with self._lock, torch.inference_mode(False):
             by_layer: dict[LayerId, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
-            for layer, index, weights in pending:
+            for layer, index, weights in self._pending:
                 by_layer.setdefault(layer, []).append((index, weights))
+            sums = {}
             for layer, calls in by_layer.items():
                 index = torch.cat([i.to("cpu", torch.long) for i, _ in calls])  # [T, k]
                 weighted = [w for _, w in calls if w is not None]
                 weights = torch.cat([w.to("cpu", torch.float64) for w in weighted]) if len(weighted) == len(calls) else None
-                self._count(layer, index, weights)
+                sums[layer] = self._count(index, weights)
+            self._pending = []
+            for layer, (tokens, counts, pairs, mass) in sums.items():
+                self._add(layer, tokens, counts, pairs, mass)
 
-    def _count(self, layer: LayerId, index: torch.Tensor, top_k_weights: torch.Tensor | None) -> None:
-        """index [T, k] int64, top_k_weights [T, k] float64 or None."""
+    def _count(self, index: torch.Tensor, top_k_weights: torch.Tensor | None):
+        """One layer's calls counted: index [T, k] int64, top_k_weights [T, k] float64 or None ->
+        (rows routed, [E] counts, [E, E] pairs, [E] mass or None)."""
         e = self.num_experts
         valid = index >= 0  # [T, k]
+        mass = None
+        if top_k_weights is not None:
+            mass = torch.zeros(e, dtype=torch.float64).index_add_(0, index[valid], top_k_weights[valid])  # [E]
+        counts = torch.bincount(index[valid], minlength=e)  # [E]
+        both = valid[:, :, None] & valid[:, None, :]  # [T, k, k]
+        flat = (index[:, :, None] * e + index[:, None, :])[both]  # [P] i * E + j, for every ordered pair of a row
+        pairs = torch.bincount(flat, minlength=e * e).view(e, e)  # [E, E]
+        return int(valid.any(dim=1).sum()), counts, pairs, mass
+
+    def _add(self, layer: LayerId, tokens: int, counts: torch.Tensor, pairs: torch.Tensor,
+             mass: torch.Tensor | None) -> None:
+        """Add one layer's sums to its tables, each replaced by a new tensor (see `_folded`)."""
+        e = self.num_experts
         if layer not in self._counts:
             self._tokens[layer] = 0
             self._counts[layer] = torch.zeros(e, dtype=torch.long)
             self._pairs[layer] = torch.zeros(e, e, dtype=torch.long)
             self._mass[layer] = torch.zeros(e, dtype=torch.float64)
-        if top_k_weights is not None and layer in self._mass:
-            self._mass[layer].index_add_(0, index[valid], top_k_weights[valid])
-        self._tokens[layer] += int(valid.any(dim=1).sum())
-        self._counts[layer] += torch.bincount(index[valid], minlength=e)
-        both = valid[:, :, None] & valid[:, None, :]  # [T, k, k]
-        flat = (index[:, :, None] * e + index[:, None, :])[both]  # [P] i * E + j, for every ordered pair of a row
-        self._pairs[layer] += torch.bincount(flat, minlength=e * e).view(e, e)
+        self._tokens[layer] += tokens
+        self._counts[layer] = self._counts[layer] + counts
+        self._pairs[layer] = self._pairs[layer] + pairs
+        if mass is not None and layer in self._mass:  # a profile read without mass stays without
+            self._mass[layer] = self._mass[layer] + mass
 
     def reset(self) -> None:
         with self._lock:
@@ -188,14 +211,14 @@ class RoutingStats:
                     raise MoeSwarmError(f"{where}: pairs of layer {layer} must be [i, j, n] with 0 <= i < j < {e}")
                 matrix[entry[0], entry[1]] = matrix[entry[1], entry[0]] = entry[2]
             layer = LayerId(layer)
-            stats.tokens[layer] = tokens[key]
-            stats.counts[layer] = torch.tensor(row, dtype=torch.long)
-            stats.pairs[layer] = matrix + torch.diag(stats.counts[layer])
+            stats._tokens[layer] = tokens[key]
+            stats._counts[layer] = torch.tensor(row, dtype=torch.long)
+            stats._pairs[layer] = matrix + torch.diag(stats._counts[layer])
             if mass is not None:
                 weights = mass[key]
                 if not isinstance(weights, list) or len(weights) != e or not all(_weight(w) for w in weights):
                     raise MoeSwarmError(f"{where}: mass of layer {layer} must be {e} non-negative numbers")
-                stats.mass[layer] = torch.tensor(weights, dtype=torch.float64)
+                stats._mass[layer] = torch.tensor(weights, dtype=torch.float64)
         return stats
 
     def summary(self, top_pairs: int = 8) -> dict:

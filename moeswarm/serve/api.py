@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moeswarm.errors import MoeSwarmError, one_line, printable
 from moeswarm.generation.sampling import SamplingParams
 from moeswarm.model.tokenizer import TextCodec
-from moeswarm.serve.chat import NoChatTemplate, chat_prompt
+from moeswarm.serve.chat import NoChatTemplate, chat_prompt, echoed
 from moeswarm.serve.dashboard import PAGE, SAMPLE_S, History, dashboard_data
 from moeswarm.serve.engine import Engine
 from moeswarm.serve.grammar import GrammarUnavailable, Grammars
@@ -30,7 +30,7 @@ from moeswarm.serve.guard import Guard
 from moeswarm.serve.responses import APIError, Shapes, error_body, validation_message, validation_param
 from moeswarm.serve.runs import Ask, Prompt, Run
 from moeswarm.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling, TokenizeRequest
-from moeswarm.serve.tools import call_schema, template_tools
+from moeswarm.serve.tools import call_schemas, most_calls, template_tools
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions
 RETRY_AFTER_S = 1
@@ -142,28 +142,32 @@ def create_app(state: ServeState, cors_origins: list[str] | None = None) -> Fast
         limit = body.max_tokens if body.max_tokens is not None else (state.default_max_tokens or COMPLETION_MAX_TOKENS)
         schema = body.response_format.output_schema if body.response_format else None
         ask = Ask(_params(body), body.stops, body.speculate, body.n, body.logprobs, body.echo,
-                  await _constraint_maker(state, schema, "response_format"))
+                  await _constraint_maker(state, schema, "response_format"), ignore_eos=body.ignore_eos,
+                  min_tokens=body.min_tokens, prompt_logprobs=body.prompt_logprobs)
         return await _run(state, engine, request, body, prompts, limit, ask)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         engine = _engine(state, body)
+        messages = [m.as_template_input() for m in body.messages]
         try:
-            prompt = chat_prompt(state.codec, [m.as_template_input() for m in body.messages], template_tools(body.tools))
+            prompt = chat_prompt(state.codec, messages, template_tools(body.tools), body.add_generation_prompt,
+                                 body.continue_final_message)
         except NoChatTemplate as error:
             raise APIError(400, str(error), code="no_chat_template") from None
         except MoeSwarmError as error:
             raise APIError(400, one_line(error), param="messages") from None
         limit = body.token_limit if body.token_limit is not None else state.default_max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        mode = body.tool_mode
-        if mode not in (None, "auto"):  # a call is due: decoding is held to one
-            schema, field_name = call_schema(body.tools, mode), "tools"
+        mode, most = body.tool_mode, 0
+        if mode not in (None, "auto"):  # a call is due: decoding is held to calls
+            schema, field_name, most = call_schemas(body.tools, mode), "tools", most_calls(mode, body.parallel_tool_calls)
         else:
             schema, field_name = (body.response_format.output_schema if body.response_format else None), "response_format"
-        ask = Ask(_params(body), body.stops, body.speculate, body.n, logprobs, False,
-                  await _constraint_maker(state, schema, field_name), tuple(body.tools or ()), mode)
-        return await _run(state, engine, request, body, [Prompt(prompt, "")], limit, ask)
+        ask = Ask(_params(body), body.stops, body.speculate, body.n, logprobs, body.echo,
+                  await _constraint_maker(state, schema, field_name, most), tuple(body.tools or ()), mode,
+                  body.ignore_eos, body.min_tokens, body.prompt_logprobs)
+        return await _run(state, engine, request, body, [Prompt(prompt, echoed(messages))], limit, ask)
 
     return app
 
@@ -239,8 +243,9 @@ def _params(body: Sampling) -> SamplingParams:
         raise APIError(400, one_line(error)) from None
 
 
-async def _constraint_maker(state: ServeState, schema: dict | None, field_name: str):
-    """What makes each job's grammar constraint (a schema compiled once per request), or None."""
+async def _constraint_maker(state: ServeState, schema: dict | list[dict] | None, field_name: str, calls: int = 0):
+    """What makes each job's grammar constraint (a schema compiled once per request), or None;
+    calls: 1 to `calls` lines each matching one of the schemas `schema` (tool calls)."""
     if schema is None:
         return None
     if state.codec.tokenizer is None:
@@ -249,7 +254,8 @@ async def _constraint_maker(state: ServeState, schema: dict | None, field_name: 
     try:
         if state.grammars is None:
             state.grammars = await asyncio.to_thread(Grammars, state.codec.tokenizer, state.vocab_size)
-        grammar = await asyncio.to_thread(state.grammars.json_schema, schema)
+        grammar = await asyncio.to_thread(state.grammars.calls, schema, calls) if calls \
+            else await asyncio.to_thread(state.grammars.json_schema, schema)
     except GrammarUnavailable as error:
         raise APIError(400, f"{field_name}: {error}", param=field_name) from None
     except ValueError as error:
@@ -262,6 +268,9 @@ async def _constraint_maker(state: ServeState, schema: dict | None, field_name: 
 async def _run(state: ServeState, engine: Engine, request: Request, body: Sampling, prompts: list[Prompt],
                max_tokens: int | None, ask: Ask):
     prompts = [replace(prompt, max_tokens=_job_limits(state, prompt.tokens, max_tokens)) for prompt in prompts]
+    if any(ask.min_tokens > prompt.max_tokens for prompt in prompts):
+        raise APIError(400, f"min_tokens: {ask.min_tokens} is more than max_tokens "
+                            f"({min(p.max_tokens for p in prompts)})", param="min_tokens")
     _check_ids(state, [token for token, _ in body.bias], "logit_bias")
     jobs = len(prompts) * body.n
     free = max(0, engine.config.max_batch - engine.active)  # slots a job takes at once, without waiting

@@ -55,14 +55,26 @@ def set_chat_template(codec: TextCodec, template: str) -> None:
     codec.tokenizer.chat_template = template
 
 
-def chat_prompt(codec: TextCodec, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """The token ids of `messages` ([{role, content}]) rendered by the template, ready for the assistant's turn
-    (tools: OpenAI's tool list, for the templates that show it)."""
+def chat_prompt(codec: TextCodec, messages: list[dict], tools: list[dict] | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+    """The token ids of `messages` ([{role, content}]) rendered by the template (tools: OpenAI's tool
+    list, for the templates that show it): ready for the assistant's turn, or (continue_final_message,
+    vLLM's and transformers' meaning) ending inside the last message, which the output continues."""
     if not chat_template(codec):
         raise NoChatTemplate("this model has no chat template (neither its tokenizer config nor its GGUF metadata "
                              "gives one): start serve with --chat-template FILE|chatml, or use /v1/completions")
     try:
-        text = codec.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        text = codec.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   continue_final_message=continue_final_message)
     except Exception as error:  # the template's own checks (roles must alternate, ...) raise from jinja
         raise MoeSwarmError(f"the model's chat template refused these messages: {one_line(error)}") from None
     return codec.encode(text)
+
+
+def echoed(messages: list[dict]) -> str:
+    """What chat's echo puts ahead of the answer (vLLM's meaning): the last message's text when it is
+    the assistant's own (the answer continues it), else nothing."""
+    if not messages or messages[-1]["role"] != "assistant":
+        return ""
+    return messages[-1]["content"] or ""

@@ -1,6 +1,6 @@
 """Constrained decoding: a grammar (a JSON schema) masks the logits before any token is chosen.
 
-llguidance (the `structured` extra) compiles the grammar against the model's tokenizer and says,
+llguidance (a dependency of moeswarm) compiles the grammar against the model's tokenizer and says,
 for each position, which tokens may come next (a bitmask over the vocabulary). Picked by
 measurement on the bundled model's 4,096-token vocabulary (scripts/grammar_mask_cost.py): mask p50
 7 us (llguidance), 3 us (xgrammar), 5 us (outlines-core), each well under 1 % of a step;
@@ -19,7 +19,11 @@ import json
 
 import torch
 
-from moeswarm.errors import MoeSwarmError, one_line
+from moeswarm.errors import MoeSwarmError, one_line, printable
+from moeswarm.serve.strict_schema import closed
+
+MAX_SCHEMA_CHARS = 256 << 10  # a schema's JSON text (a request body is bounded too: serve/http_limits.py)
+COMPACT = {"whitespace_flexible": False}
 
 
 class GrammarUnavailable(MoeSwarmError):
@@ -32,7 +36,8 @@ def _llguidance():
         import llguidance.hf
         import llguidance.torch
     except ImportError:
-        raise GrammarUnavailable("structured output needs llguidance: pip install 'moeswarm[structured]'") from None
+        raise GrammarUnavailable("structured output needs llguidance, a dependency of moeswarm that is not installed "
+                                 "here: pip install 'llguidance>=1.9.1,<2'") from None
     return llguidance
 
 
@@ -48,21 +53,50 @@ class Grammars:
             raise GrammarUnavailable(f"structured output cannot use this model's tokenizer: {one_line(error)}") from None
 
     def json_schema(self, schema: dict) -> str:
-        """The grammar of a JSON value matching `schema`, compactly spaced (a small model offered free
-        whitespace may spend every token on it); ValueError
-        naming the problem when llguidance cannot take the schema."""
+        """The grammar of a JSON value matching `schema` as the strict implementations read it
+        (serve/strict_schema.py), compactly spaced (a small model offered free whitespace may spend
+        every token on it); ValueError naming the problem in one line when it cannot be used."""
+        text = _schema_text(schema)
+        return self._checked(lambda llg: llg.LLMatcher.grammar_from_json_schema(text, defaults=COMPACT))
+
+    def calls(self, schemas: list[dict], most: int) -> str:
+        """The grammar of 1 to `most` lines, each a JSON value matching one of `schemas` (tool calls:
+        serve/tools.py); ValueError as `json_schema`."""
+        one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        text = _schema_text({**one, "x-guidance": COMPACT})
+        more = f' ("\\n" call){{0,{most - 1}}}' if most > 1 else ""
+        return self._checked(lambda llg: llg.LLMatcher.grammar_from_lark(f"start: call{more} \"\\n\"?\ncall: %json {text}"))
+
+    def _checked(self, make) -> str:
+        """The grammar make(llguidance) gives, checked to compile against the tokenizer."""
         llg = _llguidance()
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+            grammar = make(llg)
             problem = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)  # "" when it compiles
-        except Exception as error:  # llguidance's own refusal of a schema, whatever its type
-            raise ValueError(one_line(error)) from None
+        except Exception as error:  # llguidance's own refusal, whatever its type
+            raise ValueError(_short(error)) from None
         if problem:
-            raise ValueError(" ".join(str(problem).split()))
+            raise ValueError(_short(problem))
         return grammar
 
     def constraint(self, grammar: str) -> "Constraint":
         return Constraint(_llguidance().LLMatcher(self.tokenizer, grammar), self.vocab_size)
+
+
+def _schema_text(schema: dict) -> str:
+    """The closed schema as JSON text; ValueError when it is too deep, too large or not JSON."""
+    try:
+        text = json.dumps(closed(schema))
+    except (TypeError, RecursionError) as error:  # not JSON after all, or nested past Python's own limit
+        raise ValueError(f"not a JSON schema: {_short(error)}") from None
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"{len(text)} characters of JSON, more than the {MAX_SCHEMA_CHARS} a schema may have")
+    return text
+
+
+def _short(problem: object) -> str:
+    """llguidance's message in one short line (its parser errors quote whole grammars)."""
+    return printable(one_line(str(problem)), 200)
 
 
 class Constraint:
@@ -106,5 +140,5 @@ class Constraint:
 
     def _consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise MoeSwarmError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise MoeSwarmError(f"the grammar refused token {token}: {_short(self.matcher.get_error())}")
 

@@ -25,6 +25,7 @@ class TokenLogprob:
     token: int
     logprob: float | None  # None: the prompt's first token, which nothing before it predicts
     top: tuple[tuple[int, float], ...] = ()  # (token, logprob), likeliest first; () when not asked
+    rank: int | None = None  # 1 + the tokens more likely than it (a prompt token's, for prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ class Job:
     # every row of the prompt is then computed, so the first new token's values are a plain forward's
     prompt_logprobs: int | None = None
     constraint: object | None = None  # a grammar.Constraint: masks the logits before each token is chosen
+    ignore_eos: bool = False  # the end-of-text token is a token like any other: only max_tokens ends the output
+    min_tokens: int = 0  # no end-of-text token and no stop string before this many new tokens (vLLM's meaning)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
 

@@ -99,19 +99,23 @@ class Shapes:
                     "finish_reason": reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-    def call_choice(self, index: int, call: dict, logprobs: dict | None = None) -> dict:
-        """A chat choice that calls a tool (call: serve/tools.py's call_entry)."""
-        return {"index": index, "message": {"role": "assistant", "content": None, "tool_calls": [call]},
-                "logprobs": logprobs, "finish_reason": "tool_calls"}
+    def call_choice(self, index: int, calls: list[dict], reason: str = "tool_calls", logprobs: dict | None = None,
+                    content: str | None = None) -> dict:
+        """A chat choice that calls tools (calls: serve/tools.py's call_entry each; none when an answer cut
+        by max_tokens had not named its first call yet)."""
+        message = {"role": "assistant", "content": content, "tool_calls": calls or None}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     def call_chunk(self, index: int, call: dict) -> dict:
         """A stream chunk carrying a whole tool call (call: call_entry with its index)."""
         choice = {"index": index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice])
 
-    def whole(self, choices: list[dict], done: Sequence[Finished], n: int) -> dict:
+    def whole(self, choices: list[dict], done: Sequence[Finished], n: int, prompt_logprobs: list | None = None) -> dict:
+        """The whole answer; prompt_logprobs (vLLM's, chat only: completions carry them per choice)."""
         kind = "chat.completion" if self.chat else "text_completion"
-        return self._envelope(kind, choices) | {"usage": total_usage(done, n)}
+        extra = {"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None else {}
+        return self._envelope(kind, choices) | extra | {"usage": total_usage(done, n)}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False, index: int = 0,
               logprobs: dict | None = None) -> dict:
@@ -128,6 +132,21 @@ class Shapes:
 
     def _envelope(self, kind: str, choices: list) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+
+def prompt_logprobs(scores: Sequence[TokenLogprob], top: int, piece: Callable[[int], str]) -> list:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the token and its `top` likeliest alternatives (ranks 1 to top)."""
+    out: list = []
+    for score in scores:
+        if score.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(score.token): {"logprob": score.logprob, "rank": score.rank, "decoded_token": piece(score.token)}}
+        for rank, (token, value) in enumerate(score.top[:top], start=1):
+            entry.setdefault(str(token), {"logprob": value, "rank": rank, "decoded_token": piece(token)})
+        out.append(entry)
+    return out
 
 
 def sse(data: dict | str) -> str:

@@ -18,9 +18,9 @@ from fastapi.responses import Response
 
 from moeswarm.generation.sampling import SamplingParams
 from moeswarm.serve.job import Delta, Failed, Finished, Job, PromptLogprobs, Rewind, TokenLogprob
-from moeswarm.serve.responses import APIError, Logprobs, Shapes, error_body, sse
+from moeswarm.serve.responses import APIError, Logprobs, Shapes, error_body, prompt_logprobs, sse
 from moeswarm.serve.schemas import Tool
-from moeswarm.serve.tools import call_entry, read_call
+from moeswarm.serve.tools import answer_calls, call_entry
 
 DISCONNECT_POLL_S = 0.05  # how often a whole answer's client is checked for having gone away
 ABANDONED = -1  # the index of the event that says the client went away
@@ -46,6 +46,9 @@ class Ask:
     make_constraint: Callable[[], object] | None = None  # a fresh grammar Constraint per job (structured output)
     tools: tuple[Tool, ...] = ()
     tool_mode: str | None = None  # chat: None, "auto", "required" or a function's name (serve/tools.py)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token; None: off
 
 
 class Run:
@@ -60,9 +63,11 @@ class Run:
                 emit = _emitter(loop, self.events, len(self.jobs))
                 # a job with log-probabilities scores its prompt too (shown with echo only): every row of its
                 # prompt is then computed, as a plain forward of the prompt computes it
+                scored = [k for k in (ask.logprobs, ask.prompt_logprobs) if k is not None]
                 self.jobs.append(Job(prompt.tokens, prompt.max_tokens, params, emit, ask.stops, ask.speculate,
-                                     logprobs=ask.logprobs, prompt_logprobs=ask.logprobs,
-                                     constraint=ask.make_constraint() if ask.make_constraint else None))
+                                     logprobs=ask.logprobs, prompt_logprobs=max(scored) if scored else None,
+                                     constraint=ask.make_constraint() if ask.make_constraint else None,
+                                     ignore_eos=ask.ignore_eos, min_tokens=ask.min_tokens))
 
     def prompt_of(self, index: int) -> Prompt:
         return self.prompts[index // self.ask.n]
@@ -81,6 +86,7 @@ class Run:
         scores: list[list[TokenLogprob]] = [[] for _ in range(count)]
         done: list[Finished | None] = [None] * count
         prompt_scored = [0] * count  # echo: the prompt's scores ahead of the output's
+        prompts: list[tuple[TokenLogprob, ...]] = [()] * count  # the prompt's scores (prompt_logprobs)
         watcher = asyncio.create_task(self._watch(request))
         try:
             while any(d is None for d in done):
@@ -88,8 +94,9 @@ class Run:
                 if index == ABANDONED:
                     return Response(status_code=499)
                 if isinstance(event, PromptLogprobs):
-                    if self.ask.echo:
-                        scores[index][:0] = event.logprobs
+                    prompts[index] = event.logprobs
+                    if self.echo_scores:
+                        scores[index][:0] = [replace(s, top=s.top[: self.ask.logprobs]) for s in event.logprobs]
                         prompt_scored[index] = len(event.logprobs)
                 elif isinstance(event, Delta):
                     texts[index].append(event.text)
@@ -106,18 +113,29 @@ class Run:
             self.cancel()
         choices = []
         for index in range(count):
-            text = (self.prompt_of(index).text if self.ask.echo else "") + "".join(texts[index])
+            generated = "".join(texts[index])
+            text = (self.prompt_of(index).text if self.ask.echo else "") + generated
             logprobs = self.logprobs_shape(index).shape(scores[index]) if self.ask.logprobs is not None else None
-            call = self.call_in(text)
-            if call is not None:
-                choices.append(self.shapes.call_choice(index, call_entry(call), logprobs))
+            calls = self.calls_in(generated, done[index].reason)
+            if calls is not None:
+                reason = "length" if done[index].reason == "length" else "tool_calls"
+                choices.append(self.shapes.call_choice(index, [call_entry(c) for c in calls], reason, logprobs))
             else:
                 choices.append(self.shapes.choice(index, text, done[index].reason, logprobs))
-        return self.shapes.whole(choices, done, self.ask.n)
+            if self.ask.prompt_logprobs is not None and not self.shapes.chat:  # vLLM's place: each choice's
+                choices[-1]["prompt_logprobs"] = prompt_logprobs(prompts[index], self.ask.prompt_logprobs, self.piece)
+        scored = prompt_logprobs(prompts[0], self.ask.prompt_logprobs, self.piece) \
+            if self.ask.prompt_logprobs is not None and self.shapes.chat else None  # chat: one prompt, at the top
+        return self.shapes.whole(choices, done, self.ask.n, scored)
 
-    def call_in(self, text: str) -> dict | None:
-        """The tool call a chat answer makes, if tools are on and it is one."""
-        return read_call(text, list(self.ask.tools)) if self.ask.tool_mode is not None else None
+    @property
+    def echo_scores(self) -> bool:
+        """Whether the prompt's log-probabilities go ahead of the output's (completions' echo)."""
+        return self.ask.echo and self.ask.logprobs is not None and not self.shapes.chat
+
+    def calls_in(self, text: str, reason: str) -> list[dict] | None:
+        """The tool calls a chat answer makes, if tools are on and it makes (or was cut making) them."""
+        return answer_calls(text, list(self.ask.tools), self.ask.tool_mode, reason)
 
     def held(self, text: str) -> bool:
         """Whether a streamed answer's text so far may still be a tool call: kept back until it is known."""
@@ -135,21 +153,21 @@ class Run:
         shapes, count = self.shapes, len(self.jobs)
         shapers = [self.logprobs_shape(index) for index in range(count)]
         done: list[Finished | None] = [None] * count
-        wants_prompt_scores = self.ask.echo and self.ask.logprobs is not None
         kept = [""] * count  # text held back while it may be a tool call
         try:
             for index in range(count):
                 if shapes.chat:
                     yield sse(shapes.chunk(role=True, index=index))
-                elif self.ask.echo and not wants_prompt_scores:
+                if self.ask.echo and not self.echo_scores and self.prompt_of(index).text:
                     yield sse(shapes.chunk(self.prompt_of(index).text, index=index))
             while any(d is None for d in done):
                 index, event = await self.events.get()
                 if isinstance(event, PromptLogprobs):
-                    if not self.ask.echo:
+                    if not self.echo_scores:
                         continue
+                    trimmed = [replace(s, top=s.top[: self.ask.logprobs]) for s in event.logprobs]
                     yield sse(shapes.chunk(self.prompt_of(index).text, index=index,
-                                           logprobs=shapers[index].shape(event.logprobs)))
+                                           logprobs=shapers[index].shape(trimmed)))
                 elif isinstance(event, Delta):
                     logprobs = shapers[index].shape(event.logprobs) if self.ask.logprobs is not None else None
                     text = event.text
@@ -161,10 +179,11 @@ class Run:
                         yield sse(shapes.chunk(text, index=index, logprobs=logprobs))
                 elif isinstance(event, Finished):
                     done[index] = event
-                    call = self.call_in(kept[index]) if kept[index] else None
-                    if call is not None:
-                        yield sse(shapes.call_chunk(index, call_entry(call, index=0)))
-                        yield sse(shapes.chunk(None, "tool_calls", index=index))
+                    calls = self.calls_in(kept[index], event.reason) if self.ask.tool_mode is not None else None
+                    if calls is not None:
+                        for at, call in enumerate(calls):
+                            yield sse(shapes.call_chunk(index, call_entry(call, index=at)))
+                        yield sse(shapes.chunk(None, "length" if event.reason == "length" else "tool_calls", index=index))
                         continue
                     if kept[index]:
                         yield sse(shapes.chunk(kept[index], index=index))

@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible routes, validated by pydantic before any work is done.
 
-Fields moeswarm does not implement (legacy functions, suffix, vLLM's guided_*, ...: NOT_BUILT) are
-refused by name when a request asks for them, rather than silently ignored; fields OpenAI clients
-send that change nothing here (user, metadata, ...) are accepted. A string with a lone surrogate
-(JSON allows "\\ud800", UTF-8 cannot carry it) is refused wherever it is.
+Every field either works or is refused by name (serve/fields.py: undeclared fields get a 400 naming
+them; user, metadata and OpenAI's other no-effect hints are accepted). vLLM's extensions that are
+built here: top_k, min_p, repetition_penalty, ignore_eos, min_tokens, prompt_logprobs, and for chat
+echo, add_generation_prompt and continue_final_message. A string with a lone surrogate (JSON
+allows "\\ud800", UTF-8 cannot carry it) is refused wherever it is.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 from moeswarm.errors import printable
+from moeswarm.serve.fields import refused_fields
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 MAX_STOPS = 4  # OpenAI's limit
@@ -18,12 +20,6 @@ MAX_STOP_CHARS = 256
 MAX_N = 16  # completions per prompt
 MAX_PROMPTS = 64  # prompts per completions request
 MAX_TOP_LOGPROBS = 20
-# Fields that would change the output and are not built: a request that sets one gets a 400 naming it.
-NOT_BUILT = ("tools", "tool_choice", "functions", "function_call", "suffix", "guided_json",
-             "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema", "typical_p", "mirostat",
-             "tfs_z", "prediction", "audio", "modalities")
-
-
 class JSONSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
@@ -101,6 +97,10 @@ class Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's and llama-server's extension; 1.0 is off
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's and llama-server's extension; 0.0 is off
     logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": -100 to 100}
+    ignore_eos: StrictBool = False  # vLLM's: the end-of-text token does not end the output (max_tokens does)
+    min_tokens: StrictInt = Field(0, ge=0)  # vLLM's: no end-of-text and no stop string before this many tokens
+    # vLLM's: the prompt's tokens scored, each with this many alternatives (not with stream, as in vLLM)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @property
     def bias(self) -> tuple[tuple[int, float], ...]:
@@ -117,10 +117,11 @@ class Sampling(BaseModel):
     def _supported(self):
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: from 1 to {MAX_N} completions")
-        extra = self.model_extra or {}
-        asked = [name for name in NOT_BUILT if extra.get(name) not in (None, [], {}, "none", "")]
-        if asked:
-            raise ValueError(f"{asked[0]}: not supported by this server ({', '.join(asked)})")
+        refused = refused_fields(self.model_extra or {})
+        if refused:
+            raise ValueError(refused)
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream true (as in vLLM)")
         for token, value in (self.logit_bias or {}).items():
             if not token.isdigit() or not -100 <= value <= 100:
                 raise ValueError("logit_bias: maps token ids (as strings) to numbers from -100 to 100")
@@ -214,12 +215,18 @@ class ChatRequest(Sampling):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None  # one call per answer here; accepted either way
+    parallel_tool_calls: StrictBool | None = None  # false: at most one call per answer (serve/tools.py)
+    echo: StrictBool = False  # vLLM's: an answer continuing an assistant message starts with that message's text
+    add_generation_prompt: StrictBool = True  # vLLM's: the template opens the assistant's turn
+    continue_final_message: StrictBool = False  # vLLM's: the last message is continued, its turn left open
 
     @model_validator(mode="after")
     def _top_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be true with add_generation_prompt true (as in vLLM: "
+                             "set add_generation_prompt false)")
         names = [tool.function.name for tool in self.tools or ()]
         if len(set(names)) != len(names):
             raise ValueError("tools: two tools with one name")

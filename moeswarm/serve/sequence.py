@@ -30,8 +30,9 @@ from moeswarm.generation.branches import choose, rows_of
 from moeswarm.generation.drafters import Drafter, NgramDrafter
 from moeswarm.generation.sampling import biased, log_probs, make_generator, penalize, sample, top_logprobs
 from moeswarm.generation.stepper import Stepper
-from moeswarm.generation.stops import find_stop, held_back
+from moeswarm.generation.stops import held_back
 from moeswarm.model.tokenizer import TextCodec
+from moeswarm.serve.ending import find_stop_after, hold_eos
 from moeswarm.serve.job import Delta, Finished, Job, PromptLogprobs, Rewind, TokenLogprob
 
 
@@ -71,6 +72,7 @@ class Sequence:
         self.shown = 0  # characters of the output text already emitted
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
+        self._stop_floor: int | None = None  # stop strings count when they end past this character (min_tokens)
         self.drafted = self.accepted = 0  # the kept branch's drafts, and how many of them were accepted
         self.prompt_scores = [TokenLogprob(job.prompt[0], None)] if job.prompt else []  # the prompt scored so far (echo)
         self.chunk: tuple[int, int] | None = None  # the prompt chunk this step feeds: (start, length)
@@ -154,6 +156,7 @@ class Sequence:
                 return
             last = logits[-1]  # [V]
             scores = biased(penalize(last, self.context, 0, self.job.params), self.job.params)
+            scores = hold_eos(scores[None], self.eos, 0, self.job.min_tokens)[0]
             if self.job.constraint is not None:
                 scores = self.job.constraint.mask(scores[None])[0]
             token = sample(scores, self.job.params, self.generator)
@@ -163,10 +166,10 @@ class Sequence:
         rows = logits if logits.dim() == 3 else logits[None]  # [B, 1 + L, V]
         if self.job.params.penalised:  # no drafts then: one row of one position
             rows = penalize(rows[0, 0], self.context, len(self.output), self.job.params)[None, None]
-        rows = biased(rows, self.job.params)
+        rows = hold_eos(biased(rows, self.job.params), self.eos, len(self.output), self.job.min_tokens)
         if self.job.constraint is not None:  # one branch: each position masked after the drafts before it
             rows = self.job.constraint.mask(rows[0], branches[0])[None]
-        chosen = choose(rows, branches, self.job.params, self.generator, self.codec.eos_token_id)
+        chosen = choose(rows, branches, self.job.params, self.generator, self.eos)
         drafts, accepted = branches[chosen.row], chosen.accepted
         for stepper in (self.stepper, self.reference):
             if stepper is not None:
@@ -178,6 +181,11 @@ class Sequence:
             self.draft_len = min(self.max_drafts, self.draft_len + 1) if accepted == len(drafts) else max(1, accepted)
         kept = logits if logits.dim() == 3 else logits[None]
         self._accept(drafts[:accepted] + [chosen.next_token], list(kept[chosen.row, : accepted + 1]))
+
+    @property
+    def eos(self) -> int | None:
+        """The token that ends the output (None with ignore_eos: serve/ending.py)."""
+        return None if self.job.ignore_eos else self.codec.eos_token_id
 
     def checkpoint(self) -> Checkpoint:
         greedy = self.job.params.greedy
@@ -202,6 +210,7 @@ class Sequence:
             self.generator.set_state(point.generator_state)
         self.shown, self.draft_len, self.drafted, self.accepted = point.shown, point.draft_len, point.drafted, point.accepted
         self.finish_reason = None
+        self._stop_floor = None
         self.job.emit(Rewind(point.shown, point.output))
 
     def _score_prompt(self, logits: torch.Tensor) -> None:
@@ -218,11 +227,12 @@ class Sequence:
         rows = log_probs(logits[:scored])  # [scored, V]
         for i in range(scored):
             token = prompt[start + i + 1]
-            self.prompt_scores.append(TokenLogprob(token, *top_logprobs(rows[i], token, self.job.prompt_logprobs)))
+            rank = int((rows[i] > rows[i][token]).sum()) + 1
+            self.prompt_scores.append(TokenLogprob(token, *top_logprobs(rows[i], token, self.job.prompt_logprobs), rank))
 
     def _accept(self, tokens: list[int], rows: list[torch.Tensor]) -> None:
         """Take `tokens`; rows[i] is the logits [V] token i was chosen from (for its log-probability)."""
-        eos = self.codec.eos_token_id
+        eos = self.eos
         new, taken = [], 0
         for token in tokens:
             taken += 1
@@ -239,7 +249,7 @@ class Sequence:
                 break
         if self.job.constraint is not None:
             self.job.constraint.accept(tokens[:taken])
-            if self.job.constraint.finished and not self.done:  # the grammar is complete: nothing may follow
+            if self.job.constraint.finished:  # the grammar is complete (on the last token max_tokens allows too)
                 self.finish_reason = "stop"
         scores = ()
         if self.job.logprobs is not None:
@@ -248,9 +258,15 @@ class Sequence:
         self._emit_text(new, scores)
 
     def _emit_text(self, new: list[int], scores: tuple[TokenLogprob, ...] = ()) -> None:
-        visible = self.output[:-1] if self.output and self.output[-1] == self.codec.eos_token_id else self.output
+        eos = self.codec.eos_token_id
+        visible = [token for token in self.output if token != eos]  # ignore_eos: end-of-text tokens are not shown
         text = self.codec.decode(visible)
-        stop_at = find_stop(text, self.job.stops)
+        stop_at = None
+        if self.job.stops and len(self.output) >= self.job.min_tokens:
+            if self._stop_floor is None:
+                before = self.output[: max(0, self.job.min_tokens - 1)]
+                self._stop_floor = len(self.codec.decode([t for t in before if t != eos])) if before else 0
+            stop_at = find_stop_after(text, self.job.stops, self._stop_floor)
         if stop_at is not None:
             text, self.finish_reason = text[:stop_at], "stop"
         if self.done:
