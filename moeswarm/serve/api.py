@@ -51,6 +51,10 @@ class ServeState:
     grammars: Grammars | None = None  # made at the first request for structured output
     history: History = field(default_factory=History)  # the dashboard's time series
 
+    def __post_init__(self):
+        if not self.metrics.vllm.model_name:
+            self.metrics.vllm.name_model(self.model_id)  # vLLM's model_name label
+
 
 def create_app(state: ServeState, cors_origins: list[str] | None = None) -> FastAPI:
     """The app; cors_origins: the origins a browser page may call it from ("*": any)."""
@@ -270,7 +274,8 @@ async def _run(state: ServeState, engine: Engine, request: Request, body: Sampli
                             f"{state.max_queue}); retry shortly", code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
     chat = isinstance(body, ChatRequest)
-    run = Run(prompts, ask, Shapes(state.model_id, chat), lambda token: state.codec.decode([token]))
+    run = Run(prompts, ask, Shapes(state.model_id, chat), lambda token: state.codec.decode([token]),
+              getattr(request.state, "arrived", None))
     for job in run.jobs:
         engine.submit(job)
     if body.stream:

@@ -32,6 +32,7 @@ from moeswarm.serve.job import Failed, Job
 from moeswarm.serve.admission import Admission
 from moeswarm.serve.group_policy import GroupPolicy
 from moeswarm.serve.metrics import ServeMetrics, UnrecordedMetrics
+from moeswarm.serve.request_metrics import RequestClock
 from moeswarm.serve.rollback import Rollback
 from moeswarm.serve.runner import PackedRunner, build_runners, split_groups
 from moeswarm.serve.scheduler import Slot, plan_step
@@ -69,6 +70,7 @@ class Engine:
             check_draft_flags(config.draft, config.speculate, swarm.local_store is not None)
         self.swarm, self.codec, self.config = swarm, codec, config
         self.metrics = metrics or ServeMetrics()
+        self.metrics.follow(self.running_requests, self.waiting_requests)
         self.stats = EngineStats(swarm.num_experts)
         self.reference = reference
         self.runner, self.reference_runner = build_runners(swarm, reference, config.max_batch, config.groups)
@@ -122,9 +124,11 @@ class Engine:
         self.traces = None
 
     def submit(self, job: Job, tally: Tally | None = None) -> None:
-        """Queue `job`; its figures go to `tally` as it runs."""
+        """Queue `job`; its figures go to `tally` as it runs (its moments to tally.clock: serve/request_metrics.py)."""
+        tally = tally or Tally()
+        tally.clock = RequestClock(arrived=job.submitted, queued=time.monotonic())
         with self._wake:
-            self._queue.append((job, tally or Tally()))
+            self._queue.append((job, tally))
             self.metrics.queue_depth.set(len(self._queue))
             self._wake.notify_all()
 
@@ -144,6 +148,15 @@ class Engine:
     def active(self) -> int:
         return len(self._active)
 
+    def running_requests(self) -> int:
+        """Sequences in the batch whose client is still there (any thread: a client that went away stops
+        counting at once, not at the engine's next step)."""
+        return sum(1 for sequence in list(self._active) if not sequence.job.cancelled.is_set())
+
+    def waiting_requests(self) -> int:
+        """Jobs in the queue whose client is still there (any thread)."""
+        return sum(1 for job, _ in list(self._queue) if not job.cancelled.is_set())
+
     # -- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -156,7 +169,8 @@ class Engine:
                     if self._stopping:
                         break
             self.step()
-        for sequence in self._active:
+        for sequence in list(self._active):
+            self._remove(sequence, "error")
             sequence.job.emit(Failed("the server is shutting down", 503))
 
     def step(self) -> bool:
@@ -187,6 +201,7 @@ class Engine:
             while self._queue and len(self._active) < self.config.max_batch:
                 job, tally = self._queue.popleft()
                 if job.cancelled.is_set():
+                    self.metrics.vllm.ended(tally.clock, "abort")
                     continue
                 if self.admission.waits(job, self._active):
                     waiting.append((job, tally))  # the same prompt is being prefilled: take its cache next step
@@ -195,6 +210,7 @@ class Engine:
                 self._active.append(sequence)
                 self._tallies[id(sequence)] = tally
                 tally.tokens = sequence.output  # the same list: it grows as the sequence does
+                self.metrics.vllm.admitted(tally.clock, len(job.prompt))
             self._queue.extendleft(reversed(waiting))
             self.metrics.queue_depth.set(len(self._queue))
         self.metrics.active.set(len(self._active))
@@ -203,7 +219,7 @@ class Engine:
         started = time.monotonic()
         for sequence in list(self._active):
             if sequence.job.cancelled.is_set():  # the client went away: free its slot now
-                self._remove(sequence)
+                self._remove(sequence, "abort")
         if not self._active:
             self._count_cache_bytes()
             return
@@ -274,7 +290,7 @@ class Engine:
         if taints:
             self._roll_back(taints)
         for sequence in [s for s in self._active if s.done]:
-            self._remove(sequence)
+            self._remove(sequence, sequence.finish_reason)
             self.admission.prefix_cache.put(sequence.context[: sequence.stepper.length],
                                   (sequence.stepper.cache, sequence.reference.cache if sequence.reference else None))
         self.metrics.active.set(len(self._active))
@@ -322,15 +338,19 @@ class Engine:
         self.metrics.generated_tokens.inc(counts[0])
         self.metrics.drafted.inc(counts[1])
         self.metrics.accepted.inc(counts[2])
+        self.metrics.vllm.tokens(tally.clock, counts[0])
         if before[3] is None and sequence.first_token_at is not None:
             hit = "hit" if sequence.cached_tokens else "miss"
             self.metrics.first_token.labels(hit).observe(sequence.first_token_at - sequence.job.submitted)
         return counts
 
-    def _remove(self, sequence: Sequence) -> None:
+    def _remove(self, sequence: Sequence, reason: str) -> None:
+        """Take `sequence` out of the batch; `reason`: how it ended (serve/request_metrics.py FINISHED_REASONS)."""
         self._active.remove(sequence)
-        self._tallies.pop(id(sequence), None)
+        tally = self._tallies.pop(id(sequence), None)
         self.rollback.forget(sequence)
+        if tally is not None and tally.clock is not None:
+            self.metrics.vllm.ended(tally.clock, reason)
 
     def _roll_back(self, taints: list) -> None:
         """A holder was banned: the sequences that used its unchecked answers go back (serve/rollback.py)."""
@@ -341,7 +361,7 @@ class Engine:
                 self._fail(sequence, MoeSwarmError(f"a worker was caught lying after serving this request: {error}"))
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
-        self._remove(sequence)
+        self._remove(sequence, "error")
         self.metrics.failed_sequences.inc()
         if isinstance(error, MoeSwarmError):
             sequence.job.emit(Failed(one_line(error), 503, error))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import time
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -24,6 +25,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrived"] = time.monotonic()  # a request's arrival (its latency metrics)
         status = 500  # what a route that raised before answering ends in
 
         async def send_and_note(message):

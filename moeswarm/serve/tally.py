@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moeswarm.serve.request_metrics import RequestClock
+
 
 @dataclass
 class Tally:
@@ -16,3 +18,4 @@ class Tally:
     seconds: float = 0.0  # in the steps' forwards and the drafting (the --check-local reference's time not counted)
     draft_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    clock: RequestClock | None = None  # the request's moments, for /metrics (set by Engine.submit)
