@@ -22,6 +22,7 @@ from moeswarm.errors import MoeSwarmError, one_line, printable
 from moeswarm.generation.sampling import SamplingParams
 from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.chat import NoChatTemplate, chat_prompt
+from moeswarm.serve.drain import Drain
 from moeswarm.serve.dashboard import PAGE, SAMPLE_S, History, dashboard_data
 from moeswarm.serve.engine import Engine
 from moeswarm.serve.grammar import GrammarUnavailable, Grammars
@@ -50,6 +51,7 @@ class ServeState:
     max_queue: int = 256  # requests waiting for a slot; past that, 429 with Retry-After
     grammars: Grammars | None = None  # made at the first request for structured output
     history: History = field(default_factory=History)  # the dashboard's time series
+    drain: Drain = field(default_factory=Drain)  # requests in flight, and whether the server drains (serve/drain.py)
 
     def __post_init__(self):
         if not self.metrics.vllm.model_name:

@@ -148,6 +148,16 @@ class Engine:
     def active(self) -> int:
         return len(self._active)
 
+    def end_all(self, message: str) -> None:
+        """End every queued and running job now, from any thread: each is told Failed(message, 503) (a
+        stream's last event) and cancelled; the engine drops them at its next step (serve/drain.py)."""
+        with self._wake:
+            jobs = [job for job, _ in self._queue] + [sequence.job for sequence in list(self._active)]
+        for job in jobs:
+            if not job.cancelled.is_set():
+                job.cancelled.set()
+                job.emit(Failed(message, 503))
+
     def running_requests(self) -> int:
         """Sequences in the batch whose client is still there (any thread: a client that went away stops
         counting at once, not at the engine's next step)."""

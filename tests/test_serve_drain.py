@@ -1,0 +1,67 @@
+"""Graceful shutdown with a real process and a real SIGINT (serve/drain.py): during the drain new
+requests get 503 naming the shutdown, a request that ends within the drain gets its whole answer,
+and a stream still running at the deadline ends with an error event and `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+
+from moeswarm.bundled import TRAINED
+from moeswarm.tools.serve_process import ServeProcess
+
+DRAIN_S = 1.5
+
+
+def test_sigint_drains_then_ends_running_streams_with_a_final_event():
+    with ServeProcess(str(TRAINED), [], "--model-name", "pymoe", "--drain-seconds", str(DRAIN_S)) as server:
+        server.wait_ready()
+        eos = json.loads(open(TRAINED / "config.json").read()).get("eos_token_id", 0)
+        # 240 tokens with the end of text banned: far longer than the drain on this machine
+        long = {"model": "pymoe", "prompt": "def f(x):\n", "max_tokens": 240, "temperature": 0, "stream": True,
+                "logit_bias": {str(eos): -100}}
+        short: list[httpx.Response] = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=60) as reply:
+            lines = reply.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+            asking = threading.Thread(target=lambda: short.append(httpx.post(
+                server.url + "/v1/completions", json={"model": "pymoe", "prompt": "x = ", "max_tokens": 3,
+                                                      "temperature": 0}, timeout=30)))
+            asking.start()
+            time.sleep(0.2)  # the short request is in before the signal
+            server.process.send_signal(signal.SIGINT)
+            signalled = time.monotonic()
+            time.sleep(0.3)
+            refused = httpx.post(server.url + "/v1/chat/completions", timeout=10,
+                                 json={"model": "pymoe", "messages": [{"role": "user", "content": "hi"}]})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["message"] == "the server is shutting down: no new requests are taken"
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        ended = time.monotonic() - signalled
+        asking.join(timeout=30)
+        assert short and short[0].status_code == 200
+        assert short[0].json()["choices"][0]["finish_reason"] == "length"  # ended within the drain: whole
+        assert rest[-1] == "[DONE]"
+        final = json.loads(rest[-2])
+        assert final["error"]["message"].startswith("the server is shutting down: this request did not end "
+                                                    "within the drain (1.5 s)")
+        assert all("choices" in json.loads(chunk) for chunk in rest[:-2])  # text until then
+        assert DRAIN_S <= ended < DRAIN_S + 3
+        server.process.wait(timeout=30)  # it stops by itself after the drain
+        errors = server.process.stderr.read()
+        assert "Traceback" not in errors, errors[-2000:]
+
+
+def test_an_idle_server_stops_at_once_on_sigterm():
+    with ServeProcess(str(TRAINED), [], "--model-name", "pymoe", "--drain-seconds", "60") as server:
+        server.wait_ready()
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=30)
+        assert time.monotonic() - signalled < 10  # nothing in flight: no 60 s wait
