@@ -30,7 +30,7 @@ from moeswarm.serve.metrics import ServeMetrics
 from moeswarm.serve.guard import Guard
 from moeswarm.serve.responses import APIError, Shapes, error_body, validation_message, validation_param
 from moeswarm.serve.runs import Ask, Prompt, Run
-from moeswarm.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling, TokenizeRequest
+from moeswarm.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling
 from moeswarm.serve.tools import call_schema, template_tools
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions
@@ -60,6 +60,10 @@ class ServeState:
 
 def create_app(state: ServeState, cors_origins: list[str] | None = None) -> FastAPI:
     """The app; cors_origins: the origins a browser page may call it from ("*": any)."""
+    from moeswarm.serve.embeddings import add_embedding_routes  # they import this module's helpers
+    from moeswarm.serve.responses_api import add_response_routes
+    from moeswarm.serve.tokenize_api import add_tokenize_route
+
     app = FastAPI(title="moeswarm", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_sampling(state))
     app.state.serve = state
 
@@ -120,15 +124,9 @@ def create_app(state: ServeState, cors_origins: list[str] | None = None) -> Fast
                                 f"{state.model_id!r}", code="model_not_found", param="model")
         return _model_card(state)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        codec = _codec(state)
-        tokens = codec.encode(body.content)
-        if body.add_special and codec.tokenizer is not None and getattr(codec.tokenizer, "bos_token_id", None) is not None:
-            tokens = [codec.tokenizer.bos_token_id] + tokens
-        if body.with_pieces:
-            return {"tokens": [{"id": t, "piece": codec.decode([t])} for t in tokens]}
-        return {"tokens": tokens}
+    add_tokenize_route(app, state)  # llama-server's and vLLM's shapes (serve/tokenize_api.py)
+    add_embedding_routes(app, state)  # serve/embeddings.py
+    add_response_routes(app, state)  # the Responses API (serve/responses_api.py)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,7 @@ class Engine:
         self.rollback = Rollback()  # what each sequence was before each step, to undo a liar's steps
         self._wake = threading.Condition()
         self._stopping = False
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()  # run_between_steps' work
         self._health_due = 0.0
         self._thread = threading.Thread(target=self._run, name="moeswarm-engine", daemon=True)
 
@@ -148,6 +150,16 @@ class Engine:
     def active(self) -> int:
         return len(self._active)
 
+    def run_between_steps(self, call: Callable[[], object]) -> Future:
+        """Run `call()` on the engine's thread between two steps, when the model and the swarm are
+        free (a forward outside the batch: /v1/embeddings), from any thread; its result or exception
+        in the future."""
+        future: Future = Future()
+        with self._wake:
+            self._calls.append((call, future))
+            self._wake.notify_all()
+        return future
+
     def end_all(self, message: str) -> None:
         """End every queued and running job now, from any thread: each is told Failed(message, 503) (a
         stream's last event) and cancelled; the engine drops them at its next step (serve/drain.py)."""
@@ -174,11 +186,13 @@ class Engine:
             with self._wake:
                 if self._stopping:
                     break
-                if not self._queue and not self._active:
+                if not self._queue and not self._active and not self._calls:
                     self._wake.wait(timeout=max(0.0, self._health_due - time.monotonic()))
                     if self._stopping:
                         break
             self.step()
+        while self._calls:
+            self._calls.popleft()[1].set_exception(MoeSwarmError("the server is shutting down"))
         for sequence in list(self._active):
             self._remove(sequence, "error")
             sequence.job.emit(Failed("the server is shutting down", 503))
@@ -188,6 +202,7 @@ class Engine:
         health check first when due). False when there was nothing to step."""
         if time.monotonic() >= self._health_due and (not self._active or self.problems):
             self._check_health()
+        self._run_calls()
         self._admit()
         if not self._active:
             return False
@@ -197,6 +212,17 @@ class Engine:
             for sequence in list(self._active):
                 self._fail(sequence, error)
         return True
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            with self._wake:
+                call, future = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as error:  # the caller's to report: the engine goes on
+                future.set_exception(error)
 
     def _check_health(self) -> None:
         try:
