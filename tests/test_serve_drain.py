@@ -1,6 +1,8 @@
-"""Graceful shutdown with a real process and a real SIGINT (serve/drain.py): during the drain new
+"""Graceful shutdown with a real process and a real signal (serve/drain.py): during the drain new
 requests get 503 naming the shutdown, a request that ends within the drain gets its whole answer,
-and a stream still running at the deadline ends with an error event and `data: [DONE]`."""
+a stream still running at the deadline ends with an error event and `data: [DONE]`, and an idle
+server stops at once. The second server runs a bundled GGUF file, whose chat template it reads
+from the file itself."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from moeswarm.bundled import TRAINED
 from moeswarm.tools.serve_process import ServeProcess
 
 DRAIN_S = 1.5
+BUNDLED_Q8 = TRAINED.parent / "gguf" / "pymoe-Q8_0.gguf"
 
 
 def test_sigint_drains_then_ends_running_streams_with_a_final_event():
@@ -58,9 +61,17 @@ def test_sigint_drains_then_ends_running_streams_with_a_final_event():
         assert "Traceback" not in errors, errors[-2000:]
 
 
-def test_an_idle_server_stops_at_once_on_sigterm():
-    with ServeProcess(str(TRAINED), [], "--model-name", "pymoe", "--drain-seconds", "60") as server:
+def test_a_bundled_gguf_chats_out_of_the_box_and_an_idle_server_stops_at_once(trained_local):
+    _, codec = trained_local
+    with ServeProcess(str(BUNDLED_Q8), [], "--model-name", "pymoe", "--drain-seconds", "60") as server:
         server.wait_ready()
+        messages = [{"role": "user", "content": "def add(a, b):"}]
+        reply = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                           json={"model": "pymoe", "messages": messages, "max_tokens": 8, "temperature": 0})
+        assert reply.status_code == 200, reply.text  # the file carries its chat template: no --chat-template
+        rendered = codec.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert reply.json()["usage"]["prompt_tokens"] == len(codec.encode(rendered))  # the HF model's template
+        assert reply.json()["choices"][0]["message"]["content"]
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(timeout=30)
