@@ -1,7 +1,8 @@
 """The routes beside chat and completions, with the official openai client against a real serve on
 the bundled model and two workers: /v1/responses (text, items, instructions, tool calls and their
 outputs, previous_response_id, streaming events in OpenAI's order), /v1/embeddings (bit-identical
-to the local model's pooled hidden states) and vLLM's /tokenize shapes."""
+to the local model's pooled hidden states) and vLLM's /tokenize shapes; and tool_choice auto on
+/v1/responses in-process over an engine that answers with a given text."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import numpy
 import openai
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
+from moeswarm.serve.api import ServeState, create_app
 from moeswarm.serve.embeddings import pooled
+from moeswarm.serve.job import Delta, Finished
 
 TOOLS = [{"type": "function", "name": "get_time", "description": "the time in a zone",
           "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
@@ -123,3 +127,42 @@ def test_tokenize_takes_vllms_shapes_and_llama_servers(trained_serve, trained_lo
     assert httpx.post(url, json={"content": "def add(a, b):"}).json() == {"tokens": codec.encode("def add(a, b):")}
     neither = httpx.post(url, json={"text": "hi"})
     assert neither.status_code == 400 and "content" in neither.json()["error"]["message"]
+
+
+class SayingEngine:
+    """Answers every job with `text`, a few characters per event (the bundled model never writes a call
+    unconstrained: tool_choice auto is checked here, in-process)."""
+
+    class config:
+        max_batch = 4
+
+    queue_depth = active = 0
+    problems: list[str] = []
+    text = ""
+
+    def submit(self, job) -> None:
+        for at in range(0, len(self.text), 7):
+            job.emit(Delta(self.text[at : at + 7], (5,)))
+        job.emit(Finished("stop", len(job.prompt), 3, 0))
+
+
+@pytest.mark.parametrize("text, called", [('{"name": "get_time", "arguments": {"zone": "UTC"}}', True),
+                                          ("{not a call", False), ("the time is noon", False)])
+def test_auto_reads_a_call_only_when_the_answer_is_one(trained_local, text, called):
+    _, codec = trained_local
+    state = ServeState("m", codec=codec, context=256, vocab_size=4096)
+    state.engine = SayingEngine()
+    state.engine.text = text
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=TestClient(create_app(state)),
+                           max_retries=0)
+    whole = client.responses.create(model="m", input="time?", tools=TOOLS)
+    events = list(client.responses.create(model="m", input="time?", tools=TOOLS, stream=True))
+    for output in (whole.output, events[-1].response.output):
+        (item,) = output
+        if called:
+            assert (item.type, item.name, json.loads(item.arguments)) == ("function_call", "get_time", {"zone": "UTC"})
+        else:
+            assert item.type == "message" and item.content[0].text == text
+    deltas = "".join(e.delta for e in events if e.type in ("response.output_text.delta",
+                                                            "response.function_call_arguments.delta"))
+    assert deltas == (events[-1].response.output[0].arguments if called else text)

@@ -214,6 +214,13 @@ async def stream(run: Run, shape: ResponseShape, keep):
 
     ids = {"item_id": shape.message_id, "output_index": 0}
     text, kept, opened = "", "", False  # text sent; text held while it may be a call; the message item begun
+
+    def begin_message() -> list[str]:
+        nonlocal opened
+        opened = True
+        return [event("response.output_item.added", output_index=0, item=shape.message("", "in_progress")),
+                event("response.content_part.added", content_index=0, **ids,
+                      part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
     try:
         yield event("response.created", response=shape.response("in_progress", []))
         yield event("response.in_progress", response=shape.response("in_progress", []))
@@ -226,11 +233,8 @@ async def stream(run: Run, shape: ResponseShape, keep):
                 piece, kept = kept + event_.text, ""
                 if not piece:
                     continue
-                if not opened:
-                    opened = True
-                    yield event("response.output_item.added", output_index=0, item=shape.message("", "in_progress"))
-                    yield event("response.content_part.added", content_index=0, **ids,
-                                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                for begun in [] if opened else begin_message():
+                    yield begun
                 text += piece
                 yield event("response.output_text.delta", content_index=0, delta=piece, logprobs=[], **ids)
             elif isinstance(event_, Finished):
@@ -246,11 +250,8 @@ async def stream(run: Run, shape: ResponseShape, keep):
                                 name=item["name"], arguments=item["arguments"])
                     yield event("response.output_item.done", output_index=0, item=item)
                 else:
-                    if kept and not opened:
-                        opened = True
-                        yield event("response.output_item.added", output_index=0, item=shape.message("", "in_progress"))
-                        yield event("response.content_part.added", content_index=0, **ids,
-                                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                    for begun in begin_message() if kept and not opened else []:
+                        yield begun
                     if kept:
                         text += kept
                         yield event("response.output_text.delta", content_index=0, delta=kept, logprobs=[], **ids)
