@@ -22,7 +22,9 @@ llama.cpp is the independent oracle, so we use its converter and quantizer, not 
    held-out text.
 3. F16 via ``--outtype f16``; an F32 GGUF (temporary) is the source for ``llama_model_quantize``
    to Q8_0 and Q4_K_M (quantizing from F32 avoids a double rounding through F16).
-4. Reports the tensor types found in each file (``gguf.GGUFReader``) and checks that each file
+4. The checkpoint's chat template goes into every file (``scripts/gguf_chat_template.py``), so
+   that ``serve`` on a GGUF file chats with no ``--chat-template``.
+5. Reports the tensor types found in each file (``gguf.GGUFReader``) and checks that each file
    loads in ``llama_cpp.Llama`` and greedily continues a prompt. With hidden=128 and
    moe_intermediate_size=64, rows are not multiples of 256, so llama.cpp falls back from K-quants
    for those tensors: the report says which types were actually written.
@@ -120,6 +122,12 @@ def main() -> None:
         convert(hf, f32, "f32", src)
         quantize(f32, files["Q8_0"], "LLAMA_FTYPE_MOSTLY_Q8_0")
         quantize(f32, files["Q4_K_M"], "LLAMA_FTYPE_MOSTLY_Q4_K_M")
+    template = json.loads((hf / "tokenizer_config.json").read_text()).get("chat_template")
+    if template:  # the converter takes it from tokenizer_config.json too; set here whatever its revision does
+        from gguf_chat_template import with_template  # scripts/, beside this file
+
+        for path in files.values():
+            with_template(path, template)
 
     report = {"llama_cpp_python": importlib.metadata.version("llama-cpp-python"), "files": {}}
     prompt = "def fibonacci(n):\n"

@@ -67,6 +67,17 @@ def test_dashboard_shows_workers_and_expert_heat_while_a_generation_runs(qwen2_m
             # the last minutes as time series: a line once two samples are in
             wait.until(lambda b: " L" in (b.find_element(By.CSS_SELECTOR, "#tps-series path").get_attribute("d") or ""))
             assert browser.find_element(By.ID, "tps-range").text.startswith("now ")
+            for chart, legend in (("tps", "tokens generated per second"), ("batch", "sequences stepped together"),
+                                  ("rtt", "median round trip")):  # a scale, a time axis and a legend on each
+                texts = [t for t, _ in _cells(browser, f"#{chart}-series text", "textContent")]
+                assert texts[3:] == ["-5 min", "-4 min", "-3 min", "-2 min", "-1 min", "now"]
+                assert float(texts[0]) == 0 and float(texts[2]) == 2 * float(texts[1]) > 0
+                assert legend in browser.find_element(By.CSS_SELECTOR, f"#{chart}-series + .legend").text
+            top = float(_cells(browser, "#tps-series text", "textContent")[2][0])
+            most = float(browser.find_element(By.ID, "tps-range").text.rsplit("max ", 1)[1])
+            assert 0 < most <= top < 10 * most  # the scale's top: a round number at or above the largest value
+            line = browser.find_element(By.CSS_SELECTOR, "#tps-series path").get_attribute("d")
+            assert line.rsplit(" L", 1)[-1].split()[0] == "292.0"  # the last sample at "now", the axis' right end
             time.sleep(0.5)
             # MOESWARM_DASHBOARD_SCREENSHOT=docs/dashboard.png refreshes the picture docs/dashboard.md shows
             assert browser.save_screenshot(os.environ.get("MOESWARM_DASHBOARD_SCREENSHOT", str(tmp_path / "dashboard.png")))

@@ -104,6 +104,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    """A finite number of seconds, 0 or more (0: at once)."""
+    value = _number(text)
+    if not 0 <= value < float("inf"):  # nan fails too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A number from 0 to 1."""
     value = _number(text)

@@ -15,7 +15,7 @@ from moeswarm.commands._speculate import add_speculate
 from moeswarm.commands._stages import add_stages, check_stages
 from moeswarm.commands._swarm import check_workers_or_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
-from moeswarm.commands._types import non_negative, port, positive, seconds
+from moeswarm.commands._types import non_negative, non_negative_seconds, port, positive, seconds
 from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS, check_draft_flags
 from moeswarm.serve.options import ServeOptions
 from moeswarm.serve.options import model_name as _model_name  # noqa: F401 (its name here before serve/options.py)
@@ -75,6 +75,9 @@ def _add_http_flags(parser: argparse.ArgumentParser) -> None:
         help="a request's headers must arrive within this (from the connection or the previous response)")
     add("--body-timeout", type=seconds, default=30.0, metavar="SECONDS",
         help="a request's body must arrive within this after its headers")
+    add("--drain-seconds", type=non_negative_seconds, default=30.0, metavar="SECONDS",
+        help="on SIGINT or SIGTERM, new requests get 503 and running ones get this long to end; streams still "
+             "running then end with an error event and [DONE] (default: 30; 0: at once; a second signal: at once)")
 
 
 def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
@@ -113,7 +116,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         workers=tuple(args.workers or ()), chat_template=args.chat_template,
         max_tokens=args.max_tokens, cors_origins=tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip()),
         max_queue=args.max_queue, max_connections=args.max_connections, header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout)
+        body_timeout_s=args.body_timeout, drain_s=args.drain_seconds)
 
 
 def _holders(args: argparse.Namespace):

@@ -22,6 +22,7 @@ from moeswarm.errors import MoeSwarmError, one_line, printable
 from moeswarm.generation.sampling import SamplingParams
 from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.chat import NoChatTemplate, chat_prompt, echoed
+from moeswarm.serve.drain import Drain
 from moeswarm.serve.dashboard import PAGE, SAMPLE_S, History, dashboard_data
 from moeswarm.serve.engine import Engine
 from moeswarm.serve.grammar import GrammarUnavailable, Grammars
@@ -29,7 +30,7 @@ from moeswarm.serve.metrics import ServeMetrics
 from moeswarm.serve.guard import Guard
 from moeswarm.serve.responses import APIError, Shapes, error_body, validation_message, validation_param
 from moeswarm.serve.runs import Ask, Prompt, Run
-from moeswarm.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling, TokenizeRequest
+from moeswarm.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling
 from moeswarm.serve.tools import call_schemas, most_calls, template_tools
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions
@@ -50,10 +51,19 @@ class ServeState:
     max_queue: int = 256  # requests waiting for a slot; past that, 429 with Retry-After
     grammars: Grammars | None = None  # made at the first request for structured output
     history: History = field(default_factory=History)  # the dashboard's time series
+    drain: Drain = field(default_factory=Drain)  # requests in flight, and whether the server drains (serve/drain.py)
+
+    def __post_init__(self):
+        if not self.metrics.vllm.model_name:
+            self.metrics.vllm.name_model(self.model_id)  # vLLM's model_name label
 
 
 def create_app(state: ServeState, cors_origins: list[str] | None = None) -> FastAPI:
     """The app; cors_origins: the origins a browser page may call it from ("*": any)."""
+    from moeswarm.serve.embeddings import add_embedding_routes  # they import this module's helpers
+    from moeswarm.serve.responses_api import add_response_routes
+    from moeswarm.serve.tokenize_api import add_tokenize_route
+
     app = FastAPI(title="moeswarm", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_sampling(state))
     app.state.serve = state
 
@@ -114,15 +124,9 @@ def create_app(state: ServeState, cors_origins: list[str] | None = None) -> Fast
                                 f"{state.model_id!r}", code="model_not_found", param="model")
         return _model_card(state)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        codec = _codec(state)
-        tokens = codec.encode(body.content)
-        if body.add_special and codec.tokenizer is not None and getattr(codec.tokenizer, "bos_token_id", None) is not None:
-            tokens = [codec.tokenizer.bos_token_id] + tokens
-        if body.with_pieces:
-            return {"tokens": [{"id": t, "piece": codec.decode([t])} for t in tokens]}
-        return {"tokens": tokens}
+    add_tokenize_route(app, state)  # llama-server's and vLLM's shapes (serve/tokenize_api.py)
+    add_embedding_routes(app, state)  # serve/embeddings.py
+    add_response_routes(app, state)  # the Responses API (serve/responses_api.py)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -279,7 +283,8 @@ async def _run(state: ServeState, engine: Engine, request: Request, body: Sampli
                             f"{state.max_queue}); retry shortly", code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
     chat = isinstance(body, ChatRequest)
-    run = Run(prompts, ask, Shapes(state.model_id, chat), lambda token: state.codec.decode([token]))
+    run = Run(prompts, ask, Shapes(state.model_id, chat), lambda token: state.codec.decode([token]),
+              getattr(request.state, "arrived", None))
     for job in run.jobs:
         engine.submit(job)
     if body.stream:

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from moeswarm.serve.job import Failed, Job
 from moeswarm.serve.admission import Admission
 from moeswarm.serve.group_policy import GroupPolicy
 from moeswarm.serve.metrics import ServeMetrics, UnrecordedMetrics
+from moeswarm.serve.request_metrics import RequestClock
 from moeswarm.serve.rollback import Rollback
 from moeswarm.serve.runner import PackedRunner, build_runners, split_groups
 from moeswarm.serve.scheduler import Slot, plan_step
@@ -74,6 +76,7 @@ class Engine:
             check_draft_flags(config.draft, config.speculate, swarm.local_store is not None)
         self.swarm, self.codec, self.config = swarm, codec, config
         self.metrics = metrics or ServeMetrics()
+        self.metrics.follow(self.running_requests, self.waiting_requests)
         self.stats = EngineStats(swarm.num_experts)
         self.reference = reference
         self.runner, self.reference_runner = build_runners(swarm, reference, config.max_batch, config.groups)
@@ -99,6 +102,7 @@ class Engine:
         self.rollback = Rollback()  # what each sequence was before each step, to undo a liar's steps
         self._wake = threading.Condition()
         self._stopping = False
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()  # run_between_steps' work
         self._health_due = 0.0
         self._thread = threading.Thread(target=self._run, name="moeswarm-engine", daemon=True)
 
@@ -129,9 +133,11 @@ class Engine:
         self.traces = None
 
     def submit(self, job: Job, tally: Tally | None = None) -> None:
-        """Queue `job`; its figures go to `tally` as it runs."""
+        """Queue `job`; its figures go to `tally` as it runs (its moments to tally.clock: serve/request_metrics.py)."""
+        tally = tally or Tally()
+        tally.clock = RequestClock(arrived=job.submitted, queued=time.monotonic())
         with self._wake:
-            self._queue.append((job, tally or Tally()))
+            self._queue.append((job, tally))
             self.metrics.queue_depth.set(len(self._queue))
             self._wake.notify_all()
 
@@ -151,6 +157,35 @@ class Engine:
     def active(self) -> int:
         return len(self._active)
 
+    def run_between_steps(self, call: Callable[[], object]) -> Future:
+        """Run `call()` on the engine's thread between two steps, when the model and the swarm are
+        free (a forward outside the batch: /v1/embeddings), from any thread; its result or exception
+        in the future."""
+        future: Future = Future()
+        with self._wake:
+            self._calls.append((call, future))
+            self._wake.notify_all()
+        return future
+
+    def end_all(self, message: str) -> None:
+        """End every queued and running job now, from any thread: each is told Failed(message, 503) (a
+        stream's last event) and cancelled; the engine drops them at its next step (serve/drain.py)."""
+        with self._wake:
+            jobs = [job for job, _ in self._queue] + [sequence.job for sequence in list(self._active)]
+        for job in jobs:
+            if not job.cancelled.is_set():
+                job.cancelled.set()
+                job.emit(Failed(message, 503))
+
+    def running_requests(self) -> int:
+        """Sequences in the batch whose client is still there (any thread: a client that went away stops
+        counting at once, not at the engine's next step)."""
+        return sum(1 for sequence in list(self._active) if not sequence.job.cancelled.is_set())
+
+    def waiting_requests(self) -> int:
+        """Jobs in the queue whose client is still there (any thread)."""
+        return sum(1 for job, _ in list(self._queue) if not job.cancelled.is_set())
+
     # -- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -158,12 +193,15 @@ class Engine:
             with self._wake:
                 if self._stopping:
                     break
-                if not self._queue and not self._active:
+                if not self._queue and not self._active and not self._calls:
                     self._wake.wait(timeout=max(0.0, self._health_due - time.monotonic()))
                     if self._stopping:
                         break
             self.step()
-        for sequence in self._active:
+        while self._calls:
+            self._calls.popleft()[1].set_exception(MoeSwarmError("the server is shutting down"))
+        for sequence in list(self._active):
+            self._remove(sequence, "error")
             sequence.job.emit(Failed("the server is shutting down", 503))
 
     def step(self) -> bool:
@@ -171,6 +209,7 @@ class Engine:
         health check first when due). False when there was nothing to step."""
         if time.monotonic() >= self._health_due and (not self._active or self.problems):
             self._check_health()
+        self._run_calls()
         self._admit()
         if not self._active:
             return False
@@ -180,6 +219,17 @@ class Engine:
             for sequence in list(self._active):
                 self._fail(sequence, error)
         return True
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            with self._wake:
+                call, future = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as error:  # the caller's to report: the engine goes on
+                future.set_exception(error)
 
     def _check_health(self) -> None:
         try:
@@ -194,6 +244,7 @@ class Engine:
             while self._queue and len(self._active) < self.config.max_batch:
                 job, tally = self._queue.popleft()
                 if job.cancelled.is_set():
+                    self.metrics.vllm.ended(tally.clock, "abort")
                     continue
                 if self.admission.waits(job, self._active):
                     waiting.append((job, tally))  # the same prompt is being prefilled: take its cache next step
@@ -203,6 +254,7 @@ class Engine:
                 self._tallies[id(sequence)] = tally
                 tally.drafts = self.speculation.start(sequence)
                 tally.tokens = sequence.output  # the same list: it grows as the sequence does
+                self.metrics.vllm.admitted(tally.clock, len(job.prompt))
             self._queue.extendleft(reversed(waiting))
             self.metrics.queue_depth.set(len(self._queue))
         self.metrics.active.set(len(self._active))
@@ -211,7 +263,7 @@ class Engine:
         started = time.monotonic()
         for sequence in list(self._active):
             if sequence.job.cancelled.is_set():  # the client went away: free its slot now
-                self._remove(sequence)
+                self._remove(sequence, "abort")
         if not self._active:
             self._count_cache_bytes()
             return
@@ -294,7 +346,7 @@ class Engine:
         if taints:
             self._roll_back(taints)
         for sequence in [s for s in self._active if s.done]:
-            self._remove(sequence)
+            self._remove(sequence, sequence.finish_reason)
             self.admission.prefix_cache.put(sequence.context[: sequence.stepper.length],
                                   (sequence.stepper.cache, sequence.reference.cache if sequence.reference else None))
         self.metrics.active.set(len(self._active))
@@ -342,15 +394,19 @@ class Engine:
         self.metrics.generated_tokens.inc(counts[0])
         self.metrics.drafted.inc(counts[1])
         self.metrics.accepted.inc(counts[2])
+        self.metrics.vllm.tokens(tally.clock, counts[0])
         if before[3] is None and sequence.first_token_at is not None:
             hit = "hit" if sequence.cached_tokens else "miss"
             self.metrics.first_token.labels(hit).observe(sequence.first_token_at - sequence.job.submitted)
         return counts
 
-    def _remove(self, sequence: Sequence) -> None:
+    def _remove(self, sequence: Sequence, reason: str) -> None:
+        """Take `sequence` out of the batch; `reason`: how it ended (serve/request_metrics.py FINISHED_REASONS)."""
         self._active.remove(sequence)
-        self._tallies.pop(id(sequence), None)
+        tally = self._tallies.pop(id(sequence), None)
         self.rollback.forget(sequence)
+        if tally is not None and tally.clock is not None:
+            self.metrics.vllm.ended(tally.clock, reason)
 
     def _roll_back(self, taints: list) -> None:
         """A holder was banned: the sequences that used its unchecked answers go back (serve/rollback.py)."""
@@ -361,7 +417,7 @@ class Engine:
                 self._fail(sequence, MoeSwarmError(f"a worker was caught lying after serving this request: {error}"))
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
-        self._remove(sequence)
+        self._remove(sequence, "error")
         self.metrics.failed_sequences.inc()
         if isinstance(error, MoeSwarmError):
             sequence.job.emit(Failed(one_line(error), 503, error))

@@ -1,12 +1,15 @@
-"""What every request passes before a route: the API key, the body's size; and the request count after it."""
+"""What every request passes before a route: the drain (503 while shutting down), the API key, the
+body's size; and the count of requests in flight and answered around it."""
 
 from __future__ import annotations
 
 import secrets
+import time
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from moeswarm.serve.drain import SHUTTING_DOWN, Drain
 from moeswarm.serve.responses import APIError
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -24,6 +27,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrived"] = time.monotonic()  # a request's arrival (its latency metrics)
         status = 500  # what a route that raised before answering ends in
 
         async def send_and_note(message):
@@ -33,20 +37,31 @@ class Guard:
             await send(message)
 
         request = Request(scope)
+        drain = self.state.drain
         try:
+            _check_draining(drain, request)
             _check_key(self.state, request)
             _check_body_size(request)
         except APIError as error:
             response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
             await response(scope, receive, send_and_note)
         else:
+            drain.in_flight += 1
             try:
                 await self.app(scope, receive, send_and_note)
             finally:
+                drain.in_flight -= 1
                 route = getattr(scope.get("route"), "path", "other")
                 self.state.metrics.requests.labels(route, str(status)).inc()
             return
         self.state.metrics.requests.labels("other", str(status)).inc()
+
+
+def _check_draining(drain: Drain, request: Request) -> None:
+    """While the server drains (serve/drain.py), no new work: every POST, and /health, answer 503."""
+    if drain.draining and (request.method == "POST" or request.url.path == "/health"):
+        raise APIError(503, f"{SHUTTING_DOWN}: no new requests are taken", code="shutting_down",
+                       headers={"Connection": "close"})
 
 
 def _check_key(state, request: Request) -> None:

@@ -1,10 +1,12 @@
-"""The gateway's Prometheus metrics (GET /metrics), in a registry of its own."""
+"""The gateway's Prometheus metrics (GET /metrics), in a registry of its own: moeswarm's own series
+(`moeswarm_*`) and vLLM's names for the same meanings (`vllm:*`: serve/request_metrics.py)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from moeswarm.dispatch.accounting import LayerCall
+from moeswarm.serve.request_metrics import VllmMetrics
 
 _SMALL_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -13,7 +15,7 @@ _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class ServeMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
         disable_created_metrics()  # no *_created series: a scrape shows what a reader needs
         self.registry = CollectorRegistry()
         r = self.registry
@@ -39,7 +41,7 @@ class ServeMetrics:
                                     "by holder: the batch's sequences or the prefix cache", ["held_by"], registry=r)
         self.worker_rtt = Histogram("moeswarm_worker_rtt_seconds", "per-worker round-trip time of a layer call",
                                     ["worker"], buckets=_SECONDS, registry=r)
-        self.first_token = Histogram("moeswarm_time_to_first_token_seconds", "from admission to the first token",
+        self.first_token = Histogram("moeswarm_time_to_first_token_seconds", "from the request's arrival to its first token",
                                      ["prefix_cache"], buckets=_SECONDS, registry=r)
         self.prefix_hits = Counter("moeswarm_prefix_cache_hits", "requests that reused a cached prefix", registry=r)
         self.prefix_misses = Counter("moeswarm_prefix_cache_misses", "requests that prefilled their whole prompt", registry=r)
@@ -49,6 +51,15 @@ class ServeMetrics:
         self.failed_sequences = Counter("moeswarm_failed_sequences", "sequences ended by an error", registry=r)
         self.rolled_back = Counter("moeswarm_rolled_back_sequences",
                                    "sequences sent back before steps that used a banned liar's answers", registry=r)
+        self.vllm = VllmMetrics(r, model_name)
+
+    def follow(self, running, waiting) -> None:
+        """Read the request gauges from `running()` and `waiting()` (request counts, callable from any
+        thread) at every scrape: a request that ends, or whose client goes away, leaves them at once."""
+        self.active.set_function(running)
+        self.queue_depth.set_function(waiting)
+        self.vllm.running.labels(self.vllm.model_name).set_function(running)
+        self.vllm.waiting.labels(self.vllm.model_name).set_function(waiting)
 
     def observe_step(self, batch: int, tokens: int, seconds: float, calls: list[LayerCall], groups: int = 1,
                      waiting_s: float = 0.0) -> None:
@@ -78,6 +89,9 @@ class UnrecordedMetrics:
     def observe_step(self, *args, **kwargs) -> None:
         pass
 
+    def follow(self, running, waiting) -> None:
+        pass
+
 
 class _Unrecorded:
     def inc(self, amount: float = 1) -> None:
@@ -91,6 +105,15 @@ class _Unrecorded:
 
     def labels(self, *values: str) -> "_Unrecorded":
         return self
+
+    def admitted(self, *args) -> None:  # the vllm series' (serve/request_metrics.py)
+        pass
+
+    def tokens(self, *args) -> None:
+        pass
+
+    def ended(self, *args) -> None:
+        pass
 
 
 _UNRECORDED = _Unrecorded()

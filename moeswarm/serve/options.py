@@ -41,6 +41,7 @@ class ServeOptions:
     max_connections: int = 512
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    drain_s: float = 30.0  # on SIGINT/SIGTERM: how long running requests may go on (serve/drain.py)
 
 
 def model_name(path) -> str:

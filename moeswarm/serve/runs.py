@@ -52,7 +52,9 @@ class Ask:
 
 
 class Run:
-    def __init__(self, prompts: list[Prompt], ask: Ask, shapes: Shapes, piece: Callable[[int], str]):
+    def __init__(self, prompts: list[Prompt], ask: Ask, shapes: Shapes, piece: Callable[[int], str],
+                 arrived: float | None = None):
+        """arrived: when the HTTP request arrived (time.monotonic(); None: now): its jobs' `submitted`."""
         self.prompts, self.ask, self.shapes, self.piece = prompts, ask, shapes, piece
         self.events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -68,6 +70,8 @@ class Run:
                                      logprobs=ask.logprobs, prompt_logprobs=max(scored) if scored else None,
                                      constraint=ask.make_constraint() if ask.make_constraint else None,
                                      ignore_eos=ask.ignore_eos, min_tokens=ask.min_tokens))
+                if arrived is not None:
+                    self.jobs[-1].submitted = arrived
 
     def prompt_of(self, index: int) -> Prompt:
         return self.prompts[index // self.ask.n]

@@ -19,6 +19,7 @@ from moeswarm.errors import MoeSwarmError
 from moeswarm.model.source import ModelSource, open_source
 from moeswarm.serve.api import ServeState, create_app
 from moeswarm.serve.chat import read_chat_template
+from moeswarm.serve.drain import DrainingServer
 from moeswarm.serve.engine import EngineConfig
 from moeswarm.serve.http_limits import limited_protocol, redact_access_log
 from moeswarm.serve.loader import Backend, load
@@ -28,7 +29,7 @@ from moeswarm.swarm_config import SwarmConfig
 from moeswarm.worker.listen import check_can_listen
 
 DEFAULT_CONTEXT = 4096  # positions per request for a model that does not say its own
-GRACEFUL_SHUTDOWN_S = 5
+GRACEFUL_SHUTDOWN_S = 5  # after the drain: for the last answers (the drain's final error events) to go out
 
 Report = Callable[[str], None]
 Stages = Sequence[Sequence[str]]  # per span of layers its replicas, in layer order
@@ -40,7 +41,8 @@ HoldersFor = Callable[[ModelSource, Report], tuple[SwarmConfig, Stages, StageWat
 def serve(options: ServeOptions, holders: HoldersFor,
           on_listening: Callable[[str, int], None] = lambda host, port: None,
           on_ready: Report = lambda line: None, before_load: Callable[[], None] = lambda: None) -> None:
-    """Serve until the server is told to exit (SIGINT, SIGTERM: uvicorn's own handlers).
+    """Serve until the server is told to exit (SIGINT, SIGTERM): it then drains for up to
+    options.drain_s (serve/drain.py) and stops.
 
     holders: the backbone's SwarmConfig, stages and stage watch for the opened model; its report sets what
     /health says while loading. on_listening(host, port): once bound, before the backbone loads;
@@ -63,7 +65,7 @@ def serve(options: ServeOptions, holders: HoldersFor,
                             http=limited_protocol(options.header_timeout_s, options.body_timeout_s,
                                                   options.max_connections))
     redact_access_log()  # no API key in uvicorn's logs
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, state.drain, options.drain_s, lambda message: _end_all(state, message))
     fatal: list[str] = []
 
     def on_fatal(message: str) -> None:
@@ -87,6 +89,11 @@ def serve(options: ServeOptions, holders: HoldersFor,
             watch.close()  # once the gateway has it, closed with it already: this is for a server that never opened it
     if fatal:
         raise MoeSwarmError(fatal[0])
+
+
+def _end_all(state: ServeState, message: str) -> None:
+    if state.engine is not None:
+        state.engine.end_all(message)
 
 
 def _context(source: ModelSource, ctx_size: int | None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moeswarm.serve.speculation import SequenceDrafts
+from moeswarm.serve.request_metrics import RequestClock
 
 
 @dataclass
@@ -19,3 +20,4 @@ class Tally:
     draft_seconds: float = 0.0
     prefill_seconds: float = 0.0
     drafts: SequenceDrafts | None = None  # its speculation: the K chosen, acceptance per position (serve/speculation.py)
+    clock: RequestClock | None = None  # the request's moments, for /metrics (set by Engine.submit)
