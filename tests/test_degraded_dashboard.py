@@ -10,12 +10,14 @@ from test_dispatcher import _dispatcher
 
 from moeswarm.placement.profile import RoutingStats
 from moeswarm.serve.dashboard import dashboard_data
+from moeswarm.serve.speculation import Speculation
 from moeswarm.swarm import Swarm
 
 
 def _state(swarm: Swarm) -> SimpleNamespace:
     stats = SimpleNamespace(workers=lambda: {}, num_experts=8, heat=lambda layers, counts: [], recent=lambda: [], totals={})
-    engine = SimpleNamespace(swarm=swarm, stats=stats, problems=[], active=0, queue_depth=0)
+    engine = SimpleNamespace(swarm=swarm, stats=stats, problems=[], active=0, queue_depth=0,
+                             speculation=Speculation(0, False))
     return SimpleNamespace(engine=engine, model_id="m", history=SimpleNamespace(series=lambda: []))
 
 

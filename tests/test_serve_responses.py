@@ -46,8 +46,12 @@ def test_a_text_response_equals_the_chat_answer(client):
 
 
 def test_a_tool_call_its_output_and_a_chained_response(client):
+    several = client.responses.create(model="pymoe", input="What time is it in UTC?", tools=TOOLS,
+                                      tool_choice="required", temperature=0, max_output_tokens=60)
+    assert several.output and {item.type for item in several.output} == {"function_call"}
+    assert len({item.call_id for item in several.output}) == len(several.output)  # one item per call
     called = client.responses.create(model="pymoe", input="What time is it in UTC?", tools=TOOLS,
-                                     tool_choice="required", temperature=0)
+                                     tool_choice="required", parallel_tool_calls=False, temperature=0)
     (call,) = called.output
     assert call.type == "function_call" and call.name == "get_time" and call.call_id.startswith("call_")
     assert json.loads(call.arguments)["zone"] in ("UTC", "CET")
@@ -79,7 +83,7 @@ def test_streamed_events_come_in_openais_order(client):
     assert [event.sequence_number for event in events] == list(range(len(events)))
     assert "".join(deltas) == events[-1].response.output_text == whole.output_text
     called = list(client.responses.create(model="pymoe", input="Time in UTC?", tools=TOOLS, tool_choice="required",
-                                          temperature=0, stream=True))
+                                          parallel_tool_calls=False, temperature=0, stream=True))
     assert [event.type for event in called][2:] == [
         "response.output_item.added", "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done", "response.completed"]

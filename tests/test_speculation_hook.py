@@ -40,13 +40,14 @@ def _codec() -> TextCodec:
 
 
 def noisy(n: int) -> int:
-    """A token sequence no lookup predicts: (n * 37 + n * n) mod 61, token 0 after every other one,
-    so the last token (0) recurs and the drafter keeps proposing what followed it before."""
-    return 0 if n % 2 else (n * 37 + n * n) % 61 + 1
+    """A token sequence no lookup predicts: a new token every other step (n // 2 + 1, none twice
+    within 100 steps), token 0 between them, so the last token (0) recurs and the drafter keeps
+    proposing what followed it before, which is never what follows it now."""
+    return 0 if n % 2 else n // 2 % (VOCAB - 1) + 1
 
 
 def test_rejected_drafts_bring_k_to_zero_and_the_tokens_stay_the_same():
-    prompt = [0, 5, 0, 6, 0, 7]
+    prompt = [0, 50, 0, 51, 0, 52]
     plain = generate(WholeModel(Scripted(noisy)), prompt, 60, 0, codec=_codec())
     adaptive = generate(WholeModel(Scripted(noisy)), prompt, 60, 4, codec=_codec(), adaptive=True)
 
@@ -67,3 +68,21 @@ def test_a_periodic_text_keeps_k_at_the_cap_and_saves_steps():
     assert adaptive.tokens == plain.tokens
     assert adaptive.steps < plain.steps / 2  # most drafts kept
     assert adaptive.speculation["speculate_per_step"][-1] > 0
+
+
+def test_a_model_with_recurrent_layers_drafts_nothing_by_default_and_refuses_drafts_asked_for():
+    """A linear-attention state cannot be cut back after rejected drafts: the default (on where steps
+    have remote trips) resolves to none there, and an explicit --speculate is refused by name."""
+    import pytest
+
+    from moeswarm.errors import MoeSwarmError
+    from moeswarm.serve.engine import EngineConfig
+    from moeswarm.serve.speculation import resolve_speculation
+
+    model = Scripted(noisy)
+    remote = SimpleNamespace(model=model, remote=True)
+    assert resolve_speculation(EngineConfig(64, speculate=None), remote).speculate > 0  # attention only: on
+    model.config.model_type, model.config.layer_types = "qwen3_next", ["linear_attention", "full_attention"]
+    assert resolve_speculation(EngineConfig(64, speculate=None), remote).speculate == 0
+    with pytest.raises(MoeSwarmError, match="--speculate 4: qwen3_next has recurrent layers"):
+        resolve_speculation(EngineConfig(64, speculate=4), remote)

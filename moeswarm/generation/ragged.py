@@ -220,6 +220,15 @@ def supports_ragged(model: PreTrainedModel) -> bool:
         and not any(_keeps_other_state(type(m)) for m in model.modules())
 
 
+def keeps_recurrent_state(model: PreTrainedModel) -> bool:
+    """Whether some of `model`'s layers carry a recurrent state (linear attention, Mamba, short
+    convolutions): a state folded over every token so far, which cannot be cut back to an earlier
+    length, so rejected drafts could not be taken back (drafts are off on such models)."""
+    config = model.config.get_text_config()
+    kinds = set(getattr(config, "layer_types", None) or []) | set(getattr(config, "layers_block_type", None) or [])
+    return bool(kinds - _LAYER_TYPES - {"attention", "moe", "mlp", "dense"})
+
+
 def latent_layers(model: PreTrainedModel) -> dict[int, latent.Shape | None]:
     """{layer: its sizes where it may run absorbed, else None} for the layers of `model` whose
     attention caches a latent (multi-head latent attention), found once."""

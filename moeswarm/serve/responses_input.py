@@ -5,8 +5,8 @@ The subset built is the one agent frameworks (openai-agents) use: `input` as a t
 items (messages with text content, `function_call` and `function_call_output` items),
 `instructions` (a system message first), function `tools` and `tool_choice`, `text.format`
 (structured output), `max_output_tokens`, `temperature`, `top_p`, `stream`, `store` and
-`previous_response_id`. Fields that change nothing here (`metadata`, `user`, `parallel_tool_calls`,
-`service_tier`, ...) are accepted; any other field, and any other item, part or tool type, is a
+`previous_response_id`, `parallel_tool_calls` (false: one call per answer). Fields that change
+nothing here (`metadata`, `user`, `service_tier`, ...) are accepted; any other field, and any other item, part or tool type, is a
 400 naming it.
 """
 
@@ -42,7 +42,7 @@ class ResponsesRequest(BaseModel):
     store: StrictBool = True
     metadata: dict | None = None
     user: StrictStr | None = None
-    parallel_tool_calls: StrictBool | None = None  # one call per answer here; accepted either way
+    parallel_tool_calls: StrictBool | None = None  # false: at most one call per answer (serve/tools.py)
     service_tier: StrictStr | None = None
     safety_identifier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, replace
 from moeswarm.generation.draft_measure import Acceptance, CostModel
 from moeswarm.generation.draft_names import AUTO_SPECULATE
 from moeswarm.generation.goodput import choose_k
-from moeswarm.generation.ragged import JOURNAL
+from moeswarm.errors import MoeSwarmError
+from moeswarm.generation.ragged import JOURNAL, keeps_recurrent_state
 
 FREE_DRAFTERS = ("ngram", "suffix")  # a lookup, no forward: shadow drafts every step
 PROBE_EVERY = 8  # steps between shadow drafts of a drafter that runs forwards
@@ -163,7 +164,13 @@ def has_remote_trips(swarm) -> bool:
 def resolve_speculation(config, swarm):
     """An EngineConfig with its default speculation decided (speculate None): AUTO_SPECULATE drafts
     (under the goodput rule when config.adaptive, as the commands ask by default) where a step has
-    remote trips, none where it has not."""
+    remote trips, none where it has not, nor on a model with recurrent layers (whose state cannot
+    take rejected drafts back: a MoeSwarmError when drafts are asked for there)."""
+    if keeps_recurrent_state(swarm.model):
+        if config.speculate:
+            raise MoeSwarmError(f"--speculate {config.speculate}: {swarm.model.config.model_type} has recurrent layers, "
+                                "whose state cannot take rejected drafts back: leave --speculate unset or give 0")
+        return replace(config, speculate=0)
     if config.speculate is not None:
         return config
     if has_remote_trips(swarm):
