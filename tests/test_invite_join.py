@@ -141,3 +141,40 @@ def test_a_key_that_does_not_fit_the_invite_is_refused_before_any_fetch(swarm, t
     result = _run("join", invite, "--swarm-key", str(key), "--dir", str(tmp_path / "j"), timeout=60)
     assert result.returncode == 2 and "the invite is for an unkeyed swarm" in result.stderr
     assert not (tmp_path / "j").exists() or not any((tmp_path / "j").iterdir())
+
+
+def test_a_keyed_invite_carries_no_key_and_a_member_joins_with_its_own_file(tmp_path):
+    """Seeders under mutual TLS, the DHT keyed: a member file of the swarm joins (every expert), a
+    backbone with another member file generates bit-identical; the invite holds the certificate's
+    hash, never the key."""
+    from moeswarm.discovery.inviter import swarm_certificate_hash
+
+    model = tmp_path / "pymoe.gguf"
+    shutil.copy(PYMOE / "gguf" / "pymoe-Q4_K_M.gguf", model)
+    key, member, backbone = (str(tmp_path / name) for name in ("swarm.key", "member.pem", "backbone.pem"))
+    assert _run("keygen", "-o", key).returncode == 0
+    for name, path in (("joiner", member), ("gateway", backbone)):
+        assert _run("keygen", "--member", name, "--swarm-key", key, "-o", path).returncode == 0
+    inviter = _cli("invite", "--model", str(model), "--swarm-key", key)
+    processes = [inviter]
+    try:
+        text = inviter.stdout.readline().rstrip("\n")
+        invite = parse_invite(text)
+        assert invite.swarm == swarm_certificate_hash(key) == swarm_certificate_hash(member)
+        manifest = load_manifest(Path(f"{model}.manifest.json"))
+        unkeyed = _run("join", text, "--dir", str(tmp_path / "none"), timeout=60)
+        assert unkeyed.returncode == 2 and "keyed swarm: pass your member file" in unkeyed.stderr
+        joiner = _cli("join", text, "--memory", "1", "--dir", str(tmp_path / "j"), "--threads", "1",
+                      "--swarm-key", member)
+        processes.append(joiner)
+        assert _share(_lines_until(joiner, "announced on the swarm as ")) == list(range(32))
+        generated = _run("generate", "--model", str(model), "--swarm", text, "--swarm-key", backbone, "--prompt",
+                         "def main(", "--max-new-tokens", "6", "--check-local", "--json", "--threads", "1")
+        assert generated.returncode == 0, generated.stderr[-3000:]
+        assert json.loads(generated.stdout.strip().splitlines()[-1])["bit_identical"] is True
+        status = _run("status", text, "--swarm-key", backbone, "--dir", str(tmp_path / "s"), "--json")
+        assert status.returncode == 0, status.stderr[-3000:]
+        assert [m["tls"] for m in json.loads(status.stdout)["members"]] == [True]
+        assert manifest.fingerprint == invite.model
+    finally:
+        stop(processes)
