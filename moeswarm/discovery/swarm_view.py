@@ -53,13 +53,17 @@ def swarm_view(records: Mapping[str, object], layers: Sequence[int],
     `throughput`, `tls`)."""
     members = [MemberRow(printable(address, 300), path_of(address), share_text(record.held), record.throughput,
                          record.tls) for address, record in sorted(records.items())]
-    coverage = coverage_of([record.held for record in records.values()], layers, num_experts)
-    floor = min((min(holders) for holders in coverage.values()), default=0)
+    return members, layer_rows(coverage_of([record.held for record in records.values()], layers, num_experts))
+
+
+def layer_rows(coverage: Mapping[int, Sequence[int]]) -> list[LayerRow]:
+    """A row per layer of {layer: holders per expert}: its least-held experts, the weakest layers marked."""
+    floor = min((min(holders) for holders in coverage.values() if holders), default=0)
     rows = []
     for layer, holders in sorted(coverage.items()):
-        fewest = min(holders)
+        fewest = min(holders, default=0)
         rows.append(LayerRow(layer, fewest, tuple(e for e, h in enumerate(holders) if h == fewest), fewest == floor))
-    return members, rows
+    return rows
 
 
 def format_view(model: str, members: Sequence[MemberRow], layers: Sequence[LayerRow],
