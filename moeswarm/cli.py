@@ -46,6 +46,9 @@ COMMANDS: dict[str, str] = {
     "dht": "a standing DHT node where workers announce themselves and backbones find them (--swarm)",
     "manifest": "hash a GGUF model's pieces: the manifest its owner publishes for fetch-slice",
     "seed": "serve byte ranges of a model file to workers fetching their slice (fetch-slice)",
+    "invite": "start a swarm's first member (DHT node, seeders of the model and its manifest) and print its invite",
+    "join": "join a swarm from its invite: take a share where it is weakest, fetch just those bytes, serve them",
+    "status": "show a swarm from its invite: members, their shares, coverage per layer with the weakest marked",
     "fetch-slice": "fetch just some experts' bytes from a seeder, checked against the owner's manifest, into a slice file",
 }
 

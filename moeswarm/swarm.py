@@ -23,7 +23,7 @@ from moeswarm.generation.ragged import set_kv_cache
 from moeswarm.ids import WorkerId
 from moeswarm.model.backend import attach, set_overlap
 from moeswarm.model.experts import experts_modules, num_experts_in_config, num_experts_of
-from moeswarm.model.loading import load_backbone
+from moeswarm.model.loading import empty_model, load_backbone
 from moeswarm.model.source import ModelSource
 from moeswarm.discovery.members import Following, Members, open_dht
 from moeswarm.transport.path import worker_link
@@ -234,6 +234,8 @@ def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, fo
     if config.discovery is None and not workers and not local_experts:
         local_experts = range(num_experts)  # the local mode: every expert in this process
     layers = [layer for layer in experts_modules(model) if span is None or layer in span]
+    # A holder may hold experts of any of the model's layers: a stage uses those of its span (issue 59, item 4)
+    model_layers = layers if span is None else list(experts_modules(empty_model(source)))
     links: list[WorkerLink] = []
     local = hold_local(source, local_experts, layers, num_experts, hidden_size) if layers else None
     if local is not None:
@@ -250,9 +252,10 @@ def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, fo
         "paths": {link.address: kind for kind, link in chosen},
     }
     if following is None:
-        dispatcher = connect(links, source.fingerprint, num_experts, hidden_size, layers, **options)
+        dispatcher = connect(links, source.fingerprint, num_experts, hidden_size, layers, model_layers, **options)
     else:
-        dispatcher = _follow(following, config, links, source.fingerprint, num_experts, hidden_size, layers, options)
+        dispatcher = _follow(following, config, links, source.fingerprint, num_experts, hidden_size, layers,
+                             model_layers, options)
     whole = local.whole_layers() if local is not None else {}  # layers held whole here: no dispatch at all
     in_process = InProcess(whole, dispatcher.routing, dispatcher.accounting)
     backends = {layer: in_process for layer in whole}
@@ -261,14 +264,16 @@ def _open(model_path, workers: Sequence[str], config: SwarmConfig, wrap_link, fo
 
 
 def connect(links: Sequence[WorkerLink], fingerprint: str, num_experts: int, hidden_size: int, layers: Sequence[int],
-            **dispatcher_options) -> Dispatcher:
+            model_layers: Sequence[int] | None = None, **dispatcher_options) -> Dispatcher:
     """Connect every link, place the experts they announce, and check `layers` are covered.
 
+    model_layers: every MoE layer of the model (None: `layers`): a holder may hold experts of any of
+    them, and serves those of `layers` (a stage's span).
     dispatcher_options: the Dispatcher's wire, fanout, policy, spot_checks, referee, routing and paths."""
     try:
         for link in links:
             link.connect(fingerprint)
-            check_holder(link, num_experts, hidden_size, layers)
+            check_holder(link, num_experts, hidden_size, layers if model_layers is None else model_layers)
         table = build_table({WorkerId(i): link.info.held for i, link in enumerate(links)}, num_experts)
         dispatcher = Dispatcher(links, table, **dispatcher_options)
         dispatcher.check_covers(layers)
@@ -280,7 +285,7 @@ def connect(links: Sequence[WorkerLink], fingerprint: str, num_experts: int, hid
 
 
 def _follow(following: Following, config: SwarmConfig, links: Sequence[WorkerLink], fingerprint: str, num_experts: int,
-            hidden_size: int, layers: Sequence[int], dispatcher_options: dict) -> Dispatcher:
+            hidden_size: int, layers: Sequence[int], model_layers: Sequence[int], dispatcher_options: dict) -> Dispatcher:
     """A dispatcher over `links` (held in this process, if any) and the workers announced on the swarm:
     discovery's join and leave events reach it through `MemberLinks`; waits until they cover every
     MoE layer, then discovery keeps following on its thread."""
@@ -290,7 +295,7 @@ def _follow(following: Following, config: SwarmConfig, links: Sequence[WorkerLin
             link.connect(fingerprint)
         held = {WorkerId(i): link.info.held for i, link in enumerate(links)}
         dispatcher = Dispatcher(links, build_table(held, num_experts), **dispatcher_options)
-        sink = MemberLinks(dispatcher, fingerprint, num_experts, hidden_size, layers, config.tls)
+        sink = MemberLinks(dispatcher, fingerprint, num_experts, hidden_size, model_layers, config.tls)
         members = Members(sink, num_experts, layers, _merged(link.info.held for link in links))
         following.follow(config.discovery, fingerprint, members, config.tls is not None)
         dispatcher.apply_membership()  # no forward runs yet: the members joined so far are holders now

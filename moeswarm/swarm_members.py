@@ -26,7 +26,8 @@ JOIN_TIMEOUT_S = 5.0  # connect and HELLO of an announced worker: an address tha
 
 
 def check_holder(link: WorkerLink, num_experts: int, hidden_size: int, layers: Sequence[int]) -> None:
-    """WorkerError unless the connected `link`'s HELLO fits the model: its experts and width, its layers."""
+    """WorkerError unless the connected `link`'s HELLO fits the model: its experts and width, and
+    layers among `layers` (the model's MoE layers: a stage uses a holder of more than its span)."""
     info = link.info
     if info.num_experts != num_experts or info.hidden_size != hidden_size:
         raise WorkerError(link.address, f"announces {info.num_experts} experts of width {info.hidden_size}, "
@@ -46,7 +47,7 @@ class MemberLinks:
         self.fingerprint = fingerprint
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        self.layers = list(layers)
+        self.layers = list(layers)  # the model's MoE layers, all of them: see check_holder
         self.tls = tls
         self._lock = threading.Lock()
         self._links: dict[str, WorkerLink] = {}  # announced address -> its link (queued into the dispatcher)

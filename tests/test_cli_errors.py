@@ -83,7 +83,7 @@ def test_bad_flag_values_are_one_line():
     assert _error("nosuch") == (
         "moeswarm: error: argument COMMAND: invalid choice: 'nosuch' (choose from 'demo', 'worker', 'stage', 'generate', "
         "'serve', 'gate', 'bench', 'make-model', 'slice', 'wan', 'info', 'keygen', 'ping', 'relay', 'profile', 'plan', "
-            "'dht', 'manifest', 'seed', 'fetch-slice') (see moeswarm --help)")
+            "'dht', 'manifest', 'seed', 'invite', 'join', 'status', 'fetch-slice') (see moeswarm --help)")
 
 
 def test_debug_shows_the_traceback(tmp_path):

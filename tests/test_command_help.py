@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 LIGHT = ("demo", "worker", "bench", "make-model", "slice", "wan", "info", "keygen", "relay", "profile", "plan", "dht",
-         "manifest", "seed", "fetch-slice")
+         "manifest", "seed", "fetch-slice", "invite", "join", "status")
 
 
 def test_light_commands_help_loads_neither_torch_nor_transformers():

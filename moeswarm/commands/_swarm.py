@@ -21,10 +21,13 @@ DEFAULT_TTL_S = 30.0  # discovery/announce.py's default, restated so `--help` im
 
 
 def swarm_peers(text: str) -> list[str]:
-    """argparse type of `--swarm`: [] for "new", else the peers' multiaddrs."""
+    """argparse type of `--swarm`: [] for "new", else the peers' multiaddrs, or an invite's
+    (`moeswarm invite`: its DHT peers)."""
+    from moeswarm.discovery.invite import InviteError, looks_like_invite, parse_invite
+
     try:
-        return parse_peers(text)
-    except ValueError as error:
+        return list(parse_invite(text).dht) if looks_like_invite(text) else parse_peers(text)
+    except (ValueError, InviteError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
@@ -45,8 +48,8 @@ def add_worker_swarm(parser: argparse.ArgumentParser) -> None:
 
 def add_backbone_swarm(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swarm", type=swarm_peers, default=None, metavar="PEERS",
-                        help="find the workers on the swarm instead of --workers: comma-separated multiaddrs of DHT "
-                             "peers (a worker's or `moeswarm dht`'s); joins and leaves are followed while running")
+                        help="find the workers on the swarm instead of --workers: an invite (`moeswarm invite`) or "
+                             "comma-separated multiaddrs of DHT peers (a worker's or `moeswarm dht`'s); joins and leaves are followed while running")
     parser.add_argument("--swarm-wait", type=seconds, default=60.0, metavar="SECONDS",
                         help="with --swarm: the most to wait at start for workers covering every MoE layer")
 

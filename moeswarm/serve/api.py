@@ -24,6 +24,7 @@ from moeswarm.model.tokenizer import TextCodec
 from moeswarm.serve.chat import NoChatTemplate, chat_prompt, echoed
 from moeswarm.serve.drain import Drain
 from moeswarm.serve.dashboard import PAGE, SAMPLE_S, History, dashboard_data
+from moeswarm.serve.swarm_page import PAGE as SWARM_PAGE, swarm_data
 from moeswarm.serve.engine import Engine
 from moeswarm.serve.grammar import GrammarUnavailable, Grammars
 from moeswarm.serve.metrics import ServeMetrics
@@ -112,6 +113,14 @@ def create_app(state: ServeState, cors_origins: list[str] | None = None) -> Fast
     @app.get("/v1/dashboard")
     async def dashboard():
         return dashboard_data(state)
+
+    @app.get("/swarm")
+    async def swarm_page():
+        return FileResponse(SWARM_PAGE, media_type="text/html")
+
+    @app.get("/v1/swarm")
+    async def swarm():
+        return swarm_data(state)
 
     @app.get("/v1/models")
     async def models():

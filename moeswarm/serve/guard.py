@@ -13,7 +13,7 @@ from moeswarm.serve.drain import SHUTTING_DOWN, Drain
 from moeswarm.serve.responses import APIError
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-OPEN_ROUTES = ("/health", "/")  # answered without the API key (the page holds no data: it fetches /v1/dashboard)
+OPEN_ROUTES = ("/health", "/", "/swarm")  # answered without the API key (the pages hold no data: they fetch it)
 
 
 class Guard:

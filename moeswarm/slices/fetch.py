@@ -43,7 +43,7 @@ class FetchError(MoeSwarmError):
     """The fetch cannot go on: a lying or refusing seeder, or no connection after the retries."""
 
 
-class _Broken(Exception):
+class Broken(Exception):
     """The connection broke: worth another try."""
 
 
@@ -71,7 +71,7 @@ def fetch_slice(peer: str, manifest: Manifest, experts: Sequence[int], out: str 
             bar.update(resumed)
             while todo := [p for p in pieces if (p.offset, p.length) not in done]:
                 try:
-                    for piece, data in _ranges(peer, todo, tls, timeout_s):
+                    for piece, data in ranges(peer, todo, tls, timeout_s):
                         _check(peer, piece, data)
                         _write(fd, partial, data, piece.offset)
                         log.write(f"{piece.offset} {piece.length}\n")
@@ -79,7 +79,7 @@ def fetch_slice(peer: str, manifest: Manifest, experts: Sequence[int], out: str 
                         done.add((piece.offset, piece.length))
                         fetched += piece.length
                         bar.update(piece.length)
-                except _Broken as error:
+                except Broken as error:
                     attempt += 1
                     if attempt > retries:
                         hint = "" if tls else " (if it was started with --swarm-key, pass the same --swarm-key)"
@@ -141,7 +141,7 @@ def _check(peer: str, piece: Piece, data: bytes) -> None:
                          f"it was kept")
 
 
-def _ranges(peer: str, pieces: list[Piece], tls: ssl.SSLContext | None, timeout_s: float) -> Iterator[tuple[Piece, bytes]]:
+def ranges(peer: str, pieces: list[Piece], tls: ssl.SSLContext | None, timeout_s: float) -> Iterator[tuple[Piece, bytes]]:
     """Each piece's bytes as the seeder sends them, in order, WINDOW requests in flight."""
     sock = _connect(peer, tls, timeout_s)
     try:
@@ -160,7 +160,7 @@ def _connect(peer: str, tls: ssl.SSLContext | None, timeout_s: float) -> socket.
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
     except OSError as error:
-        raise _Broken(f"cannot connect ({error.strerror or error})") from None
+        raise Broken(f"cannot connect ({error.strerror or error})") from None
     if tls is None:
         return sock
     try:
@@ -171,18 +171,18 @@ def _connect(peer: str, tls: ssl.SSLContext | None, timeout_s: float) -> socket.
                          f"same --swarm-key") from None
     except OSError as error:
         sock.close()
-        raise _Broken(f"TLS handshake broke ({error})") from None
+        raise Broken(f"TLS handshake broke ({error})") from None
 
 
 def _send(sock: socket.socket, data: bytes) -> None:
     try:
         sock.sendall(data)
     except OSError as error:
-        raise _Broken(f"connection lost ({error})") from None
+        raise Broken(f"connection lost ({error})") from None
 
 
 def _response(sock: socket.socket, peer: str, piece: Piece, timeout_s: float) -> bytes:
-    """The piece's bytes, all within its deadline: a seeder that trickles them is cut off (_Broken)."""
+    """The piece's bytes, all within its deadline: a seeder that trickles them is cut off (Broken)."""
     allowed = timeout_s + piece.length / MIN_RATE
     deadline = time.monotonic() + allowed
     what = f"{piece.label} (bytes {piece.offset}-{piece.offset + piece.length})"
@@ -204,18 +204,18 @@ def _exactly(sock: socket.socket, size: int, deadline: float, what: str, allowed
         while got < size:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise _Broken(f"{what} not received within {allowed:.3g} s ({got} of {size} bytes): the seeder is "
+                raise Broken(f"{what} not received within {allowed:.3g} s ({got} of {size} bytes): the seeder is "
                               f"too slow or stalls")
             sock.settimeout(left)
             n = sock.recv_into(view[got:])
             if n == 0:
-                raise _Broken("the seeder closed the connection")
+                raise Broken("the seeder closed the connection")
             got += n
     except TimeoutError:
-        raise _Broken(f"{what} not received within {allowed:.3g} s ({got} of {size} bytes): the seeder is too slow "
+        raise Broken(f"{what} not received within {allowed:.3g} s ({got} of {size} bytes): the seeder is too slow "
                       f"or stalls") from None
     except ssl.SSLError as error:
-        raise _Broken(f"TLS error ({error.reason or error})") from None
+        raise Broken(f"TLS error ({error.reason or error})") from None
     except OSError as error:
-        raise _Broken(f"connection lost ({error})") from None
+        raise Broken(f"connection lost ({error})") from None
     return bytes(buffer)

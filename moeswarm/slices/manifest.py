@@ -62,6 +62,14 @@ class Manifest:
     def fingerprint(self) -> str:
         return self.data["fingerprint"]
 
+    def moe_layers(self) -> list[int]:
+        """The file's MoE layers (those with stacked routed-expert tensors), ascending."""
+        return sorted({layer for t in self.data["tensors"] if (layer := expert_layer(t["name"])) is not None})
+
+    def expert_bytes(self) -> int:
+        """The bytes one expert takes in the file over every MoE layer (a slice's share of them per expert)."""
+        return sum(t["bytes"] // len(t["units"]) for t in self.data["tensors"] if expert_layer(t["name"]) is not None)
+
     def pieces(self, experts: Sequence[int], layers: tuple[int, int] | None, with_backbone: bool) -> list[Piece]:
         """What a slice of `experts` of the MoE layers in `layers` (all when None) needs, in file order:
         the header, the fingerprint's samples, the experts' blocks, and with_backbone every other tensor."""

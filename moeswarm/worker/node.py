@@ -35,8 +35,11 @@ Report = Callable[[str], None]
 
 
 def open_worker(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, ModelSource]],
-                report: Report = lambda line: None) -> WorkerNode:
+                report: Report = lambda line: None, dht: SwarmDht | None = None) -> WorkerNode:
     """Check the port, join the DHT (with `config.swarm`), then `load()` the experts and build the server.
+
+    dht: a DHT node already joined (`moeswarm join` reads the coverage on it first): used instead of
+    opening one, and closed with the node.
 
     load: returns (the experts to serve, their model's source); called once, after the checks that
     fail fast. The node is not listening yet: `await node.serve(stop)` (or start/stop) runs it;
@@ -45,7 +48,8 @@ def open_worker(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, Mode
     """
     check_can_listen(config.host, config.port)
     raise_open_files_limit(config.limits.max_connections)
-    dht = _open_dht(config, report) if config.swarm is not None else None
+    if dht is None and config.swarm is not None:
+        dht = _open_dht(config, report)
     try:
         store, source = load()
         server = WorkerServer(store, source.fingerprint, source.config.model_type, config.limits, config.tls,
@@ -58,10 +62,11 @@ def open_worker(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, Mode
 
 
 def run_worker(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, ModelSource]], report: Report = lambda line: None,
-               stop_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT)) -> WorkerNode:
+               stop_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+               dht: SwarmDht | None = None) -> WorkerNode:
     """`open_worker`, then serve until one of `stop_signals` arrives; returns the node, stopped and closed
     (its server's counts still readable)."""
-    with open_worker(config, load, report) as node:
+    with open_worker(config, load, report, dht) as node:
         asyncio.run(_serve_until(node, stop_signals))
     return node
 

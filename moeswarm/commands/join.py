@@ -1,0 +1,141 @@
+"""`moeswarm join INVITE`: take a share of a swarm where it is weakest, fetch just those bytes, serve them.
+
+No expert list, no manifest file, no multiaddr: the invite (`moeswarm invite`) names them. The
+share is sized to `--memory` and chosen from the coverage announced on the DHT
+(discovery/joining.py); then the process is a `moeswarm worker` of that share, announced on the
+swarm (docs/network.md, Invites and join).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+from pathlib import Path
+
+from moeswarm.commands._setup import add_quiet, quiet_progress
+from moeswarm.commands._tls import add_swarm_key, client_tls, server_tls
+from moeswarm.commands._types import port, positive, seconds
+from moeswarm.commands.worker import _add_relay, _load, _say
+from moeswarm.worker.config import DEFAULT_ANNOUNCE_TTL_S, INLINE_TOKENS, Hosting, WorkerConfig
+from moeswarm.worker.limits import WorkerLimits
+
+MEMORY_SHARE = 0.5  # of the memory available now, without --memory
+
+
+def gigabytes(text: str) -> float:
+    """argparse type of `--memory`: a positive number of GB (10^9 bytes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GB, got {text!r}") from None
+    if not 0 < value < 1 << 20:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GB, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("invite", help="the invite `moeswarm invite` printed (one line: moeswarm-invite-1....)")
+    parser.add_argument("--memory", type=gigabytes, default=None, metavar="GB",
+                        help=f"memory for this member's experts, in GB: its share is as many experts as fit "
+                             f"(default: {MEMORY_SHARE:g} of the memory available now)")
+    parser.add_argument("--dir", default=None, metavar="DIR",
+                        help="where the manifest and the share's slice are kept (a run again resumes or reuses "
+                             "them; default: $XDG_CACHE_HOME/moeswarm/join or ~/.cache/moeswarm/join)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=port, default=0, help="TCP port of the worker (0: a free one)")
+    parser.add_argument("--announce-host", default=None, metavar="HOST",
+                        help="the address backbones dial this member at (default: --host, which must then not be "
+                             "0.0.0.0)")
+    parser.add_argument("--announce-ttl", type=seconds, default=DEFAULT_ANNOUNCE_TTL_S, metavar="SECONDS",
+                        help="the announcement expires this long after each refresh")
+    parser.add_argument("--dht-port", type=port, default=0, metavar="PORT", help="TCP port of this member's DHT node")
+    parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads of the worker")
+    parser.add_argument("--timeout", type=seconds, default=30.0,
+                        help="seconds to connect to a seeder, and for each piece beyond its length at 64 KiB/s")
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="least severe log records printed on stderr")
+    add_swarm_key(parser)
+    _add_relay(parser)
+    add_quiet(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    quiet_progress(args)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from moeswarm.discovery.dht import SwarmDht
+    from moeswarm.discovery.invite import parse_invite
+    from moeswarm.discovery.joining import check_key, layout, plan_share, share_path
+    from moeswarm.ids import format_ids
+    from moeswarm.slices.fetch import fetch_slice
+    from moeswarm.slices.manifest_fetch import fetch_manifest
+
+    invite = parse_invite(args.invite)
+    check_key(invite, args.swarm_key)
+    directory = Path(args.dir) if args.dir else _cache_dir()
+    _make_dir(directory)
+    tls = client_tls(args.swarm_key)
+    manifest = fetch_manifest(invite.manifest_seed, invite.manifest, invite.manifest_bytes,
+                              directory / f"{invite.manifest}.manifest.json", tls, args.timeout)
+    layers, num_experts = layout(manifest, invite)
+    config = _worker_config(args, invite)
+    keys = {}
+    if args.swarm_key:
+        from moeswarm.transport.member_cert import Authority, Identity
+
+        keys = {"authority": Authority.load(args.swarm_key), "identity": Identity.load(args.swarm_key)}
+    from moeswarm.discovery.announce import announce_address
+
+    announce_address(args.host, 1, args.announce_host)  # 0.0.0.0 needs an announce host: say so before fetching
+    dht = SwarmDht.open(list(invite.dht), host=args.host, port=args.dht_port, **keys)
+    try:
+        helds = [record.held for record in dht.fetch(invite.model).values()]
+        share = plan_share(manifest, layers, num_experts, helds, _memory_bytes(args.memory),
+                           dht.addresses()[0].encode())
+        _say(f"share: experts {format_ids(share.experts)} of MoE layers {format_ids(layers)} "
+             f"({share.covers} layer-expert pairs nobody held; {len(helds)} members announced)")
+        out = share_path(directory, invite.model, share.experts)
+        if not out.is_file():
+            report = fetch_slice(invite.seed, manifest, share.experts, out, None, False, tls, 3, args.timeout)
+            _say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) into {out}")
+        else:
+            _say(f"reusing {out}")
+    except BaseException:
+        dht.close()
+        raise
+    from moeswarm.worker.node import run_worker
+
+    node = run_worker(config, functools.partial(_load, Hosting(str(out)), args.threads), report=_say, dht=dht)
+    _say(f"stopped; {node.server.merged_requests} DISPATCHes of several backbones ran in "
+         f"{node.server.merged_calls} merged expert calls")
+    return 0
+
+
+def _worker_config(args: argparse.Namespace, invite) -> WorkerConfig:
+    return WorkerConfig(host=args.host, port=args.port, limits=WorkerLimits(), inline_tokens=INLINE_TOKENS,
+                        tls=server_tls(args.swarm_key, args.host), swarm_key=args.swarm_key, relay=args.relay,
+                        relay_name=args.relay_name, relay_pool=args.relay_pool, swarm=tuple(invite.dht),
+                        announce_host=args.announce_host, announce_ttl_s=args.announce_ttl, dht_port=args.dht_port)
+
+
+def _memory_bytes(memory_gb: float | None) -> int:
+    if memory_gb is not None:
+        return int(memory_gb * 1e9)
+    import psutil
+
+    return int(psutil.virtual_memory().available * MEMORY_SHARE)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moeswarm" / "join"
+
+
+def _make_dir(directory: Path) -> None:
+    from moeswarm.errors import MoeSwarmError
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise MoeSwarmError(f"cannot make {directory}: {error.strerror or error} (give --dir)") from None

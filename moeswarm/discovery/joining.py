@@ -1,0 +1,69 @@
+"""A member joining from an invite (`moeswarm join`): the trust check, the coverage read, the share.
+
+The order, and what each step relies on:
+
+1. the `--swarm-key` given must match the invite (a keyed invite names its swarm's certificate);
+2. the manifest is fetched and checked against the invite's hash (slices/manifest_fetch.py); it
+   gives the model's MoE layers, its experts and each expert's bytes;
+3. the DHT is joined and the members' announcements read (what each holds, as it claims: only a
+   worker's HELLO is trusted by backbones, so a lying record can skew a share, never an answer);
+4. `plan_share` (pure: placement/share.py) picks the experts where the swarm is weakest, as many
+   as `--memory` holds;
+5. the command fetches exactly those bytes (slices/fetch.py: hashed, resumable) and serves them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from moeswarm.discovery.invite import Invite
+from moeswarm.errors import MoeSwarmError
+from moeswarm.ids import format_ids
+from moeswarm.placement.share import Share, choose_share, coverage_of, experts_for_memory, joiner_order
+from moeswarm.slices.manifest import Manifest
+
+
+def check_key(invite: Invite, key_file: str | None) -> None:
+    """MoeSwarmError unless `key_file` fits the invite: none for an unkeyed swarm, a member file of
+    its swarm for a keyed one."""
+    if invite.swarm is None:
+        if key_file:
+            raise MoeSwarmError("the invite is for an unkeyed swarm: drop --swarm-key (its members speak plain TCP)")
+        return
+    if not key_file:
+        raise MoeSwarmError("the invite is for a keyed swarm: pass your member file of it as --swarm-key "
+                            "(`moeswarm keygen --member NAME --swarm-key swarm.key`, made by the swarm's owner)")
+    from moeswarm.transport.member_cert import Authority
+
+    found = hashlib.sha256(Authority.load(key_file).certificate_der).hexdigest()
+    if found != invite.swarm:
+        raise MoeSwarmError(f"--swarm-key {key_file} belongs to another swarm (certificate {found[:16]}..., the "
+                            f"invite's is {invite.swarm[:16]}...)")
+
+
+def layout(manifest: Manifest, invite: Invite) -> tuple[list[int], int]:
+    """(the MoE layers, experts per layer) of the invite's model; MoeSwarmError when the manifest is
+    not of the whole model the invite names."""
+    if manifest.fingerprint != invite.model:
+        raise MoeSwarmError(f"the manifest is of model {manifest.fingerprint}, the invite names {invite.model}")
+    ids = manifest.data["expert_ids"]
+    layers = manifest.moe_layers()
+    if not layers or ids != list(range(len(ids))):
+        raise MoeSwarmError("the invite's manifest is not of a whole MoE model (a slice's, or one without experts)")
+    return layers, len(ids)
+
+
+def plan_share(manifest: Manifest, layers: Sequence[int], num_experts: int,
+               helds: Iterable[Mapping[int, Sequence[int]]], memory_bytes: int, seed: bytes) -> Share:
+    """The experts this joiner takes: `memory_bytes` worth, where `helds` (each member's {layer:
+    experts}) cover the model least; ties in the order `seed` draws."""
+    count = experts_for_memory(memory_bytes, manifest.expert_bytes(), num_experts)
+    coverage = coverage_of(helds, layers, num_experts)
+    return choose_share(coverage, count, order=joiner_order(seed, num_experts))
+
+
+def share_path(directory: str | Path, fingerprint: str, experts: Sequence[int]) -> Path:
+    """Where the slice of `experts` is kept: the same share, run again, resumes or reuses it."""
+    return Path(directory) / f"{fingerprint}.experts-{format_ids(experts).replace(',', '_')}.gguf"

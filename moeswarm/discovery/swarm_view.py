@@ -1,0 +1,86 @@
+"""What a swarm looks like from its DHT (`moeswarm status`): members, shares, coverage per layer.
+
+`swarm_view` is a pure function of the announcements read (plain data in, plain data out);
+`format_view` turns its result into the terminal table. Announcements are what members claim:
+the view shows the swarm as announced, which is what joiners choose their shares from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from moeswarm.errors import printable
+from moeswarm.ids import format_ids
+from moeswarm.placement.share import coverage_of
+
+
+@dataclass(frozen=True)
+class MemberRow:
+    address: str
+    path: str  # "direct", "relay", or "direct+relay" (transport/path.py's forms)
+    share: str  # "experts X of layers Y", or per layer when it differs
+    throughput: float  # tokens/s the member measured at start (0: unmeasured)
+    tls: bool
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    layer: int
+    fewest: int  # holders of its least-held expert
+    weakest: tuple[int, ...]  # the experts with that many holders
+    weakest_layer: bool  # whether no layer's least-held expert has fewer holders
+
+
+def path_of(address: str) -> str:
+    """How a member is reached, from its announced address's form."""
+    if "+" in address:
+        return "direct+relay"
+    return "relay" if address.startswith("relay://") else "direct"
+
+
+def share_text(held: Mapping[int, Sequence[int]]) -> str:
+    """A member's {layer: experts} in one phrase: one expert list when it is the same at every layer."""
+    lists = {tuple(experts) for experts in held.values()}
+    if len(lists) == 1:
+        return f"experts {format_ids(next(iter(lists)))} of layers {format_ids(sorted(held))}"
+    return "; ".join(f"layer {layer}: {format_ids(experts)}" for layer, experts in sorted(held.items()))
+
+
+def swarm_view(records: Mapping[str, object], layers: Sequence[int],
+               num_experts: int) -> tuple[list[MemberRow], list[LayerRow]]:
+    """(a row per member, a row per MoE layer) from the announcements by address (each with `held`,
+    `throughput`, `tls`)."""
+    members = [MemberRow(printable(address, 300), path_of(address), share_text(record.held), record.throughput,
+                         record.tls) for address, record in sorted(records.items())]
+    return members, layer_rows(coverage_of([record.held for record in records.values()], layers, num_experts))
+
+
+def layer_rows(coverage: Mapping[int, Sequence[int]]) -> list[LayerRow]:
+    """A row per layer of {layer: holders per expert}: its least-held experts, the weakest layers marked."""
+    floor = min((min(holders) for holders in coverage.values() if holders), default=0)
+    rows = []
+    for layer, holders in sorted(coverage.items()):
+        fewest = min(holders, default=0)
+        rows.append(LayerRow(layer, fewest, tuple(e for e, h in enumerate(holders) if h == fewest), fewest == floor))
+    return rows
+
+
+def format_view(model: str, members: Sequence[MemberRow], layers: Sequence[LayerRow],
+                stages: Sequence[tuple[str, range]] = ()) -> str:
+    """The terminal table."""
+    lines = [f"swarm of model {model}: {len(members)} members announced"]
+    if members:
+        width = max(len(m.address) for m in members)
+        lines.append(f"  {'ADDRESS':<{width}}  {'PATH':<12}  {'TLS':<3}  {'TOKENS/S':>9}  SHARE")
+        for m in members:
+            lines.append(f"  {m.address:<{width}}  {m.path:<12}  {'yes' if m.tls else 'no':<3}  "
+                         f"{m.throughput:>9.0f}  {m.share}")
+    for address, span in stages:
+        lines.append(f"  stage {printable(address, 300)}: decoder layers {span.start}-{span.stop - 1}")
+    lines.append("coverage per MoE layer (holders of its least-held experts):")
+    for row in layers:
+        state = "UNCOVERED" if row.fewest == 0 else f"{row.fewest} holder{'s' if row.fewest != 1 else ''}"
+        mark = "  <- weakest" if row.weakest_layer else ""
+        lines.append(f"  layer {row.layer:>3}: {state:<11} experts {format_ids(row.weakest)}{mark}")
+    return "\n".join(lines)

@@ -1,0 +1,28 @@
+"""The `/swarm` page's data (`GET /v1/swarm`): the gateway's members and the coverage per MoE layer.
+
+Built from what the dashboard reads (serve/dashboard.py: the members this gateway uses, their
+state and round trips, and the holders of each expert among the members that are up), with each
+layer's least-held experts and the weakest layers marked (discovery/swarm_view.py's rows).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moeswarm.discovery.swarm_view import layer_rows
+from moeswarm.serve.dashboard import dashboard_data
+
+PAGE = Path(__file__).with_name("swarm.html")
+
+
+def swarm_data(state) -> dict:
+    data = dashboard_data(state)
+    members = [{key: worker.get(key) for key in ("address", "path", "state", "cause", "layers", "experts", "calls",
+                                                  "rtt_ms_p50")} for worker in data["workers"]]
+    if "layers" not in data:  # still loading
+        return {"model": data["model"], "status": data["status"], "members": members, "layers": []}
+    rows = layer_rows(dict(zip(data["layers"], data["replicas"])))
+    return {"model": data["model"], "status": data["status"], "members": members,
+            "layers": [{"layer": r.layer, "fewest": r.fewest, "weakest": list(r.weakest), "weakest_layer": r.weakest_layer}
+                       for r in rows],
+            "tokens_generated": data["totals"].get("generated", 0)}
