@@ -36,7 +36,8 @@ def test_quick_run_measures_a_quarter_and_all_experts(quick_run):
         assert row["rss_over_hosted"] == pytest.approx(row["rss_loaded_bytes"] / row["hosted_bytes"])
         assert [t["tokens"] for t in row["per_tokens"]] == [1, 8, 64]
         for t in row["per_tokens"]:
-            assert t["worker_us_per_token"] > 0 and t["worker_cpu_us_per_token"] > 0 and t["bound_us_per_token"] > 0
+            # the round trip less a ping: on the tiny model within the noise of a loaded host, clamped at 0
+            assert t["worker_us_per_token"] >= 0 and t["worker_cpu_us_per_token"] > 0 and t["bound_us_per_token"] > 0
             assert 1 <= t["experts_touched"] <= row["hosted_experts"]
         assert row["per_tokens"][0]["experts_touched"] == 2  # one token, top-2 of the hosted experts
     # llama.cpp runs the whole layer (every expert): compared on the all-experts row only.
