@@ -40,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "frames.h"
 #include "qk_dispatch.h"
 #include "qk_pool.h"
 #include "qk_vec.h"
@@ -1114,22 +1115,24 @@ done:
     return status;
 }
 
-/* A DISPATCH's ids as they travel (id_bytes 1: u8 with 255 for -1; 2, 4, 8: little-endian signed),
- * each mapped through table[id + 2] (clipped into [0, table_len)) into local[p]: its expert within
+/* A DISPATCH's ids as they travel (id_bytes: wire/frames.h's MSW_ID_BYTES_, 1: u8 with 255 for -1;
+ * 2, 4, 8: little-endian signed), each mapped through table[id + 2] (clipped into [0, table_len)) into local[p]: its expert within
  * the module, or -1 (another holder's slot); counts[e] += each expert's slots. The routed slots, or
  * -3 when an id maps outside [-1, n_experts) (not held here), -1 for an unknown id width. */
 static int64_t read_ids(const void *ids, int id_bytes, int64_t pairs, const int64_t *table, int64_t table_len,
                         int64_t n_experts, int64_t *local, int64_t *counts) {
     int64_t routed = 0;
-    if (id_bytes != 1 && id_bytes != 2 && id_bytes != 4 && id_bytes != 8) return -1;
+    if (id_bytes != MSW_ID_BYTES_U8 && id_bytes != MSW_ID_BYTES_I16 && id_bytes != MSW_ID_BYTES_I32 &&
+        id_bytes != MSW_ID_BYTES_I64)
+        return -1;
     for (int64_t p = 0; p < pairs; p++) {
         int64_t id;
         const uint8_t *at = (const uint8_t *)ids + p * id_bytes;
-        if (id_bytes == 1) {
-            id = at[0] == 255 ? -1 : at[0];
-        } else if (id_bytes == 2) {
+        if (id_bytes == MSW_ID_BYTES_U8) {
+            id = at[0] == MSW_ID_NONE_U8 ? -1 : at[0];
+        } else if (id_bytes == MSW_ID_BYTES_I16) {
             int16_t v; memcpy(&v, at, sizeof v); id = v;
-        } else if (id_bytes == 4) {
+        } else if (id_bytes == MSW_ID_BYTES_I32) {
             int32_t v; memcpy(&v, at, sizeof v); id = v;
         } else {
             memcpy(&id, at, sizeof id);
