@@ -1,5 +1,6 @@
-"""The wire as C sees it (moeswarm/wire/frames.h) against wire/frames.py, and the load-time check
-that refuses a C library whose structs or constants differ from Python's mirrors (moeswarm/native.py)."""
+"""The C side of the wire cannot drift: wire/frames.h's #defines equal wire/frames.py's values, every
+frame-speaking C file includes the header, and a library whose reported layout disagrees with its
+ctypes mirrors is refused at load."""
 
 from __future__ import annotations
 
@@ -11,65 +12,115 @@ import pytest
 
 from moeswarm import native
 from moeswarm.errors import MoeSwarmError
+from moeswarm.transport import token_call
+from moeswarm.weights import qkernels
 from moeswarm.wire import frames
-from moeswarm.wire.codecs import INTEGER_CODECS, get_codec
+from moeswarm.wire.codecs import CODECS, INTEGER_CODECS
+from moeswarm.wire.messages import U8_IDS
 
-HEADER = Path(frames.__file__).with_name("frames.h")
-
-
-def _defines() -> dict[str, str]:
-    return dict(re.findall(r"^#define (MSW_\w+) (.+?)(?:\s*/\*.*)?$", HEADER.read_text(), re.MULTILINE))
+PACKAGE = Path(frames.__file__).resolve().parents[1]  # moeswarm/
+DEFINE = re.compile(r"^#define (MSW_\w+) (.+?)(?:\s*/\*.*)?$", re.MULTILINE)  # a value, not a guard
 
 
-def test_the_c_header_states_what_frames_py_packs():
+def _defines() -> dict[str, object]:
+    out = {}
+    for name, value in DEFINE.findall((PACKAGE / "wire" / "frames.h").read_text()):
+        out[name] = value.strip('"') if value.startswith('"') else eval(value, {})  # ints and (1 << 20)
+    return out
+
+
+def test_header_defines_equal_the_python_values():
     defines = _defines()
-    for name, value in frames.c_constants().items():
-        assert eval(defines[name], {}) == value, name  # plain integer expressions only
-    assert defines["MSW_MAGIC"] == '"' + frames.MAGIC.decode() + '"'
-    for codec in INTEGER_CODECS:  # the expert ids' byte widths as DISPATCH carries them
-        assert int(defines[f"MSW_ID_BYTES_{codec.upper()}"]) == get_codec(codec).nbytes((1,)), codec
-    # a header packed by Python has its fields where the C header says
-    packed = frames.HEADER.pack(frames.MAGIC, frames.VERSION, 2, 0, 0x0102030405060708, 77, 99)
-    assert packed[frames.c_constants()["MSW_AT_OPCODE"]] == 2
-    at = frames.c_constants()["MSW_AT_REQUEST_ID"]
-    assert int.from_bytes(packed[at : at + 8], "little") == 0x0102030405060708
+    assert defines.pop("MSW_MAGIC") == frames.MAGIC.decode()
+    ids = {name: defines.pop(name) for name in list(defines) if name.startswith("MSW_ID_")}
+    assert defines == frames.c_constants()
+    assert ids == {**{f"MSW_ID_BYTES_{name.upper()}": CODECS[name].wire_dtype.itemsize for name in INTEGER_CODECS},
+                   "MSW_ID_NONE_U8": 255}
+    assert U8_IDS[255] == -1 and U8_IDS[254] == 254
 
 
-def test_every_frame_speaking_c_file_includes_the_one_header():
-    root = Path(frames.__file__).parents[1]
-    speakers = [path for path in root.rglob("*.c") if re.search(r"\bMSW_|MSWM|frame", path.read_text())]
-    assert speakers
-    for path in speakers:
+def test_python_header_layout_matches_the_offsets():
+    at = frames.c_constants()
+    packed = frames.HEADER.pack(frames.MAGIC, frames.VERSION, 3, 0x0102, 0x1122334455667788, 0xAABBCCDD, 0x01020304)
+    assert packed[at["MSW_AT_OPCODE"]] == 3 and packed[at["MSW_AT_VERSION"]] == frames.VERSION
+    assert packed[at["MSW_AT_REQUEST_ID"]:][:8] == (0x1122334455667788).to_bytes(8, "little")
+    assert packed[at["MSW_AT_META_LEN"]:][:4] == (0xAABBCCDD).to_bytes(4, "little")
+    assert packed[at["MSW_AT_PAYLOAD_LEN"]:][:4] == (0x01020304).to_bytes(4, "little")
+    assert int.from_bytes(packed[:4], "little") == at["MSW_MAGIC_U32"]
+
+
+def test_every_frame_speaking_c_file_includes_the_header():
+    for path in PACKAGE.rglob("*.c"):
         text = path.read_text()
-        assert '#include "frames.h"' in text or '#include "native.h"' in text, path.name
-        assert '"MSWM"' not in text, f"{path.name} restates the magic"
+        speaks = re.search(r'"MSWM"|\bMSW_\w+|\bHEADER_SIZE\b', text) is not None
+        if speaks:
+            assert '#include "frames.h"' in text, path
+        assert '"MSWM"' not in text and "HEADER_SIZE 24" not in text, f"{path} restates the frame header"
+    for name in ("qk_express.c", "qk_hold.c", "qkernels.c"):
+        assert '#include "frames.h"' in (PACKAGE / "weights" / name).read_text()
+    assert '#include "frames.h"' in (PACKAGE / "transport" / "token_call.c").read_text()
 
 
-@pytest.mark.parametrize("module, library, function", [("moeswarm.weights.qkernels", "_qkernels", "qk_layout"),
-                                                       ("moeswarm.transport.token_call", "_token_call", "tc_layout")])
-def test_the_built_libraries_report_what_python_mirrors(module, library, function):
-    import importlib
+needs_kernels = pytest.mark.skipif(not qkernels.available(), reason="the C kernels are not built")
+needs_token_call = pytest.mark.skipif(not token_call.available(), reason="the C token call is not built")
 
-    lib = importlib.import_module(module)._library()
-    if lib is None:
-        pytest.skip(f"moeswarm/{library} is not built here")
-    report = native.reported(lib, function)
+
+@needs_kernels
+def test_kernels_report_their_layout_and_it_is_python_s():
+    report = native.reported(qkernels._library(), "qk_layout")
+    assert report["QkLane"] == ctypes.sizeof(qkernels.ExpressLane)
+    assert report["QkLane.alpha"] == qkernels.ExpressLane.alpha.offset
+    assert report["QkHoldOut.unsent_len"] == qkernels.HoldOut.unsent_len.offset
     assert {key: report[key] for key in frames.c_constants()} == frames.c_constants()
 
 
-def test_a_library_that_disagrees_is_refused_naming_the_field():
-    from moeswarm.weights import qkernels
+@needs_token_call
+def test_token_call_reports_its_constants():
+    report = native.reported(token_call._library(), "tc_layout")
+    assert report["TC_BAD_ID"] == token_call.BAD_ID and report["TC_MISMATCH"] == token_call.MISMATCH
+    assert report["MSW_OP_RESULT"] == frames.Opcode.RESULT
 
-    lib = qkernels._library()
-    if lib is None:
-        pytest.skip("moeswarm/_qkernels is not built here")
-    report = native.reported(lib, "qk_layout")
-    mirrors = {"QkLane": qkernels.ExpressLane, "QkHoldLane": qkernels.HoldLane, "QkHoldOut": qkernels.HoldOut}
-    native.check_layout("_qkernels", report, mirrors, frames.c_constants())  # as built: accepted
 
-    first, second = qkernels.HoldOut._fields_[0], qkernels.HoldOut._fields_[1]
-    swapped = type("HoldOut", (ctypes.Structure,), {"_fields_": [second, first, *qkernels.HoldOut._fields_[2:]]})
-    with pytest.raises(MoeSwarmError, match=rf"refusing moeswarm/_qkernels: QkHoldOut\.{first[0]} is \d+ in C and \d+ in Python"):
-        native.check_layout("_qkernels", report, mirrors | {"QkHoldOut": swapped}, frames.c_constants())
-    with pytest.raises(MoeSwarmError, match="MSW_VERSION is 2 in C and 3 in Python"):
-        native.check_layout("_qkernels", report, mirrors, frames.c_constants() | {"MSW_VERSION": 3})
+def _swapped(fields: list, one: str, other: str) -> list:
+    names = [name for name, _ in fields]
+    i, j = names.index(one), names.index(other)
+    fields = list(fields)
+    fields[i], fields[j] = fields[j], fields[i]
+    return fields
+
+
+class _SwappedLane(ctypes.Structure):
+    """ExpressLane with `alpha` and `limit` in each other's place: same size, two offsets off."""
+
+    _fields_ = _swapped(qkernels.ExpressLane._fields_, "alpha", "limit")
+
+
+@needs_kernels
+def test_a_mirror_that_disagrees_is_refused_at_load(monkeypatch):
+    monkeypatch.setattr(qkernels, "ExpressLane", _SwappedLane)
+    with pytest.raises(MoeSwarmError, match=r"^refusing moeswarm/_qkernels: QkLane\.alpha is 104 in C and 112 in Python"):
+        qkernels._library.__wrapped__()
+
+
+@needs_token_call
+def test_a_library_reporting_other_constants_is_refused(monkeypatch):
+    real = native.reported
+
+    def reported(lib, function):
+        return {**real(lib, function), "MSW_VERSION": frames.VERSION + 1}
+
+    monkeypatch.setattr(native, "reported", reported)
+    with pytest.raises(MoeSwarmError, match=r"refusing moeswarm/_token_call: MSW_VERSION is 3 in C and 2 in Python"):
+        token_call._library.__wrapped__()
+
+
+def test_check_layout_names_missing_and_extra_entries():
+    class Mirror(ctypes.Structure):
+        _fields_ = [("a", ctypes.c_int64), ("b", ctypes.c_int64)]
+
+    good = {"S": 16, "S.a": 0, "S.b": 8, "K": 1}
+    native.check_layout("_x", good, {"S": Mirror}, {"K": 1})
+    with pytest.raises(MoeSwarmError, match=r"S\.c is 16 in C and missing from Python's mirror"):
+        native.check_layout("_x", {**good, "S": 24, "S.c": 16}, {"S": Mirror}, {"K": 1})
+    with pytest.raises(MoeSwarmError, match=r"S\.b is 8 in Python and not reported by the library"):
+        native.check_layout("_x", {key: v for key, v in good.items() if key != "S.b"}, {"S": Mirror}, {"K": 1})
