@@ -1,8 +1,7 @@
 """A decode step's express call made in C on plain TCP links: the same frames, checks and adds.
 
-Where a one-token layer call's time went on loopback (one worker holding every expert of an
-OLMoE-shaped Q4_K_M file, 1,000 calls): the backbone's Python around the call took about 0.33 ms
-of 0.5 ms of machinery. It runs between the holders' kernels, which sweep the shared caches, so
+Why C: the backbone's Python around a one-token layer call is most of the call's machinery
+(docs/measured.md, "lane"). It runs between the holders' kernels, which sweep the shared caches, so
 each of its small steps (plan, the DISPATCH's encoding, the send, the reply's frame, the RESULT's
 checks, the add) runs from cold memory. A lane call does the same work in two C calls per holder
 (transport/token_call.c): `tc_send` writes the holder's DISPATCH from a template the full path

@@ -3,7 +3,7 @@
  *
  * Why C: between two layer calls a holder's kernels sweep the shared caches, and the Python that
  * frames, checks and adds one token's answer runs from cold memory at several times its hot cost
- * (about 0.3 ms of a 0.5 ms call's machinery on a 2-core host). These functions touch a few cache
+ * (docs/measured.md, "lane"). These functions touch a few cache
  * lines instead. They know nothing the Python side did not tell them: the frame to send is a
  * template made by the full path's encoder (wire/messages.py) with the token's values written in,
  * and a RESULT is taken only when its metadata bytes are the ones the full path's decoder accepted

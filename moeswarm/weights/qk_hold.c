@@ -4,9 +4,8 @@
  * After the event loop answered a decode step's DISPATCH whole (qk_express.c), the next one on the
  * same connection comes a backbone's attention later. Through the event loop it costs the loop's
  * wake-up, the transport's read, the protocol's callbacks, the lane's lookup and the reply's send in
- * Python, each small step from caches the experts just swept: measured on a 2-core VM (OLMoE-shaped
- * Q4_K_M, one worker thread), 50-80 us from epoll's return to the experts and ~30 us from them to
- * the send. Here the loop's thread waits in ppoll on the connection and on the loop's own selector;
+ * Python, each small step from caches the experts just swept (figures: docs/measured.md, "hold").
+ * Here the loop's thread waits in ppoll on the connection and on the loop's own selector;
  * a frame that is one of the learned lanes' (its metadata bytes equal to the lane's, its payload of
  * the lane's size) is read, answered by qk_express_sums / qk_express_rows and sent, and the wait
  * goes on. Anything else ends the hold with nothing of it read: another ready descriptor of the

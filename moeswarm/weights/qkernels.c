@@ -390,7 +390,7 @@ CLONES static void rows_few_tokens(int type, const uint8_t *w, int64_t row_bytes
 
 /* F32 rows with a few tokens, read in place (an F32 "decode" is a copy): each (row, token) sum as
  * dot_tile's, lane k mod 16 in the order of k then finish, so the same bits, without the copy or
- * dot_tile's second, duplicated token at n = 1 (a router's product: 64 x 2048 took 158 us). */
+ * dot_tile's second, duplicated token at n = 1 (a router's product; docs/measured.md, "kernels"). */
 static inline __attribute__((always_inline)) void f32_tile(const float *w, int64_t K, const float *x, float *y, const int R) {
     int64_t main = K - K % LANES;
     v8 lo[ROW_TILE], hi[ROW_TILE];  /* lanes 0-7 and 8-15 of each row's 16 (qk_vec.h) */
@@ -1943,7 +1943,7 @@ static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_b
         }
         for (int64_t first = t; t < n; t += QX_TILE) {
             int nt = (int)(n - t < QX_TILE ? n - t : QX_TILE);
-            /* rows8_kquant where measured faster (Q4_K at 2 tokens was not: 0.090 -> 0.101 ms, [768 x 2048]) */
+            /* rows8_kquant where it measured faster (docs/measured.md, "kernels": not Q4_K at 2 tokens) */
             const int rows8 = type == T_Q6_K ? nt < 4 : (type == T_Q4_K || type == T_Q5_K) && (nt == 1 || nt == 3);
             if (rows8 && r1 - r0 == 8) {
                 const uint8_t *group = w + r0 * row_bytes;  /* a few tokens, a whole group: rows8_kquant */
