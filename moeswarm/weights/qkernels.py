@@ -493,8 +493,8 @@ def add_rows(total: np.ndarray, rows: np.ndarray) -> None:
 
 def peak(values: np.ndarray) -> float:
     """The largest |x| of a float32 array's values (NaN when one is NaN, inf when one is infinite):
-    one C pass where numpy's isfinite, max and min take one pass each and ~10 us a call with cold
-    caches; numpy's where the C kernels are not built."""
+    one C pass where numpy's isfinite, max and min take one pass each, each from cold caches;
+    numpy's where the C kernels are not built."""
     library = _library()
     if library is None or values.dtype != np.float32 or not values.flags.c_contiguous:
         if values.size == 0:

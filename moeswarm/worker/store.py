@@ -239,7 +239,7 @@ def _by_token(rows: torch.Tensor, token_ids: np.ndarray, tokens: int) -> torch.T
     """rows [S, d] -> [T, d]: each token's rows added from zero in row order (index_add_'s adds).
 
     A decode step's few float32 rows are added by numpy (`add.at` adds in index order, IEEE single
-    as torch's): index_add_ opens an OpenMP region, dear with cold caches and sleeping threads."""
+    as torch's): index_add_ opens an OpenMP region, costly with cold caches and sleeping threads."""
     if rows.dtype == torch.float32 and rows.shape[0] <= _NUMPY_ADD_ROWS:
         total = np.zeros((tokens, rows.shape[1]), np.float32)
         np.add.at(total, token_ids, rows.numpy())
@@ -255,7 +255,7 @@ def _sums_itself(module: torch.nn.Module) -> bool:
 
 def _take(tensor: torch.Tensor, *ids: np.ndarray) -> torch.Tensor:
     """tensor[ids] (one index array per leading dimension), by numpy where the dtype has it: torch's
-    gather opens an OpenMP region, dear with cold caches and sleeping threads, for a small copy
+    gather opens an OpenMP region, costly with cold caches and sleeping threads, for a small copy
     (docs/measured.md, "store"). Rows: _take(hidden, token_ids) [S, d]; pairs: _take(weights, token_ids, slot_ids) [S]."""
     if tensor.dtype in (torch.float32, torch.float16, torch.float64):
         return torch.from_numpy(tensor.numpy()[ids])
