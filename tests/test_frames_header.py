@@ -98,7 +98,8 @@ class _SwappedLane(ctypes.Structure):
 @needs_kernels
 def test_a_mirror_that_disagrees_is_refused_at_load(monkeypatch):
     monkeypatch.setattr(qkernels, "ExpressLane", _SwappedLane)
-    with pytest.raises(MoeSwarmError, match=r"^refusing moeswarm/_qkernels: QkLane\.alpha is 104 in C and 112 in Python"):
+    refused = r"^refusing moeswarm/_qkernels: QkLane\.alpha is 104 in C and 112 in Python"
+    with pytest.raises(MoeSwarmError, match=refused):
         qkernels._library.__wrapped__()
 
 

@@ -139,9 +139,10 @@ int64_t qk_hold(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, in
             return got > 0 ? HOLD_DECLINED : HOLD_CLOSED;
         }
         uint64_t rid = msw_get_le(in + MSW_AT_REQUEST_ID, 8);
-        int64_t size = lane->lane == NULL ? answer(lane - lanes, in + MSW_HEADER_SIZE, total - MSW_HEADER_SIZE, rid, reply, reply_cap)
-                       : lane->exact      ? qk_express_rows(lane->lane, in + MSW_HEADER_SIZE, reply, reply_cap, rid, threads)
-                                          : qk_express_sums(lane->lane, in + MSW_HEADER_SIZE, reply, reply_cap, rid, threads);
+        const uint8_t *body = in + MSW_HEADER_SIZE;
+        int64_t size = lane->lane == NULL ? answer(lane - lanes, body, total - MSW_HEADER_SIZE, rid, reply, reply_cap)
+                       : lane->exact      ? qk_express_rows(lane->lane, body, reply, reply_cap, rid, threads)
+                                          : qk_express_sums(lane->lane, body, reply, reply_cap, rid, threads);
         if (size < 0) {
             out->pending = total;
             return HOLD_DECLINED;

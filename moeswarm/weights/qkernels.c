@@ -1116,8 +1116,8 @@ done:
 }
 
 /* A DISPATCH's ids as they travel (id_bytes: wire/frames.h's MSW_ID_BYTES_, 1: u8 with 255 for -1;
- * 2, 4, 8: little-endian signed), each mapped through table[id + 2] (clipped into [0, table_len)) into local[p]: its expert within
- * the module, or -1 (another holder's slot); counts[e] += each expert's slots. The routed slots, or
+ * 2, 4, 8: little-endian signed), each mapped through table[id + 2] (clipped into [0, table_len))
+ * into local[p]: its expert within the module, or -1 (another holder's slot); counts[e] += each expert's slots. The routed slots, or
  * -3 when an id maps outside [-1, n_experts) (not held here), -1 for an unknown id width. */
 static int64_t read_ids(const void *ids, int id_bytes, int64_t pairs, const int64_t *table, int64_t table_len,
                         int64_t n_experts, int64_t *local, int64_t *counts) {
