@@ -16,7 +16,7 @@ import os
 
 # Idle OpenMP threads sleep instead of spinning: backbone and workers often share a machine (a
 # demo, a test, a small swarm), and spinning threads of one process steal the cores another is
-# waiting for (measured: 6.9 -> 27.7 tokens/s for a backbone and 2 workers on 2 cores). Must be
+# waiting for (docs/measured.md, "threads"). Must be
 # set before torch loads; an explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -3,9 +3,8 @@
 A decode step makes thousands of short-lived objects (a layer call's plan, frames, replies), so
 the collector runs every few hundred allocations, and its older generations walk every object the
 process holds: a model's modules and parameters, a tokenizer, a worker's experts. Frozen once
-they are loaded (`gc.freeze`), they are left out of every later collection. Measured on the
-bundled model with one worker on loopback: the backbone's CPU per one-token layer call 380 ->
-250 us.
+they are loaded (`gc.freeze`), they are left out of every later collection (the backbone's CPU
+per layer call it saves: docs/measured.md, "heap").
 
 For what a command keeps until it ends: garbage in cycles among frozen objects is not collected
 until `thaw` (cli.main thaws when a command returns, so commands run in one process one after

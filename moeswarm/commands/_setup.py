@@ -33,9 +33,8 @@ def set_backbone_threads(threads: int | None) -> int:
 
     A backbone and its workers take turns: the backbone waits while a layer's trip is out, the
     workers wait while it computes attention and the head. So the backbone gets every core even
-    when workers share the machine (measured at OLMoE's dimensions, 2 workers of 1 thread on
-    loopback, 2 cores: 3.6-4.5 tokens/s with a 1-thread backbone, 6.0-6.5 with 2 threads). Idle
-    threads do not spin: OMP_WAIT_POLICY=PASSIVE (cli.py), and the kernels' pool sleeps after ~50 us.
+    when workers share the machine (docs/measured.md, "threads"). Idle threads do not spin:
+    OMP_WAIT_POLICY=PASSIVE (cli.py), and the kernels' pool sleeps after a short spin (qk_pool.c).
     """
     return set_threads(threads if threads is not None else _cores())
 

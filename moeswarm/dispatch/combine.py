@@ -11,8 +11,8 @@ import torch
 from moeswarm.weights.qkernels import add_rows
 
 # Up to this many tokens the adds go by rank (`_add_by_rank`: k vectorized rounds); above, one
-# indexing pass per expert reads less memory (it copies no outputs). 2048-wide rows of 64 experts,
-# top-8: 16 tokens 0.50 -> 0.18 ms, 128 tokens 0.92 -> 0.65 ms, 256 tokens 1.6 -> 2.1 ms.
+# indexing pass per expert reads less memory (it copies no outputs). Where they cross:
+# docs/measured.md, "combine".
 RANK_ADD_TOKENS = 128
 
 
@@ -33,9 +33,9 @@ def combine_exact(hidden: torch.Tensor, top_k_index: torch.Tensor, per_expert: d
     is (((0 + c_e1) + c_e2) + ...) over its experts' rows in ascending order.
 
     In float32 the adds are numpy's (IEEE single, as torch's; a token once per add): torch's
-    `index_add_` opens an OpenMP region with 2 or more threads, 30-100 us per call when the pool's
-    threads sleep between calls (OMP_WAIT_POLICY=PASSIVE), more than the adds themselves: 16 rows
-    over 64 experts of 2048 took 2.4 ms per layer that way, 0.25 ms in numpy.
+    `index_add_` opens an OpenMP region with 2 or more threads, which costs more than the adds
+    themselves when the pool's threads sleep between calls (OMP_WAIT_POLICY=PASSIVE;
+    docs/measured.md, "combine").
     """
     if hidden.dtype == torch.float32 and len(sums) == 1 and sums[0][0].shape[0] == hidden.shape[0]:
         # One holder summed every token (its tokens are distinct and ascending: all of them): 0 + sum

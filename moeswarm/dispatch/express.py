@@ -2,10 +2,8 @@
 
 A `Flight` (dispatch/flight.py) is ready for everything a layer call may meet: shares cut to a
 reply bound, hedged duplicates, spot checks, failover inside the call. Readiness costs Python on
-every call (parts, attempts, the wait loop, verification's hooks): on a 2-core host, with a
-worker's kernels sweeping the caches between calls, about 0.1 ms of a layer call's ~1 ms of
-backbone-side Python (one worker holding every expert of an OLMoE-shaped Q4_K_M file, calls
-alternated in one process). Most calls of a decode step meet none of it.
+every call (parts, attempts, the wait loop, verification's hooks), from caches a worker's
+kernels sweep between calls (docs/measured.md, "express"). Most calls of a decode step meet none of it.
 
 An express call is the same call for those: every share's DISPATCH (the same bytes a flight sends)
 goes out at once, each reply is awaited in turn before the holder's deadline, checked as the

@@ -1,8 +1,7 @@
 """A decode step's express call made in C on plain TCP links: the same frames, checks and adds.
 
-Where a one-token layer call's time went on loopback (one worker holding every expert of an
-OLMoE-shaped Q4_K_M file, 1,000 calls): the backbone's Python around the call took about 0.33 ms
-of 0.5 ms of machinery. It runs between the holders' kernels, which sweep the shared caches, so
+Why C: the backbone's Python around a one-token layer call is most of the call's machinery
+(docs/measured.md, "lane"). It runs between the holders' kernels, which sweep the shared caches, so
 each of its small steps (plan, the DISPATCH's encoding, the send, the reply's frame, the RESULT's
 checks, the add) runs from cold memory. A lane call does the same work in two C calls per holder
 (transport/token_call.c): `tc_send` writes the holder's DISPATCH from a template the full path
@@ -283,7 +282,7 @@ class Lane:
     def _owner_list(self, owner: torch.Tensor) -> tuple[list[int], int]:
         """owner [E] as a list and the address of its int64 copy, kept per tensor: the dispatcher keeps
         each layer's owners until the holders' standing changes (dispatch/owners.py `of`), so a decode
-        step's layers each find theirs (made again every call, this took ~20 us of the send's ~40)."""
+        step's layers each find theirs (made again every call, it was half the send's cost)."""
         kept = self._owners.get(id(owner))
         if kept is None or kept[0] is not owner:
             if len(self._owners) >= _OWNERS_KEPT:

@@ -38,8 +38,8 @@ def plan_layer(owner: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     top_k_weights  [T, k]
 
     The bookkeeping runs in numpy: a decode step's layer is one row, where each torch op on it costs
-    more than its work (this was ~0.25 ms a layer call in torch, ~30 us in numpy); one row, the
-    decode step of one sequence, in plain Python (~10 us).
+    more than its work; one row, the decode step of one sequence, in plain Python, cheaper still
+    (docs/measured.md, "plan").
     """
     index = top_k_index.numpy()  # [T, k] int64
     if index.shape[0] == 1:

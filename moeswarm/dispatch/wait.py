@@ -1,19 +1,13 @@
 """How a backbone waits for a decode step's replies: spinning, or asleep in poll, as this machine rewards.
 
 A core with nothing to run halts, and on a virtual machine waking it can cost far more than the
-wake-up itself. Measured on this project's 2-core VM (OLMoE-shaped Q4_K_M, 16 layers, a backbone
-of 2 threads, 32-token decodes, by part):
-- one worker of 1 thread on loopback: a backbone asleep through each layer call ran its attention
-  at half speed after it (32 ms a step, against 17 ms in one process); spinning for the reply,
-  17 ms, and its layer calls 43 ms a step against 52;
-- two workers of 2 threads each on the same cores: spinning took a core from them, layer calls
-  47 ms a step against 36.
+wake-up itself: a backbone asleep through each layer call runs its attention slower after it,
+while a backbone spinning for the reply takes a core from workers on the same cores
+(docs/measured.md, "wait").
 
 A third mode sits between them: dozing, asleep through most of a reply's expected wait (its
 holder's median round trip) and spinning for the rest, so that the core is awake when the reply
-comes and is left to the holders meanwhile. Measured on a 2-core AMX Xeon VM (the same file and
-worker, 40-token decodes, 2 runs each): asleep 85-99 ms a step (50-59 ms of the backbone's CPU),
-spinning 87-93 ms (104-112 ms CPU), dozing 77-96 ms (57-74 ms CPU).
+comes and is left to the holders meanwhile.
 
 Which holds depends on where the holders run and what else the cores do, which a backbone cannot
 see; so it measures. Decode layer calls come one after another, and the time from one call's send

@@ -14,9 +14,7 @@ r-wide output goes through W_uv. Per cached position that is (2 r + rope) x H. T
 from the expanded form's in the last places; the local reference takes the same path
 (`--check-local` compares like with like).
 
-Measured here (2 threads, DeepSeek-V2-Lite's attention shape: 16 heads, r 512, rope 64, nope and v
-128; one layer's attention at 1,024 cached positions): one query 2.75 ms absorbed against 37.7 ms
-expanded, 64 queries 49 against 73 ms; 256 queries over 512 positions 84 against 46 ms.
+Absorbed wins by far for few queries and loses for long chunks (docs/measured.md, "latent").
 A long chunk's many queries each pay 2 r + rope a position where the expanded keys cost
 nope + rope + v, and the expansion is paid once for them all. So a step's layer runs absorbed
 only where that takes fewer multiply-adds (`Shape.absorbs_cheaper`, from the step's layout
@@ -53,10 +51,8 @@ from moeswarm.weights.gguf_latent import BLOCKS, HeadMatrices
 # set on a module whose attention may run absorbed: (W_uk, W_uv transposed) as views of kv_b_proj's
 # rows, or (W_uk, W_uv) in a GGUF file's blocks (HeadMatrices)
 ABSORBED = "_moeswarm_absorbed"
-# The blocks' products run on one thread: at GLM-4.7-Flash's shape (20 heads, 1.35 and 1.47 MB of
-# blocks a layer) a decode token's 8 layers took 2.6 + 1.2 ms on one thread, 3.1 + 1.7 ms with the
-# heads shared by 2 (a helper woken per product costs more than its half saves), 5.3 + 6.8 ms
-# through kv_b_proj's float32 rows (throwaway timing, this AVX2 host, 2026-12-05).
+# The blocks' products run on one thread: each is small, and a helper woken per product costs more
+# than its half saves (docs/measured.md, "latent").
 SMALL_PRODUCT_THREADS = 1
 _PACKED = "_moeswarm_packed_latents"  # set on the latents a packed forward's cache hands the module
 
@@ -77,9 +73,8 @@ class Shape:
 
         With the file's blocks, always: the absorbed products are int8 dots on the blocks, while the
         expansion multiplies by kv_b_proj's float32 rows (weights/row_invariant.py's path, for bits
-        that hold whatever the rows), several times slower a multiply-add. Measured at
-        GLM-4.7-Flash's shape (8 layers, 2 threads, throwaway timing): 64-token prompts 84 tokens/s
-        absorbed against 54 expanded, 512-token prompts 87 against 49."""
+        that hold whatever the rows), several times slower a multiply-add (docs/measured.md,
+        "latent")."""
         if self.blocks:
             return True
         mapped = self.rank * (self.nope + self.value)  # W_uk and W_uv: per query absorbed, per position expanded

@@ -9,16 +9,14 @@ already thread-invariant on a GGUF file (qkernels' threads split rows, never a d
 the attention on one thread the three requests give the same text at 1 and 2 threads.
 
 The cost: a long prompt's attention loses its second thread (a decode step's is one query per
-sequence: 67.7 against 70.0 ms per real-dimension step, one worker, 4 alternating pairs).
+sequence, so it loses little: docs/measured.md, "attention").
 
 A decode step's attention (one query, no mask) is one C call instead (qkernels.attend_one: a fixed
-order of sums): for 16 heads of 128 over 100 positions torch's sdpa took 86 us on one thread (135 us
-a layer in a real-dimension decode step, with transformers' wrapper around it), the C call 52-60 us;
+order of sums), cheaper than sdpa behind transformers' wrapper (docs/measured.md, "attention");
 the output never carries a gradient (nothing here trains). It splits the heads among the process's
 threads, each head computed whole by one thread, so its bits do not depend on the thread count
 either; at long contexts, where a decode step's attention reads every cached position, that
-halves it on 2 cores (16 heads of 128 over 2048 positions: 4.2-4.9 ms on one thread, 2.2-3.0 ms on
-two; a float16 cache, `--kv-cache f16`, 1.8-1.9 ms). Its bits differ from
+about halves it on 2 cores. Its bits differ from
 sdpa's in the last places; the local reference takes the same path, so `--check-local` compares
 like with like. Only transformers' "sdpa" implementation is wrapped; a family that runs its own
 eager attention keeps torch's threads.

@@ -56,7 +56,7 @@ class RoutingStats:
         self._pairs: dict[LayerId, torch.Tensor] = {}  # [E, E] int64
         self._mass: dict[LayerId, torch.Tensor] = {}  # [E] float64; empty when a profile without mass was read
         # Calls not counted yet: a decode step's call is one row, and counting it alone (a handful of
-        # torch ops, ~0.3 ms a layer) cost more than a layer's experts. They are counted together
+        # torch ops) cost more than a layer's experts. They are counted together
         # when a table is read, or when PENDING_CALLS have gathered.
         self._pending: list[tuple[LayerId, torch.Tensor, torch.Tensor | None]] = []
         self._lock = threading.Lock()  # update runs on the model's thread, readers on any

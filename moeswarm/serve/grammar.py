@@ -2,9 +2,8 @@
 
 llguidance (a dependency of moeswarm) compiles the grammar against the model's tokenizer and says,
 for each position, which tokens may come next (a bitmask over the vocabulary). Picked by
-measurement on the bundled model's 4,096-token vocabulary (scripts/grammar_mask_cost.py): mask p50
-7 us (llguidance), 3 us (xgrammar), 5 us (outlines-core), each well under 1 % of a step;
-llguidance needs no other package (xgrammar pulls in triton), and compiles a schema in ~50 ms.
+measurement (docs/measured.md, "grammar": every candidate's mask is a small part of a step);
+llguidance needs no other package (xgrammar pulls in triton).
 
 A draft is checked against the grammar before it is fed (cut at its first token the grammar
 refuses), and each drafted position's logits are masked with the grammar's state after the drafts

@@ -3,14 +3,14 @@
  *
  * Why C: between two layer calls a holder's kernels sweep the shared caches, and the Python that
  * frames, checks and adds one token's answer runs from cold memory at several times its hot cost
- * (about 0.3 ms of a 0.5 ms call's machinery on a 2-core host). These functions touch a few cache
+ * (docs/measured.md, "lane"). These functions touch a few cache
  * lines instead. They know nothing the Python side did not tell them: the frame to send is a
  * template made by the full path's encoder (wire/messages.py) with the token's values written in,
  * and a RESULT is taken only when its metadata bytes are the ones the full path's decoder accepted
  * for the same request (else it is left whole in `buf` for that decoder to judge).
  *
- * Frame header (wire/frames.py, little-endian): magic "MSWM", version 2, opcode, flags u16,
- * request id u64, meta_len u32, payload_len u32.
+ * The frame header and its constants: wire/frames.h. tc_layout reports the constants this library
+ * was built with (moeswarm/native.h), checked at load against transport/token_call.py.
  *
  * Legend: d = hidden size, k = router top-k, E = routed experts, n = rows of a RESULT.
  */
@@ -24,10 +24,8 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#define HEADER_SIZE 24
-#define VERSION 2
-#define OP_RESULT 3
-#define MAX_META (1 << 20)
+#include "frames.h"
+#include "native.h"
 
 /* Outcomes below zero. A frame read whole (tc_take's buf holds it) is TC_OTHER_FRAME or
  * TC_MISMATCH; after any other the stream is out of step and the caller closes the socket. */
@@ -110,10 +108,6 @@ static int read_exactly(int fd, uint8_t *to, int64_t size, double deadline) {
     return 0;
 }
 
-static uint32_t le32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
-
-static uint64_t le64(const uint8_t *p) { return (uint64_t)le32(p) | (uint64_t)le32(p + 4) << 32; }
-
 /* Send `frame` [len] on non-blocking fd, its request id set to `rid`, and the token's values
  * written at the template's offsets:
  *   x    [d] float32 at x_at
@@ -125,7 +119,7 @@ static uint64_t le64(const uint8_t *p) { return (uint64_t)le32(p) | (uint64_t)le
 int tc_send(int fd, uint8_t *frame, int64_t len, uint64_t rid, int64_t x_at, const float *x, int64_t d,
             int64_t ids_at, int id_bytes, const int64_t *ids, int64_t k, const int64_t *owner, int64_t num_experts,
             int64_t me, int64_t w_at, const float *w, double deadline) {
-    for (int i = 0; i < 8; i++) frame[8 + i] = (uint8_t)(rid >> (8 * i));
+    msw_put_le(frame + MSW_AT_REQUEST_ID, rid, 8);
     memcpy(frame + x_at, x, (size_t)d * sizeof(float));
     memcpy(frame + w_at, w, (size_t)k * sizeof(float));
     for (int64_t j = 0; j < k; j++) {
@@ -133,8 +127,8 @@ int tc_send(int fd, uint8_t *frame, int64_t len, uint64_t rid, int64_t x_at, con
         if (e < 0 || e >= num_experts) return TC_BAD_ID;
         int64_t v = owner[e] == me ? e : -1;
         uint8_t *at = frame + ids_at + j * id_bytes;
-        if (id_bytes == 1) {
-            at[0] = (uint8_t)(v < 0 ? 255 : v);
+        if (id_bytes == MSW_ID_BYTES_U8) {
+            at[0] = (uint8_t)(v < 0 ? MSW_ID_NONE_U8 : v);
         } else {
             for (int b = 0; b < id_bytes; b++) at[b] = (uint8_t)((uint64_t)v >> (8 * b));
         }
@@ -196,17 +190,18 @@ int64_t tc_take(int fd, uint64_t rid, uint8_t *buf, int64_t cap, const uint8_t *
                 double doze, double spin) {
     if (doze > 0) doze_ready(fd, doze);
     if (spin > 0) spin_ready(fd, spin);
-    int failed = read_exactly(fd, buf, HEADER_SIZE, deadline);
+    int failed = read_exactly(fd, buf, MSW_HEADER_SIZE, deadline);
     if (failed) return failed;
-    if (memcmp(buf, "MSWM", 4) || buf[4] != VERSION) return TC_BAD_HEADER;
-    int64_t got_meta = le32(buf + 16), body = got_meta + (int64_t)le32(buf + 20);
-    info[0] = buf[5], info[1] = got_meta, info[2] = body;
-    if (le64(buf + 8) != rid) return TC_OTHER_REQUEST;
-    if (got_meta > MAX_META || body > cap - HEADER_SIZE) return TC_TOO_BIG;
-    failed = read_exactly(fd, buf + HEADER_SIZE, body, deadline);
+    if (!msw_is_header(buf)) return TC_BAD_HEADER;
+    int64_t got_meta = (int64_t)msw_get_le(buf + MSW_AT_META_LEN, 4);
+    int64_t body = got_meta + (int64_t)msw_get_le(buf + MSW_AT_PAYLOAD_LEN, 4);
+    info[0] = buf[MSW_AT_OPCODE], info[1] = got_meta, info[2] = body;
+    if (msw_get_le(buf + MSW_AT_REQUEST_ID, 8) != rid) return TC_OTHER_REQUEST;
+    if (got_meta > MSW_MAX_META || body > cap - MSW_HEADER_SIZE) return TC_TOO_BIG;
+    failed = read_exactly(fd, buf + MSW_HEADER_SIZE, body, deadline);
     if (failed) return failed;
-    if (buf[5] != OP_RESULT) return TC_OTHER_FRAME;
-    const uint8_t *m = buf + HEADER_SIZE;
+    if (buf[MSW_AT_OPCODE] != MSW_OP_RESULT) return TC_OTHER_FRAME;
+    const uint8_t *m = buf + MSW_HEADER_SIZE;
     int64_t cpu_us = 0;
     if (timed ? !timed_meta(m, got_meta, meta, meta_len, &cpu_us) : got_meta != meta_len || memcmp(m, meta, (size_t)meta_len))
         return TC_MISMATCH;
@@ -233,3 +228,14 @@ int64_t tc_take(int fd, uint64_t rid, uint8_t *buf, int64_t cap, const uint8_t *
     *top = peak;
     return cpu_us;
 }
+
+/* The constants this library was built with, for moeswarm/native.py's check against
+ * transport/token_call.py (the outcomes) and wire/frames.py (the frame's). */
+static const MswLayoutEntry layout[] = {
+    MSW_FRAME_CONSTANTS, MSW_CONSTANT(TC_TIMEOUT), MSW_CONSTANT(TC_CLOSED), MSW_CONSTANT(TC_BAD_HEADER),
+    MSW_CONSTANT(TC_OTHER_REQUEST), MSW_CONSTANT(TC_TOO_BIG), MSW_CONSTANT(TC_OTHER_FRAME), MSW_CONSTANT(TC_MISMATCH),
+    MSW_CONSTANT(TC_IO), MSW_CONSTANT(TC_BAD_ID),
+    {NULL, 0},
+};
+
+const MswLayoutEntry *tc_layout(void) { return layout; }

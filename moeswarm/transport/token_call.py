@@ -18,6 +18,7 @@ from functools import cache
 import numpy as np
 
 from moeswarm import native
+from moeswarm.wire import frames
 
 _I64, _PTR, _INT, _DOUBLE = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
 
@@ -33,6 +34,10 @@ def _library() -> ctypes.CDLL | None:
     lib = native.load("_token_call")
     if lib is None:
         return None
+    native.check_layout("_token_call", native.reported(lib, "tc_layout"), {},
+                        {**frames.c_constants(), "TC_TIMEOUT": TIMEOUT, "TC_CLOSED": CLOSED, "TC_BAD_HEADER": BAD_HEADER,
+                         "TC_OTHER_REQUEST": OTHER_REQUEST, "TC_TOO_BIG": TOO_BIG, "TC_OTHER_FRAME": OTHER_FRAME,
+                         "TC_MISMATCH": MISMATCH, "TC_IO": IO, "TC_BAD_ID": BAD_ID})
     lib.tc_send.argtypes = [_INT, _PTR, _I64, ctypes.c_uint64, _I64, _PTR, _I64, _I64, _INT, _PTR, _I64, _PTR,
                             _I64, _I64, _I64, _PTR, _DOUBLE]
     lib.tc_send.restype = _INT

@@ -11,20 +11,16 @@
  * around a decode step's DISPATCH runs between kernels that sweep the caches, where each argument
  * it converts costs.
  *
- * Frame header (wire/frames.py, little-endian): magic "MSWM", version 2, opcode 3 (RESULT), flags
- * 0, request id u64, meta_len u32, payload_len u32.
+ * The frame header, its constants and its writer: wire/frames.h.
  */
 
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
 
+#include "frames.h"
 #include "qk_dispatch.h"
 #include "qk_express.h"
-
-static void put_le(uint8_t *at, uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; i++) at[i] = (uint8_t)(v >> (8 * i));
-}
 
 /* v as msgpack packs a non-negative int (the smallest form); its length. */
 static int64_t pack_uint(uint8_t *at, uint64_t v) {
@@ -62,7 +58,7 @@ int64_t qk_express_sums(const QkLane *lane, const uint8_t *payload, uint8_t *rep
                         int threads) {
     int64_t values = lane->tokens * lane->H, body = values * (int64_t)sizeof(float);
     int64_t meta_room = lane->meta_len + (lane->timed ? 9 : 0);
-    if (cap < 24 + meta_room + body) return -2;
+    if (cap < MSW_HEADER_SIZE + meta_room + body) return -2;
     int64_t started = lane->timed ? thread_ns() : 0;
     memset(lane->sums, 0, (size_t)body);
     int status = qk_dispatch_sums(lane->n_experts, lane->gate, lane->up, lane->down, (int)lane->gate_type,
@@ -73,27 +69,23 @@ int64_t qk_express_sums(const QkLane *lane, const uint8_t *payload, uint8_t *rep
                                   (int)lane->activation, (float)lane->alpha, (float)lane->limit, lane->sums,
                                   lane->counts, threads, 1);
     if (status != 0) return status < 0 ? status : -status;
-    uint8_t *meta = reply + 24;
+    uint8_t *meta = reply + MSW_HEADER_SIZE;
     memcpy(meta, lane->meta, (size_t)lane->meta_len);
     int64_t meta_len = lane->meta_len;
     if (lane->timed) meta_len += pack_uint(meta + meta_len, (uint64_t)((thread_ns() - started) / 1000));
-    memcpy(reply, "MSWM", 4);
-    reply[4] = 2, reply[5] = 3, reply[6] = 0, reply[7] = 0;
-    put_le(reply + 8, rid, 8);
-    put_le(reply + 16, (uint64_t)meta_len, 4);
-    put_le(reply + 20, (uint64_t)body, 4);
+    msw_put_header(reply, MSW_OP_RESULT, rid, (uint64_t)meta_len, (uint64_t)body);
     memcpy(meta + meta_len, lane->sums, (size_t)body);
-    return 24 + meta_len + body;
+    return MSW_HEADER_SIZE + meta_len + body;
 }
 
 /* The RESULT frame answering the exact DISPATCH at `payload` (as qk_express_sums): the routed
  * pairs' rows w * E(x), experts ascending, each slot-major then token (qk_dispatch_rows), under
- * the metadata the full path packs for them. cap must hold 24 + meta_len + 40 + 18 tokens k +
+ * the metadata the full path packs for them. cap must hold MSW_HEADER_SIZE + meta_len + 40 + 18 tokens k +
  * 4 tokens k H bytes. Its length, or below zero as qk_express_sums. */
 int64_t qk_express_rows(const QkLane *lane, const uint8_t *payload, uint8_t *reply, int64_t cap, uint64_t rid,
                         int threads) {
     int64_t pairs = lane->tokens * lane->k, n_hit = 0;
-    if (cap < 24 + lane->meta_len + 40 + 18 * pairs + pairs * lane->H * (int64_t)sizeof(float)) return -2;
+    if (cap < MSW_HEADER_SIZE + lane->meta_len + 40 + 18 * pairs + pairs * lane->H * (int64_t)sizeof(float)) return -2;
     int64_t started = lane->timed ? thread_ns() : 0;
     memset(lane->sums, 0, (size_t)(pairs * lane->H) * sizeof(float));
     int status = qk_dispatch_rows(lane->n_experts, lane->gate, lane->up, lane->down, (int)lane->gate_type,
@@ -106,7 +98,7 @@ int64_t qk_express_rows(const QkLane *lane, const uint8_t *payload, uint8_t *rep
     if (status != 0) return status < 0 ? status : -status;
     int64_t rows = 0;
     for (int64_t i = 0; i < n_hit; i++) rows += lane->counts[i];
-    uint8_t *meta = reply + 24, *at = meta;
+    uint8_t *meta = reply + MSW_HEADER_SIZE, *at = meta;
     memcpy(at, lane->meta, (size_t)lane->meta_len);
     at += lane->meta_len;
     at += pack_uint(at, (uint64_t)rows);
@@ -129,11 +121,7 @@ int64_t qk_express_rows(const QkLane *lane, const uint8_t *payload, uint8_t *rep
         at += pack_uint(at, (uint64_t)cpu_us);
     }
     int64_t meta_len = at - meta, body = rows * lane->H * (int64_t)sizeof(float);
-    memcpy(reply, "MSWM", 4);
-    reply[4] = 2, reply[5] = 3, reply[6] = 0, reply[7] = 0;
-    put_le(reply + 8, rid, 8);
-    put_le(reply + 16, (uint64_t)meta_len, 4);
-    put_le(reply + 20, (uint64_t)body, 4);
+    msw_put_header(reply, MSW_OP_RESULT, rid, (uint64_t)meta_len, (uint64_t)body);
     memcpy(at, lane->sums, (size_t)body);
-    return 24 + meta_len + body;
+    return MSW_HEADER_SIZE + meta_len + body;
 }

@@ -4,9 +4,8 @@
  * After the event loop answered a decode step's DISPATCH whole (qk_express.c), the next one on the
  * same connection comes a backbone's attention later. Through the event loop it costs the loop's
  * wake-up, the transport's read, the protocol's callbacks, the lane's lookup and the reply's send in
- * Python, each small step from caches the experts just swept: measured on a 2-core VM (OLMoE-shaped
- * Q4_K_M, one worker thread), 50-80 us from epoll's return to the experts and ~30 us from them to
- * the send. Here the loop's thread waits in ppoll on the connection and on the loop's own selector;
+ * Python, each small step from caches the experts just swept (figures: docs/measured.md, "hold").
+ * Here the loop's thread waits in ppoll on the connection and on the loop's own selector;
  * a frame that is one of the learned lanes' (its metadata bytes equal to the lane's, its payload of
  * the lane's size) is read, answered by qk_express_sums / qk_express_rows and sent, and the wait
  * goes on. Anything else ends the hold with nothing of it read: another ready descriptor of the
@@ -16,8 +15,8 @@
  * left whole in `in` for the loop's reader to take (the full path names the fault); a reply the
  * socket could not take whole is left for the loop to write (nothing else is written meanwhile).
  *
- * Frame header (wire/frames.py, little-endian): magic "MSWM", version u8 (2), opcode u8
- * (2: DISPATCH), flags u16, request id u64, meta_len u32, payload_len u32.
+ * The frame header and its constants: wire/frames.h. This file also holds the kernels library's
+ * layout report (qk_layout: moeswarm/native.h).
  */
 
 #define _GNU_SOURCE
@@ -29,10 +28,11 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#include "frames.h"
+#include "native.h"
 #include "qk_express.h"
 #include "qk_pool.h"
 
-#define HEADER 24
 #define PARTS_WAIT_NS 5000000 /* the longest a frame's later bytes may take once its first came */
 
 typedef struct {
@@ -71,12 +71,6 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static uint64_t get_le(const uint8_t *at, int bytes) {
-    uint64_t v = 0;
-    for (int i = bytes - 1; i >= 0; i--) v = v << 8 | at[i];
-    return v;
-}
-
 /* Bytes readable on fd now (0 on error). */
 static int64_t readable(int fd) {
     int n = 0;
@@ -87,14 +81,15 @@ static int64_t readable(int fd) {
  * answered by the caller only where `answer` is given). */
 static const QkHoldLane *lane_of(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, QkHoldAnswer answer,
                                  const uint8_t *head, int64_t got) {
-    if (got < HEADER || memcmp(head, "MSWM", 4) != 0 || head[4] != 2 || head[5] != 2) return NULL;
-    int64_t meta_len = (int64_t)get_le(head + 16, 4), payload_len = (int64_t)get_le(head + 20, 4);
-    if (got < HEADER + meta_len) return NULL;
+    if (got < MSW_HEADER_SIZE || !msw_is_header(head) || head[MSW_AT_OPCODE] != MSW_OP_DISPATCH) return NULL;
+    int64_t meta_len = (int64_t)msw_get_le(head + MSW_AT_META_LEN, 4);
+    int64_t payload_len = (int64_t)msw_get_le(head + MSW_AT_PAYLOAD_LEN, 4);
+    if (got < MSW_HEADER_SIZE + meta_len) return NULL;
     for (int64_t i = 0; i < n_lanes; i++) {
         const QkHoldLane *lane = &lanes[i];
         if (lane->meta_len == meta_len && lane->payload_len == payload_len && lane->tokens <= max_tokens &&
             (lane->lane != NULL || answer != NULL) &&
-            memcmp(lane->meta, head + HEADER, (size_t)meta_len) == 0)
+            memcmp(lane->meta, head + MSW_HEADER_SIZE, (size_t)meta_len) == 0)
             return lane;
     }
     return NULL;
@@ -125,7 +120,7 @@ int64_t qk_hold(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, in
         ssize_t got = recv(fd, in, (size_t)(avail < in_cap ? avail : in_cap), MSG_PEEK | MSG_DONTWAIT);
         const QkHoldLane *lane = got > 0 ? lane_of(lanes, n_lanes, max_tokens, answer, in, got) : NULL;
         if (lane == NULL) return HOLD_OTHER;
-        int64_t total = HEADER + lane->meta_len + lane->payload_len;
+        int64_t total = MSW_HEADER_SIZE + lane->meta_len + lane->payload_len;
         if (total > in_cap) return HOLD_OTHER;
         int64_t parts_end = now_ns() + PARTS_WAIT_NS;
         while (avail < total) { /* a frame in several segments (a LAN): its rest is on its way */
@@ -143,10 +138,11 @@ int64_t qk_hold(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, in
             out->pending = got > 0 ? got : 0;
             return got > 0 ? HOLD_DECLINED : HOLD_CLOSED;
         }
-        uint64_t rid = get_le(in + 8, 8);
-        int64_t size = lane->lane == NULL ? answer(lane - lanes, in + HEADER, total - HEADER, rid, reply, reply_cap)
-                       : lane->exact      ? qk_express_rows(lane->lane, in + HEADER, reply, reply_cap, rid, threads)
-                                          : qk_express_sums(lane->lane, in + HEADER, reply, reply_cap, rid, threads);
+        uint64_t rid = msw_get_le(in + MSW_AT_REQUEST_ID, 8);
+        const uint8_t *body = in + MSW_HEADER_SIZE;
+        int64_t size = lane->lane == NULL ? answer(lane - lanes, body, total - MSW_HEADER_SIZE, rid, reply, reply_cap)
+                       : lane->exact      ? qk_express_rows(lane->lane, body, reply, reply_cap, rid, threads)
+                                          : qk_express_sums(lane->lane, body, reply, reply_cap, rid, threads);
         if (size < 0) {
             out->pending = total;
             return HOLD_DECLINED;
@@ -171,3 +167,25 @@ int64_t qk_hold(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, in
         qk_pool_rest(); /* the kernels' helpers sleep while this thread waits (as the runner's idle does) */
     }
 }
+
+/* The layout this library was built with, for moeswarm/native.py's check against the ctypes mirrors
+ * (weights/qkernels.py ExpressLane, HoldLane, HoldOut) and wire/frames.py. */
+static const MswLayoutEntry layout[] = {
+    MSW_SIZE(QkLane), MSW_FIELD(QkLane, n_experts), MSW_FIELD(QkLane, gate), MSW_FIELD(QkLane, up),
+    MSW_FIELD(QkLane, down), MSW_FIELD(QkLane, gate_type), MSW_FIELD(QkLane, up_type), MSW_FIELD(QkLane, down_type),
+    MSW_FIELD(QkLane, H), MSW_FIELD(QkLane, I), MSW_FIELD(QkLane, gate_bias), MSW_FIELD(QkLane, up_bias),
+    MSW_FIELD(QkLane, down_bias), MSW_FIELD(QkLane, activation), MSW_FIELD(QkLane, alpha), MSW_FIELD(QkLane, limit),
+    MSW_FIELD(QkLane, tokens), MSW_FIELD(QkLane, k), MSW_FIELD(QkLane, id_bytes), MSW_FIELD(QkLane, hidden_at),
+    MSW_FIELD(QkLane, ids_at), MSW_FIELD(QkLane, weights_at), MSW_FIELD(QkLane, table), MSW_FIELD(QkLane, table_len),
+    MSW_FIELD(QkLane, counts), MSW_FIELD(QkLane, sums), MSW_FIELD(QkLane, meta), MSW_FIELD(QkLane, meta_len),
+    MSW_FIELD(QkLane, timed), MSW_FIELD(QkLane, hit), MSW_FIELD(QkLane, first),
+    MSW_SIZE(QkHoldLane), MSW_FIELD(QkHoldLane, meta), MSW_FIELD(QkHoldLane, meta_len),
+    MSW_FIELD(QkHoldLane, payload_len), MSW_FIELD(QkHoldLane, lane), MSW_FIELD(QkHoldLane, exact),
+    MSW_FIELD(QkHoldLane, tokens),
+    MSW_SIZE(QkHoldOut), MSW_FIELD(QkHoldOut, answered), MSW_FIELD(QkHoldOut, tokens), MSW_FIELD(QkHoldOut, pending),
+    MSW_FIELD(QkHoldOut, unsent_at), MSW_FIELD(QkHoldOut, unsent_len),
+    MSW_FRAME_CONSTANTS,
+    {NULL, 0},
+};
+
+const MswLayoutEntry *qk_layout(void) { return layout; }

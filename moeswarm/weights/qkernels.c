@@ -40,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "frames.h"
 #include "qk_dispatch.h"
 #include "qk_pool.h"
 #include "qk_vec.h"
@@ -389,7 +390,7 @@ CLONES static void rows_few_tokens(int type, const uint8_t *w, int64_t row_bytes
 
 /* F32 rows with a few tokens, read in place (an F32 "decode" is a copy): each (row, token) sum as
  * dot_tile's, lane k mod 16 in the order of k then finish, so the same bits, without the copy or
- * dot_tile's second, duplicated token at n = 1 (a router's product: 64 x 2048 took 158 us). */
+ * dot_tile's second, duplicated token at n = 1 (a router's product; docs/measured.md, "kernels"). */
 static inline __attribute__((always_inline)) void f32_tile(const float *w, int64_t K, const float *x, float *y, const int R) {
     int64_t main = K - K % LANES;
     v8 lo[ROW_TILE], hi[ROW_TILE];  /* lanes 0-7 and 8-15 of each row's 16 (qk_vec.h) */
@@ -1114,22 +1115,24 @@ done:
     return status;
 }
 
-/* A DISPATCH's ids as they travel (id_bytes 1: u8 with 255 for -1; 2, 4, 8: little-endian signed),
- * each mapped through table[id + 2] (clipped into [0, table_len)) into local[p]: its expert within
- * the module, or -1 (another holder's slot); counts[e] += each expert's slots. The routed slots, or
+/* A DISPATCH's ids as they travel (id_bytes: wire/frames.h's MSW_ID_BYTES_, 1: u8 with 255 for -1;
+ * 2, 4, 8: little-endian signed), each mapped through table[id + 2] (clipped into [0, table_len))
+ * into local[p]: its expert within the module, or -1 (another holder's slot); counts[e] += each expert's slots. The routed slots, or
  * -3 when an id maps outside [-1, n_experts) (not held here), -1 for an unknown id width. */
 static int64_t read_ids(const void *ids, int id_bytes, int64_t pairs, const int64_t *table, int64_t table_len,
                         int64_t n_experts, int64_t *local, int64_t *counts) {
     int64_t routed = 0;
-    if (id_bytes != 1 && id_bytes != 2 && id_bytes != 4 && id_bytes != 8) return -1;
+    if (id_bytes != MSW_ID_BYTES_U8 && id_bytes != MSW_ID_BYTES_I16 && id_bytes != MSW_ID_BYTES_I32 &&
+        id_bytes != MSW_ID_BYTES_I64)
+        return -1;
     for (int64_t p = 0; p < pairs; p++) {
         int64_t id;
         const uint8_t *at = (const uint8_t *)ids + p * id_bytes;
-        if (id_bytes == 1) {
-            id = at[0] == 255 ? -1 : at[0];
-        } else if (id_bytes == 2) {
+        if (id_bytes == MSW_ID_BYTES_U8) {
+            id = at[0] == MSW_ID_NONE_U8 ? -1 : at[0];
+        } else if (id_bytes == MSW_ID_BYTES_I16) {
             int16_t v; memcpy(&v, at, sizeof v); id = v;
-        } else if (id_bytes == 4) {
+        } else if (id_bytes == MSW_ID_BYTES_I32) {
             int32_t v; memcpy(&v, at, sizeof v); id = v;
         } else {
             memcpy(&id, at, sizeof id);
@@ -1940,7 +1943,7 @@ static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_b
         }
         for (int64_t first = t; t < n; t += QX_TILE) {
             int nt = (int)(n - t < QX_TILE ? n - t : QX_TILE);
-            /* rows8_kquant where measured faster (Q4_K at 2 tokens was not: 0.090 -> 0.101 ms, [768 x 2048]) */
+            /* rows8_kquant where it measured faster (docs/measured.md, "kernels": not Q4_K at 2 tokens) */
             const int rows8 = type == T_Q6_K ? nt < 4 : (type == T_Q4_K || type == T_Q5_K) && (nt == 1 || nt == 3);
             if (rows8 && r1 - r0 == 8) {
                 const uint8_t *group = w + r0 * row_bytes;  /* a few tokens, a whole group: rows8_kquant */

@@ -25,6 +25,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from moeswarm import native
+from moeswarm.wire import frames
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ def _library() -> ctypes.CDLL | None:
         log.warning("moeswarm's C kernels (moeswarm/_qkernels) are not built: GGUF experts are dequantized to float32 "
                     "(reinstall with `pip install -e .` and a C compiler to keep them quantized)")
         return None
+    native.check_layout("_qkernels", native.reported(lib, "qk_layout"),
+                        {"QkLane": ExpressLane, "QkHoldLane": HoldLane, "QkHoldOut": HoldOut}, frames.c_constants())
     lib.qk_supported.argtypes = [ctypes.c_int, _I64]
     lib.qk_matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int,
                               ctypes.c_int]
@@ -490,8 +493,8 @@ def add_rows(total: np.ndarray, rows: np.ndarray) -> None:
 
 def peak(values: np.ndarray) -> float:
     """The largest |x| of a float32 array's values (NaN when one is NaN, inf when one is infinite):
-    one C pass where numpy's isfinite, max and min take one pass each and ~10 us a call with cold
-    caches; numpy's where the C kernels are not built."""
+    one C pass where numpy's isfinite, max and min take one pass each, each from cold caches;
+    numpy's where the C kernels are not built."""
     library = _library()
     if library is None or values.dtype != np.float32 or not values.flags.c_contiguous:
         if values.size == 0:

@@ -28,7 +28,9 @@ from moeswarm.errors import ProtocolError
 
 MAGIC = b"MSWM"
 VERSION = 2
-HEADER = struct.Struct("<4sBBHQII")
+HEADER_FIELDS = ("magic", "version", "opcode", "flags", "request_id", "meta_len", "payload_len")
+_HEADER_CODES = ("4s", "B", "B", "H", "Q", "I", "I")  # struct's, one a field
+HEADER = struct.Struct("<" + "".join(_HEADER_CODES))  # "<4sBBHQII"
 HEADER_SIZE = HEADER.size  # 24
 MAX_META_BYTES = 1 << 20
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
@@ -132,3 +134,14 @@ def opcode_of(header: Header) -> Opcode:
         return Opcode(header.opcode)
     except ValueError:
         raise ProtocolError(f"unknown opcode {header.opcode}") from None
+
+
+def c_constants() -> dict[str, int]:
+    """The frame's #defines in wire/frames.h (MSW_ID_* aside: wire/codecs.py's), as this module
+    has them: what each C library must report at load (moeswarm/native.py) and what
+    tests/test_frames_header.py checks the header against."""
+    at = {name: struct.calcsize("<" + "".join(_HEADER_CODES[:i])) for i, name in enumerate(HEADER_FIELDS)}
+    return {"MSW_MAGIC_LEN": len(MAGIC), "MSW_MAGIC_U32": int.from_bytes(MAGIC, "little"), "MSW_VERSION": VERSION,
+            "MSW_HEADER_SIZE": HEADER_SIZE, "MSW_MAX_META": MAX_META_BYTES,
+            **{f"MSW_AT_{name.upper()}": at[name] for name in HEADER_FIELDS[1:]},
+            **{f"MSW_OP_{opcode.name}": int(opcode) for opcode in Opcode}}

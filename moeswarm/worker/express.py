@@ -1,9 +1,8 @@
 """A decode step's DISPATCH answered from its frame's bytes in one C call, without decoding it in Python.
 
-Where a layer call's time goes on loopback (OLMoE-shaped Q4_K_M, one token): the worker's own
-Python around the experts' kernel (the tensors made from the frame, the ids checked, the module
-called, the RESULT built) cost 200-300 us a call, several times its hot-loop time, because the
-kernel in between sweeps the caches. This lane does that work in C (weights/qkernels.c
+Why: the worker's own Python around the experts' kernel (the tensors made from the frame, the ids
+checked, the module called, the RESULT built) runs at several times its hot-loop time, because the
+kernel in between sweeps the caches (docs/measured.md, "express"). This lane does that work in C (weights/qkernels.c
 `qk_dispatch_sums`, `qk_dispatch_rows`): the ids are mapped and checked through the store's table,
 the experts run into a new array (partial: each token's sum; exact: each routed pair's row, experts
 ascending, slot-major then token), and the RESULT's metadata is the full path's for the same request.
@@ -19,12 +18,11 @@ Float experts (a family's own torch modules, the bundled model's) have a lane to
 the store's own `run` on the tensors read from the frame where the layout says (the full path's
 decoder, its known-layout branch), and the RESULT the full path encodes; what it skips is the
 rest of the full path around them (on the loop: the stream reader's wake-up, the frame's decoding,
-the queue and its job; on the thread: the checks its metadata passed before). Measured on the
-bundled model, one worker on loopback: those took ~180 us of a ~960 us layer call. Where the
+the queue and its job; on the thread: the checks its metadata passed before). Where the
 experts sum a partial DISPATCH themselves (the store's `self_summing`), a one-token answer on the
 loop is one module call on tensors kept per lane, the payload's values copied into them
-(`OneCall`): the Dispatch, its checks and the Result the store's `run` makes around the same call
-cost 58 us before and 35 us after it there, each small step from cold caches.
+(`OneCall`), without the Dispatch, its checks and the Result the store's `run` makes around the
+same call, each a small step from cold caches.
 """
 
 from __future__ import annotations
@@ -191,7 +189,7 @@ class Express:
         are refused (the full path names why) or the sums are not plain float32. The same call as
         `run`'s on the same values, without the Dispatch, its checks, the tensors' allocation and
         the Result around it: each small step costs several times its hot-loop time here, the
-        experts having just swept the caches (on loopback, 58 us of Python before the module)."""
+        experts having just swept the caches."""
         one = lane.sums
         payload = memoryview(body)[len(body) - lane.payload_bytes :]
         one.summing.u8_ids.take(np.frombuffer(payload, np.uint8, one.ids.size, one.ids_at), out=one.ids)

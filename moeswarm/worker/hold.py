@@ -3,10 +3,8 @@
 A decode step's DISPATCH answered whole on the event loop (worker/express.py `answer_now`) is
 followed, a backbone's attention later, by the next layer's. Through the loop each one costs the
 loop's wake-up, the transport's read and callbacks, the lane's lookup and the reply's send, all in
-Python from caches the experts just swept: on a 2-core VM (OLMoE-shaped Q4_K_M, one worker
-thread; `perf` timestamps of its system calls) 50-80 us from epoll's return to the experts' first
-instruction and ~30 us from their last to the send, of a layer call's 0.2-0.35 ms beyond its
-experts. So after such an answer the loop's thread waits on the connection itself, in C
+Python from caches the experts just swept: a large part of a layer call's time beyond its
+experts (docs/measured.md, "hold"). So after such an answer the loop's thread waits on the connection itself, in C
 (weights/qk_hold.c): a frame of a learned lane (its metadata bytes the lane's, its payload the
 lane's size) is read, answered by the express entries (the same calls, the same bits) and sent,
 and the wait goes on.

@@ -163,7 +163,7 @@ def check_routing(index: torch.Tensor) -> int:
     """
     import numpy as np  # here: the flags' defaults come from this module, and parsing them loads no numpy
 
-    return int(np.count_nonzero(index.numpy() >= 0))  # numpy: ~1 us where torch takes ~10
+    return int(np.count_nonzero(index.numpy() >= 0))  # numpy: a few ids, no torch dispatch
 
 
 def check_reply_size(routed: int, tokens: int, hidden: int, exact: bool, outputs: torch.Tensor) -> None:

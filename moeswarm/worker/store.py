@@ -139,8 +139,8 @@ class ExpertStore:
         """Partial sums [T, d] in one call of a module that adds its experts' rows into each token
         itself, in eager's order (ascending experts, slot-major then token, from zero): the bits of
         the rows computed one pair at a time and added by `index_add_`, without building the pairs.
-        A decode step's DISPATCH then costs its kernel and a few numpy calls: each torch call costs
-        15-100 us here when caches are cold and the OpenMP threads asleep.
+        A decode step's DISPATCH then costs its kernel and a few numpy calls: a torch call costs
+        more here, where caches are cold and the OpenMP threads asleep (docs/measured.md, "store").
         local: [T, k] the run's own expert ids, -1 where another holder has the slot; ids: the same
         as the module takes them (-1, or its sentinel: `_Run.sentinel`)."""
         counts = np.bincount(local.reshape(-1) + 1, minlength=len(run.experts) + 1)[1:]  # [n] rows per run expert
@@ -169,7 +169,7 @@ class ExpertStore:
             raise ProtocolError("DISPATCH with no tokens")
         index = request.top_k_index.numpy().astype(np.int64, copy=False)  # [T, k]
         local = self._locals[request.layer].take(index + 2, mode="clip")  # [T, k]: < -1 where not held here
-        # a decode step's few ids are reduced in Python: two numpy reductions cost ~5 us each there
+        # a decode step's few ids are reduced in Python: cheaper there than two numpy reductions
         if local.size <= _FEW_IDS:
             values = local.ravel().tolist()
             lowest, highest = (min(values), max(values)) if values else (-2, -2)
@@ -239,7 +239,7 @@ def _by_token(rows: torch.Tensor, token_ids: np.ndarray, tokens: int) -> torch.T
     """rows [S, d] -> [T, d]: each token's rows added from zero in row order (index_add_'s adds).
 
     A decode step's few float32 rows are added by numpy (`add.at` adds in index order, IEEE single
-    as torch's): index_add_ opens an OpenMP region, 35-100 us with cold caches and sleeping threads."""
+    as torch's): index_add_ opens an OpenMP region, costly with cold caches and sleeping threads."""
     if rows.dtype == torch.float32 and rows.shape[0] <= _NUMPY_ADD_ROWS:
         total = np.zeros((tokens, rows.shape[1]), np.float32)
         np.add.at(total, token_ids, rows.numpy())
@@ -255,8 +255,8 @@ def _sums_itself(module: torch.nn.Module) -> bool:
 
 def _take(tensor: torch.Tensor, *ids: np.ndarray) -> torch.Tensor:
     """tensor[ids] (one index array per leading dimension), by numpy where the dtype has it: torch's
-    gather opens an OpenMP region, 30-50 us with cold caches and sleeping threads, for a copy of a
-    few us. Rows: _take(hidden, token_ids) [S, d]; pairs: _take(weights, token_ids, slot_ids) [S]."""
+    gather opens an OpenMP region, costly with cold caches and sleeping threads, for a small copy
+    (docs/measured.md, "store"). Rows: _take(hidden, token_ids) [S, d]; pairs: _take(weights, token_ids, slot_ids) [S]."""
     if tensor.dtype in (torch.float32, torch.float16, torch.float64):
         return torch.from_numpy(tensor.numpy()[ids])
     return tensor[tuple(torch.from_numpy(i) for i in ids)]
@@ -279,8 +279,8 @@ def _sentinel(module: torch.nn.Module, width: int) -> int | None:
 
     transformers' eager experts one-hot ids into num_experts + 1 classes and skip the last: called
     with it in another holder's slots, they give each token's sum of this holder's experts in
-    eager's own order, the bits `_pairs` then `_by_token` give at ~110 us more a decode call
-    (measured on the bundled model). Not every family's eager code does so (gpt-oss one-hots into
+    eager's own order, the bits `_pairs` then `_by_token` give at a higher cost a decode call
+    (docs/measured.md, "store"). Not every family's eager code does so (gpt-oss one-hots into
     num_experts), so this is probed, on a few tokens routed through the first and last experts and
     the sentinel: the module is called so only where it gave exactly the pairs' bits."""
     n = getattr(module, "num_experts", None)

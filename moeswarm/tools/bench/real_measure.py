@@ -13,8 +13,8 @@ after the other (so that each start-up is timed alone), on a file already in the
               processes on the machine's cores. Each worker stands for a machine of its own and gets
               every core: their kernels' threads rest while they wait (qk_pool.c), and a call's
               experts go to whichever thread is free, so the worker with more of a token's experts
-              finishes on both cores once the other is done (measured at OLMoE's shape, 2 cores:
-              0.48 ms less per layer call than workers of 1 thread, whose split is rarely even)
+              finishes on both cores once the other is done (less per layer call than workers of
+              1 thread, whose split is rarely even: docs/measured.md, "real")
   loopback1   a backbone (THREADS threads) and one worker (1 thread) holding every expert, on
               loopback: the backbone and the worker take turns on the cores, so the layer call less
               the worker's kernels is the machinery alone, with no third process in the way (one

@@ -34,8 +34,7 @@ def llama_cpp_decode_seconds(path, threads: int, tokens: tuple[int, ...],
     command = [sys.executable, "-m", "moeswarm.tools.bench.worker_real_llamacpp", str(path), str(threads), buffers,
                *map(str, tokens)]
     # OpenMP's team is the thread count: by default it is every core, and threads of a team that
-    # llama.cpp leaves idle spin, counted as its CPU time (measured: 6.3 ms of CPU in a decode of
-    # 2.4 ms with one thread, 2.4 ms with OMP_NUM_THREADS=1).
+    # llama.cpp leaves idle spin, counted as its CPU time (docs/measured.md, "llama.cpp").
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
