@@ -126,8 +126,11 @@ class Swarm:
         return self._dispatcher.standing()
 
     def holdings(self) -> list[tuple[str, dict[int, tuple[int, ...]]]]:
-        """Per holder: (address, {layer: experts it announced})."""
-        return [(link.address, dict(link.info.held) if link.info else {}) for link in self._dispatcher.links]
+        """Per holder that has not left: (address, {layer: experts it announced}). Joins and leaves
+        count from the first layer call after they were seen (dispatch/membership.py)."""
+        gone = self._dispatcher.gone
+        return [(link.address, dict(link.info.held) if link.info else {})
+                for i, link in enumerate(self._dispatcher.links) if i not in gone]
 
     def readmit(self) -> list[str]:
         """Probe every holder out of use now (HELLO, PING), backoff or not: when an operator knows a

@@ -3,20 +3,24 @@
 No expert list, no manifest file, no multiaddr: the invite (`moeswarm invite`) names them. The
 share is sized to `--memory` and chosen from the coverage announced on the DHT
 (discovery/joining.py); then the process is a `moeswarm worker` of that share, announced on the
-swarm (docs/network.md, Invites and join).
+swarm, and every `--rebalance` seconds it looks whether to move part of its share where the swarm
+needs it (discovery/rebalancing.py; docs/network.md, Invites and join, Rebalancing).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from moeswarm.commands._setup import add_quiet, quiet_progress
 from moeswarm.commands._tls import add_swarm_key, client_tls, server_tls
-from moeswarm.commands._types import port, positive, seconds
+from moeswarm.commands._types import non_negative_seconds, port, positive, seconds
+from moeswarm.discovery.rebalancing import DEFAULT_INTERVAL_S
 from moeswarm.commands.worker import _add_relay, _load, _say
 from moeswarm.worker.config import DEFAULT_ANNOUNCE_TTL_S, INLINE_TOKENS, Hosting, WorkerConfig
 from moeswarm.worker.limits import WorkerLimits
@@ -50,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "0.0.0.0)")
     parser.add_argument("--announce-ttl", type=seconds, default=DEFAULT_ANNOUNCE_TTL_S, metavar="SECONDS",
                         help="the announcement expires this long after each refresh")
+    parser.add_argument("--rebalance", type=non_negative_seconds, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
+                        help="read the swarm's coverage this often and move part of the share where the swarm needs "
+                             "it (fetch first, then drop; one member a round; docs/network.md, Rebalancing); 0: never")
     parser.add_argument("--dht-port", type=port, default=0, metavar="PORT", help="TCP port of this member's DHT node")
     parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads of the worker")
     parser.add_argument("--timeout", type=seconds, default=30.0,
@@ -66,10 +73,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.discovery.invite import parse_invite
-    from moeswarm.discovery.joining import check_key, layout, plan_share, share_path
+    from moeswarm.discovery.joining import check_key, fetch_share, layout, plan_share
+    from moeswarm.discovery.rebalancing import Member
     from moeswarm.ids import format_ids
-    from moeswarm.slices.fetch import fetch_slice
     from moeswarm.slices.manifest_fetch import fetch_manifest
+    from moeswarm.worker.listen import check_can_listen, raise_open_files_limit
+    from moeswarm.worker.node import build_node
 
     invite = parse_invite(args.invite)
     check_key(invite, args.swarm_key)
@@ -95,21 +104,32 @@ def run(args: argparse.Namespace) -> int:
                            dht.addresses()[0].encode())
         _say(f"share: experts {format_ids(share.experts)} of MoE layers {format_ids(layers)} "
              f"({share.covers} layer-expert pairs nobody held; {len(helds)} members announced)")
-        out = share_path(directory, invite.model, share.experts)
-        if not out.is_file():
-            report = fetch_slice(invite.seed, manifest, share.experts, out, None, False, tls, 3, args.timeout)
-            _say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) into {out}")
-        else:
-            _say(f"reusing {out}")
-    except BaseException:
-        dht.close()
-        raise
-    from moeswarm.worker.node import run_worker
 
-    node = run_worker(config, functools.partial(_load, Hosting(str(out)), args.threads), report=_say, dht=dht)
-    _say(f"stopped; {node.server.merged_requests} DISPATCHes of several backbones ran in "
-         f"{node.server.merged_calls} merged expert calls")
+        def open_node(experts, port=0):  # a moved share listens on a free port: the old one still serves
+            out = fetch_share(invite, manifest, experts, directory, tls, args.timeout, _say)
+            return build_node(replace(config, port=port), functools.partial(_load, Hosting(str(out)), args.threads),
+                              _say, dht)
+
+        check_can_listen(config.host, config.port)
+        raise_open_files_limit(config.limits.max_connections)
+        node = open_node(share.experts, config.port)
+        member = Member(node, share.experts, layers, num_experts, open_node,
+                        lambda: {a: r.held for a, r in dht.fetch(invite.model).items()}, _say)
+        asyncio.run(_serve(member, args.rebalance))
+    finally:
+        dht.close()
+    server = member.node.server
+    _say(f"stopped after {member.moves} moves of its share; {server.merged_requests} DISPATCHes of several "
+         f"backbones ran in {server.merged_calls} merged expert calls")
     return 0
+
+
+async def _serve(member, interval_s: float) -> None:
+    import signal
+
+    from moeswarm.stopping import stop_event
+
+    await member.serve(stop_event((signal.SIGTERM, signal.SIGINT)), interval_s)
 
 
 def _worker_config(args: argparse.Namespace, invite) -> WorkerConfig:

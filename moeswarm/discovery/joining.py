@@ -9,13 +9,14 @@ The order, and what each step relies on:
    worker's HELLO is trusted by backbones, so a lying record can skew a share, never an answer);
 4. `plan_share` (pure: placement/share.py) picks the experts where the swarm is weakest, as many
    as `--memory` holds;
-5. the command fetches exactly those bytes (slices/fetch.py: hashed, resumable) and serves them.
+5. `fetch_share` fetches exactly those bytes (slices/fetch.py: hashed, resumable) and the command
+   serves them, moving the share later when the swarm needs it (discovery/rebalancing.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from moeswarm.discovery.invite import Invite
@@ -67,3 +68,18 @@ def plan_share(manifest: Manifest, layers: Sequence[int], num_experts: int,
 def share_path(directory: str | Path, fingerprint: str, experts: Sequence[int]) -> Path:
     """Where the slice of `experts` is kept: the same share, run again, resumes or reuses it."""
     return Path(directory) / f"{fingerprint}.experts-{format_ids(experts).replace(',', '_')}.gguf"
+
+
+def fetch_share(invite: Invite, manifest: Manifest, experts: Sequence[int], directory: str | Path, tls,
+                timeout_s: float, say: Callable[[str], None]) -> Path:
+    """The slice of `experts` in `directory`: reused when there, else fetched from the invite's seeder
+    (FetchError naming what went wrong). `say` gets one line: what was fetched, or reused."""
+    from moeswarm.slices.fetch import fetch_slice
+
+    out = share_path(directory, invite.model, experts)
+    if out.is_file():
+        say(f"reusing {out}")
+        return out
+    report = fetch_slice(invite.seed, manifest, experts, out, None, False, tls, 3, timeout_s)
+    say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) into {out}")
+    return out

@@ -51,14 +51,23 @@ def open_worker(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, Mode
     if dht is None and config.swarm is not None:
         dht = _open_dht(config, report)
     try:
-        store, source = load()
-        server = WorkerServer(store, source.fingerprint, source.config.model_type, config.limits, config.tls,
-                              top_k=model_top_k(source.config), inline_tokens=config.inline_tokens)
-        return WorkerNode(config, server, source, dht, report)
+        return build_node(config, load, report, dht)
     except BaseException:
         if dht is not None:
             dht.close()
         raise
+
+
+def build_node(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, ModelSource]],
+               report: Report = lambda line: None, dht: SwarmDht | None = None) -> WorkerNode:
+    """`load()` the experts and build the node on `dht` (left open whatever happens: the caller's).
+
+    A member moving its share (discovery/rebalancing.py) builds its next node so, beside the one
+    serving, on the DHT node they share; set the old node's `dht` to None before closing it."""
+    store, source = load()
+    server = WorkerServer(store, source.fingerprint, source.config.model_type, config.limits, config.tls,
+                          top_k=model_top_k(source.config), inline_tokens=config.inline_tokens)
+    return WorkerNode(config, server, source, dht, report)
 
 
 def run_worker(config: WorkerConfig, load: Callable[[], tuple[ExpertStore, ModelSource]], report: Report = lambda line: None,
@@ -118,15 +127,18 @@ class WorkerNode:
 
     async def stop(self) -> None:
         """Withdraw the announcement, leave the relay, close the server (its connections, its compute thread)."""
-        loop = asyncio.get_running_loop()
-        if self.announcer is not None:
-            announcer, self.announcer = self.announcer, None
-            await loop.run_in_executor(None, announcer.stop)  # withdrawn: backbones drop it at their next look
+        await self.withdraw()
         tasks, self._tasks = self._tasks, []  # the relay's
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.server.close()
+
+    async def withdraw(self) -> None:
+        """Withdraw the announcement and go on serving: backbones drop this node at their next look."""
+        if self.announcer is not None:
+            announcer, self.announcer = self.announcer, None
+            await asyncio.get_running_loop().run_in_executor(None, announcer.stop)
 
     def close(self) -> None:
         """Leave the DHT (after `stop`)."""

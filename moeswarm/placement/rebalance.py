@@ -1,0 +1,115 @@
+"""Rebalancing a member's share (`moeswarm join --rebalance`): which experts to fetch and which to drop.
+
+Pure functions over plain data; the member loop (discovery/rebalancing.py) reads the coverage
+from the DHT every period, calls `choose_mover`, and only the member it names acts on its `Move`:
+fetch the new experts, announce the new share, then drop the old part.
+
+    coverage[l][e]  holders of expert e at MoE layer l, this member included   (share.coverage_of)
+    without         the same with this member's own share taken out
+    gain(e)         what holding e adds to `without`  (share.gain: cells covered, then load relief)
+
+A move keeps the share's size (plus free slots, up to `capacity`) and swaps held experts for
+unheld ones. Gains are sums of independent terms, so the best share reachable with at most k swaps
+takes the k best unheld experts and gives up the k worst held ones, pair by pair while a pair
+gains. The rules that make it safe and damped:
+
+- **never uncover**: an expert this member is the only holder of at any layer is never dropped
+  (`droppable`: others hold it at every layer); what it drops, others still serve.
+- **margin**: a swap of held y for unheld x is made only when x covers a cell nobody else holds
+  and y does not, or its relief passes y's by the factor (1 + margin): small gains do not move
+  bytes.
+- **one mover a round**: every member evaluates every member's best move on the same coverage;
+  only the one whose move gains most (ties: the smallest member id) moves. A move strictly lowers
+  (uncovered cells, load per holder summed over cells), so rounds end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from moeswarm.placement.share import Coverage, Gain, gain
+
+MARGIN = Fraction(1, 4)
+
+
+@dataclass(frozen=True)
+class Move:
+    """A member's rebalancing step: fetch `fetch`, announce `share`, then drop `drop` (all ascending)."""
+
+    fetch: tuple[int, ...]
+    drop: tuple[int, ...]
+    share: tuple[int, ...]  # the share after the move
+    gain: Gain  # (cells newly covered, load per holder removed) summed over the swaps and additions
+
+
+def without(coverage: Coverage, share: Sequence[int]) -> dict[int, list[int]]:
+    """`coverage` with one member holding `share` at every layer taken out."""
+    held = set(share)
+    return {layer: [h - (e in held) for e, h in enumerate(holders)] for layer, holders in coverage.items()}
+
+
+def droppable(coverage: Coverage, share: Sequence[int]) -> list[int]:
+    """The experts of `share` that another member holds at every layer (dropping them uncovers nothing)."""
+    return [e for e in share if all(holders[e] >= 2 for holders in coverage.values())]
+
+
+def rebalance(coverage: Coverage, share: Sequence[int], capacity: int, load: Coverage | None = None,
+              margin: Fraction = MARGIN, max_swaps: int | None = None) -> Move | None:
+    """This member's best move (see the module's docstring), or None when no swap or addition gains.
+
+    coverage: holders per expert of every MoE layer, this member's `share` (held at every layer)
+    counted. capacity: the experts its memory holds (a share never shrinks below its size).
+    load: as share.choose_share's (None: 1 everywhere). max_swaps: None for no bound."""
+    others = without(coverage, share)
+    held = set(share)
+    gains = {e: gain(others, e, load) for e in range(len(next(iter(coverage.values()))))}
+    wanted = sorted((e for e in gains if e not in held and _positive(gains[e])), key=lambda e: (_key(gains[e]), e))
+    free = max(0, min(capacity, len(gains)) - len(share))
+    fetch = wanted[:free]
+    wanted = wanted[free:]
+    spare = sorted(droppable(coverage, share), key=lambda e: (_key(gains[e]), -e), reverse=True)  # worst first
+    drop = []
+    for x, y in zip(wanted, spare):
+        if max_swaps is not None and len(drop) >= max_swaps or not _better(gains[x], gains[y], margin):
+            break
+        fetch.append(x)
+        drop.append(y)
+    if not fetch:
+        return None
+    total = (sum(gains[e][0] for e in fetch) - sum(gains[e][0] for e in drop),
+             sum((gains[e][1] for e in fetch), Fraction(0)) - sum((gains[e][1] for e in drop), Fraction(0)))
+    return Move(tuple(sorted(fetch)), tuple(sorted(drop)), tuple(sorted(held - set(drop) | set(fetch))), total)
+
+
+def choose_mover(coverage: Coverage, shares: Mapping[str, Sequence[int]], capacities: Mapping[str, int] | None = None,
+                 load: Coverage | None = None, margin: Fraction = MARGIN) -> tuple[str, Move] | None:
+    """(the member that moves this round, its move), or None when no member's move gains.
+
+    shares: {member id: experts it holds at every layer} of the members that may move (counted in
+    `coverage` too, with any others). capacities: {member id: experts its memory holds} (absent:
+    its share's size)."""
+    best = None
+    for member in sorted(shares):
+        capacity = (capacities or {}).get(member, len(shares[member]))
+        move = rebalance(coverage, shares[member], capacity, load, margin)
+        if move is not None and (best is None or _key(move.gain) < _key(best[1].gain)):
+            best = (member, move)
+    return best
+
+
+def _positive(value: Gain) -> bool:
+    return value[0] > 0 or value[1] > 0
+
+
+def _key(value: Gain) -> tuple[int, Fraction]:
+    """Sort key putting the largest gain first."""
+    return -value[0], -value[1]
+
+
+def _better(x: Gain, y: Gain, margin: Fraction) -> bool:
+    """Whether holding an expert of gain `x` instead of one of gain `y` is worth a move."""
+    if x[0] != y[0]:
+        return x[0] > y[0]
+    return x[1] > (1 + margin) * y[1]

@@ -1,0 +1,119 @@
+"""A member's rebalancing move (placement/rebalance.py) against brute force over every reachable share,
+and whole swarms rebalanced round by round: one mover a round, nothing ever uncovered, rounds end."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from fractions import Fraction
+
+import pytest
+
+from moeswarm.placement.rebalance import choose_mover, droppable, rebalance, without
+from moeswarm.placement.share import coverage_of
+
+
+def _worth(coverage, experts, load) -> tuple[int, Fraction]:
+    """A share's worth against `coverage` from scratch: cells it covers, then load per holder removed."""
+    covers, relief = 0, Fraction(0)
+    for layer, holders in coverage.items():
+        for expert in experts:
+            h = holders[expert]
+            weight = 1 if load is None else load[layer][expert]
+            if h == 0:
+                covers += 1
+            else:
+                relief += Fraction(weight, h) - Fraction(weight, h + 1)
+    return covers, relief
+
+
+def _covered(coverage) -> set[tuple[int, int]]:
+    return {(layer, e) for layer, holders in coverage.items() for e, h in enumerate(holders) if h}
+
+
+def _random_swarm(rng: random.Random):
+    num_experts, layers = rng.randint(2, 7), rng.randint(1, 3)
+    members = {f"m{i}": tuple(sorted(rng.sample(range(num_experts), rng.randint(1, num_experts))))
+               for i in range(rng.randint(1, 4))}
+    extra = [{layer: rng.sample(range(num_experts), rng.randint(0, 2)) for layer in range(layers)}]  # a per-layer holder
+    helds = [{layer: share for layer in range(layers)} for share in members.values()] + extra
+    load = None if rng.random() < 0.4 else {layer: [rng.randint(0, 9) for _ in range(num_experts)]
+                                            for layer in range(layers)}
+    return coverage_of(helds, list(range(layers)), num_experts), members, load
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_the_move_is_as_good_as_the_best_reachable_share(seed):
+    rng = random.Random(seed)
+    coverage, members, load = _random_swarm(rng)
+    share = next(iter(members.values()))
+    num_experts = len(coverage[0])
+    capacity = rng.randint(len(share), num_experts)
+    max_swaps = None if seed % 2 else rng.randint(0, 3)
+    move = rebalance(coverage, share, capacity, load, margin=Fraction(0), max_swaps=max_swaps)
+    others = without(coverage, share)
+    keep = set(share) - set(droppable(coverage, share))
+    swaps = len(share) if max_swaps is None else max_swaps
+    reachable = [set(s) for n in range(len(share), capacity + 1) for s in itertools.combinations(range(num_experts), n)
+                 if keep <= set(s) and len(set(share) - set(s)) <= swaps]
+    best = max(_worth(others, s, load) for s in reachable)
+    now = _worth(others, share, load)
+    if move is None:
+        assert best == now  # nothing reachable gains
+        return
+    after = set(move.share)
+    assert after in reachable and _worth(others, after, load) == best > now
+    assert set(move.fetch) == after - set(share) and set(move.drop) == set(share) - after
+    assert move.gain == (best[0] - now[0], best[1] - now[1])
+    moved = coverage_of([{layer: after for layer in coverage}], list(coverage), num_experts)
+    assert _covered(coverage) <= _covered({l: [a + b for a, b in zip(others[l], moved[l])] for l in coverage})
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_swarm_settles_one_mover_a_round_and_never_uncovers(seed):
+    rng = random.Random(1000 + seed)
+    coverage, members, load = _random_swarm(rng)
+    layers, num_experts = list(coverage), len(coverage[0])
+    extra = {layer: [h - sum(e in s for s in members.values()) for e, h in enumerate(coverage[layer])]
+             for layer in layers}  # the per-layer holder's cells, which never move
+    for _ in range(200):
+        covered = _covered(coverage)
+        chosen = choose_mover(coverage, members, load=load)
+        if chosen is None:
+            break
+        mover, move = chosen
+        for member in members:  # the mover's move gains most; ties go to the smallest id
+            other = rebalance(coverage, members[member], len(members[member]), load)
+            if other is not None and member != mover:
+                assert (other.gain[0], other.gain[1]) <= move.gain and (other.gain != move.gain or mover < member)
+        assert len(move.share) == len(members[mover])
+        members = {**members, mover: move.share}
+        helds = [{layer: s for layer in layers} for s in members.values()]
+        coverage = {l: [a + b for a, b in zip(coverage_of(helds, layers, num_experts)[l], extra[l])] for l in layers}
+        assert covered <= _covered(coverage)  # fetch first, drop after: nothing held before is lost
+    else:
+        pytest.fail("rebalancing did not settle in 200 rounds")
+    total = sum(len(s) for s in members.values())
+    if total >= num_experts:  # enough room: no expert is left without a holder
+        assert all(h for holders in coverage.values() for h in holders)
+
+
+def test_a_member_that_left_is_replaced_by_one_move_of_the_best_placed_member():
+    # three members of 4 experts over 8; "a" leaves: its experts 0-3 lose their only holder where c does not hold them
+    b, c = (4, 5, 6, 7), (0, 1, 4, 5)
+    coverage = coverage_of([{0: b, 1: b}, {0: c, 1: c}], [0, 1], 8)
+    mover, move = choose_mover(coverage, {"b": b, "c": c})
+    assert mover == "b" and move.fetch == (2, 3) and move.drop == (4, 5) and move.gain[0] == 4
+    assert move.share == (2, 3, 6, 7)
+    after = coverage_of([{0: move.share, 1: move.share}, {0: c, 1: c}], [0, 1], 8)
+    assert all(after[layer] == [1] * 8 for layer in after) and choose_mover(after, {"b": move.share, "c": c}) is None
+
+
+def test_the_margin_damps_small_gains_and_the_sole_holder_never_drops():
+    coverage = {0: [2, 2, 1, 1]}  # m holds 0 and 1, someone else 0-3
+    assert rebalance(coverage, (0, 1), 2) is None  # moving to 2 or 3 only evens the load: 1/2 vs 1/2
+    assert rebalance({0: [2, 2, 1, 1]}, (0, 1), 2, load={0: [1, 1, 1, 1]}) is None
+    assert rebalance({0: [2, 2, 1, 1]}, (0, 1), 2, load={0: [1, 1, 2, 1]}).drop == (0,)  # 2/2 > 1.25 x 1/2
+    assert rebalance({0: [2, 2, 1, 1]}, (0, 1), 2, load={0: [4, 4, 5, 1]}) is None  # 5/2 < 1.25 x 4/2
+    assert rebalance({0: [1, 1, 0, 0]}, (0, 1), 2) is None and droppable({0: [1, 1, 0, 0]}, (0, 1)) == []
+    assert rebalance({0: [1, 1, 1, 1]}, (0,), 3).fetch == (1, 2)  # free room is filled before anything is swapped

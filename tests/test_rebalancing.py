@@ -1,0 +1,74 @@
+"""Rebalancing with real processes on loopback: an inviter and three joiners of the bundled model, each
+with memory for half its experts; one joiner is killed (no clean exit: its record expires), and
+within a few rebalancing periods a survivor moves part of its share so that every expert has a
+holder again, read from the DHT as `moeswarm status` reads it; `generate --swarm INVITE
+--check-local` is bit-identical afterwards."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from moeswarm.discovery.invite import parse_invite
+from moeswarm.slices.manifest import load_manifest
+from moeswarm.tools.local_workers import stop
+from swarm_processes import announced, bundled_copy, cli, join, lines_until, run, share_of, status
+
+HALF = 16  # of the bundled model's 32 experts
+TTL_S = "4"  # a killed joiner's record lasts this long
+PERIOD = "1"  # seconds between rebalancing rounds
+SETTLE_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rebalance")
+    model = bundled_copy(tmp)
+    inviter = cli("invite", "--model", str(model))
+    try:
+        invite = inviter.stdout.readline().rstrip("\n")
+        parse_invite(invite)
+        yield invite, model, load_manifest(Path(f"{model}.manifest.json"))
+    finally:
+        stop([inviter])
+
+
+def test_a_killed_member_share_is_taken_over_and_generation_stays_bit_identical(swarm, tmp_path):
+    invite, model, manifest = swarm
+    joiners, lines = [], []
+    try:
+        for name in "abc":  # one after another: each chooses its share from the ones announced before it
+            joiner = join(invite, tmp_path / name, HALF, manifest, "--rebalance", PERIOD, "--announce-ttl", TTL_S)
+            joiners.append(joiner)
+            lines.append(lines_until(joiner, "announced on the swarm as "))
+        shares = [share_of(found) for found in lines]
+        assert sorted(shares[0] + shares[1]) == list(range(32))  # a and b split the model; c doubles some of it
+        killed = announced(lines[0])
+        joiners[0].kill()  # no withdrawal: the swarm learns it from the record's expiry
+        joiners[0].wait()
+
+        deadline, view = time.monotonic() + SETTLE_S, None
+        while time.monotonic() < deadline:
+            view = status(invite, tmp_path / "status")
+            if (killed not in [m["address"] for m in view["members"]]
+                    and all(row["fewest"] >= 1 for row in view["layers"])):
+                break
+            time.sleep(1.0)
+        else:
+            pytest.fail(f"not every expert covered {SETTLE_S:g} s after a member was killed: {view}")
+
+        generated = run("generate", "--model", str(model), "--swarm", invite, "--prompt", "def main(",
+                        "--max-new-tokens", "8", "--check-local", "--json", "--threads", "1")
+        assert generated.returncode == 0, generated.stderr[-3000:]
+        assert json.loads(generated.stdout.strip().splitlines()[-1])["bit_identical"] is True
+    finally:
+        for joiner in joiners[1:]:
+            if joiner.poll() is None:
+                joiner.terminate()
+        said = "".join(joiner.communicate(timeout=60)[0] for joiner in joiners[1:])  # the rest of their lines
+        stop(joiners)
+    assert said.count("moved: experts ") == 1, said  # one member moved, once
+    assert "rebalancing: taking experts " in said and ", then dropping " in said
