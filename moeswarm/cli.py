@@ -126,9 +126,9 @@ def _main(argv: list[str]) -> int:
         print(f"moeswarm {args.command}: error: {one_line(error)}", file=sys.stderr)
         return 2
     finally:
-        from moeswarm.heap import thaw
+        from moeswarm.gc_freeze import thaw
 
-        thaw()  # what the command froze once loaded (heap.py) is the collector's again
+        thaw()  # what the command froze once loaded (gc_freeze.py) is the collector's again
 
 
 def _silence_stdout() -> None:

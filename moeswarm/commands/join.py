@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         dht.close()
         raise
-    from moeswarm.worker.node import run_worker
+    from moeswarm.node.worker import run_worker
 
     node = run_worker(config, functools.partial(_load, Hosting(str(out)), args.threads), report=_say, dht=dht)
     _say(f"stopped; {node.server.merged_requests} DISPATCHes of several backbones ran in "
