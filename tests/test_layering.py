@@ -83,3 +83,9 @@ def test_no_cycle_between_rooms():
         for edge in sorted(rooms.subgraph(component).edges):
             lines += ["  " + imported for imported in edges[edge]]
     assert not cycles, "\n".join(lines)
+
+
+def test_the_library_never_imports_the_tools():
+    _, edges = import_graph()
+    imports = [line for (source, target), lines in edges.items() if target == "tools" for line in lines]
+    assert not imports, "\n".join(imports)
