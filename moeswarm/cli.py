@@ -95,8 +95,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+# Commands whose modules live with the tools (moeswarm/tools/commands/), above the library: found by name.
+TOOL_COMMANDS = ("bench", "wan")
+
+
 def _command_module(name: str):
-    return importlib.import_module(f"moeswarm.commands.{name.replace('-', '_')}")
+    package = "moeswarm.tools.commands" if name in TOOL_COMMANDS else "moeswarm.commands"
+    return importlib.import_module(f"{package}.{name.replace('-', '_')}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,9 +131,9 @@ def _main(argv: list[str]) -> int:
         print(f"moeswarm {args.command}: error: {one_line(error)}", file=sys.stderr)
         return 2
     finally:
-        from moeswarm.heap import thaw
+        from moeswarm.gc_freeze import thaw
 
-        thaw()  # what the command froze once loaded (heap.py) is the collector's again
+        thaw()  # what the command froze once loaded (gc_freeze.py) is the collector's again
 
 
 def _silence_stdout() -> None:

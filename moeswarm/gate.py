@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from moeswarm.errors import MoeSwarmError
-from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import local_swarm
-from moeswarm.model.loading import load_local
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.forward.stepper import Stepper
+from moeswarm.local.workers import local_swarm
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.progress import progress
 from moeswarm.wire.config import CombineMode, WireConfig
 

@@ -19,12 +19,12 @@ from moeswarm.dispatch.referee import Referee
 from moeswarm.dispatch.spot_check import SpotCheckPolicy
 from moeswarm.dispatch.taint import Taint
 from moeswarm.errors import MoeSwarmError
-from moeswarm.generation.ragged import set_kv_cache
+from moeswarm.forward.packed import set_kv_cache
 from moeswarm.ids import WorkerId
 from moeswarm.model.backend import attach, set_overlap
 from moeswarm.model.experts import experts_modules, num_experts_in_config, num_experts_of
-from moeswarm.model.loading import empty_model, load_backbone
-from moeswarm.model.source import ModelSource
+from moeswarm.sources.loading import empty_model, load_backbone
+from moeswarm.sources.source import ModelSource
 from moeswarm.discovery.members import Following, Members, open_dht
 from moeswarm.transport.path import worker_link
 from moeswarm.placement.profile import RoutingStats
@@ -32,7 +32,7 @@ from moeswarm.placement.table import build_table
 from moeswarm.swarm_config import SwarmConfig
 from moeswarm.swarm_members import MemberLinks, check_holder
 from moeswarm.transport.link import WorkerLink
-from moeswarm.transport.local import LOCAL_ADDRESS, LocalLink, hold_local
+from moeswarm.worker.local_link import LOCAL_ADDRESS, LocalLink, hold_local
 from moeswarm.wire.config import WireConfig
 from moeswarm.worker.store import ExpertStore
 

@@ -29,5 +29,5 @@ class SwarmConfig:
     local_experts: Sequence[int] | Mapping[int, Sequence[int]] | None = None
     tls: ssl.SSLContext | None = None  # the swarm key's client context: mutual TLS to every worker; None: plain TCP
     discovery: DiscoveryOptions | None = None  # find the workers on the swarm's DHT, and follow joins and leaves
-    # the packed forwards' keys and values: "model" (the backbone's dtype) or "f16" (generation/sequence_cache.py)
+    # the packed forwards' keys and values: "model" (the backbone's dtype) or "f16" (forward/sequence_cache.py)
     kv_cache: str = "model"

@@ -17,7 +17,7 @@ if len(sys.argv) > 1:
     sys.path.insert(0, sys.argv[1])
 import torch
 from moeswarm.bundled import TRAINED
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.sources.tokenizer import load_text_codec
 
 codec = load_text_codec(TRAINED, 4096)
 hf = codec.tokenizer

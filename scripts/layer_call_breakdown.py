@@ -103,7 +103,7 @@ def measure(calls: int) -> None:
     import psutil
     import torch
 
-    from moeswarm.model.source import open_source
+    from moeswarm.sources.source import open_source
     from moeswarm.transport.tcp import TcpLink
     from moeswarm.wire.config import CombineMode
     from moeswarm.wire.messages import Dispatch, Result

@@ -21,10 +21,10 @@ import torch
 
 from moeswarm.dispatch.pool import HolderPool
 from moeswarm.errors import MoeSwarmError
-from moeswarm.model.loading import load_local
+from moeswarm.sources.loading import load_local
 from moeswarm.swarm import open_swarm
-from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
-from moeswarm.tools.tiny import make_tiny_model
+from moeswarm.local.workers import spawn_worker, stop, wait_listening
+from moeswarm.model.tiny import make_tiny_model
 
 PROMPT_TOKENS = 640
 

@@ -13,13 +13,13 @@ import time
 
 import torch
 
-from moeswarm.generation.ragged import PackedStepper, install
+from moeswarm.forward.packed import PackedStepper, install
 from moeswarm.stages.gateway import open_gateway
 from moeswarm.swarm import open_swarm
 from moeswarm.tools.bench.real_build import DEFAULT_CACHE, model_file
 from moeswarm.tools.bench.real_shapes import SHAPES
-from moeswarm.tools.local_stages import spawn_stage
-from moeswarm.tools.local_workers import stop, wait_listening
+from moeswarm.local.stages import spawn_stage
+from moeswarm.local.workers import stop, wait_listening
 
 
 def main() -> None:

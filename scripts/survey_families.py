@@ -4,7 +4,7 @@
 For each family: pick its causal-LM model type (the family's own, or its `*_text` sub-config for
 multimodal wrappers), build a tiny random config (the family's own key names for expert count,
 top-k and sizes: hidden 32, <= 3 layers, 8 experts, top-2, vocab 260), write it with
-`moeswarm.tools.tiny.make_tiny_model`, serve experts 0-3 and 4-7 from two in-process workers
+`moeswarm.model.tiny.make_tiny_model`, serve experts 0-3 and 4-7 from two in-process workers
 (`open_worker` nodes on asyncio loops in background threads, real TCP on 127.0.0.1) and check that
 the swarm's logits are `torch.equal` to eager's over a prefill of 10 tokens + 8 greedy decode
 steps, as tests/test_families.py does with worker processes.
@@ -138,8 +138,8 @@ def family_keys(model_type: str) -> tuple[dict, str]:
 @contextlib.contextmanager
 def thread_workers(path: str, expert_sets: list[list[int]]):
     """One worker node per expert set, each on its own asyncio loop in a daemon thread."""
-    from moeswarm.model.loading import load_experts
-    from moeswarm.worker.node import WorkerConfig, open_worker
+    from moeswarm.sources.loading import load_experts
+    from moeswarm.node.worker import WorkerConfig, open_worker
     from moeswarm.worker.store import ExpertStore
 
     def loader(experts):
@@ -183,12 +183,12 @@ def check(model_type: str, keys: dict, workdir: str, stepper=None) -> dict:
     """Make the tiny model and prove remote == local; return what was measured."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from moeswarm.generation.stepper import Stepper
+    from moeswarm.forward.stepper import Stepper
     from moeswarm.model import tiny
 
     stepper = stepper or Stepper
     from moeswarm.model.experts import experts_modules
-    from moeswarm.model.loading import load_local
+    from moeswarm.sources.loading import load_local
     from moeswarm.swarm import open_swarm
 
     record = {"model_type": model_type, "model_class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], "keys": keys}

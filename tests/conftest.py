@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moeswarm.bundled import TRAINED
-from moeswarm.tools.local_workers import local_workers, split_experts
+from moeswarm.local.workers import local_workers, split_experts
 from moeswarm.tools.serve_process import ServeProcess
-from moeswarm.tools.tiny import make_tiny_model
+from moeswarm.model.tiny import make_tiny_model
 
 torch.set_num_threads(1)  # several processes share the CI machine's cores
 
@@ -74,8 +74,8 @@ def trained_serve(trained_workers):
 @pytest.fixture(scope="session")
 def trained_local():
     """The bundled model run locally and its text codec: the reference the served answers equal."""
-    from moeswarm.model.loading import load_local
-    from moeswarm.model.tokenizer import load_text_codec
+    from moeswarm.sources.loading import load_local
+    from moeswarm.sources.tokenizer import load_text_codec
 
     model = load_local(TRAINED)
     return model, load_text_codec(TRAINED, model.config.vocab_size)

@@ -8,10 +8,10 @@ import contextlib
 import openai
 from fastapi.testclient import TestClient
 
-from moeswarm.model.loading import load_local
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.serve.api import ServeState, create_app
-from moeswarm.serve.engine import Engine, EngineConfig
+from moeswarm.engine.engine import Engine, EngineConfig
 from moeswarm.swarm import open_swarm
 
 

@@ -40,7 +40,7 @@ def require_llama_cpp(test_file: str):
 def slice_workers(parts):
     """One `moeswarm worker` per (model file, experts), as `local_workers` starts them but on files
     of their own, every process started before the first is waited for; yields their addresses."""
-    from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
+    from moeswarm.local.workers import spawn_worker, stop, wait_listening
 
     processes = []
     try:
@@ -88,7 +88,7 @@ FIXTURE_TYPES = ("F32", "F16", "Q8_0", "Q4_K_M")
 
 def make_fixture_model(family: str, out: str | Path, seed: int = 0, **overrides) -> Path:
     """A tiny random HF model whose rows fit K-quants (hidden 256) and whose tokenizer llama.cpp reads."""
-    from moeswarm.tools.tiny import make_tiny_model
+    from moeswarm.model.tiny import make_tiny_model
 
     shape = {**FIXTURE_SHAPE, **overrides}
     path = make_tiny_model(family, out, seed, **shape)

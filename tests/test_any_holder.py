@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 
-from moeswarm.tools.local_stages import local_stages
-from moeswarm.tools.local_workers import local_workers
+from moeswarm.local.stages import local_stages
+from moeswarm.local.workers import local_workers
 
 MODEL = "models/pymoe/hf"  # 6 decoder layers, 32 experts
 

@@ -15,9 +15,9 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from moeswarm.generation.stepper import Stepper
+from moeswarm.forward.stepper import Stepper
 from moeswarm.model.attention_threads import sdpa_one_thread
-from moeswarm.model.loading import load_local
+from moeswarm.sources.loading import load_local
 from moeswarm.weights import qkernels
 
 

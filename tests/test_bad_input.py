@@ -14,7 +14,7 @@ import torch
 from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.errors import MoeSwarmError, WorkerError
 from moeswarm.ids import parse_address
-from moeswarm.model.source import open_source
+from moeswarm.sources.source import open_source
 from moeswarm.placement.table import build_table
 from moeswarm.swarm import open_swarm
 from moeswarm.transport.tcp import TcpLink

@@ -124,9 +124,9 @@ def test_a_latent_shape_converts_and_runs_as_deepseek_v3(tmp_path):
     from dataclasses import replace
 
     from llamacpp_fixtures import llama_cpp_logits
-    from moeswarm.generation.ragged import PackedStepper, install
-    from moeswarm.generation.run import generate
-    from moeswarm.model.loading import load_local
+    from moeswarm.forward.packed import PackedStepper, install
+    from moeswarm.engine.generate import generate
+    from moeswarm.sources.loading import load_local
     from moeswarm.swarm import open_swarm
     from moeswarm.tools.bench.real_build import model_file
     from moeswarm.tools.bench.real_shapes import SHAPES, Latent

@@ -19,12 +19,12 @@ import torch
 from test_cli import exact_traffic, frame_size, routed_calls
 
 from moeswarm.tools.bench.wan_scenarios import FANOUT_RTT_S, PETALS_BANDWIDTH_BPS, PETALS_RTT_S, SPECULATE, load_prompts
-from moeswarm.generation.run import generate
-from moeswarm.serve.whole_model import WholeModel
-from moeswarm.generation.stepper import Stepper
-from moeswarm.model.loading import load_local
-from moeswarm.tools.tiny import make_tiny_model
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.engine.generate import generate
+from moeswarm.engine.whole_model import WholeModel
+from moeswarm.forward.stepper import Stepper
+from moeswarm.sources.loading import load_local
+from moeswarm.model.tiny import make_tiny_model
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.wire.messages import Dispatch, Result
 
 MOE_LAYERS = 2

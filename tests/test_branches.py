@@ -6,11 +6,11 @@ import torch
 
 from moeswarm.generation.branches import choose, rows_of
 from moeswarm.generation.draft import propose, propose_many
-from moeswarm.generation.run import generate
+from moeswarm.engine.generate import generate
 from moeswarm.generation.sampling import SamplingParams, make_generator
-from moeswarm.generation.stepper import Stepper
-from moeswarm.model.loading import load_local
-from moeswarm.serve.whole_model import WholeModel
+from moeswarm.forward.stepper import Stepper
+from moeswarm.sources.loading import load_local
+from moeswarm.engine.whole_model import WholeModel
 
 PROMPT = [5, 17, 23, 42, 8, 99, 3, 61]
 GREEDY = SamplingParams()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from moeswarm.generation.run import generate
-from moeswarm.generation.stepper import Stepper
+from moeswarm.engine.generate import generate
+from moeswarm.forward.stepper import Stepper
 from moeswarm.generation.trace import LayerTrace, first_difference
-from moeswarm.model.loading import load_local
-from moeswarm.serve.whole_model import WholeModel
+from moeswarm.sources.loading import load_local
+from moeswarm.engine.whole_model import WholeModel
 
 PROMPT = [5, 17, 23, 42, 8, 99, 3, 61]
 

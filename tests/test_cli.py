@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from moeswarm.dispatch.plan import plan_layer
-from moeswarm.generation.run import generate
-from moeswarm.serve.whole_model import WholeModel
-from moeswarm.tools.local_workers import local_workers
+from moeswarm.engine.generate import generate
+from moeswarm.engine.whole_model import WholeModel
+from moeswarm.local.workers import local_workers
 from moeswarm.model.experts import experts_modules
-from moeswarm.model.loading import load_local
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.wire.codecs import lossless_codec
 from moeswarm.wire.messages import Dispatch, Result
 

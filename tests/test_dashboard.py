@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from moeswarm.model.source import open_source
+from moeswarm.sources.source import open_source
 from moeswarm.tools.serve_process import ServeProcess
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")

@@ -16,7 +16,7 @@ from inprocess_serve import in_process_serve
 
 from moeswarm.bundled import TRAINED
 from moeswarm.placement.profile import PENDING_CALLS
-from moeswarm.tools.tiny import make_tiny_model
+from moeswarm.model.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")

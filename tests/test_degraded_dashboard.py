@@ -10,7 +10,7 @@ from test_dispatcher import _dispatcher
 
 from moeswarm.placement.profile import RoutingStats
 from moeswarm.serve.dashboard import dashboard_data
-from moeswarm.serve.speculation import Speculation
+from moeswarm.engine.speculation import Speculation
 from moeswarm.swarm import Swarm
 
 

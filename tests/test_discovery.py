@@ -18,10 +18,10 @@ import torch
 
 from moeswarm.cli import main
 from moeswarm.dispatch.membership import LEFT_CAUSE
-from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import spawn_worker, stop
-from moeswarm.model.loading import load_local
-from moeswarm.model.source import open_source
+from moeswarm.forward.stepper import Stepper
+from moeswarm.local.workers import spawn_worker, stop
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.source import open_source
 from moeswarm.discovery.dht import SwarmDht
 from moeswarm.discovery.follow import DiscoveryOptions, membership_diff
 from moeswarm.discovery.record import Announcement, Capacity, RecordError, announcement_key, parse_record

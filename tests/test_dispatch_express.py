@@ -1,4 +1,4 @@
-"""A decode step's layer call goes express (dispatch/express.py): the same bits as a flight, and
+"""A decode step's layer call goes express (dispatch/express_call.py): the same bits as a flight, and
 whatever goes wrong in it (a lost holder, a bad answer, an implausible one) handled as a flight
 handles it, because the call is then made again as one.
 
@@ -16,7 +16,7 @@ from test_malicious_worker import BAD_ANSWERS, DEADLINE
 from test_spot_check import huge_row
 
 from moeswarm.dispatch.errors import ExpertsUnavailable
-from moeswarm.dispatch.express import ExpressCall
+from moeswarm.dispatch.express_call import ExpressCall
 from moeswarm.dispatch.flight import Flight
 from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.dispatch.spot_check import SpotCheckPolicy

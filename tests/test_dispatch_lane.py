@@ -20,7 +20,7 @@ from test_malicious_worker import BAD_ANSWERS, DEADLINE
 from test_spot_check import huge_row
 
 from moeswarm.dispatch.errors import ExpertsUnavailable
-from moeswarm.dispatch.express import ExpressCall
+from moeswarm.dispatch.express_call import ExpressCall
 from moeswarm.dispatch.flight import Flight
 from moeswarm.dispatch.lane import LaneCall
 from moeswarm.dispatch.wait import DOZE, SPIN_S

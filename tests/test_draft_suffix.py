@@ -9,7 +9,7 @@ from moeswarm.bundled import TRAINED
 from moeswarm.generation.draft_suffix import SuffixDrafter, SuffixHistory
 from moeswarm.generation.drafters import NgramDrafter
 from moeswarm.generation.request import GenerationRequest
-from moeswarm.generation.run import run_generation
+from moeswarm.engine.generate import run_generation
 from moeswarm.swarm import open_swarm
 
 
@@ -67,7 +67,7 @@ def test_suffix_drafts_keep_the_greedy_output_bit_identical_and_replay_counts_th
     assert report.bit_identical is True and report.tokens == plain.tokens
     assert report.steps < len(report.tokens) - 1  # drafts were accepted
     if report.finish_reason == "length":  # the bench's replay counts the same verify steps
-        from moeswarm.model.tokenizer import load_text_codec
+        from moeswarm.sources.tokenizer import load_text_codec
 
         codec = load_text_codec(TRAINED, local_swarm_trained.model.config.vocab_size)
         assert replay(SuffixDrafter(), codec.encode(prompt), report.tokens)[1] == report.steps

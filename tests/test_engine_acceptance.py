@@ -1,6 +1,6 @@
 """The engine's one acceptance rule on a fake model: greedy, sampled, speculative, eos, stops,
 limits, the check against a reference. Every generation is `generate`: one request in the engine,
-stepped until it ends (serve/sequence.py's rule, as every served request).
+stepped until it ends (engine/sequence.py's rule, as every served request).
 
 The fake model knows one sequence SEQ: after a context equal to SEQ's first n tokens it predicts
 SEQ[n]; after any other context it predicts WRONG. A rejected draft left in its cache (a missed
@@ -24,11 +24,11 @@ from test_sampling import assert_matches  # chi-square (scipy) and a total-varia
 from transformers import PretrainedConfig
 
 from moeswarm.gate import GateConfig
-from moeswarm.generation.run import generate
+from moeswarm.engine.generate import generate
 from moeswarm.generation.sampling import SamplingParams, probabilities
-from moeswarm.model.tokenizer import TextCodec
-from moeswarm.serve.job import Delta
-from moeswarm.serve.whole_model import WholeModel
+from moeswarm.sources.tokenizer import TextCodec
+from moeswarm.engine.job import Delta
+from moeswarm.engine.whole_model import WholeModel
 from moeswarm.wire.config import EXACT, WAN
 
 SEQ = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4, 1, 2, 3, 4]

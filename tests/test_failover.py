@@ -14,10 +14,10 @@ import time
 import pytest
 
 from moeswarm.dispatch.errors import ExpertsUnavailable
-from moeswarm.generation.run import generate
+from moeswarm.engine.generate import generate
 from moeswarm.tools.bench.injector import Injector
-from moeswarm.tools.local_workers import spawn_worker, split_experts, stop, wait_listening
-from moeswarm.model.loading import load_local
+from moeswarm.local.workers import spawn_worker, split_experts, stop, wait_listening
+from moeswarm.sources.loading import load_local
 from moeswarm.swarm import open_swarm
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]  # "Hello, " in the tiny byte-level vocabulary

@@ -1,6 +1,6 @@
 """One runner for every family: experts on 2 worker processes over TCP, logits torch.equal to eager.
 
-Adding a family is adding a line to moeswarm.tools.tiny.FAMILIES.
+Adding a family is adding a line to moeswarm.model.tiny.FAMILIES.
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeswarm.generation.stepper import Stepper
+from moeswarm.forward.stepper import Stepper
 from moeswarm.swarm import open_swarm
-from moeswarm.tools.local_workers import spawn_worker, split_experts, stop, wait_listening
-from moeswarm.model.loading import load_local
-from moeswarm.tools.tiny import FAMILIES, make_tiny_model
+from moeswarm.local.workers import spawn_worker, split_experts, stop, wait_listening
+from moeswarm.sources.loading import load_local
+from moeswarm.model.tiny import FAMILIES, make_tiny_model
 
 DECODE_STEPS = 8
 

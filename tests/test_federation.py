@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(not (TRAINED / "model.safetensors").exists(), re
 
 @pytest.fixture(scope="module")
 def store():
-    from moeswarm.model.loading import load_experts
+    from moeswarm.sources.loading import load_experts
     from moeswarm.worker.store import ExpertStore
 
     hosted, source, num_experts = load_experts(TRAINED, HELD, layers=(0, 0))
@@ -186,8 +186,8 @@ def test_worker_merges_queued_dispatches_of_several_backbones_and_keeps_the_bits
 def test_two_backbones_at_once_each_bit_identical_to_local(qwen2_moe, qwen2_workers):
     """Two backbones (two swarms, each on its own thread) generate against the same two worker
     processes at the same time; each is compared with its own local eager model step by step."""
-    from moeswarm.generation.run import generate
-    from moeswarm.model.loading import load_local
+    from moeswarm.engine.generate import generate
+    from moeswarm.sources.loading import load_local
     from moeswarm.swarm import open_swarm
 
     prompts = [[72, 101, 108, 108, 111, 44, 32], [100, 101, 102, 32, 102, 40, 120, 41, 58]]

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from moeswarm.errors import ModelError
-from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import local_workers, split_experts
-from moeswarm.model.loading import load_experts, load_local
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.forward.stepper import Stepper
+from moeswarm.local.workers import local_workers, split_experts
+from moeswarm.sources.loading import load_experts, load_local
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.swarm import open_swarm
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.gguf_slice import write_slice

@@ -7,7 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from moeswarm.errors import ModelError
-from moeswarm.model.loading import load_backbone, load_experts
+from moeswarm.sources.loading import load_backbone, load_experts
 from moeswarm.weights.gguf_slice import write_slice
 
 HIDDEN, EXPERTS, FF = 32, 4, 32

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeswarm.generation.stepper import Stepper
-from moeswarm.model.loading import load_experts, load_local
+from moeswarm.forward.stepper import Stepper
+from moeswarm.sources.loading import load_experts, load_local
 from moeswarm.swarm import open_swarm
 from moeswarm.weights.gguf_config import ARCHITECTURES
 from moeswarm.weights.gguf_file import GGUFFile

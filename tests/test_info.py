@@ -1,7 +1,7 @@
 """`moeswarm info` on model directories and GGUF files, and `moeswarm ping` against real workers.
 
 Every number is checked against what the model is: the tiny qwen2_moe's config (tests/conftest.py,
-moeswarm/tools/tiny.py), and the bundled model's GGUF files whose tensors are counted here
+moeswarm/model/tiny.py), and the bundled model's GGUF files whose tensors are counted here
 independently, through gguf's own reader.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from gguf import GGUFReader
 
-from moeswarm.model.source import open_source
-from moeswarm.model.summary import summarize
+from moeswarm.sources.source import open_source
+from moeswarm.sources.summary import summarize
 from moeswarm.weights.gguf_slice import write_slice
 
 REPO = Path(__file__).resolve().parent.parent

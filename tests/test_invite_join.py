@@ -22,7 +22,7 @@ from moeswarm.bundled import PYMOE
 from moeswarm.discovery.invite import parse_invite
 from moeswarm.ids import parse_experts
 from moeswarm.slices.manifest import load_manifest
-from moeswarm.tools.local_workers import stop
+from moeswarm.local.workers import stop
 
 WAIT_S = 180.0
 HALF = 16  # experts of the bundled model's 32 that each joiner's --memory holds

@@ -14,11 +14,11 @@ import sys
 import pytest
 import torch
 
-from moeswarm.generation.ragged import PackedStepper, install
-from moeswarm.generation.sequence_cache import SequenceCache, cache_bytes
+from moeswarm.forward.packed import PackedStepper, install
+from moeswarm.forward.sequence_cache import SequenceCache, cache_bytes
 from moeswarm.swarm import open_swarm
 from moeswarm.swarm_config import SwarmConfig
-from moeswarm.tools.local_stages import local_stages
+from moeswarm.local.stages import local_stages
 from moeswarm.weights import qkernels
 
 MODEL = "models/pymoe/hf"  # the bundled trained model: float32, 6 decoder layers, 32 experts
@@ -156,8 +156,8 @@ def test_serve_with_a_float16_cache_answers_each_prompt_as_a_float16_run_alone(t
 
     from openai import OpenAI
 
-    from moeswarm.generation.run import generate
-    from moeswarm.model.tokenizer import load_text_codec
+    from moeswarm.engine.generate import generate
+    from moeswarm.sources.tokenizer import load_text_codec
     from moeswarm.tools.serve_process import ServeProcess
 
     prompts = ["def main(", "class Stack:", "import os\n", "for i in range("]

@@ -1,10 +1,10 @@
-"""Multi-head latent attention in packed forwards (generation/ragged.py, generation/latent.py):
+"""Multi-head latent attention in packed forwards (forward/packed.py, forward/latent.py):
 DeepSeek V3's layers keep their latents in each sequence's cache, float16 ones with `--kv-cache
 f16`; a decode step attends absorbed, without expanding the cache; and a model of that family
 generates through workers and through stages bit for bit as its local reference does (the
 serving engine: tests/test_serve_engine.py).
 
-The tiny DeepSeek V3 (moeswarm/tools/tiny.py): 3 layers, the first dense, kv_lora_rank 16, rotary
+The tiny DeepSeek V3 (moeswarm/model/tiny.py): 3 layers, the first dense, kv_lora_rank 16, rotary
 part 8, 4 heads of 8 + 8 (keys) and 8 (values), 8 routed experts.
 """
 
@@ -16,14 +16,14 @@ import sys
 
 import torch
 
-from moeswarm.generation import latent
-from moeswarm.generation.ragged import PackedStepper, install, latent_layers
-from moeswarm.generation.stepper import Stepper
-from moeswarm.model.loading import load_local
+from moeswarm.forward import latent
+from moeswarm.forward.packed import PackedStepper, install, latent_layers
+from moeswarm.forward.stepper import Stepper
+from moeswarm.sources.loading import load_local
 from moeswarm.swarm import open_swarm
 from moeswarm.swarm_config import SwarmConfig
-from moeswarm.tools.local_stages import local_stages
-from moeswarm.tools.local_workers import local_workers, split_experts
+from moeswarm.local.stages import local_stages
+from moeswarm.local.workers import local_workers, split_experts
 
 PROMPT = "3,41,7,99,12,5,250,18"
 

@@ -13,10 +13,10 @@ import torch
 
 from moeswarm.generation.draft_local import LocalDrafter, LocalExperts, next_draft_length, renormalise
 from moeswarm.generation.drafters import BothDrafter, NgramDrafter, make_drafter
-from moeswarm.generation.run import generate
-from moeswarm.serve.whole_model import WholeModel
-from moeswarm.model.loading import load_experts, load_local
-from moeswarm.model.source import open_source
+from moeswarm.engine.generate import generate
+from moeswarm.engine.whole_model import WholeModel
+from moeswarm.sources.loading import load_experts, load_local
+from moeswarm.sources.source import open_source
 from moeswarm.swarm import open_swarm
 from moeswarm.worker.store import ExpertStore
 
@@ -190,9 +190,9 @@ def test_serve_drafts_locally_with_the_same_tokens_and_exact_logits(qwen2_moe, q
     import threading
 
     from moeswarm.generation.sampling import SamplingParams
-    from moeswarm.model.tokenizer import load_text_codec
-    from moeswarm.serve.engine import Engine, EngineConfig
-    from moeswarm.serve.job import Delta, Finished, Job
+    from moeswarm.sources.tokenizer import load_text_codec
+    from moeswarm.engine.engine import Engine, EngineConfig
+    from moeswarm.engine.job import Delta, Finished, Job
 
     prompts = [PROMPT, [7, 7, 8, 7, 7, 8, 7]]
     tokens: list[list[int]] = [[], []]
@@ -229,8 +229,8 @@ def test_serve_drafts_locally_with_the_same_tokens_and_exact_logits(qwen2_moe, q
 
 def test_serve_refuses_local_drafts_without_local_experts(qwen2_moe, qwen2_workers):
     from moeswarm.errors import MoeSwarmError
-    from moeswarm.model.tokenizer import load_text_codec
-    from moeswarm.serve.engine import Engine, EngineConfig
+    from moeswarm.sources.tokenizer import load_text_codec
+    from moeswarm.engine.engine import Engine, EngineConfig
 
     with open_swarm(qwen2_moe, qwen2_workers) as swarm:
         codec = load_text_codec(swarm.source, swarm.model.config.vocab_size)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from moeswarm.cli import main
-from moeswarm.generation.stepper import Stepper
+from moeswarm.forward.stepper import Stepper
 from moeswarm.model.experts import experts_modules
-from moeswarm.model.loading import load_local
+from moeswarm.sources.loading import load_local
 from moeswarm.swarm import open_swarm
 
 DECODE_STEPS = 6
@@ -121,7 +121,7 @@ def test_local_experts_from_a_profile_are_the_hottest(qwen2_moe, tmp_path, spec,
     import argparse
 
     from moeswarm.commands._local import local_experts_spec, resolve
-    from moeswarm.model.source import open_source
+    from moeswarm.sources.source import open_source
 
     layers = sorted(experts_modules(load_local(qwen2_moe)))
     counts = {str(l): [0, 5, 1, 9, 9, 0, 2, 3] for l in layers}

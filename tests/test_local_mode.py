@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from moeswarm.generation.stepper import Stepper
-from moeswarm.model.loading import load_local
+from moeswarm.forward.stepper import Stepper
+from moeswarm.sources.loading import load_local
 from moeswarm.swarm import open_swarm
 
 PROMPT = [5, 18, 31, 44, 57, 70]

@@ -19,12 +19,12 @@ from moeswarm.commands import worker as worker_command
 from moeswarm.dispatch.combine import combine_exact, combine_partial
 from moeswarm.errors import ModelError, ProtocolError
 from moeswarm.ids import format_ids, parse_experts
-from moeswarm.model.checkpoint import Checkpoint
+from moeswarm.sources.hf_directory import Checkpoint
 from moeswarm.model.experts import experts_modules
-from moeswarm.model.loading import load_backbone, load_experts, load_local
-from moeswarm.model.source import open_source
+from moeswarm.sources.loading import load_backbone, load_experts, load_local
+from moeswarm.sources.source import open_source
 from moeswarm.weights.gguf_slice import write_slice
-from moeswarm.weights.gguf_source import GGUFCheckpoint
+from moeswarm.sources.gguf_source import GGUFCheckpoint
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.messages import Dispatch
 from moeswarm.worker.store import ExpertStore

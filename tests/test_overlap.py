@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from moeswarm.generation.stepper import Stepper
+from moeswarm.forward.stepper import Stepper
 from moeswarm.model.experts import experts_modules
-from moeswarm.model.loading import load_local
+from moeswarm.sources.loading import load_local
 from moeswarm.swarm import open_swarm
 
 STEPS = 5

@@ -19,10 +19,10 @@ from test_dispatcher import FakeLink, _routing, reference
 from moeswarm.cli import main
 from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.errors import MoeSwarmError
-from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import stop, wait_listening
-from moeswarm.model.calibrate import count_routing
-from moeswarm.model.loading import load_local
+from moeswarm.forward.stepper import Stepper
+from moeswarm.local.workers import stop, wait_listening
+from moeswarm.placement.calibrate import count_routing
+from moeswarm.sources.loading import load_local
 from moeswarm.placement.chooser import choose_for_call, choose_owners
 from moeswarm.placement.plan_file import Plan, WorkerSpec, format_layer_experts, parse_layer_experts, read_plan
 from moeswarm.placement.planner import (LayerRouting, contiguous_plan, plan_placement, routing_from_profile,

@@ -10,10 +10,10 @@ import torch
 
 from moeswarm.cli import main
 from moeswarm.errors import MoeSwarmError
-from moeswarm.generation.stepper import Stepper
-from moeswarm.model.loading import load_local
-from moeswarm.model.source import open_source
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.forward.stepper import Stepper
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.source import open_source
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.placement.profile import RoutingStats, hot_sets, read_profile
 
 

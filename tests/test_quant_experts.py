@@ -21,11 +21,11 @@ from moeswarm.model.hosted import HostedLayer
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.messages import Dispatch
 from moeswarm.worker.store import ExpertStore
-from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import local_workers
+from moeswarm.forward.stepper import Stepper
+from moeswarm.local.workers import local_workers
 from moeswarm.model.experts import experts_modules
-from moeswarm.model.loading import load_experts, load_local
-from moeswarm.model.source import open_source
+from moeswarm.sources.loading import load_experts, load_local
+from moeswarm.sources.source import open_source
 from moeswarm.weights import qkernels
 from moeswarm.swarm import open_swarm
 from moeswarm.weights.quant_experts import QuantExperts, QuantMatrix, quant_matrix

@@ -32,10 +32,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from moeswarm.generation.stepper import Stepper
+from moeswarm.forward.stepper import Stepper
 from moeswarm.model.experts import experts_modules
-from moeswarm.model.loading import load_experts, load_local
-from moeswarm.model.source import open_source
+from moeswarm.sources.loading import load_experts, load_local
+from moeswarm.sources.source import open_source
 from moeswarm.weights import qkernels
 from moeswarm.weights.gguf_file import GGUFFile
 from moeswarm.weights.quant_experts import QuantExperts
@@ -129,7 +129,7 @@ def test_workers_hold_the_experts_in_the_files_blocks(family, kind, ggufs):
 def test_generate_check_local_is_bit_identical_through_workers(family, kind, ggufs, capsys):
     """The CLI a user runs, with two real worker processes holding non-contiguous expert sets."""
     from moeswarm.cli import main
-    from moeswarm.tools.local_workers import local_workers
+    from moeswarm.local.workers import local_workers
 
     path = ggufs(family)[kind]
     with local_workers(path, [[0, 2, 5], [1, 3, 4, 6, 7]]) as addresses:

@@ -239,7 +239,7 @@ def test_a_fused_expert_gives_the_bits_of_its_products_in_turn(types, activation
 
 @pytest.mark.parametrize("qtype, K", [(Q.Q5_0, 192), (Q.Q4_K, 512), (Q.Q8_0, 128), (Q.F16, 8)], ids=lambda v: getattr(v, "name", str(v)))
 def test_a_product_per_head_gives_each_heads_own_bits(qtype, K):
-    """matmul_heads (latent attention's W_uk and W_uv per head, generation/latent.py): head h's
+    """matmul_heads (latent attention's W_uk and W_uv per head, forward/latent.py): head h's
     columns of x times head h's matrix, the bits of `matmul` on them alone, on any thread count."""
     heads, rows = 5, 48
     raw = np.stack([random_rows(qtype, rows, K, seed=h) for h in range(heads)])  # [H, rows, row_bytes]

@@ -1,4 +1,4 @@
-"""Packed forwards (generation/ragged.py): many sequences in one forward, each attending to its own cache.
+"""Packed forwards (forward/packed.py): many sequences in one forward, each attending to its own cache.
 
 Three properties: a sequence packed alone gives the very bits of an ordinary forward; a packed step
 of several sequences (a prompt chunk, a decode token, alternative draft rows) through workers is
@@ -12,17 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeswarm.generation.ragged import Item, PackedStepper, forward_packed, install, supports_ragged
-from moeswarm.generation.sequence_cache import SequenceCache
-from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import local_swarm, split_experts
-from moeswarm.model.loading import load_local
-from moeswarm.tools.tiny import FAMILIES
+from moeswarm.forward.packed import Item, PackedStepper, forward_packed, install, supports_ragged
+from moeswarm.forward.sequence_cache import SequenceCache
+from moeswarm.forward.stepper import Stepper
+from moeswarm.local.workers import local_swarm, split_experts
+from moeswarm.sources.loading import load_local
+from moeswarm.model.tiny import FAMILIES
 
 # Families whose layers keep a state packing cannot hold: recurrent and linear-attention layers
 # (Jamba, Qwen3-Next, ZAYA), DeepSeek V4's compressed attention; the engine runs them one forward
 # per sequence. Multi-head latent attention (DeepSeek V2/V3) packs: its latents are cached, and
-# its attention runs absorbed (generation/latent.py), whose sums differ from the expanded form's
+# its attention runs absorbed (forward/latent.py), whose sums differ from the expanded form's
 # in the last places: alone, those families are close to an ordinary forward, not equal.
 NOT_PACKED = {"deepseek_v4", "jamba", "qwen3_next", "zaya"}
 ABSORBED = {"deepseek_v2", "deepseek_v3"}

@@ -14,7 +14,7 @@ import pytest
 
 from moeswarm.discovery.invite import parse_invite
 from moeswarm.slices.manifest import load_manifest
-from moeswarm.tools.local_workers import stop
+from moeswarm.local.workers import stop
 from swarm_processes import announced, bundled_copy, cli, join, lines_until, run, share_of, status
 
 HALF = 16  # of the bundled model's 32 experts

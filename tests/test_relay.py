@@ -22,11 +22,11 @@ import time
 import pytest
 
 from moeswarm.errors import WorkerError
-from moeswarm.generation.run import generate
-from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
-from moeswarm.model.loading import load_local
+from moeswarm.engine.generate import generate
+from moeswarm.local.workers import spawn_worker, stop, wait_listening
+from moeswarm.sources.loading import load_local
 from moeswarm.transport.path import choose_path, parse_worker, probe
-from moeswarm.relay.protocol import (MAGIC, RelayError, encode_request, parse_relay_address,
+from moeswarm.wire.relay import (MAGIC, RelayError, encode_request, parse_relay_address,
                                          parse_request_head)
 from moeswarm.relay.server import CHUNK, RelayLimits, RelayServer
 from moeswarm.swarm import open_swarm

@@ -20,7 +20,7 @@ import threading
 import pytest
 
 from moeswarm.transport.member_cert import Authority, Identity, revoke, write_member
-from moeswarm.relay.protocol import (CHALLENGE, CHALLENGE_BYTES, ERROR, OK, RelayError, challenge_bytes,
+from moeswarm.wire.relay import (CHALLENGE, CHALLENGE_BYTES, ERROR, OK, RelayError, challenge_bytes,
                                          encode_proof, encode_request)
 from moeswarm.relay.server import RelayLimits, RelayServer
 from moeswarm.relay.worker import RelayAttachment
@@ -250,9 +250,9 @@ def test_a_member_worker_through_a_keyed_relay_process_is_exact(qwen2_moe, membe
     import subprocess
     import sys
 
-    from moeswarm.generation.run import generate
-    from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
-    from moeswarm.model.loading import load_local
+    from moeswarm.engine.generate import generate
+    from moeswarm.local.workers import spawn_worker, stop, wait_listening
+    from moeswarm.sources.loading import load_local
     from moeswarm.swarm import open_swarm
     from moeswarm.transport.tls import client_context
 

@@ -14,11 +14,11 @@ from moeswarm.dispatch.chunks import ReplyTooLarge, cut_share
 from moeswarm.dispatch.dispatcher import Dispatcher
 from moeswarm.dispatch.plan import plan_layer
 from moeswarm.errors import WorkerError
-from moeswarm.generation.run import generate
-from moeswarm.model.loading import load_local
+from moeswarm.engine.generate import generate
+from moeswarm.sources.loading import load_local
 from moeswarm.placement.table import build_table
 from moeswarm.swarm import open_swarm
-from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
+from moeswarm.local.workers import spawn_worker, stop, wait_listening
 from moeswarm.transport.tcp import TcpLink
 from moeswarm.wire.config import EXACT, CombineMode, WireConfig
 from moeswarm.wire.messages import Dispatch

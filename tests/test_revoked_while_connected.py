@@ -7,8 +7,8 @@ import shutil
 import socket
 import time
 
-from moeswarm.model.source import open_source
-from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
+from moeswarm.sources.source import open_source
+from moeswarm.local.workers import spawn_worker, stop, wait_listening
 from moeswarm.transport.member_cert import revoke, write_member
 from moeswarm.transport.tls import client_context, write_swarm_key
 from moeswarm.wire.frames import Frame, Opcode

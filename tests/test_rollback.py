@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from moeswarm.tools.bench.lying import LyingLink, generate_with_rollback, greedy
-from moeswarm.generation.stepper import Stepper
-from moeswarm.model.loading import load_local
+from moeswarm.forward.stepper import Stepper
+from moeswarm.sources.loading import load_local
 from moeswarm.swarm import open_swarm
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
@@ -52,9 +52,9 @@ def test_the_serving_engine_rolls_back_a_request_and_takes_its_text_back(qwen2_m
     """The same liar under the engine: the request's steps after the first tainted one are undone,
     the caller told to take their output back (Rewind), and the final tokens are the honest ones."""
     from moeswarm.generation.sampling import SamplingParams
-    from moeswarm.model.tokenizer import load_text_codec
-    from moeswarm.serve.engine import Engine, EngineConfig
-    from moeswarm.serve.job import Delta, Finished, Job, Rewind
+    from moeswarm.sources.tokenizer import load_text_codec
+    from moeswarm.engine.engine import Engine, EngineConfig
+    from moeswarm.engine.job import Delta, Finished, Job, Rewind
 
     tokens, rewinds, ends = [], [], []
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeswarm.generation.run import generate
+from moeswarm.engine.generate import generate
 from moeswarm.generation.sampling import SamplingParams
-from moeswarm.model.loading import load_local
-from moeswarm.model.tokenizer import load_text_codec
-from moeswarm.serve.engine import Engine, EngineConfig
-from moeswarm.serve.job import Delta, Job
-from moeswarm.serve.whole_model import WholeModel
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.tokenizer import load_text_codec
+from moeswarm.engine.engine import Engine, EngineConfig
+from moeswarm.engine.job import Delta, Job
+from moeswarm.engine.whole_model import WholeModel
 from moeswarm.swarm import open_swarm
 from moeswarm.weights import qkernels
 from moeswarm.weights.row_invariant import RowInvariantWeight, make_rows_invariant

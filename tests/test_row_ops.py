@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers.models.llama import modeling_llama as llama
 
-from moeswarm.model.loading import load_local
+from moeswarm.sources.loading import load_local
 from moeswarm.weights import qkernels
 from moeswarm.weights.row_ops import (RowRMSNorm, RowRotaryEmbedding, _rope_pair, _same_code, use_rotary_tables,
                                       use_row_ops)
@@ -138,9 +138,9 @@ def test_only_the_plain_forms_are_recognised():
 
 
 def test_a_gguf_backbone_uses_them_and_its_swarm_stays_bit_identical(qwen3_q4_k_m):
-    from moeswarm.generation.stepper import Stepper
+    from moeswarm.forward.stepper import Stepper
     from moeswarm.swarm import open_swarm
-    from moeswarm.tools.local_workers import local_workers, split_experts
+    from moeswarm.local.workers import local_workers, split_experts
 
     path = qwen3_q4_k_m
     reference = load_local(path)
@@ -164,7 +164,7 @@ def test_a_gguf_backbone_uses_them_and_its_swarm_stays_bit_identical(qwen3_q4_k_
 def test_every_model_built_here_takes_its_tables_from_c():
     from pathlib import Path
 
-    from moeswarm.model.loading import load_backbone
+    from moeswarm.sources.loading import load_backbone
 
     hf = Path(__file__).resolve().parents[1] / "models" / "pymoe" / "hf"  # a directory, as transformers loads it
     reference = load_local(hf)

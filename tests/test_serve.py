@@ -19,11 +19,11 @@ import openai
 import pytest
 
 from moeswarm.bundled import TRAINED
-from moeswarm.generation.run import generate
-from moeswarm.serve.whole_model import WholeModel
-from moeswarm.tools.local_workers import local_workers, spawn_worker, split_experts, stop, wait_listening
-from moeswarm.model.loading import load_local
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.engine.generate import generate
+from moeswarm.engine.whole_model import WholeModel
+from moeswarm.local.workers import local_workers, spawn_worker, split_experts, stop, wait_listening
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.tools.serve_process import ServeProcess
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -101,7 +101,7 @@ def test_concurrent_greedy_streams_equal_each_prompt_run_alone(trained_server, c
     trips = trained_server.metric("moeswarm_step_round_trips_sum") - before_trips
     assert 0 < steps < 4 * 16  # requests shared steps
     groups = trained_server.metric("moeswarm_step_groups_sum") - before_groups
-    assert steps <= groups <= 2 * steps  # one or two batches in flight (serve/group_policy.py)
+    assert steps <= groups <= 2 * steps  # one or two batches in flight (engine/group_policy.py)
     assert trips == 6 * groups  # one round trip per MoE layer per group, whatever the number of requests
     assert trained_server.metric("moeswarm_check_local_logits_total") > 0
     assert trained_server.metric("moeswarm_check_local_mismatched_logits_total") == 0

@@ -27,8 +27,8 @@ import torch
 
 from moeswarm.bundled import TRAINED
 from moeswarm.generation.sampling import SamplingParams, log_probs, penalize
-from moeswarm.generation.stepper import Stepper
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.forward.stepper import Stepper
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.serve.grammar import Grammars
 from moeswarm.tools.serve_process import ServeProcess
 

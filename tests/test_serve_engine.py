@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from moeswarm.errors import WorkerError
-from moeswarm.generation.run import generate
-from moeswarm.serve.whole_model import WholeModel
+from moeswarm.engine.generate import generate
+from moeswarm.engine.whole_model import WholeModel
 from moeswarm.generation.sampling import SamplingParams
-from moeswarm.model.loading import load_local
-from moeswarm.model.tokenizer import load_text_codec
-from moeswarm.serve.batcher import StepBatcher
-from moeswarm.serve.engine import Engine, EngineConfig
-from moeswarm.serve.job import Delta, Failed, Finished, Job
-from moeswarm.serve.prefix_cache import PrefixCache
-from moeswarm.serve.scheduler import Feed, Slot, plan_step
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.tokenizer import load_text_codec
+from moeswarm.engine.batcher import StepBatcher
+from moeswarm.engine.engine import Engine, EngineConfig
+from moeswarm.engine.job import Delta, Failed, Finished, Job
+from moeswarm.engine.prefix_cache import PrefixCache
+from moeswarm.engine.scheduler import Feed, Slot, plan_step
 from moeswarm.swarm import open_swarm
 
 PROMPTS = [
@@ -242,7 +242,7 @@ def test_batched_greedy_equals_alone_and_local_eager_bit_for_bit(qwen2_moe, loca
 
 
 def test_latent_attention_batches_and_every_step_equals_its_local_reference(tiny_models):
-    """DeepSeek V3 (multi-head latent attention, generation/latent.py), drafts on: one packed forward
+    """DeepSeek V3 (multi-head latent attention, forward/latent.py), drafts on: one packed forward
     a step for all the jobs, each step compared bit for bit with the same step on the local model."""
     engine, got = _serve_greedy(tiny_models("deepseek_v3"), PROMPTS, speculate=3)
     assert engine.packed

@@ -15,7 +15,7 @@ from inprocess_serve import in_process_serve
 
 from moeswarm.bundled import TRAINED
 from moeswarm.generation.sampling import log_probs
-from moeswarm.generation.stepper import Stepper
+from moeswarm.forward.stepper import Stepper
 from moeswarm.serve.chat import chat_prompt
 
 PROMPT = "def add(a, b):\n"

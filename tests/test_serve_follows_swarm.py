@@ -12,7 +12,7 @@ import pytest
 
 from moeswarm.discovery.invite import parse_invite
 from moeswarm.slices.manifest import load_manifest
-from moeswarm.tools.local_workers import stop
+from moeswarm.local.workers import stop
 from moeswarm.tools.serve_process import ServeProcess
 from swarm_processes import announced, bundled_copy, cli, join, lines_until
 

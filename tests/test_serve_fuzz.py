@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeswarm.bundled import TRAINED
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.serve.api import ServeState, create_app
-from moeswarm.serve.job import Delta, Finished, TokenLogprob
+from moeswarm.engine.job import Delta, Finished, TokenLogprob
 
 
 class AnsweringEngine:

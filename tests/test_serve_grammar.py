@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moeswarm.bundled import TRAINED
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.serve.grammar import Grammars
 
 SCHEMA = {"type": "object", "properties": {"size": {"enum": ["small", "large"]}}, "required": ["size"],

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from moeswarm.serve.api import ServeState, create_app
 from moeswarm.serve.embeddings import pooled
-from moeswarm.serve.job import Delta, Finished
+from moeswarm.engine.job import Delta, Finished
 
 TOOLS = [{"type": "function", "name": "get_time", "description": "the time in a zone",
           "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],

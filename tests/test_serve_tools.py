@@ -12,9 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from moeswarm.bundled import TRAINED
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.serve.api import ServeState, create_app
-from moeswarm.serve.job import Delta, Finished
+from moeswarm.engine.job import Delta, Finished
 
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}]

@@ -251,10 +251,10 @@ def test_a_keyed_swarm_uses_the_signed_worker_and_never_the_forged_one(qwen2_moe
 
     import torch
 
-    from moeswarm.generation.stepper import Stepper
-    from moeswarm.tools.local_workers import spawn_worker, stop
-    from moeswarm.model.loading import load_local
-    from moeswarm.model.source import open_source
+    from moeswarm.forward.stepper import Stepper
+    from moeswarm.local.workers import spawn_worker, stop
+    from moeswarm.sources.loading import load_local
+    from moeswarm.sources.source import open_source
     from moeswarm.discovery.follow import DiscoveryOptions
     from moeswarm.swarm import open_swarm
     from moeswarm.transport.tls import client_context

@@ -1,4 +1,4 @@
-"""Speculation on by default over real workers (serve/speculation.py): the goodput rule drafts where
+"""Speculation on by default over real workers (engine/speculation.py): the goodput rule drafts where
 drafts are kept, stays bit-identical to the local eager model, and stops drafting on text whose
 drafts are never kept (sampling at a high temperature).
 

@@ -1,4 +1,4 @@
-"""The engine's speculation hook (serve/speculation.py) on fake models, no network: K follows the
+"""The engine's speculation hook (engine/speculation.py) on fake models, no network: K follows the
 acceptance, shadow drafts bring it back, and the output never depends on it."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from test_engine_acceptance import FakeCache
 from transformers import PretrainedConfig
 
-from moeswarm.generation.run import generate
-from moeswarm.model.tokenizer import TextCodec
-from moeswarm.serve.whole_model import WholeModel
+from moeswarm.engine.generate import generate
+from moeswarm.sources.tokenizer import TextCodec
+from moeswarm.engine.whole_model import WholeModel
 
 VOCAB = 64
 
@@ -76,8 +76,8 @@ def test_a_model_with_recurrent_layers_drafts_nothing_by_default_and_refuses_dra
     import pytest
 
     from moeswarm.errors import MoeSwarmError
-    from moeswarm.serve.engine import EngineConfig
-    from moeswarm.serve.speculation import resolve_speculation
+    from moeswarm.engine.engine import EngineConfig
+    from moeswarm.engine.speculation import resolve_speculation
 
     model = Scripted(noisy)
     remote = SimpleNamespace(model=model, remote=True)

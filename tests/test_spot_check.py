@@ -195,8 +195,8 @@ def test_a_lying_link_to_a_real_worker_is_caught_in_a_generation(qwen2_moe, qwen
     """Real worker processes of the tiny model: one link lies (zeros); checks at 100 %: the
     generation stays bit-identical to local, the liar is banned, the honest links are not."""
     from moeswarm.tools.bench.lying import LyingLink
-    from moeswarm.generation.run import generate
-    from moeswarm.model.loading import load_local
+    from moeswarm.engine.generate import generate
+    from moeswarm.sources.loading import load_local
     from moeswarm.swarm import open_swarm
 
     addresses = qwen2_replicas  # conftest's two workers holding every expert: the lie is the link's

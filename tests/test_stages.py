@@ -15,15 +15,15 @@ import torch
 from openai import OpenAI
 
 from moeswarm.errors import ProtocolError
-from moeswarm.generation.cache_journal import Journal
-from moeswarm.generation.ragged import PackedStepper, install
-from moeswarm.generation.sequence_cache import SequenceCache
-from moeswarm.model.loading import load_local
+from moeswarm.forward.cache_journal import Journal
+from moeswarm.forward.packed import PackedStepper, install
+from moeswarm.forward.sequence_cache import SequenceCache
+from moeswarm.sources.loading import load_local
 from moeswarm.stages.caches import CacheLimits, StageCaches
 from moeswarm.stages.gateway import open_gateway
 from moeswarm.stages.protocol import Segment, Step
-from moeswarm.tools.local_stages import local_stages
-from moeswarm.tools.local_workers import local_workers, wait_listening
+from moeswarm.local.stages import local_stages
+from moeswarm.local.workers import local_workers, wait_listening
 from moeswarm.tools.serve_process import ServeProcess
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.stream import recv_frame, send_frame
@@ -174,7 +174,7 @@ def test_generate_refuses_stages_with_workers_of_its_own(two_stages):
 def _hello(address: str, session: str = "s1") -> socket.socket:
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=30)
-    from moeswarm.model.source import open_source
+    from moeswarm.sources.source import open_source
 
     send_frame(sock, Frame(Opcode.HELLO, 0, {"role": "gateway", "session": session,
                                             "fingerprint": open_source(MODEL).fingerprint}))
@@ -215,7 +215,7 @@ def test_bad_steps_get_one_error_line_and_the_stage_keeps_serving(two_stages):
 def test_a_stage_started_without_a_terminal_draws_no_progress_bars():
     """stderr is not a terminal: no bar of transformers' loading (the command's module loads transformers
     while its flags are parsed, so the quiet settings come before the parser)."""
-    from moeswarm.tools.local_stages import spawn_stage
+    from moeswarm.local.stages import spawn_stage
 
     process = spawn_stage(MODEL, "0-2", threads=1)
     try:
@@ -288,8 +288,8 @@ def test_journal_records_what_the_stages_must_replay():
 
 
 def test_a_dead_stage_is_replaced_by_its_replica_and_the_steps_replayed_bit_identical(two_stages, stage_threads):
-    from moeswarm.tools.local_stages import spawn_stage
-    from moeswarm.tools.local_workers import stop, wait_listening
+    from moeswarm.local.stages import spawn_stage
+    from moeswarm.local.workers import stop, wait_listening
 
     first = two_stages[0]  # the module's first stage (0-2) leads; the second and its replica are this test's own to kill
     processes = [spawn_stage(MODEL, span, threads=THREADS) for span in ("3-5", "3-5")]

@@ -260,9 +260,9 @@ def test_generate_finds_two_announced_stages_on_the_dht_and_is_bit_identical():
     from hivemind.utils import get_dht_time
 
     from moeswarm.discovery.dht import SwarmDht
-    from moeswarm.model.source import open_source
-    from moeswarm.tools.local_stages import spawn_stage
-    from moeswarm.tools.local_workers import stop
+    from moeswarm.sources.source import open_source
+    from moeswarm.local.stages import spawn_stage
+    from moeswarm.local.workers import stop
 
     fingerprint = open_source(MODEL).fingerprint
     meeting = SwarmDht.open([], host="127.0.0.1")
@@ -327,13 +327,13 @@ def test_a_stage_announced_after_the_start_joins_as_a_replica_and_takes_over_bit
     import torch
 
     from moeswarm.discovery.dht import SwarmDht
-    from moeswarm.generation.ragged import PackedStepper, install
-    from moeswarm.model.loading import load_local
-    from moeswarm.model.source import open_source
+    from moeswarm.forward.packed import PackedStepper, install
+    from moeswarm.sources.loading import load_local
+    from moeswarm.sources.source import open_source
     from moeswarm.stages.find import StageSearch, watch_stages
     from moeswarm.stages.gateway import open_gateway
-    from moeswarm.tools.local_stages import spawn_stage
-    from moeswarm.tools.local_workers import stop
+    from moeswarm.local.stages import spawn_stage
+    from moeswarm.local.workers import stop
 
     meeting = SwarmDht.open([], host="127.0.0.1")
     peer = meeting.addresses()[0]

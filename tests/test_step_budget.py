@@ -1,10 +1,10 @@
-"""serve/step_budget.py: a step's token budget grows to fill the wait on replies, within its floor and cap."""
+"""engine/step_budget.py: a step's token budget grows to fill the wait on replies, within its floor and cap."""
 
 from __future__ import annotations
 
 import pytest
 
-from moeswarm.serve.step_budget import StepBudget
+from moeswarm.engine.step_budget import StepBudget
 
 
 def test_without_measurements_or_without_waits_the_budget_is_the_floor():

@@ -8,8 +8,8 @@ import shutil
 import httpx
 import pytest
 
-from moeswarm.model.source import open_source
-from moeswarm.tools.local_workers import local_workers
+from moeswarm.sources.source import open_source
+from moeswarm.local.workers import local_workers
 from moeswarm.tools.serve_process import ServeProcess
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")

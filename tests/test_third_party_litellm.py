@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from moeswarm.generation.stepper import Stepper
+from moeswarm.forward.stepper import Stepper
 from moeswarm.serve.chat import chat_prompt
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches a price list at import otherwise

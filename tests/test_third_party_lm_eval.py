@@ -22,7 +22,7 @@ import pytest
 
 from moeswarm.bundled import TRAINED
 from moeswarm.generation.sampling import log_probs
-from moeswarm.generation.stepper import Stepper
+from moeswarm.forward.stepper import Stepper
 
 pytest.importorskip("lm_eval")
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from moeswarm.tools.local_workers import local_workers, split_experts
+from moeswarm.local.workers import local_workers, split_experts
 from moeswarm.wire.frames import MAGIC
 
 

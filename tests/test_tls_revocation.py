@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
+from moeswarm.local.workers import spawn_worker, stop, wait_listening
 from moeswarm.transport.member_cert import read_revoked, revoke, write_member
 from moeswarm.transport.tls import PeerRefused, client_context, server_context, write_swarm_key
 

@@ -1,4 +1,4 @@
-"""Several batches in flight (serve/turns.py): groups take turns at every MoE layer, and a step of
+"""Several batches in flight (engine/turns.py): groups take turns at every MoE layer, and a step of
 two groups through real workers stays bit-identical to the same groups computed locally."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import threading
 import torch
 
 from moeswarm.generation.sampling import SamplingParams
-from moeswarm.tools.local_workers import local_swarm
-from moeswarm.model.loading import load_local
-from moeswarm.model.tokenizer import load_text_codec
-from moeswarm.serve.engine import Engine, EngineConfig
-from moeswarm.serve.job import Delta, Finished, Job
-from moeswarm.serve.runner import split_groups
-from moeswarm.serve.turns import TakingTurns
+from moeswarm.local.workers import local_swarm
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.tokenizer import load_text_codec
+from moeswarm.engine.engine import Engine, EngineConfig
+from moeswarm.engine.job import Delta, Finished, Job
+from moeswarm.engine.runner import split_groups
+from moeswarm.engine.turns import TakingTurns
 
 
 class Recorder:
@@ -107,7 +107,7 @@ def test_two_groups_through_workers_equal_the_same_groups_locally(qwen2_moe):
 
 
 def test_the_group_policy_uses_what_measured_cheaper_and_tries_the_other_now_and_then():
-    from moeswarm.serve.group_policy import EXPLORE_EVERY, GroupPolicy
+    from moeswarm.engine.group_policy import EXPLORE_EVERY, GroupPolicy
 
     policy = GroupPolicy()
     assert policy.choose(remote=False, sequences=8) == 1 and policy.choose(remote=True, sequences=1) == 1

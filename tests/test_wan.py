@@ -314,7 +314,7 @@ def test_cli_proxy_subprocess():
 def test_cli_rejects_bad_flag(capsys):
     import argparse
 
-    from moeswarm.commands import wan
+    from moeswarm.tools.commands import wan
 
     parser = argparse.ArgumentParser(prog="moeswarm wan")
     wan.add_arguments(parser)

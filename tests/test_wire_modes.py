@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from moeswarm.generation.stepper import Stepper
-from moeswarm.model.loading import load_local
+from moeswarm.forward.stepper import Stepper
+from moeswarm.sources.loading import load_local
 from moeswarm.swarm import open_swarm
 from moeswarm.wire.config import WireConfig
 

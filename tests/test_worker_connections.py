@@ -173,7 +173,7 @@ def test_accept_errors_are_logged_once_per_cause_without_tracebacks(qwen2_moe, t
     """A real worker under an open-files limit of 160 meets a flood of 300 connections: accept fails
     with EMFILE again and again. stderr gets one line for it and no traceback; once the flood ends,
     a backbone is served."""
-    from moeswarm.model.source import open_source
+    from moeswarm.sources.source import open_source
 
     def low_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (160, 160))

@@ -1,4 +1,4 @@
-"""The express lane (worker/express.py): a DISPATCH with metadata bytes answered before, answered in one
+"""The express lane (worker/express_answer.py): a DISPATCH with metadata bytes answered before, answered in one
 C call from the frame's bytes, with the bits and the RESULT frame of the full path.
 
 Frames go through the real encoder and decoder (to_frame, bytes, parse_header, decode_frame) into

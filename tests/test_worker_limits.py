@@ -486,8 +486,8 @@ def test_worker_rss_stays_bounded_under_unread_floods(tmp_path):
     once the connections close.
     """
     from moeswarm.tools.bench.worker_process import spawn_worker
-    from moeswarm.model.source import open_source
-    from moeswarm.tools.tiny import make_tiny_model
+    from moeswarm.sources.source import open_source
+    from moeswarm.model.tiny import make_tiny_model
 
     model = make_tiny_model("qwen2_moe", tmp_path / "qwen2_moe")
     fingerprint = open_source(model).fingerprint

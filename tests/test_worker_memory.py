@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from moeswarm.model.loading import load_experts
-from moeswarm.model.source import open_source
+from moeswarm.sources.loading import load_experts
+from moeswarm.sources.source import open_source
 from moeswarm.weights.gguf_file import GGUFFile
 
 D, INNER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM = 64, 64, 4, 2, 2, 1, 32
@@ -28,7 +28,7 @@ SMALL_VOCAB, LARGE_VOCAB = 1000, 60_000
 
 def vocabulary(size: int) -> tuple[list[str], list[str]]:
     """(tokens, merges) of a byte-level BPE: the 256 byte symbols, then pairs of them, then an end token."""
-    from moeswarm.tools.tiny import BYTE_TO_UNICODE
+    from moeswarm.model.tiny import BYTE_TO_UNICODE
 
     symbols = [BYTE_TO_UNICODE[b] for b in range(256)]
     pairs = [(a, b) for a in symbols for b in symbols][: size - 256 - 1]

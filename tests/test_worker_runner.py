@@ -469,7 +469,7 @@ def test_sigint_during_compute_stops_cleanly():
 def test_real_store_on_the_compute_thread_matches_a_direct_run():
     """The bundled model's experts through the server's thread give the same bits as store.run here."""
     from moeswarm.bundled import TRAINED
-    from moeswarm.model.loading import load_experts
+    from moeswarm.sources.loading import load_experts
     from moeswarm.worker.store import ExpertStore
 
     if not (TRAINED / "model.safetensors").exists():

@@ -1,4 +1,4 @@
-"""Float experts on the express lane (worker/express.py `TorchLane`) and the eager modules' own sums
+"""Float experts on the express lane (worker/express_answer.py `TorchLane`) and the eager modules' own sums
 (worker/store.py `_sentinel`): a decode step's DISPATCH to a family's torch experts skips the full
 path's decoding and queueing, with the full path's RESULT frame and bits.
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeswarm.model.loading import load_experts
+from moeswarm.sources.loading import load_experts
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import HEADER_SIZE, Opcode, pack_meta, parse_header
 from moeswarm.wire.messages import Dispatch, ErrorReply, Result

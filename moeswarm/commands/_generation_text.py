@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from moeswarm.generation.report import GenerationReport
-from moeswarm.serve.job import Delta, Event, Rewind
+from moeswarm.engine.job import Delta, Event, Rewind
 
 
 def stream_text(event: Event) -> None:

@@ -59,7 +59,7 @@ def check_stages(args: argparse.Namespace, config, source=None) -> None:
 def find_stages(args: argparse.Namespace, config, source=None):
     """`--stages-swarm`: the chain read from the DHT for the model's fingerprint, the swarm kept
     joined (a stages/find.py StageWatch)."""
-    from moeswarm.model.source import open_source
+    from moeswarm.sources.source import open_source
     from moeswarm.stages.find import StageSearch, watch_stages
 
     source = source or open_source(args.model, getattr(args, "backbone_dtype", "file"))
@@ -69,8 +69,8 @@ def find_stages(args: argparse.Namespace, config, source=None):
 
 def open_backbone(source, args: argparse.Namespace, config):
     """The Swarm generate runs: a gateway over `--stages` (or `--stages-swarm`), or the backbone of
-    `open_swarm`; once it is loaded, out of the collector's walks on every decode step (heap.py)."""
-    from moeswarm.heap import freeze_loaded
+    `open_swarm`; once it is loaded, out of the collector's walks on every decode step (gc_freeze.py)."""
+    from moeswarm.gc_freeze import freeze_loaded
 
     swarm = _open(source, args, config)
     freeze_loaded()

@@ -1,4 +1,4 @@
-"""`moeswarm demo`: the bundled model, two local workers, one streamed generation, checked (tools/demo.py).
+"""`moeswarm demo`: the bundled model, two local workers, one streamed generation, checked (demo.py).
 
 The bundled model is tiny (6.8 M parameters, trained for 27 minutes on Python source): greedy
 decoding soon loops on it, so the demo samples from it (temperature 0.7, top-p 0.9, a fixed seed:
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     quiet_progress(args)
     from moeswarm.commands._generation_text import stream_text, summary_lines
-    from moeswarm.tools.demo import DemoOptions, run_demo
+    from moeswarm.demo import DemoOptions, run_demo
 
     options = DemoOptions(args.model, args.prompt, args.max_new_tokens, args.workers, args.speculate, args.temperature,
                           args.seed)  # checked: at least 2 workers

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     quiet_progress(args)
     check_workers_or_swarm(args)
     from moeswarm.commands._generation_text import stream_text, summary_lines
-    from moeswarm.generation.from_model import GenerationRequest, SamplingParams, generate_from_model
+    from moeswarm.engine.from_model import GenerationRequest, SamplingParams, generate_from_model
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     request = GenerationRequest(args.prompt, args.prompt_ids, args.max_new_tokens, args.speculate,

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.model.describe import describe_model, summary_lines
+    from moeswarm.sources.describe import describe_model, summary_lines
 
     info = describe_model(args.model or demo_model(), args.workers)
     lines = summary_lines(info)

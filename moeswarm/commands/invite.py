@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(inviter) -> None:
     from moeswarm.discovery.inviter import serve_until
-    from moeswarm.stopping import stop_event
+    from moeswarm.stop_signal import stop_event
 
     def say(text: str) -> None:
         print(text, flush=True)  # the first line of stdout: the invite alone

@@ -4,7 +4,7 @@ No expert list, no manifest file, no multiaddr: the invite (`moeswarm invite`) n
 share is sized to `--memory` and chosen from the coverage announced on the DHT
 (discovery/joining.py); then the process is a `moeswarm worker` of that share, announced on the
 swarm, and every `--rebalance` seconds it looks whether to move part of its share where the swarm
-needs it (discovery/rebalancing.py; docs/network.md, Invites and join, Rebalancing).
+needs it (node/rebalancing.py; docs/network.md, Invites and join, Rebalancing).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from moeswarm.commands._setup import add_quiet, quiet_progress
 from moeswarm.commands._tls import add_swarm_key, client_tls, server_tls
 from moeswarm.commands._types import non_negative_seconds, port, positive, seconds
-from moeswarm.discovery.rebalancing import DEFAULT_INTERVAL_S
+from moeswarm.node.rebalancing import DEFAULT_INTERVAL_S
 from moeswarm.commands.worker import _add_relay, _load, _say
 from moeswarm.worker.config import DEFAULT_ANNOUNCE_TTL_S, INLINE_TOKENS, Hosting, WorkerConfig
 from moeswarm.worker.limits import WorkerLimits
@@ -74,11 +74,11 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.discovery.invite import parse_invite
     from moeswarm.discovery.joining import check_key, fetch_share, layout, plan_share
-    from moeswarm.discovery.rebalancing import Member
+    from moeswarm.node.rebalancing import Member
     from moeswarm.ids import format_ids
     from moeswarm.slices.manifest_fetch import fetch_manifest
     from moeswarm.worker.listen import check_can_listen, raise_open_files_limit
-    from moeswarm.worker.node import build_node
+    from moeswarm.node.worker import build_node
 
     invite = parse_invite(args.invite)
     check_key(invite, args.swarm_key)
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(member, interval_s: float) -> None:
     import signal
 
-    from moeswarm.stopping import stop_event
+    from moeswarm.stop_signal import stop_event
 
     await member.serve(stop_event((signal.SIGTERM, signal.SIGINT)), interval_s)
 

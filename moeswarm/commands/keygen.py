@@ -11,7 +11,7 @@ import argparse
 
 from moeswarm.commands._types import seconds
 from moeswarm.errors import MoeSwarmError
-from moeswarm.relay.protocol import RelayError, check_name
+from moeswarm.wire.relay import RelayError, check_name
 from moeswarm.transport import member_cert
 from moeswarm.transport.tls import write_swarm_key
 

@@ -14,8 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.model.summary import summarize, summary_lines
-    from moeswarm.tools.tiny import EXTRA_FAMILIES, FAMILIES, make_tiny_model
+    from moeswarm.sources.summary import summarize, summary_lines
+    from moeswarm.model.tiny import EXTRA_FAMILIES, FAMILIES, make_tiny_model
 
     if args.family not in FAMILIES and args.family not in EXTRA_FAMILIES:
         raise MoeSwarmError(f"unknown family {args.family!r}; known: {', '.join(sorted({**FAMILIES, **EXTRA_FAMILIES}))}")

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     quiet_progress(args)
-    from moeswarm.model.routing_profile import write_routing_profile
+    from moeswarm.placement.routing_profile import write_routing_profile
 
     written = write_routing_profile(args.output, args.model, args.prompts, args.max_tokens,
                                     before_load=lambda: set_threads(args.threads))

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prefill-chunk", type=positive, default=64, help="most prompt tokens a request feeds per step")
     add("--step-tokens", type=positive, default=256,
         help="token budget of a step: decode tokens first, then prompt chunks; grows up to 8x while the prompt "
-             "tokens' compute fits in the step's wait on replies (serve/step_budget.py)")
+             "tokens' compute fits in the step's wait on replies (engine/step_budget.py)")
     add("--cache-slots", type=non_negative, default=8, help="finished requests' KV caches kept for prefix reuse (0: off)")
     add("--check-local", action="store_true",
         help="debug: run every batched step on a local eager model too and count logits that are not bit-identical "
@@ -142,8 +142,8 @@ def _say_listening(host: str, port: int) -> None:
 
 
 def _ready(line: str) -> None:
-    """The model and its holders are loaded: out of the collector's walks on every step (heap.py); say so."""
-    from moeswarm.heap import freeze_loaded
+    """The model and its holders are loaded: out of the collector's walks on every step (gc_freeze.py); say so."""
+    from moeswarm.gc_freeze import freeze_loaded
 
     freeze_loaded()
     print(f"moeswarm serve: {line}", file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.model.source import is_gguf_path
+    from moeswarm.sources.source import is_gguf_path
     from moeswarm.weights.gguf_slice import write_slice
 
     quiet_progress(args)

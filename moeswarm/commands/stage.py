@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     set_backbone_threads(args.threads)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     with open_stage_node(_options(args), functools.partial(swarm_config, args), report=_say) as node:
-        from moeswarm.heap import freeze_loaded
+        from moeswarm.gc_freeze import freeze_loaded
 
         freeze_loaded()  # the span's trunk, out of the collector's walks on every step
         for sig in (signal.SIGTERM, signal.SIGINT):

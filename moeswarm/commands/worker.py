@@ -13,7 +13,7 @@ from moeswarm.commands._swarm import add_worker_swarm
 from moeswarm.commands._tls import add_swarm_key, server_tls
 from moeswarm.commands._types import layer_range, non_negative, port, positive, seconds
 from moeswarm.ids import parse_address
-from moeswarm.relay.protocol import RelayError, check_name
+from moeswarm.wire.relay import RelayError, check_name
 from moeswarm.worker.config import INLINE_TOKENS, Hosting, WorkerConfig
 from moeswarm.worker.limits import WorkerLimits
 from moeswarm.worker.memory import serve_large_from_mmap
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
               "alter the hidden states, and any backbone that knows the name can use this worker", file=sys.stderr,
               flush=True)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from moeswarm.worker.node import run_worker
+    from moeswarm.node.worker import run_worker
 
     node = run_worker(config_from(args), functools.partial(_load, hosting_from(args), args.threads), report=_say)
     _say(f"stopped; {node.server.merged_requests} DISPATCHes of several backbones ran in "
@@ -151,7 +151,7 @@ def _load(hosting: Hosting, threads: int | None):
     joined (its process forks before torch loads): this process's threads are set first, and once the
     experts are in, the collector and the allocator are set for serving."""
     set_threads(threads)
-    from moeswarm.heap import freeze_loaded
+    from moeswarm.gc_freeze import freeze_loaded
     from moeswarm.worker.hosting import load_hosted
 
     store, source = load_hosted(hosting)

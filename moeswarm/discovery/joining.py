@@ -10,7 +10,7 @@ The order, and what each step relies on:
 4. `plan_share` (pure: placement/share.py) picks the experts where the swarm is weakest, as many
    as `--memory` holds;
 5. `fetch_share` fetches exactly those bytes (slices/fetch.py: hashed, resumable) and the command
-   serves them, moving the share later when the swarm needs it (discovery/rebalancing.py).
+   serves them, moving the share later when the swarm needs it (node/rebalancing.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ every share and returns a handle at once; `combine` gathers the replies (failing
 and spot-checking as dispatch/flight.py describes), checks them and adds them up. Between the
 two the caller may compute local work (shared experts): the pair is joined by the handle, as in
 DeepEP. A decode step's call that can meet none of a flight's cases goes express
-(dispatch/express.py): the same requests and checks without the flight's bookkeeping, made again
+(dispatch/express_call.py): the same requests and checks without the flight's bookkeeping, made again
 as a flight when anything goes wrong.
 
 Its collaborators, each held and called, none reaching into another:
@@ -37,7 +37,7 @@ import torch
 
 from moeswarm.dispatch.accounting import Accounting, LayerCall, Resilience
 from moeswarm.dispatch.combine import combine_exact, combine_partial, combine_token
-from moeswarm.dispatch import express
+from moeswarm.dispatch import express_call as express
 from moeswarm.dispatch.flight import Flight, share_request
 from moeswarm.dispatch.health import REPLY_TIMEOUT_S, DeadlinePolicy
 from moeswarm.dispatch.lane import Lane, LaneAnswer, LaneCall
@@ -55,7 +55,7 @@ from moeswarm.placement.profile import RoutingStats
 from moeswarm.placement.table import PlacementTable, describe_gaps, missing
 from moeswarm.transport import FANOUTS
 from moeswarm.transport.link import WorkerLink
-from moeswarm.transport.local import LOCAL_ADDRESS
+from moeswarm.worker.local_link import LOCAL_ADDRESS
 from moeswarm.weights import qkernels
 from moeswarm.wire.config import EXACT, CombineMode, WireConfig
 from moeswarm.wire.messages import Dispatch, Result
@@ -215,7 +215,7 @@ class Dispatcher:
 
     def _express(self, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  shares: list) -> express.ExpressCall | str:
-        """The call (express.eligible) sent express (dispatch/express.py), or why not (express.UNFIT or
+        """The call (express.eligible) sent express (dispatch/express_call.py), or why not (express.UNFIT or
         FAILED): it goes as a flight. Its layer is planned: whether it has replicas is known."""
         if self.owners.replicated(layer):
             return express.UNFIT

@@ -10,7 +10,7 @@ RESULT, compares its metadata with the bytes the full path's decoder accepts for
 (`Result.to_frame` of the same answer), checks that its values are finite and adds its rows into
 the step's output as dispatch/combine.py adds them.
 
-It is an express call (dispatch/express.py), with the same conditions, plus: one token routed to
+It is an express call (dispatch/express_call.py), with the same conditions, plus: one token routed to
 distinct experts, every share's link a plain TCP socket with nothing in flight, and holders whose
 experts of the token do not interleave (the lowest holder sums its experts, partial mode; the
 others' rows follow in expert order: `combine_token`'s adds). Exact mode keeps its bits: the
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeswarm.dispatch import express, wait
+from moeswarm.dispatch import express_call as express, wait
 from moeswarm.dispatch.flight import share_request
 from moeswarm.dispatch.plan import WorkerShare
 from moeswarm.dispatch.plausible import NormGate

@@ -31,7 +31,7 @@ from moeswarm.placement.chooser import choose_owners
 from moeswarm.placement.table import PlacementTable, build_table, missing
 from moeswarm.transport.fanout import ready
 from moeswarm.transport.link import WorkerLink
-from moeswarm.transport.local import LOCAL_ADDRESS
+from moeswarm.worker.local_link import LOCAL_ADDRESS
 from moeswarm.wire.result_size import DEFAULT_MAX_RESULT_BYTES
 
 PRUNE_AFTER_S = 600.0  # how long a holder that left stays a tombstone

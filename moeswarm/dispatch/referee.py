@@ -2,7 +2,7 @@
 
 The backbone has the model source: when two holders answer the same rows differently and no
 third holder can be asked, it loads the disputed experts of that layer (as `hold_local` loads the
-local store: model/loading.py `load_experts`) and runs the request through the same ExpertStore a
+local store: sources/loading.py `load_experts`) and runs the request through the same ExpertStore a
 worker runs, so in exact mode its answer is the honest one, bit for bit. Loaded sets are kept
 (at most `keep`, the oldest dropped): a liar keeps lying, and the next dispute is at once.
 """
@@ -13,8 +13,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from moeswarm.model.loading import load_experts
-from moeswarm.model.source import ModelSource
+from moeswarm.sources.loading import load_experts
+from moeswarm.sources.source import ModelSource
 from moeswarm.wire.messages import Dispatch, Result
 from moeswarm.worker.store import ExpertStore
 

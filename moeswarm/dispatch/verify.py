@@ -36,7 +36,7 @@ from moeswarm.errors import MoeSwarmError, WorkerError, one_line
 from moeswarm.ids import LayerId, WorkerId
 from moeswarm.transport.fanout import send
 from moeswarm.transport.link import Reply
-from moeswarm.transport.local import LOCAL_ADDRESS
+from moeswarm.worker.local_link import LOCAL_ADDRESS
 from moeswarm.wire.config import CombineMode, WireConfig
 from moeswarm.wire.messages import Dispatch, Result
 

@@ -1,1 +1,1 @@
-"""Generation over a backbone (remote experts) with optional local check and speculation."""
+"""What a generation is made of: sampling, stops, drafts and branches, the local check, its request and report."""

@@ -21,7 +21,7 @@ import torch
 
 from moeswarm.dispatch.combine import combine_exact
 from moeswarm.errors import MoeSwarmError
-from moeswarm.generation.stepper import Stepper
+from moeswarm.forward.stepper import Stepper
 from moeswarm.model.experts import experts_modules
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.messages import Dispatch

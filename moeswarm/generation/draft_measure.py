@@ -40,7 +40,7 @@ class Acceptance:
 
     def record(self, drafted: int, accepted: int, counted: bool = True) -> None:
         """One verify step: `accepted` of the `drafted` tokens of its kept draft were kept (counted: a
-        draft really fed, not a shadow one scored against the output: serve/speculation.py)."""
+        draft really fed, not a shadow one scored against the output: engine/speculation.py)."""
         if drafted <= 0:
             return
         drafted = min(drafted, MAX_POSITIONS)

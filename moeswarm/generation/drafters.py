@@ -29,7 +29,7 @@ from moeswarm.generation.draft import propose, propose_many
 from moeswarm.generation.draft_local import LocalDrafter
 from moeswarm.generation.draft_names import DRAFTERS
 from moeswarm.generation.draft_suffix import SuffixDrafter, SuffixHistory
-from moeswarm.generation.stepper import Stepper
+from moeswarm.forward.stepper import Stepper
 
 STRONG_NGRAM = 2  # the shortest n-gram match `both` takes over the local draft (one draft)
 NGRAM_BRANCHES = 3  # continuations of distinct earlier occurrences verified side by side

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from transformers import PretrainedConfig
 
 from moeswarm.errors import MoeSwarmError
-from moeswarm.model.tokenizer import TextCodec
+from moeswarm.sources.tokenizer import TextCodec
 
 
 def prompt_tokens(codec: TextCodec, text: str | None, ids: Sequence[int] | None) -> list[int]:

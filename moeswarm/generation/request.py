@@ -1,4 +1,4 @@
-"""A generation as `generate` and `demo` ask for it (generation/run.py runs it)."""
+"""A generation as `generate` and `demo` ask for it (engine/generate.py runs it)."""
 
 from __future__ import annotations
 
@@ -19,4 +19,4 @@ class GenerationRequest:
     stops: tuple[str, ...] = ()
     draft: str = DEFAULT_DRAFT  # where the drafts come from: generation/drafters.py's DRAFTERS
     speculate_policy: str = "fixed"  # "goodput": each step's drafts by the goodput rule under the cap (the commands'
-    # default); "fixed": up to the cap every step (serve/speculation.py)
+    # default); "fixed": up to the cap every step (engine/speculation.py)

@@ -23,7 +23,7 @@ class GenerationResult:
     check: LocalCheck | None = None  # with a reference
     text: str = ""  # the output's text as shown (a stop string and what follows it cut off)
     speculate: int = 0  # the cap of drafts per step it ran with (the default resolved)
-    speculation: dict = field(default_factory=dict)  # serve/speculation.py's SequenceDrafts.summary(): K chosen, acceptance
+    speculation: dict = field(default_factory=dict)  # engine/speculation.py's SequenceDrafts.summary(): K chosen, acceptance
 
     @property
     def tokens_per_s(self) -> float:

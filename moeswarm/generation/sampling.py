@@ -11,7 +11,7 @@ The rule is coupled to plain sampling: at each position one token is drawn from 
 uniform, as plain sampling draws it; the draft is kept when that token is the draft (probability
 p_i(draft_i)), and otherwise that token is the step's next one (a draw from p_i given it is not
 the draft: the residual). So a seed's tokens are those of plain sampling with that seed, whatever
-was drafted: a draft count chosen by measured timings (serve/speculation.py) never changes them.
+was drafted: a draft count chosen by measured timings (engine/speculation.py) never changes them.
 
 Penalties (repetition, presence, frequency) and logit_bias change the logits before any of that
 (`penalize`, `biased`);

@@ -1,1 +1,1 @@
-"""Models: load a backbone without routed experts, load expert slices, the "swarm" experts backend."""
+"""A model's structure: its experts modules, the meta skeleton, the "swarm" experts backend, the shared-expert overlap."""

@@ -44,7 +44,7 @@ def sdpa_one_thread(module, query, key, value, attention_mask, *args, **kwargs):
         scaling = kwargs.get("scaling")
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         return qkernels.attend_one(query, key, value, scale, torch.get_num_threads()), None  # [B, 1, Hq, Dv]
-    if key.dtype != query.dtype:  # a float16 cache (generation/sequence_cache.py): widened for torch
+    if key.dtype != query.dtype:  # a float16 cache (forward/sequence_cache.py): widened for torch
         key, value = key.to(query.dtype), value.to(query.dtype)
     with one_torch_thread():
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)

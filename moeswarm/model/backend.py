@@ -4,7 +4,7 @@
 is the experts interface's contract. The module carries a binding to the dispatcher and its MoE
 layer id; routers, shared experts and attention stay the model's own code. Between sending the
 layer's rows and awaiting them, the block's shared expert is computed (model/overlap.py), and
-the experts held in this process run once the remote shares are on their way (transport/local.py).
+the experts held in this process run once the remote shares are on their way (worker/local_link.py).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import re
 
 import torch
 
+from moeswarm.errors import MoeSwarmError
 from moeswarm.ids import LayerId
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
@@ -84,3 +85,11 @@ def num_experts_of(model: torch.nn.Module) -> int:
     if len(counts) != 1:
         raise ValueError(f"layers disagree on the number of routed experts: {sorted(counts)}")
     return counts.pop()
+
+
+def split_experts(num_experts: int, workers: int) -> list[list[int]]:
+    """Disjoint contiguous expert lists covering 0..num_experts-1, as even as possible."""
+    if not 1 <= workers <= num_experts:
+        raise MoeSwarmError(f"cannot split {num_experts} experts over {workers} workers")
+    bounds = [round(i * num_experts / workers) for i in range(workers + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(workers)]

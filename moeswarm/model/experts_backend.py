@@ -4,8 +4,8 @@ Dispatch and combine are a pair joined by a handle (DeepEP's shape): `dispatch` 
 a layer's rows and returns at once; the caller may compute local work (the shared expert) before
 `combine` gathers the result. Implemented by the dispatcher (dispatch/dispatcher.py: remote
 holders), the in-process backends (dispatch/in_process.py: layers held whole here), the engine's
-meeting points (serve/turns.py: groups taking turns; serve/batcher.py: a thread per sequence) and
-the eager reference (serve/eager.py).
+meeting points (engine/turns.py: groups taking turns; engine/batcher.py: a thread per sequence) and
+the eager reference (engine/eager.py).
 
 Legend: T = tokens of the call, k = router top-k, d = hidden size.
 """

@@ -22,7 +22,7 @@ def meta_model(config: PretrainedConfig) -> PreTrainedModel:
 
     The model gets a copy of `config`, as `from_pretrained` gives each model its own: a source's
     models (the backbone, its --check-local reference) must not share one, since a setting made on
-    one model's config (its attention implementation: generation/ragged.py) would reach the other."""
+    one model's config (its attention implementation: forward/packed.py) would reach the other."""
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="eager")
     use_rotary_tables(model)  # each position's cos and sin from its own C call (weights/row_ops.py)

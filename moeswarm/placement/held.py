@@ -9,8 +9,8 @@ from pathlib import Path
 
 from moeswarm.errors import MoeSwarmError
 from moeswarm.model.experts import experts_modules, num_experts_in_config
-from moeswarm.model.loading import empty_model
-from moeswarm.model.source import ModelSource
+from moeswarm.sources.loading import empty_model
+from moeswarm.sources.source import ModelSource
 from moeswarm.placement.profile import check_held, hot_sets, is_profile, parse_held, read_json, read_profile
 
 SHIPPED_PROFILE = "routing_profile.json"  # a model directory's own routing profile (the bundled model has one)

@@ -1,6 +1,6 @@
 """Rebalancing a member's share (`moeswarm join --rebalance`): which experts to fetch and which to drop.
 
-Pure functions over plain data; the member loop (discovery/rebalancing.py) reads the coverage
+Pure functions over plain data; the member loop (node/rebalancing.py) reads the coverage
 from the DHT every period, calls `choose_mover`, and only the member it names acts on its `Move`:
 fetch the new experts, announce the new share, then drop the old part.
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 from moeswarm.deadline import within
 from moeswarm.relay.server import RelayLimits, RelayServer
-from moeswarm.stopping import stop_event
+from moeswarm.stop_signal import stop_event
 from moeswarm.transport.member_cert import Authority
 
 STATUS_EVERY_S = 60.0

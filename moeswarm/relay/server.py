@@ -14,7 +14,7 @@ learns the swarm key.
 
 Names are bound. A keyed relay (`authority`: the swarm's certificate, transport/member_cert.py)
 registers a name only for the member whose certificate names it, proven by a signed challenge
-(relay/protocol.py): a peer without that member's key cannot register it at all. A name in
+(wire/relay.py): a peer without that member's key cannot register it at all. A name in
 use (idle connections or pipes) is bound to its owner (the member; unkeyed, the peer's host), so
 nobody else can add connections under it while it is held; the owner's newest registration
 replaces its oldest idle one when the name is full (a restarted worker is not locked out by its
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from moeswarm.deadline import within
 from moeswarm.errors import printable
 from moeswarm.transport.member_cert import Authority, CertError
-from moeswarm.relay.protocol import (CHALLENGE, CHALLENGE_BYTES, KEEPALIVE, OK, PAIRED, REQUEST_HEAD, ROLE_WORKER,
+from moeswarm.wire.relay import (CHALLENGE, CHALLENGE_BYTES, KEEPALIVE, OK, PAIRED, REQUEST_HEAD, ROLE_WORKER,
                                          SIGNATURE_BYTES, RelayError, challenge_bytes, encode_error, parse_name,
                                          parse_proof_length, parse_request_head)
 

@@ -1,12 +1,12 @@
 """A worker's side of a relay: idle outbound connections, registered under the worker's name.
 
 A worker behind NAT cannot be dialled, so it dials out: `RelayAttachment` keeps `pool`
-connections open to the relay, each registered under the worker's name (relay/protocol.py).
+connections open to the relay, each registered under the worker's name (wire/relay.py).
 When a backbone takes one (the relay sends "P"), the connection is handed to the worker's server
 as if it had been accepted: TLS server side with the swarm key, then the moeswarm protocol, end to
 end with the backbone through the relay. A new idle connection replaces it at once.
 
-At a keyed relay the registration proves the worker's member key (relay/protocol.py): the
+At a keyed relay the registration proves the worker's member key (wire/relay.py): the
 relay's challenge is signed with `identity` (transport/member_cert.py), whose certificate must name the
 registered name.
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from moeswarm.deadline import within
 from moeswarm.errors import printable
-from moeswarm.relay.protocol import (CHALLENGE, CHALLENGE_BYTES, ERROR, KEEPALIVE, OK, PAIRED, ROLE_WORKER,
+from moeswarm.wire.relay import (CHALLENGE, CHALLENGE_BYTES, ERROR, KEEPALIVE, OK, PAIRED, ROLE_WORKER,
                                          RelayError, challenge_bytes, encode_proof, encode_request, error_text,
                                          parse_error_length)
 

@@ -20,14 +20,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeswarm.errors import MoeSwarmError, one_line, printable
 from moeswarm.generation.sampling import SamplingParams
-from moeswarm.model.tokenizer import TextCodec
+from moeswarm.sources.tokenizer import TextCodec
 from moeswarm.serve.chat import NoChatTemplate, chat_prompt, echoed
 from moeswarm.serve.drain import Drain
 from moeswarm.serve.dashboard import PAGE, SAMPLE_S, History, dashboard_data
 from moeswarm.serve.swarm_page import PAGE as SWARM_PAGE, swarm_data
-from moeswarm.serve.engine import Engine
+from moeswarm.engine.engine import Engine
 from moeswarm.serve.grammar import GrammarUnavailable, Grammars
-from moeswarm.serve.metrics import ServeMetrics
+from moeswarm.engine.metrics import ServeMetrics
 from moeswarm.serve.guard import Guard
 from moeswarm.serve.responses import APIError, Shapes, error_body, validation_message, validation_param
 from moeswarm.serve.runs import Ask, Prompt, Run

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moeswarm.errors import MoeSwarmError, one_line
-from moeswarm.model.tokenizer import TextCodec
+from moeswarm.sources.tokenizer import TextCodec
 
 # ChatML (Qwen's, and many others'); the bundled model's own is in models/pymoe/hf/tokenizer_config.json.
 CHATML = ("{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "

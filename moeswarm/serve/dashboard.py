@@ -75,7 +75,7 @@ def dashboard_data(state) -> dict:
         "routing": swarm.routing_stats().summary(),  # live counts per (layer, expert) and most frequent pairs
         "recent": stats.recent(),
         "totals": dict(stats.totals),
-        "speculation": engine.speculation.summary(),  # drafts verified, accepted per position (serve/speculation.py)
+        "speculation": engine.speculation.summary(),  # drafts verified, accepted per position (engine/speculation.py)
         "active": engine.active,
         "queued": engine.queue_depth,
         "history": state.history.series(),  # oldest first, one every SAMPLE_S seconds

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from moeswarm.errors import MoeSwarmError, one_line
-from moeswarm.generation.stepper import Stepper
+from moeswarm.forward.stepper import Stepper
 
 MAX_INPUTS = 64  # inputs per request
 

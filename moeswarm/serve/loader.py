@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from moeswarm.errors import MoeSwarmError, WorkerError, one_line
 from moeswarm.ids import parse_address
-from moeswarm.model.loading import load_local
-from moeswarm.model.source import ModelSource
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.source import ModelSource
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.serve.api import ServeState
 from moeswarm.serve.chat import set_chat_template
-from moeswarm.serve.engine import Engine, EngineConfig
+from moeswarm.engine.engine import Engine, EngineConfig
 from moeswarm.stages.client import StageError
 from moeswarm.stages.find import StageWatch
 from moeswarm.stages.gateway import open_gateway

@@ -24,7 +24,7 @@ class ServeOptions:
     # the engine: how requests are stepped together
     ctx_size: int | None = None  # positions per request (None: the model's max_position_embeddings, else 4096)
     max_batch: int = 16
-    speculate: int | None = None  # None: on where steps have remote trips (serve/speculation.py), else off
+    speculate: int | None = None  # None: on where steps have remote trips (engine/speculation.py), else off
     speculate_policy: str = "goodput"  # or "fixed": up to `speculate` drafts every step
     draft: str = DEFAULT_DRAFT
     groups: int = 0

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from fastapi.exceptions import RequestValidationError
 
 from moeswarm.errors import printable
-from moeswarm.serve.job import Finished, TokenLogprob
+from moeswarm.engine.job import Finished, TokenLogprob
 
 
 class APIError(Exception):

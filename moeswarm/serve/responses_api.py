@@ -32,7 +32,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from moeswarm.errors import MoeSwarmError, one_line, printable
 from moeswarm.generation.sampling import SamplingParams
-from moeswarm.serve.job import Delta, Failed, Finished, Rewind
+from moeswarm.engine.job import Delta, Failed, Finished, Rewind
 from moeswarm.serve.responses import APIError, Shapes
 from moeswarm.serve.responses_input import ResponsesRequest, chat_messages
 from moeswarm.serve.runs import ABANDONED, Ask, Prompt, Run

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from moeswarm.generation.sampling import SamplingParams
-from moeswarm.serve.job import Delta, Failed, Finished, Job, PromptLogprobs, Rewind, TokenLogprob
+from moeswarm.engine.job import Delta, Failed, Finished, Job, PromptLogprobs, Rewind, TokenLogprob
 from moeswarm.serve.responses import APIError, Logprobs, Shapes, error_body, prompt_logprobs, sse
 from moeswarm.serve.schemas import Tool
 from moeswarm.serve.tools import answer_calls, call_entry

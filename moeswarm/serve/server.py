@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 import uvicorn
 
 from moeswarm.errors import MoeSwarmError
-from moeswarm.model.source import ModelSource, open_source
+from moeswarm.sources.source import ModelSource, open_source
 from moeswarm.serve.api import ServeState, create_app
 from moeswarm.serve.chat import read_chat_template
 from moeswarm.serve.drain import DrainingServer
-from moeswarm.serve.engine import EngineConfig
+from moeswarm.engine.engine import EngineConfig
 from moeswarm.serve.http_limits import limited_protocol, redact_access_log
 from moeswarm.serve.loader import Backend, load
 from moeswarm.serve.options import ServeOptions, model_name

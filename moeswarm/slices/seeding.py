@@ -7,7 +7,7 @@ import signal
 from collections.abc import Callable, Sequence
 
 from moeswarm.slices.seed import Seeder
-from moeswarm.stopping import stop_event
+from moeswarm.stop_signal import stop_event
 
 
 def run_seeder(seeder: Seeder, host: str, port: int,

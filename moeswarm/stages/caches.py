@@ -1,6 +1,6 @@
 """A stage's sequence caches: the keys and values of its own layers, per (session, sequence).
 
-The gateway decides what happens to a sequence between steps (generation/cache_journal.py); the
+The gateway decides what happens to a sequence between steps (forward/cache_journal.py); the
 stage replays those records (`apply`) and then finds each segment's cache (`take`), checking that
 it holds exactly the positions the gateway says it does: a stage that lost a sequence (restarted,
 expired, evicted) says so in one line, and the gateway replays the sequence into it.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from moeswarm.errors import ProtocolError
-from moeswarm.generation.sequence_cache import SequenceCache
+from moeswarm.forward.sequence_cache import SequenceCache
 from moeswarm.stages.protocol import Segment
 
 Key = tuple[str, int]  # (session, sequence)

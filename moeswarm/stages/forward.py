@@ -1,5 +1,5 @@
 """A stage's forward: a step's packed rows through its span of layers, each sequence attending to
-its own cache (the gateway's packed forward, generation/ragged.py, continued here).
+its own cache (the gateway's packed forward, forward/packed.py, continued here).
 
 Legend: T = the step's rows (every segment's tokens), d = hidden size.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from moeswarm.generation.ragged import Layout, RaggedCache, latent_layers
-from moeswarm.generation.ragged import Segment as PackedSegment
-from moeswarm.generation.sequence_cache import SequenceCache
+from moeswarm.forward.packed import Layout, RaggedCache, latent_layers
+from moeswarm.forward.packed import Segment as PackedSegment
+from moeswarm.forward.sequence_cache import SequenceCache
 from moeswarm.stages.protocol import Segment
 
 

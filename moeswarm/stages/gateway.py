@@ -9,7 +9,7 @@ speculation, the local check) is unchanged: a packed forward is a packed forward
 
 The gateway's sequence caches hold no keys or values, only how many positions each sequence has
 in the stages (an empty entry per step), and record every keep, crop, copy and close in a journal
-(generation/cache_journal.py) that the next step carries to the stages.
+(forward/cache_journal.py) that the next step carries to the stages.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from moeswarm.errors import MoeSwarmError
-from moeswarm.generation.cache_journal import Journal
-from moeswarm.generation.ragged import JOURNAL, Layout
+from moeswarm.forward.cache_journal import Journal
+from moeswarm.forward.packed import JOURNAL, Layout
 from moeswarm.stages.client import Chain
 from moeswarm.stages.find import StageWatch
 from moeswarm.stages.protocol import Segment
@@ -30,7 +30,7 @@ from moeswarm.swarm_config import SwarmConfig
 class ChainCall(torch.nn.Module):
     """Stands in for every decoder layer: a packed step's rows through the chain of stages."""
 
-    takes_layout = True  # generation/ragged.py: a model holding this takes packed forwards
+    takes_layout = True  # forward/packed.py: a model holding this takes packed forwards
     attention_type = "full_attention"  # what some families' forwards read off each layer
 
     def __init__(self, chain: Chain, journal: Journal, cache_layer: int = 0):

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from moeswarm.errors import MoeSwarmError
-from moeswarm.generation.ragged import install, supports_ragged
-from moeswarm.model.source import ModelSource, as_source, open_source
+from moeswarm.forward.packed import install, supports_ragged
+from moeswarm.sources.source import ModelSource, as_source, open_source
 from moeswarm.stages.server import StageLimits, StageServer
 from moeswarm.stages.span import keep_span
 from moeswarm.swarm import Swarm, open_swarm

@@ -18,7 +18,7 @@ PING/PONG    liveness
 `route` is the stages still to visit after the receiver (HOST:PORT each); an empty route means the
 receiver is the last and answers the gateway on the gateway's own connection (every stage of a
 chain has one: the session). `records` are the gateway's cache records since its last step
-(generation/cache_journal.py), replayed by every stage before its forward. A segment is
+(forward/cache_journal.py), replayed by every stage before its forward. A segment is
 [seq, row, start, end, past]: tokens [start, end) of the step belong to sequence `seq`, branch
 `row` (-1: its committed context), after `past` positions.
 

@@ -1,7 +1,7 @@
 """A step computed again when a holder it used is banned during it: the stage's side of the engine's rollback.
 
 The gateway's engine rolls a sequence back when a holder whose unchecked answers its step used is
-banned (serve/rollback.py, dispatch/taint.py). A stage's steps use its own swarm's holders; a
+banned (engine/rollback.py, dispatch/taint.py). A stage's steps use its own swarm's holders; a
 liar found out (spot check, bad answer) while a step runs has put its answers into that step's
 hidden states and into the keys and values the step filed. So a stage marks its caches before the
 span runs (`mark`: each cache's lengths, branches aside and rows; what a step adds is appended
@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from moeswarm.errors import MoeSwarmError, printable
-from moeswarm.generation.sequence_cache import SequenceCache
+from moeswarm.forward.sequence_cache import SequenceCache
 from moeswarm.stages.forward import run_span
 from moeswarm.stages.protocol import Segment
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedModel
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, one_line, printable
-from moeswarm.generation.ragged import kv_cache_name, kv_dtype
+from moeswarm.forward.packed import kv_cache_name, kv_dtype
 from moeswarm.stages.accept import accept_forever, refuse
 from moeswarm.stages.caches import CacheLimits, StageCaches
 from moeswarm.stages.connection import Connection

@@ -1,2 +1,2 @@
 """Tooling outside the library's data path: benchmarks (`moeswarm bench`), the WAN emulator
-(`moeswarm wan`), local worker launchers, tiny models for tests, a serve process for benchmarks."""
+(`moeswarm wan`), their commands (tools/commands/), a serve process for benchmarks. The library never imports it."""

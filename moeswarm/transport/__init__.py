@@ -2,7 +2,7 @@
 
 A TCP connection to a worker process (tcp.py), TLS with the swarm key on it (tls.py, member
 certificates in member_cert.py), the same through a relay for a worker that cannot be dialled
-(relay.py), the backbone's own process (local.py); which of direct and relay a worker gets is the
+(relay.py); which of direct and relay a worker gets is the
 path policy (path.py). The fan-out (fanout.py) keeps several requests in flight over them.
 """
 

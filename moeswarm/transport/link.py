@@ -2,7 +2,7 @@
 
 A link is one way to reach a holder of experts: a TCP connection to a worker process, plain or
 with TLS (transport/tcp.py), the same through a relay (transport/relay.py), or the backbone's own
-process (transport/local.py).
+process (worker/local_link.py).
 The dispatcher and the fan-out see only this interface, so where an expert runs is a placement
 decision, not a code path.
 

@@ -8,7 +8,7 @@ file works as `--swarm-key` wherever the swarm key does (TLS verifies the member
 against the swarm's), without giving the member the power to certify anyone.
 
 A member signs what it publishes: its DHT announcements (discovery/sign.py) and its relay
-registrations (relay/protocol.py). Readers check the certificate against the swarm's, the
+registrations (wire/relay.py). Readers check the certificate against the swarm's, the
 signature against the certificate, and the certificate against the revocation list. Every TLS
 handshake checks the peer's certificate against the list too (transport/tls.py).
 

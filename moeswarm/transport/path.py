@@ -21,7 +21,7 @@ import time
 
 from moeswarm.errors import MoeSwarmError
 from moeswarm.ids import parse_address
-from moeswarm.relay.protocol import parse_relay_address
+from moeswarm.wire.relay import parse_relay_address
 from moeswarm.transport.relay import RelayLink
 from moeswarm.transport.tcp import TcpLink
 from moeswarm.wire.frames import Frame, Opcode

@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 
 from moeswarm.errors import MoeSwarmError, one_line
-from moeswarm.model.source import open_source
+from moeswarm.sources.source import open_source
 from moeswarm.transport.path import worker_link
 
 

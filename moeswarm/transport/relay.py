@@ -1,6 +1,6 @@
 """A worker reached through a relay (relay://HOST:PORT/NAME), for workers that cannot be dialled.
 
-The link dials the relay, asks for the worker registered as NAME (relay/protocol.py), and
+The link dials the relay, asks for the worker registered as NAME (wire/relay.py), and
 once the relay answers "K" the socket is a byte pipe to the worker. From there it is a `TcpLink`:
 TLS with the swarm key end to end (the relay sees only ciphertext; a byte it alters fails the
 TLS record, the link breaks and the dispatcher fails over), then HELLO and the moeswarm protocol.
@@ -14,7 +14,7 @@ import ssl
 import time
 
 from moeswarm.errors import WorkerError
-from moeswarm.relay.protocol import (ERROR, OK, ROLE_BACKBONE, RelayError, encode_request, error_text,
+from moeswarm.wire.relay import (ERROR, OK, ROLE_BACKBONE, RelayError, encode_request, error_text,
                                          parse_error_length, parse_relay_address)
 from moeswarm.transport.tcp import TcpLink
 

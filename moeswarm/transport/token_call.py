@@ -1,7 +1,7 @@
 """A decode step's layer call on a plain TCP socket in C (moeswarm/transport/token_call.c), through ctypes.
 
 `pip install -e .` builds the C file into `moeswarm/_token_call*.so`. Without it `available()` is
-False and every call takes the Python path (dispatch/express.py); nothing else changes.
+False and every call takes the Python path (dispatch/express_call.py); nothing else changes.
 
 `tc_send` writes one holder's DISPATCH from a template (a frame the full path encoded, wire/messages.py)
 with the token's values in it; `tc_take` reads the holder's RESULT, checks it against the metadata

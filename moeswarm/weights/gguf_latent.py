@@ -3,7 +3,7 @@
 llama.cpp's converter splits DeepSeek's kv_b_proj into attn_k_b (per head, W_uk transposed: [r, nope]
 a head) and attn_v_b (W_uv: [v, r] a head) and stores them quantized. The module still gets
 kv_b_proj, merged and decoded to float32 (gguf_names.py), for the forms that expand the cache; an
-absorbed step (generation/latent.py) multiplies by these blocks instead, as llama.cpp does, with
+absorbed step (forward/latent.py) multiplies by these blocks instead, as llama.cpp does, with
 int8 activations: at GLM-4.7-Flash's shape a layer's two products read 2.8 MB of blocks in place
 of kv_b_proj's 18.4 MB of float32, every decode step.
 

@@ -1,6 +1,6 @@
 """A GGUF layer's hosted experts as a `QuantExperts` module: the file's blocks, memory-mapped.
 
-A source opened with `experts_dtype="f32"` (model/source.py `open_source`; or a missing C
+A source opened with `experts_dtype="f32"` (sources/source.py `open_source`; or a missing C
 extension, a family whose expert maths the kernels do not do, or a layer stored all in F32) keeps
 the float32 path: experts dequantized to float32 into the family's own module. The choice is made
 the same way in a worker and in `--check-local`'s reference, so both compute the same way.

@@ -879,7 +879,7 @@ int qk_matmul(int type, const void *w, int64_t rows, int64_t K, int64_t row_byte
 /* Per head h < heads: y[:, h] = x[:, h] times W_h^T, where W_h = w + h * head_bytes is a [rows, row_bytes]
  * matrix: x [n, heads, K] (row stride ldx, heads back to back), y [n, heads, rows] (row stride ldy).
  * Multi-head latent attention's absorbed products (W_uk per head on the queries, W_uv per head on
- * what they attended to: moeswarm/generation/latent.py) in one call. The threads share the heads,
+ * what they attended to: moeswarm/forward/latent.py) in one call. The threads share the heads,
  * each head whole on one thread (one hand-out for the call: a head's matrix is small, ~70 KB at
  * GLM-4.7-Flash's shape, and a split of its rows handed out per head cost more than it saved);
  * each head is qk_matmul on its matrix and columns, so the same bits. Returns 0 or -1. */
@@ -1148,7 +1148,7 @@ static int64_t read_ids(const void *ids, int id_bytes, int64_t pairs, const int6
     return routed;
 }
 
-/* A partial DISPATCH's sums straight from its frame's bytes (moeswarm/worker/express.py): the ids as
+/* A partial DISPATCH's sums straight from its frame's bytes (moeswarm/worker/express_answer.py): the ids as
  * they travel, mapped by read_ids; the routing weights as they travel (float32, copied to aligned
  * memory); then qk_experts into final [S, H] (zeros). counts [n_experts] gets each expert's
  * routed slots. Returns -3, computing nothing, when an id is not held or no slot is routed (the
@@ -1179,7 +1179,7 @@ done:
     return status;
 }
 
-/* An exact DISPATCH's rows straight from its frame's bytes (moeswarm/worker/express.py): the ids and
+/* An exact DISPATCH's rows straight from its frame's bytes (moeswarm/worker/express_answer.py): the ids and
  * weights as in qk_dispatch_sums; each routed (token, slot) pair's row w * E(x) into rows [pairs, H]
  * (zeros), experts ascending and, within an expert, slot-major then token (eager's order): the
  * pairs' rows gathered and run as one-slot tokens through qk_experts, as the store's exact path

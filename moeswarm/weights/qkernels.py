@@ -208,7 +208,7 @@ def matmul_heads(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tenso
                  int8_activations: bool = False) -> torch.Tensor:
     """x [n, H, K] float32, head h times W_h^T: weight [H, rows, row_bytes] holds H matrices of `qtype`
     blocks (K values a row) -> [n, H, rows]. Each head is `matmul` on its matrix and columns (the same
-    bits), all in one call: multi-head latent attention's absorbed products (generation/latent.py)."""
+    bits), all in one call: multi-head latent attention's absorbed products (forward/latent.py)."""
     heads, rows, stride = weight.shape
     n = x.shape[0]
     assert x.dtype == torch.float32 and x.shape[1:] == (heads, row_length) and x.stride(2) == 1 and x.stride(1) == row_length

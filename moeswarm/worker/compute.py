@@ -6,7 +6,7 @@ exception: "bad_request" for what the protocol or this worker refuses, "internal
 this side (logged with its traceback; the worker goes on serving).
 
 A DISPATCH whose metadata bytes were answered before goes the express lane when it can
-(worker/express.py: the same bits in one C call). DISPATCHes of one layer from several
+(worker/express_answer.py: the same bits in one C call). DISPATCHes of one layer from several
 connections may run as one expert call (`batch`, worker/merge.py decides which may merge and keeps
 the bits); each is answered exactly as `one` would have answered it alone.
 """
@@ -22,7 +22,7 @@ from moeswarm.errors import MoeSwarmError, printable
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import Frame
 from moeswarm.wire.messages import Dispatch, ErrorReply, Result
-from moeswarm.worker.express import Express
+from moeswarm.worker.express_answer import Express
 from moeswarm.worker.limits import WorkerLimits, check_dispatch_size, check_reply_size
 from moeswarm.worker.merge import merge, partners, split
 from moeswarm.worker.replies import check_reply_bytes

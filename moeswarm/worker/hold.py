@@ -1,6 +1,6 @@
 """A connection held between a decode's DISPATCHes: the next ones read, answered and sent in C.
 
-A decode step's DISPATCH answered whole on the event loop (worker/express.py `answer_now`) is
+A decode step's DISPATCH answered whole on the event loop (worker/express_answer.py `answer_now`) is
 followed, a backbone's attention later, by the next layer's. Through the loop each one costs the
 loop's wake-up, the transport's read and callbacks, the lane's lookup and the reply's send, all in
 Python from caches the experts just swept: a large part of a layer call's time beyond its
@@ -51,7 +51,7 @@ class Held:
 class Hold:
     """The lanes a connection hold answers and its buffers: express lanes whose whole RESULT is made in
     C, and others (float experts: a torch module's) that `answer(lane, body, request_id)` answers
-    (worker/express.py `answer_now`: the whole RESULT frame, or None), called from the hold.
+    (worker/express_answer.py `answer_now`: the whole RESULT frame, or None), called from the hold.
     Lanes are added on the compute thread, holds run on the loop's: a hold sees the lanes counted
     when it began, and the runner keeps the two apart (both run as its work)."""
 

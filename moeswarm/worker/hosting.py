@@ -10,10 +10,10 @@ from __future__ import annotations
 from moeswarm.errors import MoeSwarmError
 from moeswarm.ids import format_ids
 from moeswarm.model.experts import experts_modules, num_experts_in_config
-from moeswarm.model.loading import empty_model, load_experts
-from moeswarm.model.source import ModelSource, open_source
+from moeswarm.sources.loading import empty_model, load_experts
+from moeswarm.sources.source import ModelSource, open_source
 from moeswarm.placement.plan_file import LayerExperts, read_plan
-from moeswarm.transport.local import hold_local
+from moeswarm.worker.local_link import hold_local
 from moeswarm.worker.config import Hosting
 from moeswarm.worker.store import ExpertStore
 

@@ -111,7 +111,7 @@ def declared_shape(meta: dict[str, Any], name: str) -> tuple[int, ...] | None:
 
 def model_top_k(config: Any) -> int | None:
     """The model's router top-k from its config (None when the config does not say)."""
-    from moeswarm.model.summary import TOP_K_KEYS
+    from moeswarm.sources.summary import TOP_K_KEYS
 
     for key in TOP_K_KEYS:
         value = getattr(config, key, None)

@@ -105,7 +105,7 @@ class Requests:
                 self.budget.give(incoming.reserved)
 
     def answered_now(self, session: Session, incoming: Incoming) -> bool:
-        """A decode step's DISPATCH whose metadata has a whole-RESULT lane (worker/express.py), answered
+        """A decode step's DISPATCH whose metadata has a whole-RESULT lane (worker/express_answer.py), answered
         on the loop and its RESULT sent at once, when nothing computes and nothing is ahead of it on
         its connection: no frame decoded, no thread hand-off, nothing queued. The lane's metadata
         bytes passed every check before (the first frame with them went the full path), so the

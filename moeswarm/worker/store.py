@@ -86,7 +86,7 @@ class ExpertStore:
 
     def express_plan(self, layer: int):
         """(the C plan of the layer's experts, its first expert) where they are one run of quantized
-        experts (one C call gives a DISPATCH's sums or rows: worker/express.py), else None."""
+        experts (one C call gives a DISPATCH's sums or rows: worker/express_answer.py), else None."""
         layer_runs = self._runs.get(layer)
         if layer_runs is None or len(layer_runs) != 1 or not layer_runs[0].sums_itself:
             return None
@@ -96,7 +96,7 @@ class ExpertStore:
     def self_summing(self, layer: int) -> SelfSumming | None:
         """How `run` answers a partial DISPATCH of `layer` in one module call, where it does (one run of
         experts that sums itself, or takes a sentinel), for a caller that reads u8 ids off the wire
-        itself (worker/express.py): the ids it maps through the table are those `_check` accepts
+        itself (worker/express_answer.py): the ids it maps through the table are those `_check` accepts
         when no value is -2 and not every value is `other`."""
         layer_runs = self._runs.get(layer)
         if layer_runs is None or len(layer_runs) != 1:

@@ -36,7 +36,7 @@ def run_amplification(connections: int = 256, tokens: int = 8185, top_k: int = 8
                       model: str | None = None, worker_args: tuple[str, ...] = ()) -> dict:
     from moeswarm.bundled import demo_model
     from moeswarm.model.experts import num_experts_in_config
-    from moeswarm.model.source import open_source
+    from moeswarm.sources.source import open_source
 
     model = str(model or demo_model())
     source = open_source(model)

@@ -14,10 +14,10 @@ import subprocess
 import time
 
 from moeswarm.errors import MoeSwarmError
-from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import spawn_worker, split_experts, stop
+from moeswarm.forward.stepper import Stepper
+from moeswarm.local.workers import spawn_worker, split_experts, stop
 from moeswarm.model.experts import num_experts_in_config
-from moeswarm.model.source import open_source
+from moeswarm.sources.source import open_source
 from moeswarm.discovery.dht import SwarmDht
 from moeswarm.discovery.follow import DiscoveryOptions
 from moeswarm.swarm import Swarm, open_swarm

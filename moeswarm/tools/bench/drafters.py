@@ -62,10 +62,10 @@ def edited(text: str) -> str | None:
 
 
 def run_drafters_bench(model: str | None = None, progress=None) -> dict:
-    from moeswarm.generation.run import generate
-    from moeswarm.serve.whole_model import WholeModel
-    from moeswarm.model.loading import load_local
-    from moeswarm.model.tokenizer import load_text_codec
+    from moeswarm.engine.generate import generate
+    from moeswarm.engine.whole_model import WholeModel
+    from moeswarm.sources.loading import load_local
+    from moeswarm.sources.tokenizer import load_text_codec
 
     model = str(model or TRAINED)
     reference = load_local(model)

@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass
 
 from moeswarm.bundled import PROMPTS
 from moeswarm.generation.draft_names import AUTO_SPECULATE
-from moeswarm.generation.run import generate
+from moeswarm.engine.generate import generate
 from moeswarm.generation.sampling import SamplingParams
-from moeswarm.heap import freeze_loaded, thaw
+from moeswarm.gc_freeze import freeze_loaded, thaw
 from moeswarm.model.experts import num_experts_in_config
-from moeswarm.model.source import open_source
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.sources.source import open_source
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.progress import progress
 from moeswarm.stages.gateway import open_gateway
 from moeswarm.swarm import open_swarm

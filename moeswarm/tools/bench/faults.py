@@ -26,11 +26,11 @@ from moeswarm.tools.bench.injector import Injector
 from moeswarm.tools.bench.lying import check_cost, detection_trials, liar_trials
 from moeswarm.tools.bench.wan_links import wan_links
 from moeswarm.errors import MoeSwarmError, one_line
-from moeswarm.generation.run import generate
-from moeswarm.tools.local_workers import replicated_split, spawn_worker, stop, wait_listening
+from moeswarm.engine.generate import generate
+from moeswarm.local.workers import replicated_split, spawn_worker, stop, wait_listening
 from moeswarm.model.experts import num_experts_in_config
-from moeswarm.model.loading import load_local
-from moeswarm.model.source import open_source
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.source import open_source
 from moeswarm.swarm import open_swarm
 from moeswarm.tools.wan import LinkProfile
 

@@ -20,11 +20,11 @@ from contextlib import ExitStack
 from moeswarm.tools.bench.wan_links import wan_links
 from moeswarm.bundled import PROMPTS
 from moeswarm.errors import MoeSwarmError
-from moeswarm.generation.run import generate
-from moeswarm.tools.local_workers import spawn_worker, split_experts, stop, wait_listening
+from moeswarm.engine.generate import generate
+from moeswarm.local.workers import spawn_worker, split_experts, stop, wait_listening
 from moeswarm.model.experts import num_experts_in_config
-from moeswarm.model.source import open_source
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.sources.source import open_source
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.swarm import open_swarm
 from moeswarm.tools.wan import LinkProfile
 from moeswarm.wire.config import PRESETS

@@ -81,8 +81,8 @@ def _warm_imports() -> None:
 
     torch.set_num_threads(1)
     for name in ("moeswarm.cli", "moeswarm.commands.info", "moeswarm.commands.slice", "moeswarm.commands.worker",
-                 "moeswarm.commands.generate", "moeswarm.model.describe", "moeswarm.model.loading",
-                 "moeswarm.weights.gguf_source", "moeswarm.weights.gguf_slice", "moeswarm.worker.server",
+                 "moeswarm.commands.generate", "moeswarm.sources.describe", "moeswarm.sources.loading",
+                 "moeswarm.sources.gguf_source", "moeswarm.weights.gguf_slice", "moeswarm.worker.server",
                  "transformers.models.qwen2_moe.modeling_qwen2_moe", "tokenizers"):
         try:
             importlib.import_module(name)

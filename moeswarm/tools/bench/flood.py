@@ -40,8 +40,8 @@ WAIT_S = 30.0
 
 
 def run_flood(half_open: int = 200, flooders: int = 4, samples: int = 300) -> dict:
-    from moeswarm.model.source import open_source
-    from moeswarm.tools.tiny import make_tiny_model
+    from moeswarm.sources.source import open_source
+    from moeswarm.model.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model("qwen2_moe", Path(tmp) / "qwen2_moe"))

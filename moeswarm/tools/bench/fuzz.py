@@ -43,7 +43,7 @@ class Oracle:
     """The worker's answer to a frame, computed here with the same experts and the same code."""
 
     def __init__(self, model: str, experts: Sequence[int], limits: WorkerLimits):
-        from moeswarm.model.loading import load_experts
+        from moeswarm.sources.loading import load_experts
         from moeswarm.worker.limits import model_top_k
         from moeswarm.worker.compute import Computation
         from moeswarm.worker.store import ExpertStore
@@ -67,11 +67,11 @@ def run_fuzz(cases: int = 2000, seed: int = 0, model: str | None = None, batch: 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         if model is None:
-            from moeswarm.tools.tiny import make_tiny_model
+            from moeswarm.model.tiny import make_tiny_model
 
             model = str(make_tiny_model("qwen2_moe", Path(tmp) / "qwen2_moe"))
         from moeswarm.model.experts import num_experts_in_config
-        from moeswarm.model.source import open_source
+        from moeswarm.sources.source import open_source
 
         num_experts = num_experts_in_config(open_source(model).config)
         experts = list(range(num_experts // 2))

@@ -31,7 +31,7 @@ WAIT_S = 30.0
 
 def run_handshake_flood(count: int = 1100, hold_s: float = 15.0, model: str | None = None) -> dict:
     from moeswarm.bundled import demo_model
-    from moeswarm.model.source import open_source
+    from moeswarm.sources.source import open_source
 
     model = str(model or demo_model())
     fingerprint = open_source(model).fingerprint

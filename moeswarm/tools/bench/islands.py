@@ -28,18 +28,18 @@ from __future__ import annotations
 import contextlib
 from dataclasses import asdict, dataclass
 
-from moeswarm.generation.run import generate
-from moeswarm.heap import freeze_loaded, thaw
+from moeswarm.engine.generate import generate
+from moeswarm.gc_freeze import freeze_loaded, thaw
 from moeswarm.model.experts import num_experts_in_config
-from moeswarm.model.source import open_source
+from moeswarm.sources.source import open_source
 from moeswarm.stages.gateway import open_gateway
 from moeswarm.swarm import open_swarm
 from moeswarm.tools.bench.real_build import DEFAULT_CACHE, model_file
 from moeswarm.tools.bench.real_shapes import SHAPES
 from moeswarm.tools.bench.threads import torch_threads
 from moeswarm.tools.bench.wan_links import wan_links
-from moeswarm.tools.local_stages import spawn_stage
-from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
+from moeswarm.local.stages import spawn_stage
+from moeswarm.local.workers import spawn_worker, stop, wait_listening
 from moeswarm.tools.wan import LinkProfile
 from moeswarm.progress import progress
 
@@ -73,7 +73,7 @@ def run_islands(rtts_ms=RTTS_MS, stage_counts=(1, 2, 4), tokens: int = DECODE_TO
     runs = (1 + 2 * len(stage_counts)) * len(rtts_ms) * len({0, speculate})
     with torch_threads(threads), progress(desc="bench islands", total=runs, unit="run") as bar:  # this process too
         with open_swarm(source, []) as local:
-            freeze_loaded()  # as the commands do once the model is in (heap.py); the stages' processes do too
+            freeze_loaded()  # as the commands do once the model is in (gc_freeze.py); the stages' processes do too
             generate(local, prompt, WARM_TOKENS)  # the first forwards' one-time costs (the file's pages, threads) stay out
             reference = generate(local, prompt, tokens)
             rows.append(_row("local", 0, 0, reference, 0, reference.tokens))

@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from moeswarm.generation.ragged import PackedStepper, install
-from moeswarm.generation.sequence_cache import SequenceCache
-from moeswarm.model.source import is_gguf_path
+from moeswarm.forward.packed import PackedStepper, install
+from moeswarm.forward.sequence_cache import SequenceCache
+from moeswarm.sources.source import is_gguf_path
 from moeswarm.progress import progress
 from moeswarm.swarm import open_swarm
 from moeswarm.tools.bench.real_proc import Child

@@ -15,10 +15,10 @@ from __future__ import annotations
 import statistics
 import time
 
-from moeswarm.generation.stepper import Stepper
-from moeswarm.heap import freeze_loaded, thaw
-from moeswarm.tools.local_workers import local_swarm
-from moeswarm.model.loading import load_local
+from moeswarm.forward.stepper import Stepper
+from moeswarm.gc_freeze import freeze_loaded, thaw
+from moeswarm.local.workers import local_swarm
+from moeswarm.sources.loading import load_local
 from moeswarm.progress import progress
 from moeswarm.wire.config import WireConfig
 
@@ -39,7 +39,7 @@ def run_loopback(model: str, workers: int = 2, steps: int = 32, repeats: int = 3
     prompt = prompt or [5, 17, 42, 8, 99, 23, 11, 60]
     local_model = load_local(model)
     with local_swarm(model, workers, wire=WireConfig(timings=True)) as swarm:
-        freeze_loaded()  # both models, as the commands do once loaded (heap.py); thawed below
+        freeze_loaded()  # both models, as the commands do once loaded (gc_freeze.py); thawed below
         pings = [swarm.ping(0) for _ in range(200)]
         local_runs, remote_runs = [], []
         for _ in progress(range(repeats), desc=f"loopback, {steps} decode steps local and remote", unit="repeat"):

@@ -22,8 +22,8 @@ import torch
 
 from moeswarm.dispatch.spot_check import SpotCheckPolicy
 from moeswarm.model.experts import num_experts_in_config
-from moeswarm.model.source import open_source
-from moeswarm.generation.stepper import Stepper
+from moeswarm.sources.source import open_source
+from moeswarm.forward.stepper import Stepper
 from moeswarm.swarm import connect, open_swarm
 from moeswarm.transport.link import Pending, Reply
 from moeswarm.transport.tcp import TcpLink

@@ -18,7 +18,7 @@ from pathlib import Path
 _PROBE = """
 import json, resource, sys, psutil, torch
 from moeswarm.ids import parse_experts
-from moeswarm.model.loading import load_backbone, load_experts, load_local
+from moeswarm.sources.loading import load_backbone, load_experts, load_local
 before = psutil.Process().memory_info().rss
 kind, path = sys.argv[1], sys.argv[2]
 if kind.startswith("worker:"):
@@ -40,7 +40,7 @@ MEMORY_MODEL = dict(hidden_size=256, intermediate_size=512, moe_intermediate_siz
 
 
 def make_memory_model(out: Path) -> Path:
-    from moeswarm.tools.tiny import make_tiny_model
+    from moeswarm.model.tiny import make_tiny_model
 
     if not (out / "config.json").exists():
         make_tiny_model("qwen3_moe", out, **MEMORY_MODEL)
@@ -89,7 +89,7 @@ def run_memory_bench(worker_models: Sequence[str] = ()) -> dict:
     """`moeswarm bench memory`: the backbone against a full load on a generated model, then workers on that
     model and on each of `worker_models` (directories or GGUF files)."""
     from moeswarm.model.experts import num_experts_in_config
-    from moeswarm.model.source import open_source
+    from moeswarm.sources.source import open_source
 
     with tempfile.TemporaryDirectory() as tmp:
         generated = make_memory_model(Path(tmp) / "memory-model")

@@ -15,9 +15,9 @@ import time
 import torch
 
 from moeswarm.dispatch.health import REPLY_TIMEOUT_S
-from moeswarm.tools.local_workers import local_workers
+from moeswarm.local.workers import local_workers
 from moeswarm.model.experts import num_experts_in_config
-from moeswarm.model.source import open_source
+from moeswarm.sources.source import open_source
 from moeswarm.transport.tcp import TcpLink
 from moeswarm.wire.messages import Dispatch, WorkerInfo
 

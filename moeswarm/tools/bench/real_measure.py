@@ -42,7 +42,7 @@ from moeswarm.tools.bench.real_proc import Child, memory, prewarm
 from moeswarm.tools.bench.real_rows import shape_rows
 from moeswarm.tools.bench.real_shapes import DECODE_TOKENS, PROMPT_TOKENS, ModelShape
 from moeswarm.tools.bench.worker_process import spawn_worker
-from moeswarm.tools.local_workers import split_experts
+from moeswarm.local.workers import split_experts
 from moeswarm.progress import progress
 
 WORKERS = 2

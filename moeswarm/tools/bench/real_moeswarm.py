@@ -7,7 +7,7 @@
 then answers `run` requests (real_proc.serve): a fresh cache, the prompt as one forward (timed:
 prompt speed), then greedy decode steps, one token per forward with the argmax of its logits
 (timed together: decode speed), as real_llama times llama.cpp's. The forwards are the packed ones
-of `generate` and `serve` (generation/ragged.py: the sequence's own cache, the decode query's
+of `generate` and `serve` (forward/packed.py: the sequence's own cache, the decode query's
 attention in C) where the model's layers allow them, else transformers' cache (Stepper). Over the
 decode steps it also reads the dispatcher's accounting (each layer call's time, each worker's round
 trips) and every process's CPU time per thread (/proc), and with `profile` the step's time by part
@@ -32,9 +32,9 @@ def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
     import torch
 
     from moeswarm.tools.bench.real_profile import StepProfile
-    from moeswarm.generation.ragged import PackedStepper, install, supports_ragged
-    from moeswarm.generation.stepper import Stepper
-    from moeswarm.heap import freeze_loaded
+    from moeswarm.forward.packed import PackedStepper, install, supports_ragged
+    from moeswarm.forward.stepper import Stepper
+    from moeswarm.gc_freeze import freeze_loaded
     from moeswarm.swarm import open_swarm
     from moeswarm.wire.config import WireConfig
 
@@ -56,7 +56,7 @@ def load(path: str, threads: int, mode: str, workers: list[tuple[str, int]]):
         swarm, opened = open_swarm(path, links.addresses, wire=timed), \
             "open_swarm(path, WAN proxies in front of the workers)"
     closing.callback(swarm.close)
-    freeze_loaded()  # as the commands do once the model is in (heap.py)
+    freeze_loaded()  # as the commands do once the model is in (gc_freeze.py)
     # the dispatcher names a worker by the address it connected to: a proxy's, in the workers' order
     addresses = links.addresses if links is not None else [address for address, _ in workers]
     pids = {address: pid for address, (_, pid) in zip(addresses, workers)}

@@ -25,10 +25,10 @@ from pathlib import Path
 
 from moeswarm.tools.bench.wan_links import wan_links
 from moeswarm.errors import MoeSwarmError
-from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import spawn_worker, stop, wait_listening
+from moeswarm.forward.stepper import Stepper
+from moeswarm.local.workers import spawn_worker, stop, wait_listening
 from moeswarm.model.experts import num_experts_in_config
-from moeswarm.model.source import open_source
+from moeswarm.sources.source import open_source
 from moeswarm.progress import progress
 from moeswarm.swarm import Swarm, open_swarm
 from moeswarm.transport.tls import client_context, write_swarm_key

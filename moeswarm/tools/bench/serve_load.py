@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from moeswarm.tools.bench.threads import torch_threads
 from moeswarm.tools.bench.wan_links import wan_links
 from moeswarm.bundled import PROMPTS, TRAINED
-from moeswarm.tools.local_workers import local_workers, split_experts
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.local.workers import local_workers, split_experts
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.tools.serve_process import ServeProcess
 from moeswarm.tools.wan import LinkProfile
 
@@ -153,9 +153,9 @@ def _alone(model: str, prompts: list[str], max_tokens: int, threads: int) -> lis
     """Each prompt's greedy text run alone on the local eager model (what `generate --check-local` equals),
     with the serve process's torch threads (no product's bits depend on them: docs/serve.md; the same
     count keeps this reference's run like the served one)."""
-    from moeswarm.generation.run import generate
-    from moeswarm.serve.whole_model import WholeModel
-    from moeswarm.model.loading import load_local
+    from moeswarm.engine.generate import generate
+    from moeswarm.engine.whole_model import WholeModel
+    from moeswarm.sources.loading import load_local
 
     reference = load_local(model)
     codec = load_text_codec(model, reference.config.vocab_size)
@@ -169,7 +169,7 @@ def _alone(model: str, prompts: list[str], max_tokens: int, threads: int) -> lis
 
 def _num_experts(model: str) -> int:
     from moeswarm.model.experts import num_experts_in_config
-    from moeswarm.model.source import open_source
+    from moeswarm.sources.source import open_source
 
     return num_experts_in_config(open_source(model).config)
 

@@ -41,10 +41,10 @@ PROMPT = 1000  # the copied sequence's positions: 1000 x 2 layers x 8 heads x 32
 
 def run_stage_flood(cache_mb: int = 64, copies: int = 120, new_sequences: int = 4096, respellings: int = 300,
                     silent: int = 80, samples: int = 20) -> dict:
-    from moeswarm.model.source import open_source
-    from moeswarm.tools.local_stages import spawn_stage
-    from moeswarm.tools.local_workers import stop, wait_listening
-    from moeswarm.tools.tiny import make_tiny_model
+    from moeswarm.sources.source import open_source
+    from moeswarm.local.stages import spawn_stage
+    from moeswarm.local.workers import stop, wait_listening
+    from moeswarm.model.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model("qwen2_moe", f"{tmp}/model", num_hidden_layers=2, max_position_embeddings=4096,

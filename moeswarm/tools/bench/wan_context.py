@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class WanContext:
     model: str
     local_model: object  # the whole model, eager: the reference
-    codec: object  # model/tokenizer.py TextCodec
+    codec: object  # sources/tokenizer.py TextCodec
     prompts: dict[str, list[int]]  # "repetitive" / "non_repetitive" token ids
     addresses: list[str]  # the workers, direct
     links: object  # wan_links.WanLinks: the same workers behind one proxy each

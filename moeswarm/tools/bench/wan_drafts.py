@@ -29,7 +29,7 @@ import time
 from moeswarm.tools.bench.wan_context import WanContext
 from moeswarm.bundled import PROMPTS
 from moeswarm.generation.result import GenerationResult
-from moeswarm.generation.run import generate
+from moeswarm.engine.generate import generate
 from moeswarm.model.experts import experts_modules
 from moeswarm.placement.profile import hot_sets
 from moeswarm.progress import progress

@@ -31,8 +31,8 @@ import torch
 
 from moeswarm.tools.bench.wan_context import WanContext
 from moeswarm.bundled import PROMPTS
-from moeswarm.generation.stepper import Stepper
-from moeswarm.model.calibrate import count_routing
+from moeswarm.forward.stepper import Stepper
+from moeswarm.placement.calibrate import count_routing
 from moeswarm.model.experts import experts_modules, num_experts_of
 from moeswarm.placement.profile import RoutingStats, hot_sets
 from moeswarm.progress import progress
@@ -227,8 +227,8 @@ def _overlap_large_rows(context: WanContext) -> list[dict]:
     """Overlap on and off with a real model's shared expert (LARGE_SHARED: Qwen1.5-MoE-A2.7B's
     hidden size and shared-expert width) in a random 2-layer qwen2_moe, 2 workers, same links."""
     from moeswarm.tools.bench.wan_links import wan_links
-    from moeswarm.tools.local_workers import local_workers, split_experts
-    from moeswarm.tools.tiny import make_tiny_model
+    from moeswarm.local.workers import local_workers, split_experts
+    from moeswarm.model.tiny import make_tiny_model
     from moeswarm.tools.wan import LinkProfile
 
     rows = []

@@ -35,8 +35,8 @@ import torch
 from moeswarm.tools.bench.wan_context import WanContext
 from moeswarm.tools.bench.wan_links import wan_links
 from moeswarm.tools.bench.wan_local import calibration_profile
-from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import stop, wait_listening
+from moeswarm.forward.stepper import Stepper
+from moeswarm.local.workers import stop, wait_listening
 from moeswarm.model.experts import experts_modules, num_experts_of
 from moeswarm.placement.plan_file import Plan, WorkerSpec
 from moeswarm.placement.planner import contiguous_plan, plan_placement, pseudo_rows, routing_from_profile

@@ -30,12 +30,12 @@ import torch
 from moeswarm.tools.bench.wan_context import WanContext
 from moeswarm.tools.bench.wan_links import wan_links
 from moeswarm.bundled import PROMPTS
-from moeswarm.generation.run import generate
-from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import local_workers, split_experts
+from moeswarm.engine.generate import generate
+from moeswarm.forward.stepper import Stepper
+from moeswarm.local.workers import local_workers, split_experts
 from moeswarm.model.experts import num_experts_of
-from moeswarm.model.loading import load_local
-from moeswarm.model.tokenizer import load_text_codec
+from moeswarm.sources.loading import load_local
+from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.progress import progress
 from moeswarm.swarm import Swarm, open_swarm
 from moeswarm.tools.wan import LinkProfile

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from moeswarm.generation.stepper import Stepper
-from moeswarm.tools.local_workers import local_swarm, local_workers, split_experts
-from moeswarm.model.source import open_source
+from moeswarm.forward.stepper import Stepper
+from moeswarm.local.workers import local_swarm, local_workers, split_experts
+from moeswarm.sources.source import open_source
 from moeswarm.progress import progress
 from moeswarm.swarm import connect
 from moeswarm.transport.tcp import TcpLink
@@ -39,7 +39,7 @@ MATCHED_CONFIGS = [("exact", None, None)] + [(mode, c, c) for mode in COMBINE_MO
 
 
 def make_synthetic_model(out: Path) -> Path:
-    from moeswarm.tools.tiny import make_tiny_model
+    from moeswarm.model.tiny import make_tiny_model
 
     if not (out / "config.json").exists():
         make_tiny_model("qwen3_moe", out, **SYNTHETIC_3072)

@@ -1,6 +1,6 @@
 """A `moeswarm worker` process for the fuzzer, the flood bench and the limit tests.
 
-Unlike `moeswarm.tools.local_workers`, this imports nothing of the backbone: the worker side is tested
+Unlike `moeswarm.local.workers`, this imports nothing of the backbone: the worker side is tested
 and measured on its own.
 """
 

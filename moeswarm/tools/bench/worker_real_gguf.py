@@ -126,7 +126,7 @@ def _tensor_shapes(d: int, inner: int, experts: int, head_dim: int) -> dict[str,
 
 def _add_tokenizer(writer) -> None:
     """A byte-level BPE vocabulary llama.cpp accepts: the 256 byte symbols, merges of letter pairs, an EOS."""
-    from moeswarm.tools.tiny import BYTE_TO_UNICODE  # GPT-2's byte -> printable character table
+    from moeswarm.model.tiny import BYTE_TO_UNICODE  # GPT-2's byte -> printable character table
 
     symbols = [BYTE_TO_UNICODE[b] for b in range(256)]
     letters = [symbols[ord(c)] for c in "abcdefghijklmnopqrstuvwxyz"]

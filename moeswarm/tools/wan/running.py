@@ -8,7 +8,7 @@ import signal
 from collections.abc import Callable, Sequence
 
 from moeswarm.errors import MoeSwarmError
-from moeswarm.stopping import stop_event
+from moeswarm.stop_signal import stop_event
 from moeswarm.tools.wan.control import ControlServer
 from moeswarm.tools.wan.proxy import WanProxy
 

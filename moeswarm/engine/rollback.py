@@ -1,0 +1,43 @@
+"""Undoing a liar's steps: what each running sequence was before each of its steps.
+
+Layer calls are numbered (dispatch/taint.py). Before every step the engine records, per sequence,
+a checkpoint and the range of layer calls the step makes; when a holder is banned, every sequence
+whose steps used its unchecked answers goes back to its checkpoint before the first such step
+(`Sequence.restore`: caches cropped, tokens and random state as they were, the caller told to take
+the text back) and the next steps compute them again. A sequence that cannot rewind (a grammar's
+state) is failed instead.
+"""
+
+from __future__ import annotations
+
+from moeswarm.engine.sequence import Checkpoint, Sequence
+
+
+class Rollback:
+    def __init__(self):
+        self._points: dict[int, list[tuple[int, int, Checkpoint]]] = {}  # id(sequence) -> (first call, last call, before)
+
+    def record(self, points: list[tuple[Sequence, Checkpoint]], first_call: int, last_call: int) -> None:
+        for sequence, point in points:
+            self._points.setdefault(id(sequence), []).append((first_call, last_call, point))
+
+    def forget(self, sequence: Sequence) -> None:
+        self._points.pop(id(sequence), None)
+
+    def apply(self, active: list[Sequence], taints: list) -> list[tuple[Sequence, Exception | None]]:
+        """Restore every sequence a taint hits; (sequence, None) when rolled back, (sequence, error)
+        when it could not be (the caller fails it)."""
+        done = []
+        for sequence in list(active):
+            points = self._points.get(id(sequence), [])
+            hit = next((i for i, (low, high, _) in enumerate(points) if any(t.hits(low, high) for t in taints)), None)
+            if hit is None:
+                continue
+            point = points[hit][2]
+            del points[hit:]
+            try:
+                sequence.restore(point)
+                done.append((sequence, None))
+            except ValueError as error:
+                done.append((sequence, error))
+        return done

@@ -1,0 +1,178 @@
+"""The engine's speculation hook: each sequence's draft count per step, by the goodput rule.
+
+Per step, before the sequences draft (`plan`), each drafting sequence's K comes from
+generation/goodput.py's `choose_k`, fed by what this engine measured: its decode steps' seconds by
+tokens fed (generation/draft_measure.py's CostModel: remote trips make the intercept, rows the
+slope) and the sequence's acceptance per draft position (an EMA, seeded from its drafter's across
+the engine's earlier sequences). `--speculate K` caps K; K = 0 when drafting is not expected to beat
+plain decoding.
+
+A sequence at K = 0 still learns: while its K is 0 it asks its drafter for a shadow draft (every
+step for the model-free drafters, every PROBE_EVERY steps for those that run forwards), never fed,
+and scores it against the tokens the model then emits, so acceptance that returns (a file being
+re-emitted) brings K back. Greedy, a shadow draft is kept exactly as a verify step would keep it;
+sampled, a draft token is kept exactly when the model samples it (generation/sampling.py's coupled
+rule), so the shadow's odds are a real draft's.
+
+Without adaptation (EngineConfig.adaptive false: the library's default, `--speculate-policy
+fixed`) every step drafts up to the cap, as before; the acceptance is still counted (metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from moeswarm.generation.draft_measure import Acceptance, CostModel
+from moeswarm.generation.draft_names import AUTO_SPECULATE
+from moeswarm.generation.goodput import choose_k
+from moeswarm.errors import MoeSwarmError
+from moeswarm.forward.packed import JOURNAL, keeps_recurrent_state
+
+FREE_DRAFTERS = ("ngram", "suffix")  # a lookup, no forward: shadow drafts every step
+PROBE_EVERY = 8  # steps between shadow drafts of a drafter that runs forwards
+HISTORY = 1024  # a sequence's K per step kept for its report (the first ones)
+
+
+@dataclass
+class SequenceDrafts:
+    """One sequence's speculation figures and state."""
+
+    acceptance: Acceptance
+    chosen: int = -1  # the K of its latest decode step (-1: none yet)
+    chosen_sum: int = 0  # summed over its decode steps (mean K = chosen_sum / steps)
+    steps: int = 0  # its decode steps
+    fed: int = 1  # tokens it fed in its latest step
+    rows: int = 1  # rows (branches) it fed in its latest drafting step
+    shadow: tuple[int, list[list[int]]] | None = None  # (context length drafted at, drafts) while K = 0
+    since_probe: int = 0
+    history: list[int] = field(default_factory=list)  # K per decode step, the first HISTORY
+
+    def summary(self) -> dict:
+        a = self.acceptance
+        return {"speculate_chosen": max(self.chosen, 0),
+                "speculate_mean": self.chosen_sum / self.steps if self.steps else 0.0,
+                "speculate_per_step": list(self.history),
+                "acceptance_per_position": [round(v, 4) for v in a.values],
+                "accepted_per_position": list(a.accepted_at),
+                "verify_drafts": a.drafts,
+                "mean_accepted_per_draft": a.accepted / a.drafts if a.drafts else None}
+
+
+@dataclass
+class Speculation:
+    cap: int  # --speculate: the most drafts per row
+    adaptive: bool  # the goodput rule chooses K (else: always the cap)
+    cost: CostModel = field(default_factory=CostModel)
+    by_drafter: dict[str, Acceptance] = field(default_factory=dict)  # "suffix/greedy" -> engine-wide acceptance
+    totals: Acceptance = field(default_factory=Acceptance)  # every sequence's verified drafts (the metrics)
+
+    def start(self, sequence) -> SequenceDrafts:
+        shared = self.by_drafter.get(_key(sequence))
+        return SequenceDrafts(Acceptance(shared.values if shared is not None else None))
+
+    def plan(self, sequences: list, states: list[SequenceDrafts]) -> None:
+        """Set each decoding sequence's draft limit for this step (Sequence.k_limit; adaptive only)."""
+        decoding = [(s, d) for s, d in zip(sequences, states) if not s.prefill_left and s.max_drafts > 0]
+        total = sum(d.fed for _, d in decoding)
+        line = self.cost.line() if self.adaptive else None
+        for sequence, drafts in decoding:
+            cap = sequence.max_drafts
+            k = cap  # fixed: the sequence's own length rule within the cap (engine/sequence.py)
+            if line is not None:
+                rows = drafts.rows if sequence.job.params.greedy else 1
+                k = choose_k(drafts.acceptance.rates(cap), line, cap, rows, total - drafts.fed)
+                sequence.k_limit = k
+            drafts.chosen, drafts.chosen_sum, drafts.steps = k, drafts.chosen_sum + k, drafts.steps + 1
+            if len(drafts.history) < HISTORY:
+                drafts.history.append(k)
+
+    def shadow(self, sequence, drafts: SequenceDrafts) -> None:
+        """After planning: a sequence at K = 0 drafts without feeding, to keep learning its acceptance."""
+        if (not self.adaptive or sequence.k_limit != 0 or sequence.prefill_left or drafts.shadow is not None
+                or sequence.max_drafts <= 0):
+            return
+        drafts.since_probe += 1
+        if sequence.drafter.name not in FREE_DRAFTERS and drafts.since_probe < PROBE_EVERY:
+            return
+        drafts.since_probe = 0
+        limit = min(sequence.max_drafts, sequence.job.max_tokens - len(sequence.output) - 1)
+        if limit <= 0:
+            return
+        if sequence.branching:
+            found = [b for b in sequence.drafter.branches(sequence.context, sequence.stepper, limit) if b]
+        else:
+            found = [b for b in [sequence.drafter.draft(sequence.context, sequence.stepper, limit)] if b]
+        if found:
+            drafts.shadow = (len(sequence.context), found)
+
+    def after_step(self, sequence, drafts: SequenceDrafts, fed: int, rows: int, drafted: int, accepted: int) -> None:
+        """A decode step's outcome for `sequence`: `accepted` of the `drafted` tokens of its kept draft."""
+        drafts.fed = fed
+        if drafted:
+            drafts.rows = rows
+            self._record(sequence, drafts, drafted, accepted)
+        if drafts.shadow is not None:
+            self._score_shadow(sequence, drafts)
+
+    def record_step(self, tokens: int, seconds: float, drafting_s: float | None) -> None:
+        """A decode step's wall time over the `tokens` it fed; drafting_s: its drafting, when it drafted."""
+        self.cost.record(tokens, seconds)
+        if drafting_s is not None:
+            self.cost.record_drafting(drafting_s)
+
+    def _record(self, sequence, drafts: SequenceDrafts, drafted: int, accepted: int, fed: bool = True) -> None:
+        drafts.acceptance.record(drafted, accepted, fed)
+        shared = self.by_drafter.setdefault(_key(sequence), Acceptance())
+        shared.record(drafted, accepted, fed)
+        if fed:
+            self.totals.observe(drafted, accepted)
+
+    def _score_shadow(self, sequence, drafts: SequenceDrafts) -> None:
+        at, found = drafts.shadow
+        emitted = sequence.context[at:]
+        best, best_len, settled = -1, 0, True
+        for draft in found:
+            kept = 0
+            while kept < min(len(draft), len(emitted)) and draft[kept] == emitted[kept]:
+                kept += 1
+            settled &= kept < len(emitted) or kept == len(draft)  # a mismatch seen, or the whole draft kept
+            if kept > best:
+                best, best_len = kept, len(draft)
+        if settled or sequence.done:
+            drafts.shadow = None
+            self._record(sequence, drafts, best_len, best, fed=False)
+
+    def summary(self) -> dict:
+        """The engine's verified drafts, vLLM's counters' figures (engine/spec_metrics.py, the dashboard)."""
+        t = self.totals
+        return {"cap": self.cap, "adaptive": self.adaptive, "drafts": t.drafts, "draft_tokens": t.drafted,
+                "accepted_tokens": t.accepted, "accepted_per_position": list(t.accepted_at),
+                "mean_accepted_per_draft": t.accepted / t.drafts if t.drafts else None,
+                "acceptance_per_position": {key: [round(v, 4) for v in a.values] for key, a in self.by_drafter.items()}}
+
+
+def _key(sequence) -> str:
+    return f"{sequence.drafter.name}/{'greedy' if sequence.job.params.greedy else 'sampled'}"
+
+
+def has_remote_trips(swarm) -> bool:
+    """Whether a step waits on other machines: remote expert holders, or a gateway's chain of stages
+    (where speculation is on by default: the commands' `--speculate` unset)."""
+    return bool(getattr(swarm, "remote", False)) or hasattr(swarm.model, JOURNAL)
+
+
+def resolve_speculation(config, swarm):
+    """An EngineConfig with its default speculation decided (speculate None): AUTO_SPECULATE drafts
+    (under the goodput rule when config.adaptive, as the commands ask by default) where a step has
+    remote trips, none where it has not, nor on a model with recurrent layers (whose state cannot
+    take rejected drafts back: a MoeSwarmError when drafts are asked for there)."""
+    if keeps_recurrent_state(swarm.model):
+        if config.speculate:
+            raise MoeSwarmError(f"--speculate {config.speculate}: {swarm.model.config.model_type} has recurrent layers, "
+                                "whose state cannot take rejected drafts back: leave --speculate unset or give 0")
+        return replace(config, speculate=0)
+    if config.speculate is not None:
+        return config
+    if has_remote_trips(swarm):
+        return replace(config, speculate=AUTO_SPECULATE)
+    return replace(config, speculate=0)

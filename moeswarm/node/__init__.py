@@ -1,0 +1,1 @@
+"""A worker node: the worker server, its announcements on the swarm's DHT and its relay attachment, run together."""

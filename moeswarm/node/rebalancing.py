@@ -1,0 +1,137 @@
+"""A joined member keeping its share where the swarm needs it (`moeswarm join --rebalance SECONDS`).
+
+Every period the member reads the announcements of its model from the DHT, adds its own share
+(its record may not have spread yet), and asks placement/rebalance.py's `choose_mover` who moves.
+Every member reads the same records and applies the same rule, so at most one member moves a
+round (the one whose move gains most; ties: the smallest announced address), and only when the
+gain passes the margin or fills a hole. The move, in an order that never leaves an expert
+without a holder:
+
+1. fetch the new share's slice (discovery/joining.py `fetch_share`: hashed, resumable) and load
+   it into a second worker node on a free port, beside the one serving;
+2. announce it: for a while the swarm sees both shares, the old and the new;
+3. withdraw the old node's announcement, keep it answering for GRACE_S (backbones read the DHT
+   every few seconds, discovery/follow.py's POLL_S, and drop it at their next look), then close it.
+
+What a record claims is what the member balances against: a lying record can skew a share, never
+an answer (backbones trust a worker's HELLO, and exact mode's bits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from moeswarm.discovery.follow import POLL_S
+from moeswarm.errors import one_line
+from moeswarm.ids import format_ids
+from moeswarm.placement.rebalance import Move, choose_mover
+from moeswarm.placement.share import coverage_of
+
+if TYPE_CHECKING:
+    from moeswarm.node.worker import WorkerNode
+
+log = logging.getLogger("moeswarm.discovery")
+
+GRACE_S = 3 * POLL_S  # the old node answers this long after its withdrawal
+DEFAULT_INTERVAL_S = 30.0
+Held = Mapping[int, Sequence[int]]  # {MoE layer: experts}
+
+
+def uniform_shares(helds: Mapping[str, Held], layers: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """{member: experts} of the members that hold one expert list at every MoE layer (joined members);
+    only they may move (the others count toward coverage, as they are)."""
+    shares = {}
+    for address, held in helds.items():
+        lists = {tuple(sorted(set(held.get(layer, ())))) for layer in layers}
+        if len(lists) == 1 and set(held) <= set(layers) and (share := lists.pop()):
+            shares[address] = share
+    return shares
+
+
+def plan_round(helds: Mapping[str, Held], me: str, share: Sequence[int], layers: Sequence[int],
+               num_experts: int) -> Move | None:
+    """This member's move this round, or None (no move gains, or another member's gains more).
+
+    helds: {announced address: {layer: experts}} as read from the DHT; `me` holding `share` at
+    every layer is put in whether or not its record was among them."""
+    helds = {**helds, me: {layer: tuple(share) for layer in layers}}
+    coverage = coverage_of(helds.values(), layers, num_experts)
+    chosen = choose_mover(coverage, uniform_shares(helds, layers))
+    return chosen[1] if chosen is not None and chosen[0] == me else None
+
+
+class Member:
+    """A joined member: the worker node serving its share, replaced by another node when it moves.
+
+    open_node(experts): fetch that share and build its node (blocking: run off the loop), not started.
+    read(): {address: {layer: experts}} of the model's announcements on the DHT (blocking)."""
+
+    def __init__(self, node: WorkerNode, share: Sequence[int], layers: Sequence[int], num_experts: int,
+                 open_node: Callable[[tuple[int, ...]], WorkerNode], read: Callable[[], dict[str, Held]],
+                 report: Callable[[str], None] = log.info, grace_s: float = GRACE_S):
+        self.node = node
+        self.share = tuple(share)
+        self.layers = list(layers)
+        self.num_experts = num_experts
+        self.open_node = open_node
+        self.read = read
+        self.report = report
+        self.grace_s = grace_s
+        self.moves = 0
+
+    async def serve(self, stop: asyncio.Event, interval_s: float) -> None:
+        """Start the node, look every `interval_s` (0: never) and move when this member is the mover, until `stop`."""
+        await self.node.start()
+        try:
+            while not await _wait(stop, interval_s if interval_s > 0 else None):
+                try:
+                    await self.step(stop)
+                except Exception as error:  # a failed fetch, a DHT hiccup: the old share serves on; next round tries again
+                    self.report(f"rebalancing: {one_line(error)}")
+        finally:
+            await self.node.stop()
+
+    async def step(self, stop: asyncio.Event | None = None) -> Move | None:
+        """One round: read the swarm, and move if this member is the one to."""
+        loop = asyncio.get_running_loop()
+        announcer = self.node.announcer
+        if announcer is None:
+            return None
+        helds = await loop.run_in_executor(None, self.read)
+        move = plan_round(helds, announcer.record.address, self.share, self.layers, self.num_experts)
+        if move is None:
+            return None
+        self.report(f"rebalancing: taking experts {format_ids(move.fetch)}"
+                    + (f", then dropping {format_ids(move.drop)}" if move.drop else "")
+                    + f" ({move.gain[0]} layer-expert pairs nobody else holds)")
+        new = await loop.run_in_executor(None, self.open_node, move.share)
+        try:
+            await new.start()
+        except BaseException:
+            new.dht = None  # shared with the node serving
+            await new.stop()
+            raise
+        old, self.node, self.share = self.node, new, move.share
+        self.moves += 1
+        old.dht = None
+        await old.withdraw()
+        self.report(f"moved: experts {format_ids(move.share)} announced as {new.announcer.record.address}; "
+                    f"the old share withdrawn, closing in {self.grace_s:g} s")
+        if stop is None:
+            await asyncio.sleep(self.grace_s)
+        else:
+            await _wait(stop, self.grace_s)  # stopping meanwhile: both close now
+        await old.stop()
+        return move
+
+
+async def _wait(stop: asyncio.Event, seconds: float | None) -> bool:
+    """Whether `stop` was set within `seconds` (None: wait for it)."""
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except (TimeoutError, asyncio.TimeoutError):
+        return False
+    return True
