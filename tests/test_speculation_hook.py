@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from test_engine_acceptance import FakeCache
 from transformers import PretrainedConfig
 
+from moeswarm.errors import MoeSwarmError
 from moeswarm.engine.generate import generate
 from moeswarm.sources.tokenizer import TextCodec
+from moeswarm.engine.engine import EngineConfig
+from moeswarm.engine.speculation import resolve_speculation
 from moeswarm.engine.whole_model import WholeModel
 
 VOCAB = 64
@@ -73,12 +77,6 @@ def test_a_periodic_text_keeps_k_at_the_cap_and_saves_steps():
 def test_a_model_with_recurrent_layers_drafts_nothing_by_default_and_refuses_drafts_asked_for():
     """A linear-attention state cannot be cut back after rejected drafts: the default (on where steps
     have remote trips) resolves to none there, and an explicit --speculate is refused by name."""
-    import pytest
-
-    from moeswarm.errors import MoeSwarmError
-    from moeswarm.engine.engine import EngineConfig
-    from moeswarm.engine.speculation import resolve_speculation
-
     model = Scripted(noisy)
     remote = SimpleNamespace(model=model, remote=True)
     assert resolve_speculation(EngineConfig(64, speculate=None), remote).speculate > 0  # attention only: on

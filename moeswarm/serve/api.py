@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,51 +20,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeswarm.errors import MoeSwarmError, one_line, printable
 from moeswarm.generation.sampling import SamplingParams
-from moeswarm.sources.tokenizer import TextCodec
 from moeswarm.serve.chat import NoChatTemplate, chat_prompt, echoed
-from moeswarm.serve.drain import Drain
-from moeswarm.serve.dashboard import PAGE, SAMPLE_S, History, dashboard_data
+from moeswarm.serve.dashboard import PAGE, SAMPLE_S, dashboard_data
+from moeswarm.serve.embeddings import add_embedding_routes
 from moeswarm.serve.swarm_page import PAGE as SWARM_PAGE, swarm_data
 from moeswarm.engine.engine import Engine
-from moeswarm.serve.grammar import GrammarUnavailable, Grammars
-from moeswarm.engine.metrics import ServeMetrics
 from moeswarm.serve.guard import Guard
 from moeswarm.serve.responses import APIError, Shapes, error_body, validation_message, validation_param
+from moeswarm.serve.responses_api import add_response_routes
 from moeswarm.serve.runs import Ask, Prompt, Run
 from moeswarm.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampling
+from moeswarm.serve.state import (RETRY_AFTER_S, ServeState, check_ids, codec_of, constraint_maker, engine_for,
+                                  job_limits)
+from moeswarm.serve.tokenize_api import add_tokenize_route
 from moeswarm.serve.tools import call_schemas, most_calls, template_tools
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions
-RETRY_AFTER_S = 1
-
-
-@dataclass
-class ServeState:
-    model_id: str
-    api_key: str | None = None
-    metrics: ServeMetrics = field(default_factory=ServeMetrics)
-    engine: Engine | None = None  # None while loading
-    codec: TextCodec | None = None
-    context: int = 0
-    vocab_size: int = 0
-    loading: str = "loading the model"  # what /health says while there is no engine
-    default_max_tokens: int | None = None  # serve --max-tokens: a request's max_tokens when it gives none
-    max_queue: int = 256  # requests waiting for a slot; past that, 429 with Retry-After
-    grammars: Grammars | None = None  # made at the first request for structured output
-    history: History = field(default_factory=History)  # the dashboard's time series
-    drain: Drain = field(default_factory=Drain)  # requests in flight, and whether the server drains (serve/drain.py)
-
-    def __post_init__(self):
-        if not self.metrics.vllm.model_name:
-            self.metrics.vllm.name_model(self.model_id)  # vLLM's model_name label
 
 
 def create_app(state: ServeState, cors_origins: list[str] | None = None) -> FastAPI:
     """The app; cors_origins: the origins a browser page may call it from ("*": any)."""
-    from moeswarm.serve.embeddings import add_embedding_routes  # they import this module's helpers
-    from moeswarm.serve.responses_api import add_response_routes
-    from moeswarm.serve.tokenize_api import add_tokenize_route
-
     app = FastAPI(title="moeswarm", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_sampling(state))
     app.state.serve = state
 
@@ -139,13 +114,13 @@ def create_app(state: ServeState, cors_origins: list[str] | None = None) -> Fast
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        codec = _codec(state)
-        _check_ids(state, body.tokens, "tokens")
+        codec = codec_of(state)
+        check_ids(state, body.tokens, "tokens")
         return {"content": codec.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        engine = _engine(state, body)
+        engine = engine_for(state, body)
         prompts = []
         for given in body.prompts:
             if isinstance(given, str):
@@ -155,13 +130,13 @@ def create_app(state: ServeState, cors_origins: list[str] | None = None) -> Fast
         limit = body.max_tokens if body.max_tokens is not None else (state.default_max_tokens or COMPLETION_MAX_TOKENS)
         schema = body.response_format.output_schema if body.response_format else None
         ask = Ask(_params(body), body.stops, body.speculate, body.n, body.logprobs, body.echo,
-                  await _constraint_maker(state, schema, "response_format"), ignore_eos=body.ignore_eos,
+                  await constraint_maker(state, schema, "response_format"), ignore_eos=body.ignore_eos,
                   min_tokens=body.min_tokens, prompt_logprobs=body.prompt_logprobs)
         return await _run(state, engine, request, body, prompts, limit, ask)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        engine = _engine(state, body)
+        engine = engine_for(state, body)
         messages = [m.as_template_input() for m in body.messages]
         try:
             prompt = chat_prompt(state.codec, messages, template_tools(body.tools), body.add_generation_prompt,
@@ -178,7 +153,7 @@ def create_app(state: ServeState, cors_origins: list[str] | None = None) -> Fast
         else:
             schema, field_name = (body.response_format.output_schema if body.response_format else None), "response_format"
         ask = Ask(_params(body), body.stops, body.speculate, body.n, logprobs, body.echo,
-                  await _constraint_maker(state, schema, field_name, most), tuple(body.tools or ()), mode,
+                  await constraint_maker(state, schema, field_name, most), tuple(body.tools or ()), mode,
                   body.ignore_eos, body.min_tokens, body.prompt_logprobs)
         return await _run(state, engine, request, body, [Prompt(prompt, echoed(messages))], limit, ask)
 
@@ -190,12 +165,6 @@ def _model_card(state: ServeState) -> dict:
     if state.context:
         card["max_model_len"] = state.context  # vLLM's field: what clients read the context from
     return card
-
-
-def _codec(state: ServeState) -> TextCodec:
-    if state.codec is None:
-        raise APIError(503, f"not ready: {state.loading}")
-    return state.codec
 
 
 def _sampling(state: ServeState):
@@ -217,37 +186,6 @@ def _sampling(state: ServeState):
     return lifespan
 
 
-def _engine(state: ServeState, body: Sampling) -> Engine:
-    if state.engine is None:
-        raise APIError(503, f"not ready: {state.loading}")
-    if body.model != state.model_id:
-        raise APIError(404, f"model {printable(body.model, 200)!r} does not exist: this server serves "
-                            f"{state.model_id!r} (GET /v1/models)", code="model_not_found", param="model")
-    return state.engine
-
-
-def _check_ids(state: ServeState, tokens: list[int], param: str) -> None:
-    bad = next((t for t in tokens if not 0 <= t < state.vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is out of range: the vocabulary has {state.vocab_size} ids", param=param)
-
-
-def _job_limits(state: ServeState, prompt: list[int], max_tokens: int | None) -> int:
-    """max_tokens checked against the context (or the room left in it when not given)."""
-    if not prompt:
-        raise APIError(400, "the prompt gives no tokens", param="prompt")
-    _check_ids(state, prompt, "prompt")
-    room = state.context - len(prompt)
-    if room < 1 or (max_tokens is not None and max_tokens > room):
-        # OpenAI's words, which clients (litellm) map to a context-window error
-        asked = len(prompt) + (max_tokens or 1)
-        raise APIError(400, f"This model's maximum context length is {state.context} tokens. However, you requested "
-                            f"{asked} tokens ({len(prompt)} in the messages, {max_tokens or 1} in the completion). "
-                            "Please reduce the length of the messages or completion.",
-                       code="context_length_exceeded", param="max_tokens" if room >= 1 else "prompt")
-    return room if max_tokens is None else max_tokens
-
-
 def _params(body: Sampling) -> SamplingParams:
     try:
         return SamplingParams(body.temperature, body.top_p, body.top_k, body.seed, body.min_p,
@@ -256,35 +194,13 @@ def _params(body: Sampling) -> SamplingParams:
         raise APIError(400, one_line(error)) from None
 
 
-async def _constraint_maker(state: ServeState, schema: dict | list[dict] | None, field_name: str, calls: int = 0):
-    """What makes each job's grammar constraint (a schema compiled once per request), or None;
-    calls: 1 to `calls` lines each matching one of the schemas `schema` (tool calls)."""
-    if schema is None:
-        return None
-    if state.codec.tokenizer is None:
-        raise APIError(400, f"{field_name}: structured output needs the model's tokenizer, and this model has none",
-                       param=field_name)
-    try:
-        if state.grammars is None:
-            state.grammars = await asyncio.to_thread(Grammars, state.codec.tokenizer, state.vocab_size)
-        grammar = await asyncio.to_thread(state.grammars.calls, schema, calls) if calls \
-            else await asyncio.to_thread(state.grammars.json_schema, schema)
-    except GrammarUnavailable as error:
-        raise APIError(400, f"{field_name}: {error}", param=field_name) from None
-    except ValueError as error:
-        raise APIError(400, f"{field_name}: the schema cannot be used: {printable(one_line(error), 300)}",
-                       param=field_name) from None
-    grammars = state.grammars
-    return lambda: grammars.constraint(grammar)
-
-
 async def _run(state: ServeState, engine: Engine, request: Request, body: Sampling, prompts: list[Prompt],
                max_tokens: int | None, ask: Ask):
-    prompts = [replace(prompt, max_tokens=_job_limits(state, prompt.tokens, max_tokens)) for prompt in prompts]
+    prompts = [replace(prompt, max_tokens=job_limits(state, prompt.tokens, max_tokens)) for prompt in prompts]
     if any(ask.min_tokens > prompt.max_tokens for prompt in prompts):
         raise APIError(400, f"min_tokens: {ask.min_tokens} is more than max_tokens "
                             f"({min(p.max_tokens for p in prompts)})", param="min_tokens")
-    _check_ids(state, [token for token, _ in body.bias], "logit_bias")
+    check_ids(state, [token for token, _ in body.bias], "logit_bias")
     jobs = len(prompts) * body.n
     free = max(0, engine.config.max_batch - engine.active)  # slots a job takes at once, without waiting
     if engine.queue_depth + jobs > state.max_queue + free:

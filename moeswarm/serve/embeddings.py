@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.forward.stepper import Stepper
+from moeswarm.serve.responses import APIError
+from moeswarm.serve.state import check_ids, engine_for
 
 MAX_INPUTS = 64  # inputs per request
 
@@ -58,13 +60,11 @@ def pooled(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 
 def add_embedding_routes(app: FastAPI, state) -> None:
-    """Register POST /v1/embeddings on `app` (state: api.ServeState)."""
-    from moeswarm.serve.api import _check_ids, _engine
-    from moeswarm.serve.responses import APIError
+    """Register POST /v1/embeddings on `app` (state: serve/state.py ServeState)."""
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
-        engine = _engine(state, body)
+        engine = engine_for(state, body)
         inputs = body.inputs
         if not inputs or len(inputs) > MAX_INPUTS:
             raise APIError(400, f"input: from 1 to {MAX_INPUTS} inputs", param="input")
@@ -79,7 +79,7 @@ def add_embedding_routes(app: FastAPI, state) -> None:
             if len(tokens) > state.context:
                 raise APIError(400, f"input: an input of {len(tokens)} tokens is longer than the context "
                                     f"({state.context})", param="input")
-            _check_ids(state, tokens, "input")
+            check_ids(state, tokens, "input")
         model = engine.swarm.model
         vectors = []
         for tokens in token_lists:

@@ -21,7 +21,7 @@ class Guard:
     middleware (not @app.middleware, whose wrapped `receive` never reports that the client went away):
     a route waiting for a whole answer sees its client leave."""
 
-    def __init__(self, app, state):  # state: api.ServeState (api_key, metrics)
+    def __init__(self, app, state):  # state: serve/state.py ServeState (api_key, metrics)
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):

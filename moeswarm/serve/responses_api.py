@@ -36,6 +36,7 @@ from moeswarm.engine.job import Delta, Failed, Finished, Rewind
 from moeswarm.serve.responses import APIError, Shapes
 from moeswarm.serve.responses_input import ResponsesRequest, chat_messages
 from moeswarm.serve.runs import ABANDONED, Ask, Prompt, Run
+from moeswarm.serve.state import RETRY_AFTER_S, constraint_maker, engine_for, job_limits
 from moeswarm.serve.tools import call_schemas, most_calls, template_tools
 
 STORED = 256  # responses kept for previous_response_id and GET /v1/responses/{id}
@@ -62,8 +63,7 @@ class ResponseStore:
 
 
 def add_response_routes(app: FastAPI, state) -> None:
-    """Register the Responses API on `app` (state: api.ServeState)."""
-    from moeswarm.serve.api import RETRY_AFTER_S, _constraint_maker, _engine, _job_limits
+    """Register the Responses API on `app` (state: serve/state.py ServeState)."""
     from moeswarm.serve.chat import NoChatTemplate, chat_prompt
 
     store = ResponseStore()
@@ -76,7 +76,7 @@ def add_response_routes(app: FastAPI, state) -> None:
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        engine = _engine(state, body)
+        engine = engine_for(state, body)
         history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
         try:
             new = chat_messages(body.input, None)
@@ -101,10 +101,10 @@ def add_response_routes(app: FastAPI, state) -> None:
             params = SamplingParams(body.temperature, body.top_p, seed=body.seed)
         except ValueError as error:
             raise APIError(400, one_line(error)) from None
-        ask = Ask(params, make_constraint=await _constraint_maker(state, schema, field_name, most), tools=tuple(tools),
+        ask = Ask(params, make_constraint=await constraint_maker(state, schema, field_name, most), tools=tuple(tools),
                   tool_mode=mode)
         limit = body.max_output_tokens if body.max_output_tokens is not None else state.default_max_tokens
-        prompt = Prompt(tokens, "", _job_limits(state, tokens, limit))
+        prompt = Prompt(tokens, "", job_limits(state, tokens, limit))
         free = max(0, engine.config.max_batch - engine.active)
         if engine.queue_depth + 1 > state.max_queue + free:
             raise APIError(429, f"the server is busy: {engine.queue_depth} requests wait for a slot (at most "

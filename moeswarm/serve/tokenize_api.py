@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, model_validator
 
 from moeswarm.serve.schemas import ChatMessage, TokenizeRequest, Tool, _check_text
+from moeswarm.serve.state import codec_of
 
 
 class VllmTokenizeRequest(BaseModel):
@@ -43,9 +44,8 @@ class VllmTokenizeRequest(BaseModel):
 
 
 def add_tokenize_route(app: FastAPI, state) -> None:
-    """Register POST /tokenize on `app` (state: api.ServeState)."""
+    """Register POST /tokenize on `app` (state: serve/state.py ServeState)."""
     from moeswarm.errors import MoeSwarmError, one_line
-    from moeswarm.serve.api import _codec
     from moeswarm.serve.chat import NoChatTemplate, chat_prompt
     from moeswarm.serve.responses import APIError
     from moeswarm.serve.tools import template_tools
@@ -53,7 +53,7 @@ def add_tokenize_route(app: FastAPI, state) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await _json_object(request)
-        codec = _codec(state)
+        codec = codec_of(state)
         if "content" in body:
             given = _validated(TokenizeRequest, body)
             tokens = codec.encode(given.content)
