@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from starlette.testclient import TestClient  # noqa: F401 (the type of `http`)
 from inprocess_serve import in_process_serve
 
 from moeswarm.bundled import TRAINED

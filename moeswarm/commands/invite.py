@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from moeswarm.discovery.inviter import InviterConfig, open_inviter, serve_until
+    from moeswarm.discovery.inviter import InviterConfig, open_inviter
 
     config = InviterConfig(args.model, args.manifest, tuple(args.swarm or ()), args.host, args.announce_host,
                            args.dht_port, args.seed_port, args.manifest_port, args.swarm_key)
