@@ -1,6 +1,7 @@
 """The `moeswarm` command: a thin table of subcommands over the library.
 
-Each subcommand lives in `moeswarm/commands/<name>.py` and exposes `add_arguments(parser)` and
+Each subcommand lives in `moeswarm/commands/<name>.py` (bench and wan: in the moeswarm-bench
+distribution's `moeswarm_bench/commands/`, when it is installed) and exposes `add_arguments(parser)` and
 `run(args) -> int`: its flags, then one call into the library. Only the chosen command's module is
 imported (its flags are only needed then), and a command imports the library modules that load
 torch inside `run` (the one import there), not at its top: `moeswarm --help` and `moeswarm COMMAND
