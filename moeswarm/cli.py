@@ -1,6 +1,7 @@
 """The `moeswarm` command: a thin table of subcommands over the library.
 
-Each subcommand lives in `moeswarm/commands/<name>.py` and exposes `add_arguments(parser)` and
+Each subcommand lives in `moeswarm/commands/<name>.py` (bench and wan: in the moeswarm-bench
+distribution's `moeswarm_bench/commands/`, when it is installed) and exposes `add_arguments(parser)` and
 `run(args) -> int`: its flags, then one call into the library. Only the chosen command's module is
 imported (its flags are only needed then), and a command imports the library modules that load
 torch inside `run` (the one import there), not at its top: `moeswarm --help` and `moeswarm COMMAND
@@ -95,13 +96,24 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
-# Commands whose modules live with the tools (moeswarm/tools/commands/), above the library: found by name.
+# Commands of the moeswarm-bench distribution (bench/ in the repository: moeswarm_bench/commands/), outside
+# the library: loaded by name when it is installed. This is the one place the library names it.
 TOOL_COMMANDS = ("bench", "wan")
+TOOLS_PACKAGE = "moeswarm_bench"
+TOOLS_MISSING = ("moeswarm {name}: error: needs the moeswarm-bench distribution, which is not installed "
+                 "(in a checkout of moeswarm: python -m pip install -e bench/)")
 
 
 def _command_module(name: str):
-    package = "moeswarm.tools.commands" if name in TOOL_COMMANDS else "moeswarm.commands"
-    return importlib.import_module(f"{package}.{name.replace('-', '_')}")
+    if name not in TOOL_COMMANDS:
+        return importlib.import_module(f"moeswarm.commands.{name.replace('-', '_')}")
+    try:
+        return importlib.import_module(f"{TOOLS_PACKAGE}.commands.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != TOOLS_PACKAGE:  # installed, and something it needs is missing: a bug, a traceback
+            raise
+        print(TOOLS_MISSING.format(name=name), file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(argv: list[str] | None = None) -> int:

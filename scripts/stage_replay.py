@@ -16,8 +16,8 @@ import torch
 from moeswarm.forward.packed import PackedStepper, install
 from moeswarm.stages.gateway import open_gateway
 from moeswarm.swarm import open_swarm
-from moeswarm.tools.bench.real_build import DEFAULT_CACHE, model_file
-from moeswarm.tools.bench.real_shapes import SHAPES
+from moeswarm_bench.bench.real_build import DEFAULT_CACHE, model_file
+from moeswarm_bench.bench.real_shapes import SHAPES
 from moeswarm.local.stages import spawn_stage
 from moeswarm.local.workers import stop, wait_listening
 

@@ -7,7 +7,7 @@ import torch
 
 from moeswarm.bundled import TRAINED
 from moeswarm.local.workers import local_workers, split_experts
-from moeswarm.tools.serve_process import ServeProcess
+from moeswarm_bench.serve_process import ServeProcess
 from moeswarm.model.tiny import make_tiny_model
 
 torch.set_num_threads(1)  # several processes share the CI machine's cores

@@ -5,7 +5,7 @@ install. Test modules import it as `llamacpp_fixtures` (pytest puts tests/ on sy
 rootdir-relative test files without __init__.py).
 
 The converter and quantizer wrappers live in the package, for `moeswarm bench real` too
-(moeswarm/tools/bench/llamacpp_convert.py): `convert_hf` runs llama.cpp's `convert_hf_to_gguf.py`,
+(bench/moeswarm_bench/bench/llamacpp_convert.py): `convert_hf` runs llama.cpp's `convert_hf_to_gguf.py`,
 `quantize` its quantizer, `bpe_tokenizer` makes a tokenizer the converter accepts.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from moeswarm.errors import MoeSwarmError
 
-from moeswarm.tools.bench.llamacpp_convert import (LLAMA_CPP_PYTHON, QUANT_TYPES, bpe_tokenizer, convert_hf, convert_hf_many,
+from moeswarm_bench.bench.llamacpp_convert import (LLAMA_CPP_PYTHON, QUANT_TYPES, bpe_tokenizer, convert_hf, convert_hf_many,
                                               quantize)
 
 
@@ -53,10 +53,10 @@ def slice_workers(parts):
 
 @contextlib.contextmanager
 def _without_extra_buffer_types():
-    """Load models without llama.cpp's CPU "extra buffer types" (moeswarm.tools.bench.worker_real_llamacpp)."""
+    """Load models without llama.cpp's CPU "extra buffer types" (moeswarm_bench.bench.worker_real_llamacpp)."""
     import llama_cpp.llama_cpp as low
 
-    from moeswarm.tools.bench.worker_real_llamacpp import plain_cpu_buffers
+    from moeswarm_bench.bench.worker_real_llamacpp import plain_cpu_buffers
 
     default = low.llama_model_default_params
     low.llama_model_default_params = plain_cpu_buffers(default)

@@ -18,7 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from moeswarm.forward.stepper import Stepper
 from moeswarm.model.attention_threads import sdpa_one_thread
 from moeswarm.sources.loading import load_local
-from moeswarm.weights import qkernels
+from moeswarm.kernels import qkernels
 
 
 class _Module(torch.nn.Module):

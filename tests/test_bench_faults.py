@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from moeswarm.tools.bench.faults import FAULTS, run_generations
+from moeswarm_bench.bench.faults import FAULTS, run_generations
 
 
 def test_every_fault_kind_completes_bit_identical(qwen2_moe):

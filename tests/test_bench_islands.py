@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from moeswarm.tools.bench.islands import Row, _against_split, _targets
-from moeswarm.tools.bench.islands_bench import table_lines
+from moeswarm_bench.bench.islands import Row, _against_split, _targets
+from moeswarm_bench.bench.islands_bench import table_lines
 
 
 def _row(topology, rtt, speculate, ms):

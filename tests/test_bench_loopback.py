@@ -8,7 +8,7 @@ time less the worker's experts, as each RESULT said them.
 from __future__ import annotations
 
 from moeswarm.bundled import demo_model
-from moeswarm.tools.bench.loopback import run_loopback
+from moeswarm_bench.bench.loopback import run_loopback
 
 
 def test_one_worker_s_decode_calls_are_counted_with_the_experts_time_they_took():

@@ -119,7 +119,7 @@ def test_a_latent_shape_converts_and_runs_as_deepseek_v3(tmp_path):
     """bench real's GLM-4.7-Flash shape at toy sizes, built as its file is (our checkpoint names
     through llama.cpp's converter and quantizer): moeswarm reads it as DeepSeek V3 with the shape's
     latent sizes, a dense first layer and a shared expert; every layer's steps, the prompt's too,
-    run absorbed through the file's attn_k_b and attn_v_b blocks (weights/gguf_latent.py) and agree
+    run absorbed through the file's attn_k_b and attn_v_b blocks (kernels/gguf_latent.py) and agree
     with llama.cpp's logits; and the backbone decodes as its local reference does, bit for bit."""
     from dataclasses import replace
 
@@ -128,9 +128,9 @@ def test_a_latent_shape_converts_and_runs_as_deepseek_v3(tmp_path):
     from moeswarm.engine.generate import generate
     from moeswarm.sources.loading import load_local
     from moeswarm.swarm import open_swarm
-    from moeswarm.tools.bench.real_build import model_file
-    from moeswarm.tools.bench.real_shapes import SHAPES, Latent
-    from moeswarm.weights.gguf_latent import BLOCKS
+    from moeswarm_bench.bench.real_build import model_file
+    from moeswarm_bench.bench.real_shapes import SHAPES, Latent
+    from moeswarm.kernels.gguf_latent import BLOCKS
 
     shape = replace(SHAPES["glm47flash"], name="toy", layers=3, hidden=256, heads=4, kv_heads=4, experts=8, inner=256,
                     top_k=2, vocab=512, latent=Latent(q_rank=256, kv_rank=256, nope=64, rope=64, value=64, shared=1,
@@ -169,7 +169,7 @@ def test_llama_cpp_step_by_part_from_its_scheduler(report):
 
 
 def test_llama_cpp_nodes_fall_in_the_parts_moeswarm_reports():
-    from moeswarm.tools.bench.real_llama_parts import part_of
+    from moeswarm_bench.bench.real_llama_parts import part_of
 
     assert [part_of(name) for name in ("Qcur-3", "kq_soft_max", "cache_k_l0 (view)", "ffn_moe_logits-2",
                                        "ffn_moe_topk-0", "ffn_moe_gate-5", "ffn_moe_down", "result_output",

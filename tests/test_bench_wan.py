@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_cli import exact_traffic, frame_size, routed_calls
 
-from moeswarm.tools.bench.wan_scenarios import FANOUT_RTT_S, PETALS_BANDWIDTH_BPS, PETALS_RTT_S, SPECULATE, load_prompts
+from moeswarm_bench.bench.wan_scenarios import FANOUT_RTT_S, PETALS_BANDWIDTH_BPS, PETALS_RTT_S, SPECULATE, load_prompts
 from moeswarm.engine.generate import generate
 from moeswarm.engine.whole_model import WholeModel
 from moeswarm.forward.stepper import Stepper
@@ -182,7 +182,7 @@ def test_limit_line(wan_result):
 
 def test_report_renders(wan_result, tmp_path):
     pytest.importorskip("matplotlib")
-    from moeswarm.tools.bench.report import tables, write_report
+    from moeswarm_bench.bench.report import tables, write_report
 
     page = write_report(wan_result, docs=tmp_path)
 

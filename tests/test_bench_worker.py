@@ -51,8 +51,8 @@ def test_quick_run_measures_a_quarter_and_all_experts(quick_run):
 
 
 def test_cached_files_are_reused(quick_run):
-    from moeswarm.tools.bench.worker_real_gguf import layer_files
-    from moeswarm.tools.bench.worker_real_shapes import QUICK_SHAPE
+    from moeswarm_bench.bench.worker_real_gguf import layer_files
+    from moeswarm_bench.bench.worker_real_shapes import QUICK_SHAPE
 
     _, cache = quick_run
     path = layer_files(QUICK_SHAPE, ("Q4_K_M",), cache)["Q4_K_M"]

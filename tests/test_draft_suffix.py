@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeswarm.tools.bench.drafters import edited, replay
+from moeswarm_bench.bench.drafters import edited, replay
 from moeswarm.bundled import TRAINED
 from moeswarm.generation.draft_suffix import SuffixDrafter, SuffixHistory
 from moeswarm.generation.drafters import NgramDrafter

@@ -15,7 +15,7 @@ import pytest
 
 from moeswarm.dispatch.errors import ExpertsUnavailable
 from moeswarm.engine.generate import generate
-from moeswarm.tools.bench.injector import Injector
+from moeswarm_bench.bench.injector import Injector
 from moeswarm.local.workers import spawn_worker, split_experts, stop, wait_listening
 from moeswarm.sources.loading import load_local
 from moeswarm.swarm import open_swarm

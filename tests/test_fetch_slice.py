@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from moeswarm.tools.bench.fetch_slice import make_random_gguf
+from moeswarm_bench.bench.fetch_slice import make_random_gguf
 from moeswarm.slices.manifest import ManifestError, build_manifest, load_manifest, write_manifest
 from moeswarm.slices.seed import Seeder
 from moeswarm.slices.fetch import FetchError, fetch_slice
 from moeswarm.slices.protocol import RESPONSE, encode_request
 from moeswarm.transport.tls import client_context, server_context, write_swarm_key
-from moeswarm.tools.wan import LinkProfile, WanProxy
-from moeswarm.weights.gguf_slice import write_slice
+from moeswarm_bench.wan import LinkProfile, WanProxy
+from moeswarm.gguf.gguf_slice import write_slice
 
 EXPERTS = [2, 3, 4, 5]
 CHUNK = 16 << 10  # small pieces: many requests, and a fetch that can be cut in the middle

@@ -13,7 +13,7 @@ import pytest
 from moeswarm import native
 from moeswarm.errors import MoeSwarmError
 from moeswarm.transport import token_call
-from moeswarm.weights import qkernels
+from moeswarm.kernels import qkernels
 from moeswarm.wire import frames
 from moeswarm.wire.codecs import CODECS, INTEGER_CODECS
 from moeswarm.wire.messages import U8_IDS
@@ -57,7 +57,7 @@ def test_every_frame_speaking_c_file_includes_the_header():
             assert '#include "frames.h"' in text, path
         assert '"MSWM"' not in text and "HEADER_SIZE 24" not in text, f"{path} restates the frame header"
     for name in ("qk_express.c", "qk_hold.c", "qkernels.c"):
-        assert '#include "frames.h"' in (PACKAGE / "weights" / name).read_text()
+        assert '#include "frames.h"' in (PACKAGE / "kernels" / name).read_text()
     assert '#include "frames.h"' in (PACKAGE / "transport" / "token_call.c").read_text()
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from moeswarm.tools.bench.fuzz import MARKER_ID, _Fuzzer, run_fuzz
-from moeswarm.tools.bench.fuzz_cases import Case, CaseMaker, Shape, is_framed
+from moeswarm_bench.bench.fuzz import MARKER_ID, _Fuzzer, run_fuzz
+from moeswarm_bench.bench.fuzz_cases import Case, CaseMaker, Shape, is_framed
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import HEADER_SIZE, Frame, parse_header
 from moeswarm.wire.messages import Dispatch, ErrorReply, Result

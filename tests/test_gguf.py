@@ -26,10 +26,10 @@ from moeswarm.local.workers import local_workers, split_experts
 from moeswarm.sources.loading import load_experts, load_local
 from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.swarm import open_swarm
-from moeswarm.weights.gguf_file import GGUFFile
-from moeswarm.weights.gguf_slice import write_slice
-from moeswarm.weights.row_invariant import RowInvariantWeight, make_rows_invariant
-from moeswarm.weights.row_ops import use_row_ops
+from moeswarm.gguf.gguf_file import GGUFFile
+from moeswarm.gguf.gguf_slice import write_slice
+from moeswarm.kernels.row_invariant import RowInvariantWeight, make_rows_invariant
+from moeswarm.kernels.row_ops import use_row_ops
 
 from llamacpp_fixtures import FIXTURE_TYPES, llama_cpp_logits, make_fixture_ggufs, require_llama_cpp, slice_workers
 
@@ -77,7 +77,7 @@ def test_f32_gguf_swarm_equals_hf_directory(gguf_fixtures):
     # a GGUF file's F32 matrices take the row-invariant products: the HF model here too, to compare bits
     assert make_rows_invariant(reference) and all(isinstance(from_gguf[name], RowInvariantWeight)
                                                   for name in make_rows_invariant(reference))
-    assert use_row_ops(reference)  # and its norms, as a GGUF file's backbone takes them (weights/row_ops.py)
+    assert use_row_ops(reference)  # and its norms, as a GGUF file's backbone takes them (kernels/row_ops.py)
     local = Stepper(reference)
     with local_workers(str(files["F32"]), split_experts(8, 2)) as addresses:
         with open_swarm(str(files["F32"]), addresses) as swarm:

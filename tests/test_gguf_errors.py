@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from moeswarm.errors import ModelError
 from moeswarm.sources.loading import load_backbone, load_experts
-from moeswarm.weights.gguf_slice import write_slice
+from moeswarm.gguf.gguf_slice import write_slice
 
 HIDDEN, EXPERTS, FF = 32, 4, 32
 
@@ -82,7 +82,7 @@ def test_slice_lacking_requested_experts(tmp_path):
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
-    from moeswarm.weights.gguf_support import SUPPORTED
+    from moeswarm.gguf.gguf_support import SUPPORTED
 
     path = _write(tmp_path / "bert.gguf", arch="bert")
     with pytest.raises(ModelError) as error:

@@ -6,7 +6,7 @@ llama.cpp's own converter (F32) and quantizer (Q8_0), and for each file:
 - the Q8_0 file cut into two slice files (experts 0-3 with the backbone, experts 4-7 alone), two
   workers serving them over TCP: logits torch.equal to the whole Q8_0 file run locally.
 
-Adding an architecture is an entry in each table of moeswarm/weights/gguf_{config,routing,names,
+Adding an architecture is an entry in each table of moeswarm/gguf/gguf_{config,routing,names,
 support}.py and a line in FAMILIES. The tiny configs set the scales and routing options the GGUF
 must carry (multipliers, renormalisation, routed scaling, groups) away from their defaults, so a
 key mapped wrongly shows in the logits.
@@ -29,12 +29,12 @@ import torch
 from moeswarm.forward.stepper import Stepper
 from moeswarm.sources.loading import load_experts, load_local
 from moeswarm.swarm import open_swarm
-from moeswarm.weights.gguf_config import ARCHITECTURES
-from moeswarm.weights.gguf_file import GGUFFile
-from moeswarm.weights.gguf_names import QUIRKS
-from moeswarm.weights.gguf_routing import ROUTING
-from moeswarm.weights.gguf_slice import write_slice
-from moeswarm.weights.gguf_support import SUPPORTED, UNSUPPORTED
+from moeswarm.gguf.gguf_config import ARCHITECTURES
+from moeswarm.gguf.gguf_file import GGUFFile
+from moeswarm.gguf.gguf_names import QUIRKS
+from moeswarm.gguf.gguf_routing import ROUTING
+from moeswarm.gguf.gguf_slice import write_slice
+from moeswarm.gguf.gguf_support import SUPPORTED, UNSUPPORTED
 from moeswarm.worker.server import WorkerServer
 from moeswarm.worker.store import ExpertStore
 
@@ -279,7 +279,7 @@ def test_the_gate_command_info_prints_runs_on_a_gguf_file(family, family_files, 
     backbone) in Q8_0. Measured (random weights, 2 prompts, 24 positions): argmax agreement 0.958,
     cosine mean 0.9920, min 0.827. One position is a near-tie that the int8 wire flips, and the
     gate fails the file at its defaults (0.99, 0.998), as it should. With the routers' products in
-    torch (before weights/row_invariant.py) these prompts missed the tie (1.0, 0.99907), and four
+    torch (before kernels/row_invariant.py) these prompts missed the tie (1.0, 0.99907), and four
     other prompts give 0.962 and 0.99905 either way."""
     import json
     import shlex

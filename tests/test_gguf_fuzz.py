@@ -1,7 +1,7 @@
 """Hostile GGUF files: the findings of the file fuzzer (issue 62) and a seeded fuzz of the header checks.
 
 Each mutated file is the bundled model's Q4_K_M export with one field changed
-(moeswarm/tools/bench/file_mutations.py). A file either opens (and its config builds) or is
+(bench/moeswarm_bench/bench/file_mutations.py). A file either opens (and its config builds) or is
 refused with a one-line ModelError naming the file; anything else (another exception, a
 traceback from `moeswarm info`, a worker that starts on it) is a bug. The longer run is
 `moeswarm bench fuzz --files N` (docs/gguf.md, "Hostile files").
@@ -19,10 +19,10 @@ from gguf import GGMLQuantizationType
 
 from moeswarm.bundled import PYMOE
 from moeswarm.errors import ModelError
-from moeswarm.tools.bench.file_mutations import (Layout, mutate, with_array_string_byte, with_dim, with_int,
+from moeswarm_bench.bench.file_mutations import (Layout, mutate, with_array_string_byte, with_dim, with_int,
                                                  with_string_byte, with_type)
-from moeswarm.weights.gguf_config import config_from_gguf
-from moeswarm.weights.gguf_file import GGUFFile
+from moeswarm.gguf.gguf_config import config_from_gguf
+from moeswarm.gguf.gguf_file import GGUFFile
 
 BASE = PYMOE / "gguf" / "pymoe-Q4_K_M.gguf"
 FUZZ_CASES = 200
@@ -114,7 +114,7 @@ def test_a_tensor_dim_past_the_file_is_refused_before_any_view(tmp_path, layout)
 
 
 def test_a_broken_merge_is_one_line(tmp_path, layout):
-    from moeswarm.weights.gguf_tokenizer import gguf_tokenizer
+    from moeswarm.gguf.gguf_tokenizer import gguf_tokenizer
 
     path = tmp_path / "m.gguf"
     path.write_bytes(with_array_string_byte(layout, "tokenizer.ggml.merges", 4, 1, ord("x")))  # "s e" -> "sxe"

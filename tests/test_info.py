@@ -17,7 +17,7 @@ from gguf import GGUFReader
 
 from moeswarm.sources.source import open_source
 from moeswarm.sources.summary import summarize
-from moeswarm.weights.gguf_slice import write_slice
+from moeswarm.gguf.gguf_slice import write_slice
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED_HF = REPO / "models" / "pymoe" / "hf"

@@ -1,4 +1,4 @@
-"""The kernels' speed choices (weights/kernel_tuning.py) change no bit, are chosen per host and cached,
+"""The kernels' speed choices (kernels/kernel_tuning.py) change no bit, are chosen per host and cached,
 and the pool's waits never need a helper that is not running (qk_pool.c)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from moeswarm.weights import kernel_tuning, qkernels
+from moeswarm.kernels import kernel_tuning, qkernels
 from test_quant_kernels import random_rows
 
 pytestmark = pytest.mark.skipif(not qkernels.available(), reason="moeswarm's C kernels are not built")
@@ -62,7 +62,7 @@ def _tuning_in_a_child(tmp_path, setting: str | None) -> dict:
     env.pop("MOESWARM_QK_TUNING", None)
     if setting is not None:
         env["MOESWARM_QK_TUNING"] = setting
-    done = subprocess.run([sys.executable, "-c", "import json; from moeswarm.weights import qkernels; "
+    done = subprocess.run([sys.executable, "-c", "import json; from moeswarm.kernels import qkernels; "
                            "print(json.dumps(qkernels.tuning()))"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
@@ -92,7 +92,7 @@ def test_measured_once_per_host_then_cached_and_forced_over_the_cache(tmp_path):
 
 def test_a_bad_environment_value_keeps_the_defaults_with_one_warning(tmp_path):
     env = {**os.environ, "MOESWARM_CACHE_DIR": str(tmp_path), "MOESWARM_QK_TUNING": "prefetch=fast"}
-    done = subprocess.run([sys.executable, "-c", "import json; from moeswarm.weights import qkernels; "
+    done = subprocess.run([sys.executable, "-c", "import json; from moeswarm.kernels import qkernels; "
                            "print(json.dumps(qkernels.tuning()))"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
@@ -104,7 +104,7 @@ CHILD = """
 import os, sys, torch
 sys.path.insert(0, {tests!r})
 from gguf import GGMLQuantizationType as Q
-from moeswarm.weights import qkernels
+from moeswarm.kernels import qkernels
 from test_quant_kernels import random_rows
 os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})  # one CPU, as `taskset -c 0`
 raw, K = random_rows(Q.Q4_K, 64, 512, seed=5), 512

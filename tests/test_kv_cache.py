@@ -19,7 +19,7 @@ from moeswarm.forward.sequence_cache import SequenceCache, cache_bytes
 from moeswarm.swarm import open_swarm
 from moeswarm.swarm_config import SwarmConfig
 from moeswarm.local.stages import local_stages
-from moeswarm.weights import qkernels
+from moeswarm.kernels import qkernels
 
 MODEL = "models/pymoe/hf"  # the bundled trained model: float32, 6 decoder layers, 32 experts
 PROMPT = [5, 17, 42, 8, 99, 23, 11, 60, 7, 3]
@@ -158,7 +158,7 @@ def test_serve_with_a_float16_cache_answers_each_prompt_as_a_float16_run_alone(t
 
     from moeswarm.engine.generate import generate
     from moeswarm.sources.tokenizer import load_text_codec
-    from moeswarm.tools.serve_process import ServeProcess
+    from moeswarm_bench.serve_process import ServeProcess
 
     prompts = ["def main(", "class Stack:", "import os\n", "for i in range("]
     with open_swarm(MODEL, [], SwarmConfig(kv_cache="f16")) as local:

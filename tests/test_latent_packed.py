@@ -115,7 +115,7 @@ def test_deepseek_v3_through_two_workers_with_drafts_and_a_float16_cache_is_bit_
 
 def test_deepseek_v3_through_two_stages_is_bit_identical(tiny_models):
     """The stages run the gateway's thread count: a float (not GGUF) model's matrices are torch's,
-    whose bits depend on it (weights/row_invariant.py)."""
+    whose bits depend on it (kernels/row_invariant.py)."""
     path = tiny_models("deepseek_v3")
     with local_stages(path, ["0-1", "2-2"], threads=2) as stages:
         report = _generate(path, "--stages", ",".join(stages), "--threads", "2", "--max-new-tokens", "10",

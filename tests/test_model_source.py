@@ -23,7 +23,7 @@ from moeswarm.sources.hf_directory import Checkpoint
 from moeswarm.model.experts import experts_modules
 from moeswarm.sources.loading import load_backbone, load_experts, load_local
 from moeswarm.sources.source import open_source
-from moeswarm.weights.gguf_slice import write_slice
+from moeswarm.gguf.gguf_slice import write_slice
 from moeswarm.sources.gguf_source import GGUFCheckpoint
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.messages import Dispatch

@@ -26,10 +26,10 @@ from moeswarm.local.workers import local_workers
 from moeswarm.model.experts import experts_modules
 from moeswarm.sources.loading import load_experts, load_local
 from moeswarm.sources.source import open_source
-from moeswarm.weights import qkernels
+from moeswarm.kernels import qkernels
 from moeswarm.swarm import open_swarm
-from moeswarm.weights.quant_experts import QuantExperts, QuantMatrix, quant_matrix
-from moeswarm.weights.quant_linear import QuantEmbedding, QuantLinear
+from moeswarm.kernels.quant_experts import QuantExperts, QuantMatrix, quant_matrix
+from moeswarm.kernels.quant_linear import QuantEmbedding, QuantLinear
 
 TOKENS = [5, 18, 31, 44, 57, 70, 83, 96]
 

@@ -36,9 +36,9 @@ from moeswarm.forward.stepper import Stepper
 from moeswarm.model.experts import experts_modules
 from moeswarm.sources.loading import load_experts, load_local
 from moeswarm.sources.source import open_source
-from moeswarm.weights import qkernels
-from moeswarm.weights.gguf_file import GGUFFile
-from moeswarm.weights.quant_experts import QuantExperts
+from moeswarm.kernels import qkernels
+from moeswarm.gguf.gguf_file import GGUFFile
+from moeswarm.kernels.quant_experts import QuantExperts
 
 from llamacpp_fixtures import llama_cpp_logits, make_fixture_ggufs, require_llama_cpp
 

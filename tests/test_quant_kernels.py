@@ -1,4 +1,4 @@
-"""The C kernels (moeswarm/weights/qkernels.c) against gguf-py's decoders, and their determinism.
+"""The C kernels (moeswarm/kernels/qkernels.c) against gguf-py's decoders, and their determinism.
 
 Blocks are random bytes with sane scale fields, for every type the kernels decode; gguf-py's
 numpy decoders (what llama.cpp's own Python package ships) are the oracle of the values.
@@ -16,7 +16,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from moeswarm.weights import qkernels
+from moeswarm.kernels import qkernels
 
 pytestmark = pytest.mark.skipif(not qkernels.available(), reason="moeswarm's C kernels are not built")
 

@@ -1,6 +1,6 @@
 """A benchmark report's page keeps what is written by hand below its notes marker."""
 
-from moeswarm.tools.bench.markdown import NOTES, write_page
+from moeswarm_bench.bench.markdown import NOTES, write_page
 
 
 def test_a_new_report_keeps_the_notes_and_replaces_the_rest(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeswarm.tools.bench.lying import LyingLink, generate_with_rollback, greedy
+from moeswarm_bench.bench.lying import LyingLink, generate_with_rollback, greedy
 from moeswarm.forward.stepper import Stepper
 from moeswarm.sources.loading import load_local
 from moeswarm.swarm import open_swarm

@@ -3,7 +3,7 @@
 torch's one-row and many-row products associate differently; a router's logits in a batched step
 then differ in the last bits from the same token's alone, and a greedy request served next to
 others can pick another token (measured at OLMoE's real dimensions: 6 of 16 requests differed
-before, 0 after). weights/row_invariant.py routes those products through qkernels' float path.
+before, 0 after). kernels/row_invariant.py routes those products through qkernels' float path.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from moeswarm.engine.engine import Engine, EngineConfig
 from moeswarm.engine.job import Delta, Job
 from moeswarm.engine.whole_model import WholeModel
 from moeswarm.swarm import open_swarm
-from moeswarm.weights import qkernels
-from moeswarm.weights.row_invariant import RowInvariantWeight, make_rows_invariant
+from moeswarm.kernels import qkernels
+from moeswarm.kernels.row_invariant import RowInvariantWeight, make_rows_invariant
 
 pytestmark = pytest.mark.skipif(not qkernels.available(), reason="moeswarm's C kernels are not built")
 
@@ -124,7 +124,7 @@ def test_greedy_requests_batched_on_the_engine_equal_each_alone(qwen3_q4_k_m):
 
 
 def _fixed_dot(a: np.ndarray, b: np.ndarray) -> np.float32:
-    """The float path's documented association in float32 (weights/qk_vec.h, fixed_dot): lane k mod 16
+    """The float path's documented association in float32 (kernels/qk_vec.h, fixed_dot): lane k mod 16
     gets a[k] * b[k] in the order of k, then the lanes are added +8, +4, +2, +1."""
     products = (a.astype(np.float32) * b.astype(np.float32)).astype(np.float32)
     lanes = np.zeros(16, dtype=np.float32)

@@ -1,5 +1,5 @@
 """A GGUF backbone's RMSNorms, rotary embeddings and rotary tables in one C call each
-(weights/row_ops.py).
+(kernels/row_ops.py).
 
 The rotary embedding must give transformers' bits exactly (it is swapped process-wide); the norm
 gives each row the same bits in any batch, close to transformers' own; the rotary tables give each
@@ -16,8 +16,8 @@ import torch
 from transformers.models.llama import modeling_llama as llama
 
 from moeswarm.sources.loading import load_local
-from moeswarm.weights import qkernels
-from moeswarm.weights.row_ops import (RowRMSNorm, RowRotaryEmbedding, _rope_pair, _same_code, use_rotary_tables,
+from moeswarm.kernels import qkernels
+from moeswarm.kernels.row_ops import (RowRMSNorm, RowRotaryEmbedding, _rope_pair, _same_code, use_rotary_tables,
                                       use_row_ops)
 
 pytestmark = pytest.mark.skipif(not qkernels.available(), reason="moeswarm's C kernels are not built")

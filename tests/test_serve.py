@@ -24,7 +24,7 @@ from moeswarm.engine.whole_model import WholeModel
 from moeswarm.local.workers import local_workers, spawn_worker, split_experts, stop, wait_listening
 from moeswarm.sources.loading import load_local
 from moeswarm.sources.tokenizer import load_text_codec
-from moeswarm.tools.serve_process import ServeProcess
+from moeswarm_bench.serve_process import ServeProcess
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -30,7 +30,7 @@ from moeswarm.generation.sampling import SamplingParams, log_probs, penalize
 from moeswarm.forward.stepper import Stepper
 from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.serve.grammar import Grammars
-from moeswarm.tools.serve_process import ServeProcess
+from moeswarm_bench.serve_process import ServeProcess
 
 PROMPT = "def add(a, b):\n"
 MAX_BATCH, MAX_QUEUE, MAX_CONNECTIONS = 4, 4, 12

@@ -14,7 +14,7 @@ import time
 import httpx
 
 from moeswarm.bundled import TRAINED
-from moeswarm.tools.serve_process import ServeProcess
+from moeswarm_bench.serve_process import ServeProcess
 
 DRAIN_S = 1.0
 BUNDLED_Q8 = TRAINED.parent / "gguf" / "pymoe-Q8_0.gguf"

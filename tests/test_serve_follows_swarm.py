@@ -13,7 +13,7 @@ import pytest
 from moeswarm.discovery.invite import parse_invite
 from moeswarm.slices.manifest import load_manifest
 from moeswarm.local.workers import stop
-from moeswarm.tools.serve_process import ServeProcess
+from moeswarm_bench.serve_process import ServeProcess
 from swarm_processes import announced, bundled_copy, cli, join, lines_until
 
 ALL = 32  # the bundled model's experts: each member holds every one

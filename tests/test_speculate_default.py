@@ -59,7 +59,7 @@ def test_serve_drafts_by_default_and_shows_acceptance_in_metrics_and_dashboard(t
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from moeswarm.tools.serve_process import ServeProcess
+    from moeswarm_bench.serve_process import ServeProcess
 
     with ServeProcess(str(TRAINED), trained_workers, "--model-name", "pymoe") as server:
         server.wait_ready()

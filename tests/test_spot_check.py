@@ -194,7 +194,7 @@ def test_a_ban_reports_every_call_that_used_the_liars_unchecked_answers(holders)
 def test_a_lying_link_to_a_real_worker_is_caught_in_a_generation(qwen2_moe, qwen2_replicas):
     """Real worker processes of the tiny model: one link lies (zeros); checks at 100 %: the
     generation stays bit-identical to local, the liar is banned, the honest links are not."""
-    from moeswarm.tools.bench.lying import LyingLink
+    from moeswarm_bench.bench.lying import LyingLink
     from moeswarm.engine.generate import generate
     from moeswarm.sources.loading import load_local
     from moeswarm.swarm import open_swarm

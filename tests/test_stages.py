@@ -24,7 +24,7 @@ from moeswarm.stages.gateway import open_gateway
 from moeswarm.stages.protocol import Segment, Step
 from moeswarm.local.stages import local_stages
 from moeswarm.local.workers import local_workers, wait_listening
-from moeswarm.tools.serve_process import ServeProcess
+from moeswarm_bench.serve_process import ServeProcess
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.stream import recv_frame, send_frame
 

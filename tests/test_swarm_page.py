@@ -10,7 +10,7 @@ import pytest
 
 from moeswarm.sources.source import open_source
 from moeswarm.local.workers import local_workers
-from moeswarm.tools.serve_process import ServeProcess
+from moeswarm_bench.serve_process import ServeProcess
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),

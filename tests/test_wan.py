@@ -15,11 +15,11 @@ import sys
 
 import pytest
 
-from moeswarm.tools.wan.channel import Channel
-from moeswarm.tools.wan.control import ControlServer, execute
-from moeswarm.tools.wan.link import LinkProfile, format_bandwidth, parse_bandwidth, parse_duration
-from moeswarm.tools.wan.measure import MeasureServer, measure_rtt, measure_throughput
-from moeswarm.tools.wan.proxy import WanProxy
+from moeswarm_bench.wan.channel import Channel
+from moeswarm_bench.wan.control import ControlServer, execute
+from moeswarm_bench.wan.link import LinkProfile, format_bandwidth, parse_bandwidth, parse_duration
+from moeswarm_bench.wan.measure import MeasureServer, measure_rtt, measure_throughput
+from moeswarm_bench.wan.proxy import WanProxy
 
 LOOPBACK = ("127.0.0.1", 0)
 
@@ -314,7 +314,7 @@ def test_cli_proxy_subprocess():
 def test_cli_rejects_bad_flag(capsys):
     import argparse
 
-    from moeswarm.tools.commands import wan
+    from moeswarm_bench.commands import wan
 
     parser = argparse.ArgumentParser(prog="moeswarm wan")
     wan.add_arguments(parser)

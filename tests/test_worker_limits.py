@@ -485,7 +485,7 @@ def test_worker_rss_stays_bounded_under_unread_floods(tmp_path):
     RESULT (over 150 MB in 5 s); with it, its RSS grows by little, and what it grew is given back
     once the connections close.
     """
-    from moeswarm.tools.bench.worker_process import spawn_worker
+    from moeswarm_bench.bench.worker_process import spawn_worker
     from moeswarm.sources.source import open_source
     from moeswarm.model.tiny import make_tiny_model
 

@@ -2,7 +2,7 @@
 
 Two GGUF files that differ only in their vocabulary (tokens, merges, token types, embeddings and
 head): loading a worker's experts from either takes the same memory, because no metadata value is
-decoded until something asks for it (weights/gguf_header.py). gguf-py's own reader makes numpy
+decoded until something asks for it (gguf/gguf_header.py). gguf-py's own reader makes numpy
 objects per vocabulary item on open (~160 MB more for the 60k-token file here than the 1k one). The lazily decoded
 metadata and the fingerprint are exactly what gguf-py's reader gives.
 """
@@ -20,7 +20,7 @@ import torch
 
 from moeswarm.sources.loading import load_experts
 from moeswarm.sources.source import open_source
-from moeswarm.weights.gguf_file import GGUFFile
+from moeswarm.gguf.gguf_file import GGUFFile
 
 D, INNER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM = 64, 64, 4, 2, 2, 1, 32
 SMALL_VOCAB, LARGE_VOCAB = 1000, 60_000

@@ -140,7 +140,7 @@ def test_a_real_workers_rss_stays_bounded_under_the_amplification_attack():
     the worker's budgets are 32 MB of bodies and 32 MB of replies. Its RSS grows by at most a
     couple of hundred MB (bodies, replies and one job's compute), a well-behaved client is served
     throughout, and what grew is given back once the attackers close."""
-    from moeswarm.tools.bench.amplification import run_amplification
+    from moeswarm_bench.bench.amplification import run_amplification
 
     budgets = ("--max-unsent-bytes", str(16 * MiB), "--max-reply-bytes", str(32 * MiB),
                "--max-buffered-bytes", str(32 * MiB), "--frame-timeout", "2")

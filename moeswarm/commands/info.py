@@ -1,6 +1,6 @@
 """`moeswarm info`: what a model is (family, layers, experts, sizes, types) and how to split it.
 
-For a GGUF file it also names the architecture's support status (weights/gguf_support.py) and the
+For a GGUF file it also names the architecture's support status (gguf/gguf_support.py) and the
 per-model gate to run before serving it over a lossy wire; an unsupported architecture's error
 lists the supported ones and points to docs/models.md.
 """

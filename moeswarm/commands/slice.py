@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeswarm.sources.source import is_gguf_path
-    from moeswarm.weights.gguf_slice import write_slice
+    from moeswarm.gguf.gguf_slice import write_slice
 
     quiet_progress(args)
     if not is_gguf_path(args.model):

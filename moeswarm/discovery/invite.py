@@ -5,7 +5,7 @@
 The JSON object (version 1; every field required, no other field):
 
     {"dht": ["/ip4/H/tcp/P/p2p/ID", ...],  DHT peers to join by (1 to MAX_PEERS multiaddrs)
-     "model": "<fingerprint>",              the model's fingerprint (weights/gguf_file.py)
+     "model": "<fingerprint>",              the model's fingerprint (gguf/gguf_file.py)
      "manifest": "<sha256 hex>",            the owner's manifest (slices/manifest.py), pinned by its hash
      "manifest_bytes": N,                   its length: a joiner fetches exactly that many bytes
      "seed": "HOST:PORT",                   a seeder of the model file's pieces (slices/seed.py)

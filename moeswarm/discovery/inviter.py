@@ -44,7 +44,7 @@ class InviterConfig:
 def prepare_manifest(model: str, manifest: str | None) -> tuple[Path, str]:
     """(the manifest's path, its sha256) for `model`: the given file or MODEL.manifest.json, made anew
     unless it already describes this very file (format, size and fingerprint)."""
-    from moeswarm.weights.gguf_file import GGUFFile
+    from moeswarm.gguf.gguf_file import GGUFFile
 
     path = Path(manifest) if manifest else Path(model).with_name(Path(model).name + ".manifest.json")
     if not Path(model).is_file():

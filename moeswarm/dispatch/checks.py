@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from moeswarm.dispatch.plan import WorkerShare
-from moeswarm.weights.qkernels import peak
+from moeswarm.kernels.qkernels import peak
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.messages import Result
 

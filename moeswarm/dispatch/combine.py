@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeswarm.weights.qkernels import add_rows
+from moeswarm.kernels.qkernels import add_rows
 
 # Up to this many tokens the adds go by rank (`_add_by_rank`: k vectorized rounds); above, one
 # indexing pass per expert reads less memory (it copies no outputs). Where they cross:

@@ -56,7 +56,7 @@ from moeswarm.placement.table import PlacementTable, describe_gaps, missing
 from moeswarm.transport import FANOUTS
 from moeswarm.transport.link import WorkerLink
 from moeswarm.worker.local_link import LOCAL_ADDRESS
-from moeswarm.weights import qkernels
+from moeswarm.kernels import qkernels
 from moeswarm.wire.config import EXACT, CombineMode, WireConfig
 from moeswarm.wire.messages import Dispatch, Result
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from moeswarm.weights.qkernels import peak
+from moeswarm.kernels.qkernels import peak
 
 _NUMPY = (torch.float32, torch.float16, torch.float64)  # numpy's reductions: no OpenMP region to wake, as torch's open
 

@@ -23,7 +23,7 @@ prompt's first chunk expanded. Several queries fold their heads into rows agains
 head (`attend`): one product over the shared keys, never H copies of them.
 
 A GGUF file's module multiplies by W_uk and W_uv as the file stores them (attn_k_b, attn_v_b:
-weights/gguf_latent.py), with int8 activations, as llama.cpp does: kv_b_proj's float32 copy is
+kernels/gguf_latent.py), with int8 activations, as llama.cpp does: kv_b_proj's float32 copy is
 7x their blocks' bytes (18.4 against 2.8 MB a layer at GLM-4.7-Flash's shape), read at every step.
 Such a module absorbs at every step, prompts included (`Shape.absorbs_cheaper` says why).
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from moeswarm.model.attention_threads import one_torch_thread
-from moeswarm.weights.gguf_latent import BLOCKS, HeadMatrices
+from moeswarm.kernels.gguf_latent import BLOCKS, HeadMatrices
 
 # set on a module whose attention may run absorbed: (W_uk, W_uv transposed) as views of kv_b_proj's
 # rows, or (W_uk, W_uv) in a GGUF file's blocks (HeadMatrices)
@@ -72,7 +72,7 @@ class Shape:
         the contexts' total (sum p + n), `pairs` sum over segments of queries x positions.
 
         With the file's blocks, always: the absorbed products are int8 dots on the blocks, while the
-        expansion multiplies by kv_b_proj's float32 rows (weights/row_invariant.py's path, for bits
+        expansion multiplies by kv_b_proj's float32 rows (kernels/row_invariant.py's path, for bits
         that hold whatever the rows), several times slower a multiply-add (docs/measured.md,
         "latent")."""
         if self.blocks:

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from moeswarm.weights.quant_linear import QuantLinear
+from moeswarm.kernels.quant_linear import QuantLinear
 
 
 class Stepper:

@@ -31,7 +31,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from moeswarm.weights import qkernels
+from moeswarm.kernels import qkernels
 
 # torch.set_num_threads is partly process-wide (MKL's count): one thread toggles it at a time, and
 # puts back what it found (serve's groups in flight run forwards on two threads).

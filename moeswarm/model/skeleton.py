@@ -12,7 +12,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from moeswarm.weights.row_ops import use_rotary_tables
+from moeswarm.kernels.row_ops import use_rotary_tables
 
 
 def meta_model(config: PretrainedConfig) -> PreTrainedModel:
@@ -25,7 +25,7 @@ def meta_model(config: PretrainedConfig) -> PreTrainedModel:
     one model's config (its attention implementation: forward/packed.py) would reach the other."""
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="eager")
-    use_rotary_tables(model)  # each position's cos and sin from its own C call (weights/row_ops.py)
+    use_rotary_tables(model)  # each position's cos and sin from its own C call (kernels/row_ops.py)
     return model.eval()
 
 

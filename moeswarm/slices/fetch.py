@@ -9,7 +9,7 @@ Checked pieces are written at their own offsets into OUT.partial, a sparse file 
 model (only the fetched bytes take disk space), and listed in OUT.partial.done. A broken
 connection is retried; a fetch that stops (killed, or out of retries) resumes when run again: the
 pieces listed are re-checked against the manifest and kept. Once every piece is there, the slice
-is cut from the partial file by `moeswarm slice`'s own writer (weights/gguf_slice.py), so the
+is cut from the partial file by `moeswarm slice`'s own writer (gguf/gguf_slice.py), so the
 result is byte for byte what `moeswarm slice` writes from the whole file, and the partial files
 are removed.
 """
@@ -30,7 +30,7 @@ from moeswarm.ids import parse_address
 from moeswarm.slices.manifest import Manifest, Piece
 from moeswarm.slices.protocol import DATA, ERROR, MAX_ERROR, RESPONSE, encode_request
 from moeswarm.progress import progress
-from moeswarm.weights.gguf_slice import write_slice
+from moeswarm.gguf.gguf_slice import write_slice
 
 RECORD_HEADER = "moeswarm-fetch/1"
 WINDOW = 4  # requests in flight on the connection

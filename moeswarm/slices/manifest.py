@@ -4,7 +4,7 @@ A piece is a byte range of the file with its own hash, so a fetched range is che
 before it is kept. The file is cut into pieces as follows (`chunk_bytes` at most each):
 
 - the header (metadata and tensor index, bytes [0, data_offset));
-- the two samples the model's fingerprint reads (weights/gguf_file.py: the data region's first and
+- the two samples the model's fingerprint reads (gguf/gguf_file.py: the data region's first and
   last 64 KiB), so that a fetched slice carries the very same fingerprint;
 - every tensor: a stacked routed-expert tensor `blk.L.ffn_*_exps` per expert block (expert i of
   the file is bytes [i * block, (i + 1) * block) of the tensor), any other tensor as one unit;
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from moeswarm.errors import MoeSwarmError, printable
 from moeswarm.progress import progress
-from moeswarm.weights.gguf_file import GGUFFile
-from moeswarm.weights.gguf_slice import expert_layer
+from moeswarm.gguf.gguf_file import GGUFFile
+from moeswarm.gguf.gguf_slice import expert_layer
 
 FORMAT = "moeswarm-manifest/1"
 FINGERPRINT_SAMPLE = 1 << 16  # bytes at each end of the data region that the fingerprint reads (gguf_file.py)

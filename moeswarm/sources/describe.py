@@ -1,5 +1,5 @@
 """What `moeswarm info` says of a model: its summary (summary.py), and for a GGUF file the
-architecture's support status (weights/gguf_support.py) and the gate to run before serving it over
+architecture's support status (gguf/gguf_support.py) and the gate to run before serving it over
 a lossy wire."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import shlex
 from pathlib import Path
 
 from moeswarm.sources.summary import summarize, summary_lines
-from moeswarm.weights.gguf_file import GGUFFile
-from moeswarm.weights.gguf_support import support_status
+from moeswarm.gguf.gguf_file import GGUFFile
+from moeswarm.gguf.gguf_support import support_status
 
 __all__ = ["describe_model", "gguf_support_info", "summary_lines"]  # summary_lines: the text of a description
 

@@ -3,7 +3,7 @@
 It implements moeswarm.sources.source.ModelSource. The model skeleton is transformers' own, built
 on meta from the config mapped out of the GGUF metadata; tensors are dequantized to float32 as
 they are assigned, except routed experts, which stay in the file's blocks (memory-mapped) and are
-computed from them (weights/quant_experts.py) where the C kernels do the family's maths:
+computed from them (kernels/quant_experts.py) where the C kernels do the family's maths:
 
 - backbone: every non-expert tensor; routed-expert tensors are never read (they stay on meta).
 - experts: for each hosted layer, the byte ranges [e*nb2, (e+1)*nb2) of each stacked expert
@@ -25,17 +25,17 @@ from moeswarm.errors import ModelError
 from moeswarm.ids import LayerId, format_ids, runs
 from moeswarm.model.experts import expert_parameter_names, experts_modules
 from moeswarm.model.skeleton import meta_model
-from moeswarm.weights.gguf_backbone import encode_backbone, tie_encoded
-from moeswarm.weights.gguf_latent import encode_latent
-from moeswarm.weights.row_invariant import make_rows_invariant
-from moeswarm.weights.row_ops import use_row_ops
-from moeswarm.weights.quant_linear import check_dtype
-from moeswarm.weights.gguf_config import config_from_gguf
-from moeswarm.weights.gguf_dequant import dequantize
-from moeswarm.weights.gguf_file import GGUFFile
-from moeswarm.weights.gguf_names import QUIRKS, NameMapper, expert_roles, expert_tensor_names, fuse_experts
-from moeswarm.weights.gguf_quant_load import quant_experts, use_quantized
-from moeswarm.weights.gguf_tokenizer import gguf_tokenizer
+from moeswarm.kernels.gguf_backbone import encode_backbone, tie_encoded
+from moeswarm.kernels.gguf_latent import encode_latent
+from moeswarm.kernels.row_invariant import make_rows_invariant
+from moeswarm.kernels.row_ops import use_row_ops
+from moeswarm.kernels.quant_linear import check_dtype
+from moeswarm.gguf.gguf_config import config_from_gguf
+from moeswarm.gguf.gguf_dequant import dequantize
+from moeswarm.gguf.gguf_file import GGUFFile
+from moeswarm.gguf.gguf_names import QUIRKS, NameMapper, expert_roles, expert_tensor_names, fuse_experts
+from moeswarm.kernels.gguf_quant_load import quant_experts, use_quantized
+from moeswarm.gguf.gguf_tokenizer import gguf_tokenizer
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ class GGUFCheckpoint:
     """A GGUF model file (whole, or a slice file): the sibling of model.checkpoint.Checkpoint."""
 
     path: Path
-    backbone_dtype: str = "file"  # non-expert matrices in the file's encoding, or "f32" (weights/quant_linear.py)
-    experts_dtype: str = "file"  # routed experts from the file's blocks, or "f32" (weights/gguf_quant_load.py)
+    backbone_dtype: str = "file"  # non-expert matrices in the file's encoding, or "f32" (kernels/quant_linear.py)
+    experts_dtype: str = "file"  # routed experts from the file's blocks, or "f32" (kernels/gguf_quant_load.py)
     kind: ClassVar[str] = "gguf"
 
     @classmethod

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from moeswarm.errors import ModelError
 from moeswarm.ids import LayerId, runs
 from moeswarm.sources.hf_tensors import Rows, load_tensors
-from moeswarm.weights.row_ops import use_rotary_tables
+from moeswarm.kernels.row_ops import use_rotary_tables
 
 _SAMPLE_BYTES = 1 << 16
 _PER_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")

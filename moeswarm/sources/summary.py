@@ -118,7 +118,7 @@ def _stored_tensors(source: ModelSource) -> dict:
 
 def _is_routed(kind: str, name: str) -> bool:
     if kind == "gguf":
-        from moeswarm.weights.gguf_slice import expert_layer  # blk.L.ffn_{gate,up,down}_exps; "_shexp" is shared
+        from moeswarm.gguf.gguf_slice import expert_layer  # blk.L.ffn_{gate,up,down}_exps; "_shexp" is shared
 
         return expert_layer(name) is not None
     return _ROUTED_HF_TENSOR.search(name) is not None
@@ -127,7 +127,7 @@ def _is_routed(kind: str, name: str) -> bool:
 def _tensor_index(source: ModelSource):
     """(name, type name, stored bytes) of every tensor of the source, without reading its data."""
     if source.kind == "gguf":
-        from moeswarm.weights.gguf_file import type_name
+        from moeswarm.gguf.gguf_file import type_name
 
         for tensor in source.file.reader.tensors:
             yield tensor.name, type_name(tensor.tensor_type), int(tensor.n_bytes)

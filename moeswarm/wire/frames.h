@@ -1,6 +1,6 @@
 /* The wire as C sees it: the frame header, the opcodes and the expert ids' codecs of wire/frames.py
- * and wire/codecs.py, for every C file that reads or writes frames (weights/qk_express.c,
- * weights/qk_hold.c, weights/qkernels.c, transport/token_call.c).
+ * and wire/codecs.py, for every C file that reads or writes frames (kernels/qk_express.c,
+ * kernels/qk_hold.c, kernels/qkernels.c, transport/token_call.c).
  *
  * Header layout (little-endian, 24 bytes):
  *

@@ -2,7 +2,7 @@
 
 Why: the worker's own Python around the experts' kernel (the tensors made from the frame, the ids
 checked, the module called, the RESULT built) runs at several times its hot-loop time, because the
-kernel in between sweeps the caches (docs/measured.md, "express"). This lane does that work in C (weights/qkernels.c
+kernel in between sweeps the caches (docs/measured.md, "express"). This lane does that work in C (kernels/qkernels.c
 `qk_dispatch_sums`, `qk_dispatch_rows`): the ids are mapped and checked through the store's table,
 the experts run into a new array (partial: each token's sum; exact: each routed pair's row, experts
 ascending, slot-major then token), and the RESULT's metadata is the full path's for the same request.
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from msgpack import packb
 
-from moeswarm.weights import qkernels
+from moeswarm.kernels import qkernels
 from moeswarm.worker.hold import Hold
 from moeswarm.worker.store import SelfSumming
 from moeswarm.wire.config import CombineMode

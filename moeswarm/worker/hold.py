@@ -5,7 +5,7 @@ followed, a backbone's attention later, by the next layer's. Through the loop ea
 loop's wake-up, the transport's read and callbacks, the lane's lookup and the reply's send, all in
 Python from caches the experts just swept: a large part of a layer call's time beyond its
 experts (docs/measured.md, "hold"). So after such an answer the loop's thread waits on the connection itself, in C
-(weights/qk_hold.c): a frame of a learned lane (its metadata bytes the lane's, its payload the
+(kernels/qk_hold.c): a frame of a learned lane (its metadata bytes the lane's, its payload the
 lane's size) is read, answered by the express entries (the same calls, the same bits) and sent,
 and the wait goes on.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeswarm.weights import qkernels
+from moeswarm.kernels import qkernels
 from moeswarm.wire.frames import HEADER_SIZE
 from moeswarm.worker.config import INLINE_TOKENS
 
@@ -33,7 +33,7 @@ HOLD_WAIT_S = 0.05  # the longest a hold waits for the connection's next frame
 HOLD_LIMIT_S = 0.1  # the longest one hold keeps the loop's thread
 CAPACITY = 256  # lanes a hold knows (one per layer, mode and timing, per token count), kept for good
 
-# why a hold ended (weights/qk_hold.c)
+# why a hold ended (kernels/qk_hold.c)
 WAITED, LOOP, OTHER, DECLINED, FULL, CLOSED, SPENT = range(7)
 
 

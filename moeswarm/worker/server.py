@@ -44,7 +44,7 @@ import time
 from typing import TYPE_CHECKING
 
 from moeswarm.errors import printable
-from moeswarm.weights import qkernels
+from moeswarm.kernels import qkernels
 from moeswarm.wire.codecs import CODECS
 from moeswarm.wire.frames import HEADER, HEADER_SIZE, MAGIC, VERSION, Opcode
 from moeswarm.wire.messages import ErrorReply, WorkerInfo

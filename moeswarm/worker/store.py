@@ -7,7 +7,7 @@ A worker may hold any set of experts per layer. Each contiguous run of them is o
 the family's own experts class with the eager implementation; each expert runs on exactly the
 rows routed to it in eager's order (slot-major, then token), as a one-expert problem: the same
 inputs through the same kernels, at the same address alignment, give the same bits as a local
-eager run. GGUF experts kept quantized (weights/quant_experts.py) are a QuantExperts module in the
+eager run. GGUF experts kept quantized (kernels/quant_experts.py) are a QuantExperts module in the
 family's place: its products' bits depend only on the weight row and the input row, so they hold
 the same guarantee at any alignment, and the local reference computes with the same module.
 """

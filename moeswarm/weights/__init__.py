@@ -1,1 +1,0 @@
-"""Weights from files other than a Hugging Face directory: GGUF reading, mapping, expert slices."""
