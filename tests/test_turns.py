@@ -13,7 +13,7 @@ from moeswarm.sources.loading import load_local
 from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.engine.engine import Engine, EngineConfig
 from moeswarm.engine.job import Delta, Finished, Job
-from moeswarm.engine.runner import split_groups
+from moeswarm.engine.scheduler import split_groups
 from moeswarm.engine.turns import TakingTurns
 
 

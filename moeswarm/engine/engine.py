@@ -1,14 +1,19 @@
 """The engine: one thread owns the model and the swarm, and steps every active request together.
 
-Requests join and leave between steps. A step plans each sequence's feed (a prompt chunk, or its
-last token plus its drafts, several alternative drafts one row each for a greedy sequence:
-`scheduler.plan_step`), runs them (engine/runner.py: one packed forward per group for every
-sequence of the group, so the backbone reads each weight once per group and each MoE layer makes
-one DISPATCH per worker per group; the groups take turns so that one computes while another's
-trip is on the wire), then lets each sequence accept or reject its drafts and emit its text.
+Requests join and leave between steps. A step is schedule, run, postprocess. Schedule: each
+sequence drafts, and the scheduler plans the step (engine/scheduler.py's StepPlan: each sequence's
+feed, a prompt chunk or its last token plus its drafts, several alternative drafts one row each
+for a greedy sequence; and the groups). Run: engine/runner.py, one packed forward per group for
+every sequence of the group, so the backbone reads each weight once per group and each MoE layer
+makes one DISPATCH per worker per group; the groups take turns so that one computes while
+another's trip is on the wire. Postprocess: each sequence accepts or rejects its drafts and emits
+its text; the finished ones leave.
 
-With a reference model (serve --check-local), every step also runs on a local eager model with the
-same sequences in the same groups, and every logit row is compared bit for bit.
+What only watches the step (the requests' figures, the policies' measurements, the metrics and the
+swarm's accounting, the rollback checkpoints, the --check-local reference) is a list of observers
+told at each phase's end (engine/step.py, engine/observers.py). With a reference model (serve
+--check-local), every step also runs on a local eager model with the same sequences in the same
+groups, and every logit row is compared bit for bit.
 """
 
 from __future__ import annotations
@@ -27,21 +32,20 @@ from moeswarm.generation.check import LocalCheck
 from moeswarm.generation.draft_names import DEFAULT_DRAFT, check_draft_flags
 from moeswarm.generation.drafters import Drafter
 from moeswarm.forward.sequence_cache import cache_bytes
-from moeswarm.generation.trace import LayerTrace, first_difference
 from moeswarm.sources.tokenizer import TextCodec
 from moeswarm.engine.job import Failed, Job
 from moeswarm.engine.admission import Admission
-from moeswarm.engine.group_policy import GroupPolicy
 from moeswarm.engine.metrics import ServeMetrics, UnrecordedMetrics
+from moeswarm.engine.observers import Policies, ReferenceCheck, RequestFigures, StepMetrics
 from moeswarm.engine.request_metrics import RequestClock
 from moeswarm.engine.rollback import Rollback
-from moeswarm.engine.runner import PackedRunner, build_runners, split_groups
-from moeswarm.engine.scheduler import Slot, plan_step
-from moeswarm.engine.sequence import Sequence, apart
+from moeswarm.engine.runner import PackedRunner, build_runners
+from moeswarm.engine.scheduler import Scheduler, Slot
+from moeswarm.engine.sequence import Sequence
 from moeswarm.engine.spec_metrics import register_spec_metrics
 from moeswarm.engine.speculation import Speculation, resolve_speculation
-from moeswarm.engine.stats import EngineStats, StepRecord
-from moeswarm.engine.step_budget import GROWTH as STEP_TOKENS_GROWTH, StepBudget
+from moeswarm.engine.stats import EngineStats
+from moeswarm.engine.step import Ran, Step, StepObserver, Taken, Took, Work
 from moeswarm.engine.tally import Tally
 from moeswarm.engine.whole_model import WholeModel
 from moeswarm.swarm import Swarm
@@ -54,8 +58,8 @@ class EngineConfig:
     speculate: int | None = 0  # most drafts per sequence per step, in each of its branches (0: off; None: on with
     # AUTO_SPECULATE and the goodput rule where steps have remote trips, off otherwise: engine/speculation.py)
     prefill_chunk: int = 64  # most prompt tokens a sequence feeds per step
-    step_tokens: int = 256  # token budget of a step (decode tokens first, then prompt chunks); more, up to
-    # STEP_TOKENS_GROWTH times, while their compute fits in the step's wait on replies (engine/step_budget.py)
+    step_tokens: int = 256  # token budget of a step (decode tokens first, then prompt chunks); more, up to GROWTH
+    # times, while their compute fits in the step's wait on replies (engine/step_budget.py)
     cache_slots: int = 8  # finished sequences' KV caches kept for prefix reuse (0: off)
     keep_accounting: bool = False  # keep every layer call in the swarm's accounting (one generation); else per step
     health_interval_s: float = 2.0
@@ -83,23 +87,27 @@ class Engine:
         self.packed = isinstance(self.runner, PackedRunner)
         self.admission = Admission(swarm, codec, config, self.runner, self.reference_runner, self.metrics, self.packed,
                                    drafter)
-        self.group_policy = GroupPolicy()  # --groups 0: one or two batches in flight, by measurement
+        # the step's budget and groups (--groups 0: one or two batches in flight, by measurement)
+        self.scheduler = Scheduler(config.prefill_chunk, config.step_tokens, config.max_batch, config.groups,
+                                   self.packed)
         self.speculation = Speculation(config.speculate, config.adaptive)  # drafts per step, and their acceptance
         register_spec_metrics(self.metrics, self.speculation)
-        self.budget = StepBudget(config.step_tokens, STEP_TOKENS_GROWTH * config.step_tokens)
         self.problems: list[str] = ["not checked yet"]  # why a full forward cannot run now ([] when it can)
         # --check-local: every step's logits against the reference's (bit for bit; a lossy wire: the gate's thresholds)
         self.check = LocalCheck(swarm.wire.exact) if reference is not None else None
-        # where an exact check's first mismatch begins (generation/trace.py): both models' layers fingerprinted
-        self.traces = (LayerTrace(swarm.model), LayerTrace(reference)) if self.check and self.check.exact else None
-        self.checked_rows = self.mismatched_rows = 0
-        self.steps = 0
-        self.groups_in_flight = 0  # groups of the last step
-        self.decode_steps = self.branches = 0  # sequences' decode steps, and the branches (rows) they verified
+        self.reference_check = ReferenceCheck(self.check, self.reference_runner, swarm.model, reference, self.metrics) \
+            if self.check is not None else None
+        self.figures = RequestFigures()
+        self.step_metrics = StepMetrics(swarm, self.metrics, self.stats, config.keep_accounting)
+        self.rollback = Rollback(swarm, self._roll_back)  # what each sequence was before each step, to undo a liar's steps
+        # what watches the steps, told in this order (engine/observers.py)
+        self.observers: list[StepObserver] = [self.figures, Policies(self.scheduler, self.speculation),
+                                              self.step_metrics, self.rollback]
+        if self.reference_check is not None:
+            self.observers.append(self.reference_check)
         self._queue: deque[tuple[Job, Tally]] = deque()
         self._active: list[Sequence] = []
         self._tallies: dict[int, Tally] = {}  # id(sequence) -> its request's figures
-        self.rollback = Rollback()  # what each sequence was before each step, to undo a liar's steps
         self._wake = threading.Condition()
         self._stopping = False
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()  # run_between_steps' work
@@ -125,12 +133,8 @@ class Engine:
         for runner in (self.runner, self.reference_runner):
             if runner is not None:
                 runner.close()
-        self._stop_tracing()
-
-    def _stop_tracing(self) -> None:
-        for trace in self.traces or ():
-            trace.remove()
-        self.traces = None
+        if self.reference_check is not None:
+            self.reference_check.close()
 
     def submit(self, job: Job, tally: Tally | None = None) -> None:
         """Queue `job`; its figures go to `tally` as it runs (its moments to tally.clock: engine/request_metrics.py)."""
@@ -156,6 +160,34 @@ class Engine:
     @property
     def active(self) -> int:
         return len(self._active)
+
+    @property
+    def steps(self) -> int:
+        return self.step_metrics.steps
+
+    @property
+    def groups_in_flight(self) -> int:
+        """Forwards in flight in the last step."""
+        return self.step_metrics.groups_in_flight
+
+    @property
+    def decode_steps(self) -> int:
+        """Sequences' decode steps."""
+        return self.figures.decode_steps
+
+    @property
+    def branches(self) -> int:
+        """The branches (rows) the decode steps verified."""
+        return self.figures.branches
+
+    @property
+    def checked_rows(self) -> int:
+        """Logit rows compared with the reference's (--check-local)."""
+        return self.reference_check.checked_rows if self.reference_check is not None else 0
+
+    @property
+    def mismatched_rows(self) -> int:
+        return self.reference_check.mismatched_rows if self.reference_check is not None else 0
 
     def run_between_steps(self, call: Callable[[], object]) -> Future:
         """Run `call()` on the engine's thread between two steps, when the model and the swarm are
@@ -260,91 +292,77 @@ class Engine:
         self.metrics.active.set(len(self._active))
 
     def _step(self) -> None:
+        step = self._schedule()
+        if step is None:
+            return
+        ran = self._run_step(step)
+        self._postprocess(step, ran)
+
+    def _schedule(self) -> Step | None:
+        """Free the slots of clients gone away; each sequence drafts; the scheduler plans the step
+        (engine/scheduler.py) and each working sequence is given its feed. None: nothing to step."""
         started = time.monotonic()
         for sequence in list(self._active):
             if sequence.job.cancelled.is_set():  # the client went away: free its slot now
                 self._remove(sequence, "abort")
         if not self._active:
             self._count_cache_bytes()
-            return
+            return None
         sequences = list(self._active)
-        self.speculation.plan(sequences, [self._tallies[id(s)].drafts for s in sequences])
-        step_drafting = 0.0
-        for sequence in sequences:
-            drafting = time.perf_counter()
-            tally = self._tallies[id(sequence)]
+        tallies = [self._tallies[id(s)] for s in sequences]
+        drafting = self._draft(sequences, tallies)
+        plan = self.scheduler.schedule([Slot(s.prefill_left, s.draft_counts) for s in sequences],
+                                       [s.scored for s in sequences], self.swarm.remote)
+        work = []
+        for slot in plan.working:
+            sequence, feed = sequences[slot], plan.feeds[slot]
+            decoding = not sequence.prefill_left
+            work.append(Work(sequence, tallies[slot], sequence.feed(feed.tokens, feed.rows), self._keep(sequence),
+                             decoding))
+        return Step(plan, tuple(work), tuple(zip(tallies, drafting)), started,
+                    decoding=all(w.sequence.output for w in work), drafted=any(w.sequence.draft_counts for w in work))
+
+    def _draft(self, sequences: list[Sequence], tallies: list[Tally]) -> list[float]:
+        """Each sequence's drafts for this step (their count by the speculation first); the seconds each took."""
+        self.speculation.plan(sequences, [tally.drafts for tally in tallies])
+        seconds = []
+        for sequence, tally in zip(sequences, tallies):
+            started = time.perf_counter()
             sequence.plan_drafts(self.config.context)
             self.speculation.shadow(sequence, tally.drafts)
-            drafting = time.perf_counter() - drafting
-            tally.draft_seconds += drafting
-            tally.seconds += drafting
-            step_drafting += drafting
-        plans = plan_step([Slot(s.prefill_left, s.draft_counts) for s in sequences],
-                          self.config.prefill_chunk, self.budget.tokens())
-        work = [(s, s.feed(plan.tokens, plan.rows), self._keep(s)) for s, plan in zip(sequences, plans) if plan.tokens]
-        for sequence, feed, _ in work:
-            if not sequence.prefill_left:
-                tally = self._tallies[id(sequence)]
-                rows = len(feed) if _is_rows(feed) else 1
-                self.decode_steps, self.branches = self.decode_steps + 1, self.branches + rows
-                tally.steps, tally.branches = tally.steps + 1, tally.branches + rows
-                tally.drafted_all += _tokens(feed) - rows  # each row's first token is the last one taken
-        sizes = [_tokens(feed) for _, feed, _ in work]  # every row's tokens, padding included
-        fed = sum(sizes)
-        groups = split_groups(sizes, self._group_count(len(work)))
-        groups = apart(groups, [s.scored for s, _, _ in work], self.config.max_batch)  # log-probabilities: own forwards
-        if not self.config.keep_accounting:
-            self.swarm.reset_accounting()  # a server's accounting stays one step long
-        seen = self.swarm.layer_calls_accounted() if self.config.keep_accounting else 0
-        points = [(s, s.checkpoint()) for s, _, _ in work] if self.swarm.remote else []  # only remote holders are banned
-        first_call = self.swarm.layer_call_number() + 1
-        for trace in self.traces or ():
-            trace.begin()
-        forward = time.perf_counter()
-        self.swarm.set_decoding(not any(s.prefill_left for s, _, _ in work))  # the accounting counts decode by step
+            seconds.append(time.perf_counter() - started)
+        return seconds
+
+    def _run_step(self, step: Step) -> Ran:
+        """The plan's forwards (engine/runner.py), the observers told before and after."""
+        for observer in self.observers:
+            observer.before_step(step)
+        started = time.perf_counter()
+        self.swarm.set_decoding(all(w.decoding for w in step.work))  # the accounting counts decode by step
         try:
-            outputs = self.runner.run([(s.stepper, feed, keep) for s, feed, keep in work], groups)
+            outputs = self.runner.run([(w.sequence.stepper, w.feed, w.keep) for w in step.work], step.groups)
         finally:
             self.swarm.set_decoding(False)
-        forward = time.perf_counter() - forward
-        last_call = self.swarm.layer_call_number()
-        self.rollback.record(points, first_call, last_call)
-        if all(s.output for s, _, _ in work):  # decode steps teach the policies
-            if not self.config.groups:
-                self.group_policy.record(len(groups), forward, fed)
-            drafted_any = any(s.draft_counts for s, _, _ in work)
-            self.speculation.record_step(fed, forward, step_drafting if drafted_any else None)
-        for sequence, _, _ in work:
-            tally = self._tallies[id(sequence)]
-            tally.seconds += forward
-            if not sequence.output:  # a prompt chunk (its first token comes from this step's logits)
-                tally.prefill_seconds += forward
-        calls, waiting_s = self.swarm.layer_calls(seen), self.runner.waiting_s
-        self.budget.record(fed, forward, waiting_s)
-        self.groups_in_flight = len(groups)
-        if self.reference_runner is not None:
-            expected = self.reference_runner.run([(s.reference, feed, keep) for s, feed, keep in work], groups)
-            self._compare(work, outputs, expected, located=len(groups) == 1)
-        failed_worker, generated, drafted, accepted = False, 0, 0, 0
-        for (sequence, feed, _), logits in zip(work, outputs):
+        ran = Ran(outputs, time.perf_counter() - started, self.runner.waiting_s)
+        for observer in self.observers:
+            observer.after_run(step, ran)
+        return ran
+
+    def _postprocess(self, step: Step, ran: Ran) -> None:
+        """Each sequence takes its logits (a failed forward fails its sequence); the observers are
+        told; the finished sequences leave, their caches kept for prefix reuse."""
+        took, failed_worker = [], False
+        for work, logits in zip(step.work, ran.outputs):
             if isinstance(logits, BaseException):
                 failed_worker |= isinstance(logits, MoeSwarmError)
-                self._fail(sequence, logits)
+                self._fail(work.sequence, logits)
                 continue
-            decoding = sequence.chunk is None
-            counts = self._advance(sequence, logits)
-            if decoding and sequence in self._active:
-                rows = len(feed) if _is_rows(feed) else 1
-                self.speculation.after_step(sequence, self._tallies[id(sequence)].drafts, _tokens(feed), rows,
-                                            counts[1], counts[2])
-            generated, drafted, accepted = generated + counts[0], drafted + counts[1], accepted + counts[2]
-        self.steps += 1
-        self.metrics.observe_step(len(work), fed, time.monotonic() - started, calls, len(groups), waiting_s)
-        self.stats.record_step(StepRecord(time.monotonic(), len(work), fed, generated, drafted, accepted),
-                               [call.worker_seconds for call in calls])
-        taints = self.swarm.take_taints()
-        if taints:
-            self._roll_back(taints)
+            result = self._advance(work, logits)
+            if result is not None:
+                took.append(result)
+        taken = Taken(tuple(took), failed_worker)
+        for observer in self.observers:
+            observer.after_step(step, ran, taken)
         for sequence in [s for s in self._active if s.done]:
             self._remove(sequence, sequence.finish_reason)
             self.admission.prefix_cache.put(sequence.context[: sequence.stepper.length],
@@ -370,35 +388,21 @@ class Engine:
             return "all"
         return "last"
 
-    def _group_count(self, sequences: int) -> int:
-        """Batches in flight this step: as configured, or (auto) as measured (engine/group_policy.py);
-        never more than the sequences."""
-        if not self.packed:
-            return 1
-        wanted = self.config.groups or self.group_policy.choose(self.swarm.remote, sequences)
-        return max(1, min(wanted, sequences))
-
-    def _advance(self, sequence: Sequence, logits: torch.Tensor) -> tuple[int, int, int]:
-        """Let `sequence` take its logits; (tokens generated, drafts fed, drafts accepted) by it."""
+    def _advance(self, work: Work, logits: torch.Tensor) -> Took | None:
+        """Let the work's sequence take its logits; what it took (None: it failed)."""
+        sequence = work.sequence
         before = (len(sequence.output), sequence.drafted, sequence.accepted, sequence.first_token_at)
         try:
             sequence.advance(logits)
         except Exception as error:  # a bug in one sequence's bookkeeping ends that sequence, not the engine
             self._fail(sequence, error)
-            return 0, 0, 0
-        counts = (len(sequence.output) - before[0], sequence.drafted - before[1], sequence.accepted - before[2])
-        if counts[1]:
-            sequence.drafter.feedback(counts[1], counts[2], sequence.max_drafts)  # local drafts adapt their length
-        tally = self._tallies[id(sequence)]
-        tally.drafted, tally.accepted = tally.drafted + counts[1], tally.accepted + counts[2]
-        self.metrics.generated_tokens.inc(counts[0])
-        self.metrics.drafted.inc(counts[1])
-        self.metrics.accepted.inc(counts[2])
-        self.metrics.vllm.tokens(tally.clock, counts[0])
-        if before[3] is None and sequence.first_token_at is not None:
-            hit = "hit" if sequence.cached_tokens else "miss"
-            self.metrics.first_token.labels(hit).observe(sequence.first_token_at - sequence.job.submitted)
-        return counts
+            return None
+        at = time.monotonic()
+        drafted, accepted = sequence.drafted - before[1], sequence.accepted - before[2]
+        if drafted:
+            sequence.drafter.feedback(drafted, accepted, sequence.max_drafts)  # local drafts adapt their length
+        return Took(work, len(sequence.output) - before[0], drafted, accepted, at,
+                    first_token=before[3] is None and sequence.first_token_at is not None)
 
     def _remove(self, sequence: Sequence, reason: str) -> None:
         """Take `sequence` out of the batch; `reason`: how it ended (engine/request_metrics.py FINISHED_REASONS)."""
@@ -423,35 +427,3 @@ class Engine:
             sequence.job.emit(Failed(one_line(error), 503, error))
         else:
             sequence.job.emit(Failed(f"internal error: {one_line(error)}", 500, error))
-
-    def _compare(self, work: list, outputs: list, expected: list, located: bool) -> None:
-        """Each sequence's logits against the reference's; located: the step ran as one group, so
-        the models' layer traces line up (generation/trace.py)."""
-        unmatched = self.check.first_mismatch is None
-        for (sequence, _, _), got, want in zip(work, outputs, expected):
-            if isinstance(got, BaseException) or isinstance(want, BaseException):
-                continue
-            vocabulary = got.shape[-1]
-            got, want = got.reshape(-1, vocabulary), want.reshape(-1, vocabulary)  # every row of every branch: [B*n, V]
-            step = self._tallies[id(sequence)].steps
-            self.check.compare(got, want, f"step {step}" if step else "prefill")
-            rows = got.shape[0]
-            differing = int((got != want).any(dim=-1).sum())
-            self.checked_rows += rows
-            self.mismatched_rows += differing
-            self.metrics.checked_logits.inc(rows)
-            self.metrics.mismatched_logits.inc(differing)
-        if unmatched and self.check.first_mismatch is not None and self.traces:
-            where = first_difference(*self.traces) if located else None
-            if where is not None:
-                self.check.first_mismatch += f" (first at {where})"
-            self._stop_tracing()  # only the first mismatch is located: no more fingerprints
-
-
-def _is_rows(feed: list[int] | list[list[int]]) -> bool:
-    return bool(feed) and isinstance(feed[0], list)
-
-
-def _tokens(feed: list[int] | list[list[int]]) -> int:
-    return sum(len(row) for row in feed) if _is_rows(feed) else len(feed)
-

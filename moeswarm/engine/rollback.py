@@ -6,16 +6,40 @@ whose steps used its unchecked answers goes back to its checkpoint before the fi
 (`Sequence.restore`: caches cropped, tokens and random state as they were, the caller told to take
 the text back) and the next steps compute them again. A sequence that cannot rewind (a grammar's
 state) is failed instead.
+
+It watches the engine's steps (a StepObserver, engine/step.py): the checkpoints before the forwards,
+the layer calls' range after them, and after the step the swarm's taints, handed to `undo`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from moeswarm.engine.sequence import Checkpoint, Sequence
+from moeswarm.engine.step import Ran, Step, StepObserver, Taken
 
 
-class Rollback:
-    def __init__(self):
+class Rollback(StepObserver):
+    def __init__(self, swarm, undo: Callable[[list], None]):
+        """undo: told the taints of the holders banned during a step, after it (it calls `apply`)."""
+        self.swarm, self.undo = swarm, undo
         self._points: dict[int, list[tuple[int, int, Checkpoint]]] = {}  # id(sequence) -> (first call, last call, before)
+        self._step: tuple[list[tuple[Sequence, Checkpoint]], int] = ([], 0)  # this step's checkpoints and first call
+
+    def before_step(self, step: Step) -> None:
+        remote = self.swarm.remote  # only remote holders are banned
+        points = [(work.sequence, work.sequence.checkpoint()) for work in step.work] if remote else []
+        self._step = (points, self.swarm.layer_call_number() + 1)
+
+    def after_run(self, step: Step, ran: Ran) -> None:
+        points, first_call = self._step
+        self.record(points, first_call, self.swarm.layer_call_number())
+        self._step = ([], 0)
+
+    def after_step(self, step: Step, ran: Ran, taken: Taken) -> None:
+        taints = self.swarm.take_taints()
+        if taints:
+            self.undo(taints)
 
     def record(self, points: list[tuple[Sequence, Checkpoint]], first_call: int, last_call: int) -> None:
         for sequence, point in points:

@@ -3,7 +3,7 @@ per sequence where the model's layers cannot be packed.
 
 `PackedRunner` is the engine's path for every model whose attention layers take packed forwards
 (forward/packed.py): the step's sequences split into groups of about equal tokens
-(`split_groups`), each group ONE forward, the groups taking turns at every MoE layer
+(engine/scheduler.py's `StepPlan`), each group ONE forward, the groups taking turns at every MoE layer
 (engine/turns.py). `ThreadedRunner` is the fallback for layers that keep a state packing cannot
 hold (recurrent and linear-attention layers): each sequence its own forward in its own thread,
 meeting at every MoE layer in a StepBatcher (one dispatch per worker per layer for the step).
@@ -67,19 +67,6 @@ def local_runner(model: PreTrainedModel, packed: bool, max_batch: int):
     return ThreadedRunner(model, batcher, max_batch)
 
 
-def split_groups(tokens: list[int], groups: int) -> list[list[int]]:
-    """Slot indices per group: at most `groups` non-empty groups of about equal tokens, each in slot
-    order (the heaviest slots placed first, each in the lightest group so far)."""
-    groups = max(1, min(groups, len(tokens)))
-    members: list[list[int]] = [[] for _ in range(groups)]
-    load = [0] * groups
-    for slot in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
-        lightest = min(range(groups), key=lambda g: (load[g], g))
-        members[lightest].append(slot)
-        load[lightest] += tokens[slot]
-    return [sorted(group) for group in members if group]
-
-
 class PackedRunner:
     def __init__(self, model: PreTrainedModel, turns: TakingTurns | None, max_groups: int = 2):
         self.model = model
@@ -97,7 +84,7 @@ class PackedRunner:
 
     def run(self, work: list[tuple[PackedStepper, Feed, str]], groups: list[list[int]]) -> list:
         """Each work item's logits ([n, V], [1, V] for keep "last", [B, n, V] for B rows) or the
-        exception its forward raised; `groups` are slot indices (split_groups)."""
+        exception its forward raised; `groups` are indices into `work` (a StepPlan's groups)."""
         results: list = [None] * len(work)
         if self.turns is None or len(groups) == 1:
             if self.turns is not None:

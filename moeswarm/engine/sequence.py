@@ -87,7 +87,7 @@ class Sequence:
     @property
     def scored(self) -> bool:
         """Whether log-probabilities are asked: then every forward of this sequence must be its own (not
-        packed with other sequences', whose rows would change the bits of its logits: `apart`)."""
+        packed with other sequences', whose rows would change the bits of its logits: engine/scheduler.py's `apart`)."""
         return self.job.logprobs is not None or self.job.prompt_logprobs is not None
 
     @property
@@ -281,17 +281,3 @@ class Sequence:
         if self.done:
             self.job.emit(Finished(self.finish_reason, len(self.job.prompt), len(self.output), self.cached_tokens))
 
-
-def apart(groups: list[list[int]], alone: list[bool], most: int) -> list[list[int]]:
-    """`groups` (slot indices per forward) with the slots whose `alone` is true each in a group of its
-    own, as far as `most` groups (the forwards a step may have in flight) allow; the rest of them
-    share the last group."""
-    others = [[slot for slot in group if not alone[slot]] for group in groups]
-    others = [group for group in others if group]
-    if len(others) > 1 and any(alone):  # the others packed into one: room for more of their own
-        others = [sorted(slot for group in others for slot in group)]
-    singles = [[slot] for group in groups for slot in group if alone[slot]]
-    room = max(1, most - len(others))
-    if len(singles) > room:
-        singles = singles[: room - 1] + [[slot for group in singles[room - 1 :] for slot in group]]
-    return others + singles
