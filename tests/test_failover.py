@@ -65,7 +65,7 @@ def test_worker_killed_mid_generation_fails_over_then_is_readmitted(qwen2_moe, w
         assert stats["takedowns"] == 1 and stats["failovers"] >= 1
         standing = swarm.standing()
         assert [s["up"] for s in standing] == [False, True]
-        assert "connection" in standing[0]["cause"]
+        assert "connection" in standing[0]["cause"].lower()  # reset mid-call, or refused on a retry
         assert swarm.health() == []  # the replica covers every expert: nothing stops a forward
 
         port = int(addresses[0].rsplit(":", 1)[1])
