@@ -12,7 +12,7 @@ import random
 import pytest
 
 from moeswarm.generation.draft_measure import MIN_TOKEN_SHARE, PRIOR, Acceptance, CostModel
-from moeswarm.generation.goodput import StepCost, choose_k, expected_tokens
+from moeswarm.generation.goodput import DRAFT_MARGIN, StepCost, choose_k, expected_tokens
 
 
 def brute_tokens(acceptance: list[float], k: int) -> float:
@@ -28,10 +28,13 @@ def brute_tokens(acceptance: list[float], k: int) -> float:
     return total
 
 
-def brute_k(acceptance: list[float], cost: StepCost, cap: int, rows: int, base: int) -> int:
+def brute_k(acceptance: list[float], cost: StepCost, cap: int, rows: int, base: int, margin: float) -> int:
     rates = {k: brute_tokens(acceptance, k) / cost.seconds(base + rows * (1 + k), k > 0) for k in range(cap + 1)}
-    best = max(rates.values())
-    return min(k for k, rate in rates.items() if rate >= best * (1 - 1e-9))
+    drafting = {k: rate for k, rate in rates.items() if k > 0}
+    if not drafting or max(drafting.values()) <= rates[0] * (1 + margin) * (1 + 1e-9):
+        return 0
+    best = max(drafting.values())
+    return min(k for k, rate in drafting.items() if rate >= best * (1 - 1e-9))
 
 
 def test_expected_tokens_is_the_enumerated_expectation():
@@ -49,7 +52,8 @@ def test_choose_k_matches_brute_force_over_random_inputs():
         cost = StepCost(pick.choice([0.0, pick.random()]) + 1e-6, pick.random() * pick.choice([1e-4, 1e-2, 1.0]),
                         pick.choice([0.0, pick.random() * 0.05]))
         rows, base = pick.randrange(1, 4), pick.randrange(0, 20)
-        assert choose_k(acceptance, cost, cap, rows, base) == brute_k(acceptance, cost, cap, rows, base)
+        margin = pick.choice([0.0, DRAFT_MARGIN, pick.random() * 0.2])
+        assert choose_k(acceptance, cost, cap, rows, base, margin) == brute_k(acceptance, cost, cap, rows, base, margin)
 
 
 def test_a_wan_step_drafts_where_a_local_step_does_not():
@@ -68,10 +72,21 @@ def test_no_acceptance_or_no_cap_means_no_drafts():
 
 
 def test_break_even_is_where_the_issue_puts_it():
-    """One draft pays when a_1 > per_token / (fixed + per_token): the extra row's share of a step."""
-    cost = StepCost(fixed_s=0.080, per_token_s=0.016)  # a row is a fifth of a one-token step... of 96 ms
+    """Without a margin, one draft pays when a_1 > per_token / (fixed + per_token): the extra row's
+    share of a step. With it, when (1 + a_1) / (fixed + 2 per_token) > (1 + margin) / (fixed + per_token)."""
+    cost = StepCost(fixed_s=0.080, per_token_s=0.016)  # a row is a sixth of a one-token step of 96 ms
     edge = 0.016 / 0.096
+    assert choose_k([edge * 1.01], cost, 1, margin=0.0) == 1 and choose_k([edge * 0.99], cost, 1, margin=0.0) == 0
+    edge = (1 + DRAFT_MARGIN) * 0.112 / 0.096 - 1
     assert choose_k([edge * 1.01], cost, 1) == 1 and choose_k([edge * 0.99], cost, 1) == 0
+
+
+def test_a_gain_inside_the_margin_does_not_draft():
+    """Drafts never kept, or kept too rarely to pay for being wrong, leave K at 0; a clear gain drafts."""
+    wan = StepCost(fixed_s=0.050, per_token_s=0.0005)
+    assert choose_k([0.04] * 8, wan, 8) == 0  # about 3 % more tokens a step: inside the margin
+    assert choose_k([0.04] * 8, wan, 8, margin=0.0) >= 1
+    assert choose_k([0.6] * 8, wan, 8) >= 4
 
 
 def test_acceptance_ema_per_position():
@@ -133,4 +148,5 @@ def test_brute_force_agrees_on_every_small_grid_point():
     grid = [0.0, 0.25, 0.5, 0.9, 1.0]
     cost = StepCost(0.05, 0.004)
     for acceptance in itertools.product(grid, repeat=3):
-        assert choose_k(list(acceptance), cost, 3) == brute_k(list(acceptance), cost, 3, 1, 0)
+        for margin in (0.0, DRAFT_MARGIN):
+            assert choose_k(list(acceptance), cost, 3, margin=margin) == brute_k(list(acceptance), cost, 3, 1, 0, margin)

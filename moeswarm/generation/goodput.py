@@ -11,13 +11,20 @@ sequence feeds, n = the step's tokens.
 
     tokens(K)  = 1 + sum_{k=1..K} prod_{i<=k} a_i           expected tokens a step emits
     seconds(K) = fixed + per_token * (base + B * (1 + K)) + (draft_s if K else 0)
-    K*         = argmax_{0<=K<=cap} tokens(K) / seconds(K)  (0 on a tie: plain decoding is never slower)
+    K*         = argmax_{1<=K<=cap} tokens(K) / seconds(K), where it beats K = 0 by the factor
+                 (1 + DRAFT_MARGIN); else 0
+
+The margin: acceptance and cost are estimates from a few steps, and a draft row costs more than the
+line says when it is rejected (the rollback, the drafter's own lookups). A step drafts only when the
+gain the estimates promise is worth being wrong about; where drafts are kept, the gain is far past it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+DRAFT_MARGIN = 0.05  # the least gain in expected tokens per second for which a step drafts
 
 
 @dataclass(frozen=True)
@@ -48,12 +55,14 @@ def goodput(acceptance: Sequence[float], cost: StepCost, k: int, rows: int = 1, 
     return expected_tokens(acceptance, k) / cost.seconds(base + rows * (1 + k), k > 0)
 
 
-def choose_k(acceptance: Sequence[float], cost: StepCost, cap: int, rows: int = 1, base: int = 0) -> int:
-    """The K in [0, cap] with the most expected tokens per second; the smallest such K on a tie, so
-    0 whenever drafting does not beat plain decoding."""
-    best_k, best = 0, goodput(acceptance, cost, 0, rows, base)
+def choose_k(acceptance: Sequence[float], cost: StepCost, cap: int, rows: int = 1, base: int = 0,
+             margin: float = DRAFT_MARGIN) -> int:
+    """The K in [1, cap] with the most expected tokens per second (the smallest such K on a tie),
+    where that beats plain decoding (K = 0) by the factor (1 + margin); else 0."""
+    plain = goodput(acceptance, cost, 0, rows, base)
+    best_k, best = 0, 0.0
     for k in range(1, max(0, cap) + 1):
         value = goodput(acceptance, cost, k, rows, base)
         if value > best * (1 + 1e-12):
             best_k, best = k, value
-    return best_k
+    return best_k if best > plain * (1 + margin) else 0

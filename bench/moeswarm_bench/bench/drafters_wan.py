@@ -14,7 +14,9 @@ each stage), as `bench islands` builds them. Workloads, each decoded by every co
 Configurations: default (speculate unset: the goodput rule under AUTO_SPECULATE), off (0), and
 fixed K for each K of `fixed` (every step up to K drafts). Each generation is a fresh engine, so the
 default's figures include its learning (the cost line, the acceptance) within the run. ms/token
-is the decode time (after the prompt's forward) per token after the first.
+is the decode time (after the prompt's forward) per token after the first. With `repeats` > 1 every
+configuration of a cell runs that many times, the configurations taking turns, and a row is the
+run with the median ms/token (one run's figures, not a mix).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def workloads(codec) -> dict[str, tuple[list[int], SamplingParams]]:
 
 
 def run_drafters_wan(model: str, rtts_ms=RTTS_MS, fixed=FIXED, tokens: int = TOKENS, topologies=("star", "2 islands"),
-                     threads: int = 1) -> dict:
+                     threads: int = 1, repeats: int = 1) -> dict:
     source = open_source(model)
     layers, experts = source.config.num_hidden_layers, num_experts_in_config(source.config)
     codec = load_text_codec(source.path, source.config.vocab_size)
@@ -81,7 +83,7 @@ def run_drafters_wan(model: str, rtts_ms=RTTS_MS, fixed=FIXED, tokens: int = TOK
     rows: list[Row] = []
     half = layers // 2
     spans = [f"0-{half - 1}", f"{half}-{layers - 1}"]
-    total = len(topologies) * len(rtts_ms) * len(cases) * len(configs)
+    total = len(topologies) * len(rtts_ms) * len(cases) * len(configs) * repeats
     with torch_threads(threads), progress(desc="bench drafters", total=total, unit="run") as bar:
         for topology in topologies:
             with _backbone(source, experts, spans, topology, rtts_ms[0], threads) as (backbone, links):
@@ -90,14 +92,19 @@ def run_drafters_wan(model: str, rtts_ms=RTTS_MS, fixed=FIXED, tokens: int = TOK
                 for rtt in rtts_ms:
                     links.set_all(rtt_s=rtt / 1000)
                     for workload, (prompt, sampling) in cases.items():
-                        for name, speculate, adaptive in configs:
-                            result = generate(backbone, prompt, tokens, speculate, sampling=sampling, adaptive=adaptive)
-                            rows.append(_row(topology, rtt, workload, name, result))
-                            bar.update(1)
+                        runs: dict[str, list[Row]] = {name: [] for name, _, _ in configs}
+                        for _ in range(repeats):  # the configurations take turns: drift hits each alike
+                            for name, speculate, adaptive in configs:
+                                result = generate(backbone, prompt, tokens, speculate, sampling=sampling,
+                                                  adaptive=adaptive)
+                                runs[name].append(_row(topology, rtt, workload, name, result))
+                                bar.update(1)
+                        rows.extend(median_run(runs[name]) for name, _, _ in configs)
     thaw()
+    command = "moeswarm bench drafters --rtts " + ",".join(f"{r:g}" for r in rtts_ms)
     return {"meta": {"model": str(source.path), "layers": layers, "tokens": tokens, "rtts_ms": list(rtts_ms),
-                     "fixed": list(fixed), "auto_speculate": AUTO_SPECULATE, "threads": threads,
-                     "command": "moeswarm bench drafters --rtts " + ",".join(f"{r:g}" for r in rtts_ms)},
+                     "fixed": list(fixed), "auto_speculate": AUTO_SPECULATE, "threads": threads, "repeats": repeats,
+                     "command": command + (f" --repeats {repeats}" if repeats > 1 else "")},
             "rows": [asdict(row) for row in rows], "cells": cells([asdict(row) for row in rows])}
 
 
@@ -115,6 +122,12 @@ def _backbone(source, experts: int, spans: list[str], topology: str, rtt_ms: flo
                 yield backbone, links
 
     return opened()
+
+
+def median_run(runs: list[Row]) -> Row:
+    """The run with the median ms/token (the lower of the middle two for an even count)."""
+    ordered = sorted(runs, key=lambda row: row.ms_per_token)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def _row(topology: str, rtt: float, workload: str, config: str, result) -> Row:

@@ -17,6 +17,9 @@ def write_report(result: dict, host: str, page: Path = PAGE) -> Path:
         "",
         "Written by `" + meta["command"] + " --report`; see docs/drafts.md for the rule.",
         "",
+        f"Each configuration ran {meta.get('repeats', 1)} time(s) per cell, the configurations taking turns; "
+        "a row is the run with the median ms/token.",
+        "",
         f"Model: `{meta['model']}` ({meta['layers']} layers); host: {host}; {meta['tokens']} tokens per run, "
         f"{meta['threads']} thread(s) per process, every remote process (the star's workers, the islands' stages) "
         "behind an emulated link (`moeswarm wan`'s proxy). `default`: speculate unset, the goodput rule under "

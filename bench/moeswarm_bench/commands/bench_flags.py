@@ -186,6 +186,8 @@ def drafters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fixed", type=counts, default=(2, 4, 8), help="with --rtts: fixed K runs (default 2,4,8)")
     parser.add_argument("--topologies", type=names("star", "islands"), default=("star", "islands"),
                         help="with --rtts: star, islands or both (default both)")
+    parser.add_argument("--repeats", type=positive, default=1,
+                        help="with --rtts: runs of each configuration, taking turns; a row is the median run (default 1)")
     parser.add_argument("--report", action="store_true", help="with --rtts: write docs/bench-drafters.md")
     parser.add_argument("--json", action="store_true", help=JSON_HELP)
 
