@@ -181,7 +181,7 @@ def drafters_wan(args: argparse.Namespace) -> None:
     topologies = tuple("2 islands" if t == "islands" else t for t in args.topologies)
     result = run_drafters_wan(model, args.rtts, args.fixed, args.tokens, topologies, repeats=args.repeats)
     if args.report:
-        from moeswarm.tools.bench.worker_real import _cpu_model, _kernels
+        from moeswarm_bench.bench.worker_real import _cpu_model, _kernels
 
         write_report(result, f"{_cpu_model()}, kernels {_kernels()} ({os.cpu_count()} CPUs, {platform.node()})")
     print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
