@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moeswarm_bench.commands import bench_flags as flags
-from moeswarm_bench.commands import bench_islands
+from moeswarm_bench.commands import bench_islands, bench_swarm
 from moeswarm_bench.commands import bench_runs as runs
 from moeswarm.commands._setup import add_quiet, quiet_progress, set_threads
 
@@ -59,6 +59,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "kv-cache": Benchmark("decode ms/token and cache memory at long contexts, keys and values in float32 or float16 "
                           "(--kv-cache f16), side by side on the real-dimension OLMoE-shaped file (docs/kv-cache.md)",
                           flags.kv_cache, runs.kv_cache),
+    "swarm": Benchmark("N joiners of an invite (2, 4, 8) on loopback: seconds from join to serving, bytes fetched against "
+                       "each share's, coverage and a running stream's tokens/s through K random kills and rejoins, "
+                       "rebalancing moves (docs/bench-swarm.md)", bench_swarm.flags, bench_swarm.run),
     "fetch-slice": Benchmark("fetch-slice throughput from a seeder on loopback and through a 100 Mbit/s emulated link "
                              "(docs/slices.md)", flags.fetch_slice, runs.fetch_slice),
 }
