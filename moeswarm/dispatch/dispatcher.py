@@ -4,9 +4,9 @@ plan -> send -> gather -> combine. `dispatch` plans the layer (who gets which ro
 every share and returns a handle at once; `combine` gathers the replies (failing over, hedging
 and spot-checking as dispatch/flight.py describes), checks them and adds them up. Between the
 two the caller may compute local work (shared experts): the pair is joined by the handle, as in
-DeepEP. A decode step's call that can meet none of a flight's cases goes express
-(dispatch/express_call.py): the same requests and checks without the flight's bookkeeping, made again
-as a flight when anything goes wrong.
+DeepEP. A call goes one of three paths (dispatch/paths.py: the lane in C, express, a flight),
+chosen in one place (`_send`); a decode step's call that can meet none of a flight's cases goes in
+C or express, without the flight's bookkeeping, and is made again as a flight when anything goes wrong.
 
 Its collaborators, each held and called, none reaching into another:
 - the holder pool (dispatch/pool.py): links, standing, the placement table; choose, probe, take
@@ -14,7 +14,9 @@ Its collaborators, each held and called, none reaching into another:
   applied between layer calls; tombstones pruned after `prune_after_s`, renumbering holders);
 - the owners (dispatch/owners.py): the plan of a call over the usable holders;
 - verification (dispatch/verify.py): spot checks, plausibility, who lied;
-- a `Flight` per layer call (dispatch/flight.py) between `dispatch` and `combine`.
+- the paths (dispatch/paths.py): each keeps what it sent of a call (a `Flight`, an `ExpressCall`,
+  a `LaneCall`) between `dispatch` and `combine`;
+- the books (dispatch/books.py): every call's bookkeeping, whatever path it took.
 
 Layer calls are numbered (`call_number`, monotonic). The answers each call used without a spot
 check confirming them are kept per holder (dispatch/taint.py); when a holder is banned, the calls
@@ -26,24 +28,22 @@ Legend: T = tokens in the step, k = router top-k, d = hidden size, E = routed ex
 from __future__ import annotations
 
 import functools
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from moeswarm.dispatch.accounting import Accounting, LayerCall, Resilience
+from moeswarm.dispatch.accounting import Accounting, Resilience
+from moeswarm.dispatch.books import Books
 from moeswarm.dispatch.combine import combine_exact, combine_partial, combine_token
-from moeswarm.dispatch import express_call as express
-from moeswarm.dispatch.flight import Flight, share_request
+from moeswarm.dispatch.express_call import ExpressPath
+from moeswarm.dispatch.flight import FlightPath
 from moeswarm.dispatch.health import REPLY_TIMEOUT_S, DeadlinePolicy
-from moeswarm.dispatch.lane import Lane, LaneAnswer, LaneCall
+from moeswarm.dispatch.lane import LanePath
 from moeswarm.dispatch.membership import JOIN, LEFT_CAUSE, Change, MembershipQueue
 from moeswarm.dispatch.owners import Owners
-from moeswarm.dispatch.parts import REFEREE
+from moeswarm.dispatch.paths import Call, CallPath, HandedOn, Handle, InFlight, Outcome
 from moeswarm.dispatch.pool import PRUNE_AT, HolderPool
 from moeswarm.dispatch.spot_check import SpotChecker, SpotCheckPolicy
 from moeswarm.dispatch.taint import Taint
@@ -55,25 +55,11 @@ from moeswarm.placement.profile import RoutingStats
 from moeswarm.placement.table import PlacementTable, describe_gaps, missing
 from moeswarm.transport import FANOUTS
 from moeswarm.transport.link import WorkerLink
-from moeswarm.worker.local_link import LOCAL_ADDRESS
 from moeswarm.kernels import qkernels
 from moeswarm.wire.config import EXACT, CombineMode, WireConfig
 from moeswarm.wire.messages import Dispatch, Result
 
 __all__ = ["PRUNE_AT", "REPLY_TIMEOUT_S", "Dispatcher", "Handle"]
-
-
-@dataclass(frozen=True)
-class Handle:
-    """A layer in flight: what `combine` needs."""
-
-    layer: LayerId
-    hidden: torch.Tensor  # [T, d]
-    top_k_index: torch.Tensor  # [T, k] long
-    flight: Flight | express.ExpressCall | LaneCall
-    round_trips: int
-    started: float  # time.perf_counter()
-    call: int = 0  # the layer call's number (Dispatcher.call_number)
 
 
 class Dispatcher:
@@ -94,15 +80,18 @@ class Dispatcher:
         self.stats = Resilience()
         self.pool = HolderPool(links, table, self.policy, self.stats)
         self.owners = Owners(self.pool)
-        self.lane = Lane(self.pool)  # a decode step's calls in C where they may go express (dispatch/lane.py)
         self.wait = WaitPolicy()  # whether a lane call spins for its replies (dispatch/wait.py)
         self.verification = Verification(self.pool, SpotChecker(spot_checks or SpotCheckPolicy()), self.stats, referee)
-        self._accounting = Accounting(paths=dict(paths or {}))
-        self._unsettled: tuple | None = None  # the last lane call's bookkeeping (`settle`)
+        self.books = Books(self.pool, Accounting(paths=dict(paths or {})))  # every call's bookkeeping
+        # a layer call's paths, asked in this order (dispatch/paths.py): the first to send a call takes it
+        flight = FlightPath(self.pool, self.verification, self.owners, chain=fanout == "chain")
+        express = ExpressPath(self.pool, self.owners, self.verification.gate, flight)
+        self.lane = LanePath(self.pool, self.owners, self.verification.gate, self.wait, express, flight)
+        self.call_paths: tuple[CallPath, ...] = (self.lane, express, flight)
         self.routing = routing or RoutingStats(table.num_experts)  # live routing counts
         self.call_number = 0  # layer calls started so far
         self._membership = MembershipQueue()
-        self._flights: weakref.WeakSet[Flight] = weakref.WeakSet()  # dispatched, not yet combined (or dropped)
+        self._flights: weakref.WeakSet = weakref.WeakSet()  # dispatched, not yet combined (or dropped)
 
     # the pool's state, read-only here (the dashboard, the swarm and tests read it)
     links = property(lambda self: self.pool.links)
@@ -128,36 +117,20 @@ class Dispatcher:
 
     @property
     def holders(self) -> list:
-        """The holders' standing (every lane call's round trips recorded)."""
+        """The holders' standing (every call's bookkeeping made: `settle`)."""
         self.settle()
         return self.pool.holders
 
     @property
     def accounting(self) -> Accounting:
-        """The layer calls so far and the traffic they made (every lane call settled)."""
+        """The layer calls so far and the traffic they made (every call's bookkeeping made: `settle`)."""
         self.settle()
-        return self._accounting
+        return self.books.accounting
 
     def settle(self) -> None:
-        """Record the last lane call's bookkeeping (round trips, plausibility statistics, accounting).
-        A lane call leaves it for the next call to make once its DISPATCHes are out, while its holders
-        compute; everything that reads or changes the holders' standing settles first. Only the
-        thread that made the call records it: a dashboard reading from another thread sees its
-        round trip a call late, and no thread but the dispatcher's writes the holders' statistics."""
-        pending = self._unsettled
-        if pending is None or pending[1] != threading.get_ident():
-            return  # settled by the thread that made the call (another one reading sees it a call late)
-        self._unsettled = None
-        self.lane.settle(self.verification.gate, pending[0])
-        self._accounting.flush()
-
-    def _lane_record(self, handle: Handle, answer: LaneAnswer, seconds: float, decoding: bool) -> tuple[LayerCall, bool]:
-        address = self.pool.address_of
-        return LayerCall(
-            handle.layer, 1, answer.bytes_out, answer.bytes_in, handle.round_trips, seconds,
-            {address(holder): rtt for holder, rtt, _ in answer.answered}, 1,
-            worker_cpu={address(holder): cpu for holder, _, cpu in answer.answered if cpu is not None}, in_c=True,
-        ), decoding
+        """Make the bookkeeping a lane call left for later (dispatch/books.py): everything that reads or
+        changes the holders' standing settles first."""
+        self.books.settle()
 
     def dispatch(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Handle:
         """Plan and send layer `layer`'s rows. hidden [T, d], top_k_index [T, k] long, top_k_weights [T, k].
@@ -174,107 +147,51 @@ class Dispatcher:
             self.pool.prune()
         self.pool.readmit(due_only=True)
         layer = LayerId(layer)
-        fits = express.eligible(self.wire, self.fanout, self.verification.checker.policy.fraction, hidden)
-        sent = self._lane(layer, hidden, top_k_index, top_k_weights) if fits else express.UNFIT
-        self.settle()  # the last lane call's bookkeeping: after this one's send, while its holders compute
-        if not isinstance(sent, LaneCall):
-            shares = self.owners.plan(layer, top_k_index, top_k_weights)
-            if sent == express.UNFIT and fits:
-                sent = self._express(layer, hidden, top_k_index, top_k_weights, shares)
+        call = Call(layer, hidden, top_k_index, top_k_weights, self.wire, self.fanout,
+                    self.verification.checker.policy.fraction, started,
+                    functools.partial(self.owners.plan, layer, top_k_index, top_k_weights))
+        path, flight = self._send(call)
         self.call_number += 1
-        if isinstance(sent, LaneCall):
-            flight, pieces = sent, [(share.worker, 1) for share in sent.shares]
-            self.wait.observe(started)  # how this call waits: dispatch/wait.py
-        elif isinstance(sent, express.ExpressCall):
-            flight, pieces = sent, [(one.worker, 1) for one in sent.sent]
-        else:
-            if sent == express.FAILED:  # a holder was taken down: plan again (probing it first)
-                shares = self.owners.plan(layer, top_k_index, top_k_weights)
-            flight = self._flight(layer, hidden, top_k_index, shares)
-            pieces = flight.pieces
         self.routing.update(layer, top_k_index, top_k_weights)  # once sent: the holders compute meanwhile
-        remote = [n for worker, n in pieces if worker not in self.pool.trusted]  # a local holder makes no trip
+        remote = [n for worker, n in flight.pieces if worker not in self.pool.trusted]  # a local holder makes no trip
         round_trips = sum(remote) if self.fanout == "chain" else max(remote, default=0)  # a cut share's pieces go in turn
         self._flights.add(flight)
-        return Handle(layer, hidden, top_k_index, flight, round_trips, started, self.call_number)
+        return Handle(layer, hidden, top_k_index, flight, round_trips, started, self.call_number, path, top_k_weights,
+                      call.wire)
 
-    def _flight(self, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor, shares: list) -> Flight:
-        flight = Flight(self.pool, self.verification, self.wire, layer, hidden, top_k_index)
-        flight.start(shares, chain=self.fanout == "chain")
-        if flight.error is not None:
-            flight.abort()
-        return flight
-
-    def _lane(self, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor,
-              top_k_weights: torch.Tensor) -> LaneCall | str:
-        """The call (express.eligible) sent in C (dispatch/lane.py), or why not: express.UNFIT (then
-        express, else a flight) or express.FAILED (a holder was taken down: a flight)."""
-        if self.owners.replicated(layer):
-            return express.UNFIT
-        return self.lane.send(self.wire, layer, hidden, top_k_index, top_k_weights, self.owners.of(layer))
-
-    def _express(self, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                 shares: list) -> express.ExpressCall | str:
-        """The call (express.eligible) sent express (dispatch/express_call.py), or why not (express.UNFIT or
-        FAILED): it goes as a flight. Its layer is planned: whether it has replicas is known."""
-        if self.owners.replicated(layer):
-            return express.UNFIT
-        call = express.ExpressCall(layer, hidden, top_k_index, top_k_weights)
-        requests = [share_request(self.wire, layer, hidden, top_k_index, share) for share in shares]
-        sent = express.send(self.pool, call, shares, requests)
-        return call if sent == express.SENT else sent
+    def _send(self, call: Call) -> tuple[CallPath, InFlight]:
+        """The one place a layer call's path is chosen: each path in turn (`call_paths`), the first eligible
+        one that sends the call takes it; a path that says `Outcome.UNFIT` passes it on. The last bookkeeping
+        left for later is made before the call is planned, else once it is sent (while its holders compute)."""
+        for path in self.call_paths:
+            if path.plans:
+                self.settle()  # the plan sees every earlier call's round trips
+            if not path.eligible(call):
+                continue
+            sent = path.send(call)
+            if sent is Outcome.FAILED:
+                break
+            if sent is not Outcome.UNFIT:
+                self.settle()
+                return path, sent
+        # a send failed and its holder was taken down: plan again (probing it first), as a flight
+        call.replan()
+        self.settle()
+        flight = self.call_paths[-1]
+        return flight, flight.send(call)
 
     def combine(self, handle: Handle) -> torch.Tensor:
         """Gather the replies and add them into [T, d] (the kernels rest while they come, as in `dispatch`)."""
         qkernels.rest()
-        flight = handle.flight
         try:
-            if isinstance(flight, LaneCall):
-                got = self.lane.gather(self.verification.gate, flight, self.wait.spin_s(), self.wait.dozes)
-                if isinstance(got, LaneAnswer):
-                    return self._lane_answer(handle, got)
-                flight = got  # the express call goes on (None: made again as a flight)
-            answers, unchecked, bytes_out, bytes_in = self._gather(handle, flight)
+            got = handle.path.gather(handle, handle.flight)
+            while type(got) is HandedOn:  # another path goes on with the call
+                got = got.path.gather(handle, got.flight)
         finally:
             self._flights.discard(handle.flight)
-        for holder in unchecked:
-            self.pool.ledger.used(holder, handle.call)
-        out = self._combined(handle, answers)
-        trusted = self.pool.trusted
-        self._accounting.record(LayerCall(
-            handle.layer, handle.hidden.shape[0], bytes_out, bytes_in, handle.round_trips,
-            time.perf_counter() - handle.started,
-            {self._address(holder): reply.seconds for _, reply, holder in answers},
-            _rows(share.tokens for share, _, holder in answers if holder not in trusted and holder != REFEREE),
-            worker_cpu={self._address(holder): reply.result.cpu_s for _, reply, holder in answers
-                        if reply.result.cpu_s is not None},
-        ))
+        out = got.out if got.out is not None else self._combined(handle, got.answers)
+        self.books.record(handle, got)
         return out
-
-    def _lane_answer(self, handle: Handle, answer: LaneAnswer) -> torch.Tensor:
-        """A lane call's answer; its bookkeeping left for `settle`. The holders' use of it goes in the
-        taint ledger now (a ban may come before the settling)."""
-        for holder, _, _ in answer.answered:
-            self.pool.ledger.used(holder, handle.call)  # a lane's holders are remote: never trusted
-        self.settle()  # another lane call's, where calls of several groups are in flight
-        self._unsettled = (answer, threading.get_ident())
-        self._accounting.defer(functools.partial(self._lane_record, handle, answer, time.perf_counter() - handle.started,
-                                                 self._accounting.decoding))  # recorded before any later call
-        return answer.out
-
-    def _gather(self, handle: Handle, flight: Flight | express.ExpressCall | None) -> tuple[list, set[int], int, int]:
-        """The call's [(share, reply, holder)] in plan order, the holders whose answers in it no spot
-        check confirmed, and its bytes out and in. flight None: a lane call that must be made again."""
-        if isinstance(flight, express.ExpressCall):
-            answers = express.gather(self.pool, self.verification.gate, flight)
-            if answers is not None:
-                unchecked = {holder for _, _, holder in answers if holder not in self.pool.trusted}
-                return answers, unchecked, flight.bytes_out, flight.bytes_in
-        if not isinstance(flight, Flight):  # given up: a flight
-            shares = self.owners.plan(handle.layer, handle.top_k_index, handle.flight.top_k_weights)
-            flight = self._flight(handle.layer, handle.hidden, handle.top_k_index, shares)
-        flight.run(chain=self.fanout == "chain")
-        return flight.answers(), flight.unchecked(), flight.bytes_out, flight.bytes_in
 
     def _combined(self, handle: Handle, answers: list) -> torch.Tensor:
         """The answers added into [T, d]: in exact mode as eager adds them, else summed."""
@@ -294,9 +211,6 @@ class Dispatcher:
                 per_expert[expert] = block
         return combine_exact(handle.hidden, handle.top_k_index, per_expert, sums)
 
-    def _address(self, worker: int) -> str:
-        return LOCAL_ADDRESS if worker == REFEREE else self.pool.address_of(worker)
-
     # -- holders joining and leaving (dispatch/membership.py) -----------------------------
 
     def change_members(self, change: Change) -> None:
@@ -314,12 +228,12 @@ class Dispatcher:
             if change.kind == JOIN:
                 self.pool.admit(change.link)
                 if change.path is not None:
-                    paths = dict(self._accounting.paths) if paths is None else paths
+                    paths = dict(self.books.accounting.paths) if paths is None else paths
                     paths[change.link.address] = change.path
             else:
                 self.pool.retire(change.link, LEFT_CAUSE)
         if paths is not None:  # a new dict: another thread may be reading the old one
-            self._accounting.paths = paths
+            self.books.accounting.paths = paths
         if not self._flights:
             self.pool.prune()
         self.pool.rebuild()
@@ -374,10 +288,3 @@ class Dispatcher:
             self.apply_membership()  # links joined since the last layer call are closed too
         self.pool.close()
 
-
-def _rows(tokens) -> int:
-    """How many distinct rows of the step these [T_w] token index tensors cover."""
-    tokens = [t.numpy() for t in tokens]
-    if len(tokens) <= 1:
-        return len(tokens[0]) if tokens else 0  # a share's tokens are distinct
-    return len(np.unique(np.concatenate(tokens)))

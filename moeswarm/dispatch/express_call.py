@@ -11,9 +11,10 @@ flight checks it (`result_problem`, then the plausibility gate for a holder not 
 in the holder's round trips and, unchecked, in the taint ledger; the dispatcher combines the
 answers with the same function in the same order, so exact mode keeps its bits.
 
-It is used (`eligible`, `send`) for one float32 token in exact mode over a lossless wire, star
-fan-out, no spot checks drawn (fraction 0), a layer none of whose experts has a second holder (so
-no hedge and no per-call choice), and holders that are usable, not degraded, connected, with a
+It is one of a layer call's paths (dispatch/paths.py), `ExpressPath`, asked after the lane and
+before a flight. It takes one float32 token in exact mode over a lossless wire, star fan-out, no
+spot checks drawn (fraction 0: `Call.one_token`), a layer none of whose experts has a second holder
+(so no hedge and no per-call choice), and holders that are usable, not degraded, connected, with a
 reply bound the answer fits. Whatever goes wrong (a send or a wait failing, a deadline missed, a
 malformed or implausible answer) ends it: its other requests are forgotten, a failing holder is
 taken down as a flight would, and the dispatcher makes the call again as a flight, which re-plans,
@@ -30,6 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from moeswarm.dispatch.checks import result_problem
+from moeswarm.dispatch.flight import share_request
+from moeswarm.dispatch.owners import Owners
+from moeswarm.dispatch.paths import Call, CallPath, Gathered, HandedOn, Handle, Outcome
 from moeswarm.dispatch.plan import WorkerShare
 from moeswarm.dispatch.plausible import NormGate
 from moeswarm.dispatch.pool import HolderPool
@@ -37,7 +41,6 @@ from moeswarm.errors import WorkerError
 from moeswarm.ids import LayerId, WorkerId
 from moeswarm.transport.link import Pending, Reply
 from moeswarm.transport.tcp import result_payload_bytes
-from moeswarm.wire.config import CombineMode, WireConfig
 from moeswarm.wire.messages import Dispatch
 
 
@@ -60,41 +63,74 @@ class ExpressCall:
     bytes_out: int = 0
     bytes_in: int = 0
 
-
-def eligible(wire: WireConfig, fanout: str, spot_fraction: float, hidden: torch.Tensor) -> bool:
-    """Whether a call of `hidden` [T, d] under these settings may go express (its holders aside)."""
-    return (hidden.shape[0] == 1 and hidden.dtype == torch.float32 and fanout == "star" and spot_fraction == 0
-            and wire.mode == CombineMode.EXACT and wire.dispatch_codec is None and wire.combine_codec is None)
-
-
-SENT, UNFIT, FAILED = "sent", "unfit", "failed"
+    @property
+    def pieces(self) -> list[tuple[int, int]]:
+        """(holder, DISPATCHes) per share: one each."""
+        return [(one.worker, 1) for one in self.sent]
 
 
-def send(pool: HolderPool, call: ExpressCall, shares: list[WorkerShare], requests: list[Dispatch]) -> str:
-    """Send every share's request (`requests`, in order): SENT; else nothing is left in flight:
-    UNFIT where a holder is unfit for an express call, FAILED where a send failed (its holder is
-    taken down: the call must be planned again)."""
+class ExpressPath:
+    """The express path of a layer call (dispatch/paths.py `CallPath`)."""
+
+    name, plans, defers = "express", True, False
+
+    def __init__(self, pool: HolderPool, owners: Owners, gate: NormGate, flight: CallPath):
+        self.pool = pool
+        self.owners = owners
+        self.gate = gate
+        self.flight = flight  # the path a call given up on goes on as
+
+    def eligible(self, call: Call) -> bool:
+        return call.one_token()
+
+    def send(self, call: Call) -> ExpressCall | Outcome:
+        """`call` sent express, or why not; its layer is planned first (whether it has replicas is then known)."""
+        shares = call.shares
+        if self.owners.replicated(call.layer):
+            return Outcome.UNFIT
+        sent = ExpressCall(call.layer, call.hidden, call.top_k_index, call.top_k_weights)
+        requests = [share_request(call.wire, call.layer, call.hidden, call.top_k_index, share) for share in shares]
+        outcome = send(self.pool, sent, shares, requests)
+        return sent if outcome is None else outcome
+
+    def gather(self, handle: Handle, flight: ExpressCall) -> Gathered | HandedOn:
+        answers = gather(self.pool, self.gate, flight)
+        if answers is None:
+            return HandedOn(self.flight, None)
+        trusted = self.pool.trusted
+        answered = [(holder, reply.seconds, reply.result.cpu_s) for _, reply, holder in answers]
+        unchecked = {holder for _, _, holder in answers if holder not in trusted}
+        return Gathered(answers, answered, unchecked, flight.bytes_out, flight.bytes_in)
+
+    def record(self, answered: Gathered) -> None:
+        """Nothing more: `gather` recorded each holder's round trip as its reply came."""
+
+
+def send(pool: HolderPool, call: ExpressCall, shares: list[WorkerShare], requests: list[Dispatch]) -> Outcome | None:
+    """Send every share's request (`requests`, in order): None; else nothing is left in flight:
+    Outcome.UNFIT where a holder is unfit for an express call, Outcome.FAILED where a send failed
+    (its holder is taken down: the call must be planned again)."""
     links, holders = pool.links, pool.holders
     for share in shares:
         holder, link = holders[share.worker], links[share.worker]
         if not holder.usable or holder.degraded or link.broken:
-            return UNFIT
+            return Outcome.UNFIT
     prepared = []
     for share, request in zip(shares, requests):
         bound = pool.reply_bound(share.worker)
         if bound is not None and result_payload_bytes(request) > bound:
-            return UNFIT
+            return Outcome.UNFIT
         prepared.append(links[share.worker].prepare(request))
     for share, request, ready in zip(shares, requests, prepared):
         try:
             pending = links[share.worker].send(ready)
         except WorkerError as error:
             give_up(pool, call, share.worker, error.cause)
-            return FAILED
+            return Outcome.FAILED
         timeout = holders[share.worker].deadline_s(1)
         call.sent.append(Sent(share, request, share.worker, pending, time.monotonic() + timeout))
         call.bytes_out += pending.bytes_out
-    return SENT
+    return None
 
 
 def gather(pool: HolderPool, gate: NormGate, call: ExpressCall) -> list[tuple[WorkerShare, Reply, int]] | None:

@@ -17,10 +17,11 @@ reacts:
   duplicate there: first good reply wins (identical in exact mode); a holder that keeps losing
   hedges or missing deadlines is degraded (dispatch/health.py) and planned around.
 
-The flight acts on holders only through the pool (dispatch/pool.py) and implements the
-`FlightOps` that verification acts through. Each expert's rows stay together whatever holder
-computes them, and `combine` adds experts in ascending order: exact mode stays bit-identical
-through failover, hedging and checks.
+A flight is a layer call's last path (dispatch/paths.py, `FlightPath`): every call may go this way,
+and a call the lane or express gives up on is made again as one. The flight acts on holders only
+through the pool (dispatch/pool.py) and implements the `FlightOps` that verification acts through.
+Each expert's rows stay together whatever holder computes them, and `combine` adds experts in
+ascending order: exact mode stays bit-identical through failover, hedging and checks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import torch
 from moeswarm.dispatch.checks import expected_rows, result_problem
 from moeswarm.dispatch.chunks import ReplyTooLarge, cut_share
 from moeswarm.dispatch.errors import ExpertsUnavailable
+from moeswarm.dispatch.owners import Owners
 from moeswarm.dispatch.parts import CHECK, SERVE, Attempt, Part
+from moeswarm.dispatch.paths import Call, Gathered, Handle
 from moeswarm.dispatch.plan import WorkerShare, replan_share, share_experts
 from moeswarm.dispatch.pool import HolderPool
 from moeswarm.dispatch.verify import Verification
@@ -45,6 +48,47 @@ from moeswarm.transport.link import Reply
 from moeswarm.wire.codecs import lossless_codec
 from moeswarm.wire.config import CombineMode, WireConfig
 from moeswarm.wire.messages import Dispatch
+
+
+class FlightPath:
+    """The flight path of a layer call (dispatch/paths.py `CallPath`): every call is eligible."""
+
+    name, plans, defers = "flight", True, False
+
+    def __init__(self, pool: HolderPool, verification: Verification, owners: Owners, chain: bool):
+        self.pool = pool
+        self.verification = verification
+        self.owners = owners
+        self.chain = chain  # chain fan-out: one share at a time
+
+    def eligible(self, call: Call) -> bool:
+        return True
+
+    def send(self, call: Call) -> Flight:
+        """`call` sent as a flight (its error raised where a share cannot be sent at all)."""
+        return self._started(call.wire, call.layer, call.hidden, call.top_k_index, call.shares)
+
+    def gather(self, handle: Handle, flight: Flight | None) -> Gathered:
+        """Every part answered (and checked); flight None: a call another path gave up on, made
+        again as a flight from a new plan."""
+        if flight is None:
+            shares = self.owners.plan(handle.layer, handle.top_k_index, handle.top_k_weights)
+            flight = self._started(handle.wire, handle.layer, handle.hidden, handle.top_k_index, shares)
+        flight.run(chain=self.chain)
+        answers = flight.answers()
+        return Gathered(answers, [(holder, reply.seconds, reply.result.cpu_s) for _, reply, holder in answers],
+                        flight.unchecked(), flight.bytes_out, flight.bytes_in)
+
+    def record(self, answered: Gathered) -> None:
+        """Nothing more: the flight recorded each holder's round trip as its reply came."""
+
+    def _started(self, wire: WireConfig, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                 shares: list[WorkerShare]) -> Flight:
+        flight = Flight(self.pool, self.verification, wire, layer, hidden, top_k_index)
+        flight.start(shares, chain=self.chain)
+        if flight.error is not None:
+            flight.abort()
+        return flight
 
 
 class Flight:

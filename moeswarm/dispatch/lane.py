@@ -10,7 +10,8 @@ RESULT, compares its metadata with the bytes the full path's decoder accepts for
 (`Result.to_frame` of the same answer), checks that its values are finite and adds its rows into
 the step's output as dispatch/combine.py adds them.
 
-It is an express call (dispatch/express_call.py), with the same conditions, plus: one token routed to
+It is the first of a layer call's paths (dispatch/paths.py), `LanePath`: an express call
+(dispatch/express_call.py), with the same conditions, plus: the C functions built, one token routed to
 distinct experts, every share's link a plain TCP socket with nothing in flight, and holders whose
 experts of the token do not interleave (the lowest holder sums its experts, partial mode; the
 others' rows follow in expert order: `combine_token`'s adds). Exact mode keeps its bits: the
@@ -36,6 +37,8 @@ import torch
 
 from moeswarm.dispatch import express_call as express, wait
 from moeswarm.dispatch.flight import share_request
+from moeswarm.dispatch.owners import Owners
+from moeswarm.dispatch.paths import Call, CallPath, Gathered, HandedOn, Handle, Outcome
 from moeswarm.dispatch.plan import WorkerShare
 from moeswarm.dispatch.plausible import NormGate
 from moeswarm.dispatch.pool import HolderPool
@@ -86,23 +89,26 @@ class LaneCall:
     shares: list[LaneShare]  # the lowest experts' holder first, then by expert
     bytes_out: int
 
-
-@dataclass
-class LaneAnswer:
-    """A lane call's output, and the bookkeeping left to do (`settle`: while the next call computes)."""
-
-    out: torch.Tensor  # [1, d]
-    answered: list[tuple[int, float, float | None]]  # (holder, round-trip seconds, its CPU seconds or None)
-    bytes_out: int
-    bytes_in: int
-    plausible: list[tuple[int, float]]  # (layer, largest |value|) of answers found plausible, not yet learned from
+    @property
+    def pieces(self) -> list[tuple[int, int]]:
+        """(holder, DISPATCHes) per share: one each."""
+        return [(share.worker, 1) for share in self.shares]
 
 
-class Lane:
-    """The templates, reply buffers and owner lists lane calls use; `calls` made whole, `demotions`."""
+class LanePath:
+    """The lane path of a layer call (dispatch/paths.py `CallPath`): the templates, reply buffers and
+    owner lists lane calls use; `calls` made whole, `demotions` (calls handed on to express)."""
 
-    def __init__(self, pool: HolderPool):
+    name, plans, defers = "lane", False, True
+
+    def __init__(self, pool: HolderPool, owners: Owners, gate: NormGate, wait: wait.WaitPolicy, express: CallPath,
+                 flight: CallPath):
         self.pool = pool
+        self.owners = owners
+        self.gate = gate
+        self.wait = wait  # whether a lane call spins for its replies (dispatch/wait.py)
+        self.express = express  # the path a call goes on as when a reply is not the lane's
+        self.flight = flight  # ... and when it must be made again
         self.calls = 0
         self.demotions = 0
         self._templates: dict[tuple, Template | None] = {}
@@ -115,26 +121,32 @@ class Lane:
         self._info_at, self._top_at = token_call.address(self._info), token_call.address(self._top)
         self._send, self._take = token_call.functions()  # the C functions themselves (None: not built)
 
-    def send(self, wire: WireConfig, layer: LayerId, hidden: torch.Tensor, top_k_index: torch.Tensor,
-             top_k_weights: torch.Tensor, owner: torch.Tensor) -> LaneCall | str:
-        """Send the call's DISPATCHes (hidden [1, d] float32, top_k_index [1, k], owner [E] the holder
-        of each expert): the LaneCall; else express.UNFIT (nothing sent) or express.FAILED (a holder
-        was taken down: plan again).
+    def eligible(self, call: Call) -> bool:
+        """The C functions built, an express call's conditions, and a layer known to have no replicas
+        (planned before: until then it may have)."""
+        return self._send is not None and call.one_token() and not self.owners.replicated(call.layer)
+
+    def send(self, call: Call) -> LaneCall | Outcome:
+        """Send the call's DISPATCHes (hidden [1, d] float32, top_k_index [1, k]) to the layer's owners:
+        the LaneCall; else Outcome.UNFIT (nothing sent) or Outcome.FAILED (a holder was taken down:
+        plan again).
 
         Written for the few cache lines it touches: plain ints in keys, one pass over the token's k
         experts, the C function called directly (this runs before every decode layer call's send)."""
-        if self._send is None or top_k_weights.dtype != torch.float32 or not (
+        wire, layer, hidden, top_k_index, top_k_weights = call.wire, call.layer, call.hidden, call.top_k_index, \
+            call.top_k_weights
+        if top_k_weights.dtype != torch.float32 or not (
                 hidden.is_contiguous() and top_k_index.is_contiguous() and top_k_weights.is_contiguous()):
-            return express.UNFIT
+            return Outcome.UNFIT
         row = top_k_index.tolist()[0]
-        owners, owner_at = self._owner_list(owner)
+        owners, owner_at = self._owner_list(self.owners.of(layer))
         if min(row) < 0 or max(row) >= len(owners) or len(set(row)) != len(row):
-            return express.UNFIT  # a slot not to plan, or a router that repeats an expert: the full path
+            return Outcome.UNFIT  # a slot not to plan, or a router that repeats an expert: the full path
         by_holder: dict[int, list[int]] = {}
         for expert in row:
             holder = owners[expert]
             if holder < 0:
-                return express.UNFIT
+                return Outcome.UNFIT
             if holder in by_holder:
                 by_holder[holder].append(expert)
             else:
@@ -142,7 +154,7 @@ class Lane:
         order = sorted(by_holder, key=lambda h: min(by_holder[h])) if len(by_holder) > 1 else list(by_holder)
         for low, high in zip(order, order[1:]):
             if max(by_holder[low]) > min(by_holder[high]):
-                return express.UNFIT  # interleaved experts: only combine_exact's per-expert order is right
+                return Outcome.UNFIT  # interleaved experts: only combine_exact's per-expert order is right
         pool, timed = self.pool, wire.timings
         links, states = pool.links, pool.holders
         d, k = hidden.shape[1], len(row)
@@ -156,17 +168,17 @@ class Lane:
             rows = 1 if position == 0 else len(experts)
             bound = pool.reply_bound(holder)
             if fd is None or bound is not None and rows * d * 4 > bound:
-                return express.UNFIT
+                return Outcome.UNFIT
             id_bytes = 1 if experts[-1] < 255 else 2 if experts[-1] < 32767 else 4  # as Dispatch.to_frame packs them
             key = (layer, position == 0, id_bytes, timed, d, k)
             template = self._templates.get(key, False)
             if template is False:
                 template = self._templates[key] = _template(layer, position == 0, id_bytes, timed, d, k)
             if template is None:
-                return express.UNFIT
+                return Outcome.UNFIT
             plans.append((holder, link, state, fd, experts, template, rows))
         x_at, ids_at, w_at = hidden.data_ptr(), top_k_index.data_ptr(), top_k_weights.data_ptr()
-        call = LaneCall(wire, layer, hidden, top_k_index, top_k_weights, [], 0)
+        sent = LaneCall(wire, layer, hidden, top_k_index, top_k_weights, [], 0)
         now = time.monotonic()
         for position, (holder, link, state, fd, experts, template, rows) in enumerate(plans):
             request_id = link.new_request_id()
@@ -176,25 +188,26 @@ class Lane:
                                  template.id_bytes, ids_at, k, owner_at, len(owners), holder, template.w_at, w_at,
                                  deadline)
             if outcome < 0:
-                express.give_up(pool, _express_call(call), holder, link.lost_directly(outcome, sending=True).cause)
-                return express.FAILED
+                express.give_up(pool, _express_call(sent), holder, link.lost_directly(outcome, sending=True).cause)
+                return Outcome.FAILED
             pending = link.sent_directly(request_id, len(frame), rows * d * 4, time.perf_counter())
-            call.shares.append(LaneShare(holder, experts, position == 0, fd, pending, deadline))
-            call.bytes_out += len(frame)
-        return call
+            sent.shares.append(LaneShare(holder, experts, position == 0, fd, pending, deadline))
+            sent.bytes_out += len(frame)
+        self.wait.observe(call.started)  # how this call waits: dispatch/wait.py
+        return sent
 
-    def gather(self, gate: NormGate, call: LaneCall, spin_s: float = 0.0,
-               doze: bool = False) -> LaneAnswer | express.ExpressCall | None:
+    def gather(self, handle: Handle, call: LaneCall) -> Gathered | HandedOn:
         """The call's answer; or the express call to go on with (every reply not used here is kept
-        on its link); or None where it must be made again as a flight (nothing left in flight; a
-        holder that failed taken down). `spin_s`: how long each reply is spun for before the wait
-        sleeps; `doze`: the first reply is slept for first, through most of its holder's median
-        round trip (dispatch/wait.py).
+        on its link); or the flight path where it must be made again (nothing left in flight; a
+        holder that failed taken down). Each reply is spun for the wait policy's `spin_s` before the
+        wait sleeps; a dozing call sleeps first through most of its first holder's median round
+        trip (dispatch/wait.py).
 
         What can be made before the replies is (the output, the metadata to expect, the learned
         bound): the holders compute meanwhile. After them, only what the answer needs: the
-        plausibility of its rows and the links' state. The rest (`settle`) waits for the next call's
+        plausibility of its rows and the links' state. The rest (`record`) waits for the next call's
         send, whose holders then compute."""
+        gate, spin_s, doze = self.gate, self.wait.spin_s(), self.wait.dozes
         pool, layer, timed = self.pool, call.layer, call.wire.timings
         d, k = call.hidden.shape[1], call.top_k_index.shape[1]
         metas = [self._partial(layer, d) if share.first else _exact_meta(layer, d, share.experts)
@@ -226,30 +239,31 @@ class Lane:
                 for used, _, _ in taken:  # read here: nothing of theirs is awaited any more
                     links[used.worker].taken_directly(used.pending)
                 express.failed(pool, _express_call(call), share.worker, share.deadline, error)
-                return None
+                return HandedOn(self.flight, None)
             return self._demoted(call, taken)
         trusted, plausible = pool.trusted, []
         for (share, _, _), peak in zip(taken, peaks):
             if share.worker in trusted:
                 continue
             if bound is not None and peak <= bound:
-                plausible.append((layer, float(peak)))  # learned from in `settle`
+                plausible.append((layer, float(peak)))  # learned from in `record`
             elif gate.judge(layer, float(peak), lambda share=share: self._rows(share, d), call.hidden) is not None:
                 return self._demoted(call, taken)  # the express call judges it again and settles
         for share, _, _ in taken:
             links[share.worker].taken_directly(share.pending)
         self.calls += 1
-        return LaneAnswer(out, answered, call.bytes_out, bytes_in, plausible)
+        return Gathered([], answered, [worker for worker, _, _ in answered], call.bytes_out, bytes_in, 1, out, True,
+                        plausible)  # a lane's holders are remote: never trusted, their answers unchecked
 
-    def settle(self, gate: NormGate, answer: LaneAnswer) -> None:
-        """A lane call's bookkeeping: its holders on time, their round trips, the gate's learning."""
+    def record(self, answered: Gathered) -> None:
+        """A lane call's own bookkeeping: its holders on time, their round trips, the gate's learning."""
         states = self.pool.holders
-        for worker, seconds, _ in answer.answered:
+        for worker, seconds, _ in answered.answered:
             state = states[worker]
             state.on_time()
             state.round_trips.record(seconds, 1)
-        for layer, peak in answer.plausible:
-            gate.learn(layer, peak)
+        for layer, peak in answered.plausible:
+            self.gate.learn(layer, peak)
 
     def _rows(self, share: LaneShare, d: int) -> torch.Tensor:
         """The rows of `share`'s RESULT as read (a copy), [n, d]."""
@@ -258,9 +272,9 @@ class Lane:
         rows = 1 if share.first else len(share.experts)
         return torch.from_numpy(np.frombuffer(buffer, np.float32, rows * d, HEADER_SIZE + meta_len).reshape(rows, d).copy())
 
-    def _demoted(self, call: LaneCall, taken: list) -> express.ExpressCall | None:
-        """The express call that goes on from here, the frames read whole kept on their links; None
-        where one of them broke its link's stream (a header its link refuses): as `gather`'s."""
+    def _demoted(self, call: LaneCall, taken: list) -> HandedOn:
+        """The express call that goes on from here, the frames read whole kept on their links; the
+        flight path where one of them broke its link's stream (a header its link refuses): as `gather`'s."""
         self.demotions += 1
         made = _express_call(call)
         for position, (share, buffer, body) in enumerate(taken):
@@ -270,8 +284,8 @@ class Lane:
                 for later, _, _ in taken[position + 1 :]:  # read here: nothing of theirs is awaited any more
                     self.pool.links[later.worker].taken_directly(later.pending)
                 express.failed(self.pool, made, share.worker, share.deadline, error)
-                return None
-        return made
+                return HandedOn(self.flight, None)
+        return HandedOn(self.express, made)
 
     def _partial(self, layer: LayerId, d: int) -> bytes:
         key = (layer, d)

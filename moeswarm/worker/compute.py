@@ -5,10 +5,12 @@ store is never entered twice at once. Every request gets a reply frame from here
 exception: "bad_request" for what the protocol or this worker refuses, "internal" for a bug on
 this side (logged with its traceback; the worker goes on serving).
 
-A DISPATCH whose metadata bytes were answered before goes the express lane when it can
-(worker/express_answer.py: the same bits in one C call). DISPATCHes of one layer from several
-connections may run as one expert call (`batch`, worker/merge.py decides which may merge and keeps
-the bits); each is answered exactly as `one` would have answered it alone.
+`one` walks the compute thread's answerers (worker/answerers.py): a DISPATCH whose metadata bytes
+were answered before goes express when it can (worker/express_answer.py: the same bits from the
+frame's bytes), every other one the full path (`answer`), which teaches express its lane.
+DISPATCHes of one layer from several connections may run as one expert call (`batch`,
+worker/merge.py decides which may merge and keeps the bits); each is answered exactly as `one`
+would have answered it alone.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from moeswarm.errors import MoeSwarmError, printable
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import Frame
 from moeswarm.wire.messages import Dispatch, ErrorReply, Result
+from moeswarm.worker.answerers import Answerer
 from moeswarm.worker.express_answer import Express
 from moeswarm.worker.limits import WorkerLimits, check_dispatch_size, check_reply_size
 from moeswarm.worker.merge import merge, partners, split
@@ -35,10 +38,13 @@ log = logging.getLogger("moeswarm.worker")
 
 
 class Computation:
-    """DISPATCH frames in, RESULT or ERROR frames out, with `store`'s experts under `limits`.
+    """DISPATCH frames in, RESULT or ERROR frames out, with `store`'s experts under `limits`: the compute
+    answerer (worker/answerers.py), last in the chain it walks (`one`).
 
     model_top_k: the model's router top-k: no DISPATCH may ask for more (None: only the limit's).
     """
+
+    name = "compute"
 
     def __init__(self, store: ExpertStore, limits: WorkerLimits, model_top_k: int | None = None):
         self.store = store
@@ -46,16 +52,23 @@ class Computation:
         self.model_top_k = model_top_k
         self.merged_calls = 0  # expert calls that served several connections' DISPATCHes at once
         self.merged_requests = 0  # the DISPATCHes they served
-        self.express = Express(store)  # metadata seen before: answered from the frame's bytes in one C call
+        self.express = Express(store)  # metadata seen before: answered from the frame's bytes
+        self.chain: tuple[Answerer, ...] = (self.express, self)  # the compute thread's answerers, in turn
 
     def one(self, frame: Frame, sized: bool = False) -> Frame:
-        """The reply to one DISPATCH frame: decoding, experts and encoding.
+        """The reply to one DISPATCH frame, from the first answerer of the chain that answers it.
 
         sized: the frame's declared sizes were checked against the limits already (on the event
         loop, before it was queued: worker/requests.py)."""
-        reply = self.express.answer(frame)
-        if reply is not None:
-            return reply
+        for answerer in self.chain:
+            reply = answerer.answer(frame, sized)
+            if reply is not None:
+                return reply
+        raise AssertionError("the full path answers every DISPATCH")
+
+    def answer(self, frame: Frame, sized: bool = False) -> Frame:
+        """The full path's reply to one DISPATCH frame: decoding, experts and encoding (express learns
+        the frame's lane from it)."""
         decoded = self._decode(frame, sized=sized)
         if isinstance(decoded, Frame):
             return decoded

@@ -9,10 +9,10 @@ ascending, slot-major then token), and the RESULT's metadata is the full path's 
 
 A lane is learned from a request the full path answered (worker/compute.py): its metadata bytes
 (wire/layouts.py) fix everything the full path checked but the tensors' values, so the next frame
-with the same bytes passes the same checks. It applies to DISPATCHes in float32 to a layer whose
-experts here are one run of quantized experts: the C calls are the ones the store's paths make
-(`_sums`; the pairs' rows through `qk_experts`), so the bits are the same. A frame whose ids the
-table refuses goes the full path, which names what is wrong.
+with the same bytes passes the same checks. A `QuantLane` applies to DISPATCHes in float32 to a
+layer whose experts here are one run of quantized experts: the C calls are the ones the store's
+paths make (`_sums`; the pairs' rows through `qk_experts`), so the bits are the same. A frame whose
+ids the table refuses goes the full path, which names what is wrong.
 
 Float experts (a family's own torch modules, the bundled model's) have a lane too, a `TorchLane`:
 the store's own `run` on the tensors read from the frame where the layout says (the full path's
@@ -23,6 +23,9 @@ experts sum a partial DISPATCH themselves (the store's `self_summing`), a one-to
 loop is one module call on tensors kept per lane, the payload's values copied into them
 (`OneCall`), without the Dispatch, its checks and the Result the store's `run` makes around the
 same call, each a small step from cold caches.
+
+Express is one of the worker's answerers (worker/answerers.py), after the hold and before the
+full path.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ from moeswarm.wire.tensors import located
 
 
 @dataclass(frozen=True)
-class Lane:
-    """What a DISPATCH with known metadata bytes needs to be answered in one C call."""
+class QuantLane:
+    """What a DISPATCH with known metadata bytes to quantized experts needs to be answered in one C call."""
 
     mode: CombineMode
     plan: qkernels.ExpertsPlan
@@ -96,17 +99,21 @@ class OneCall:
 
 
 class Express:
-    """The lanes a worker has learned, and the answers they give (on the compute thread only)."""
+    """The lanes a worker has learned, and the answers they give: the express answerer
+    (worker/answerers.py), whole on the loop (`answer_now`) or as a frame on the compute thread (`answer`)."""
+
+    name = "express"
 
     def __init__(self, store):
         self.store = store
-        self._lanes: KnownLayouts[Lane | TorchLane | bool] = KnownLayouts()  # False: metadata seen, no lane for it
+        self._lanes: KnownLayouts[QuantLane | TorchLane | bool] = KnownLayouts()  # False: metadata seen, no lane for it
         self.answered = 0
         self.whole = 0  # of them, answered with the whole RESULT frame on the loop (`answer_now`)
         self.hold = Hold(self.answer_now)  # the lanes answered whole, for a connection held between them (worker/hold.py)
 
-    def answer(self, frame: Frame) -> Frame | None:
-        """The RESULT for `frame`, or None: not known here (or refused: the full path says why)."""
+    def answer(self, frame: Frame, sized: bool = False) -> Frame | None:
+        """The RESULT for `frame`, or None: not known here (or refused: the full path says why). Its
+        metadata bytes passed every check before, whether `sized` or not."""
         lane = self._lanes.get(frame)
         if not lane:
             return None
@@ -143,16 +150,16 @@ class Express:
                          body)
         return Frame(Opcode.RESULT, frame.request_id, meta, body, lane.meta_bytes)
 
-    def whole_lane(self, body: bytes, meta_len: int) -> Lane | TorchLane | None:
+    def whole_lane(self, body: bytes, meta_len: int) -> QuantLane | TorchLane | None:
         """The lane that answers the DISPATCH whose frame body is `body` (its metadata its first
         `meta_len` bytes) with a whole RESULT frame (`answer_now`: in C, or a TorchLane's), found
         without decoding it."""
         lane = self._lanes.get_bytes(body[:meta_len])
-        if not lane or type(lane) is Lane and lane.whole is None or len(body) - meta_len != lane.payload_bytes:
+        if not lane or type(lane) is QuantLane and lane.whole is None or len(body) - meta_len != lane.payload_bytes:
             return None
         return lane
 
-    def answer_now(self, lane: Lane | TorchLane, body: bytes, request_id: int) -> memoryview | None:
+    def answer_now(self, lane: QuantLane | TorchLane, body: bytes, request_id: int) -> memoryview | None:
         """The whole RESULT frame (header, metadata, sums) answering the DISPATCH whose frame body is
         `body` (its `whole_lane`), in one C call (a TorchLane: the store's run); None where the call
         declines (the full path then answers it and names any fault)."""
@@ -217,7 +224,7 @@ class Express:
             return  # learned from answers only (an ERROR may be about the values), once per metadata
         lane = self._lane(frame, request, reply)
         self._lanes.remember(frame, lane)
-        if type(lane) is Lane and lane.whole is not None:
+        if type(lane) is QuantLane and lane.whole is not None:
             self.hold.add(frame.meta_bytes, lane.payload_bytes, lane.tokens, lane.reply_bytes, lane.whole,
                           lane.mode == CombineMode.EXACT)
         elif type(lane) is TorchLane:
@@ -242,7 +249,7 @@ class Express:
         self.answered += 1
         return result, time.thread_time() - started if lane.timed else None
 
-    def _lane(self, frame: Frame, request: Dispatch, reply: Frame) -> Lane | TorchLane | bool:
+    def _lane(self, frame: Frame, request: Dispatch, reply: Frame) -> QuantLane | TorchLane | bool:
         express_plan = getattr(self.store, "express_plan", None)  # a stand-in store (tests) has no C plans
         found = express_plan(request.layer) if express_plan is not None else None
         if request.wire_combine != "f32" or request.hidden.dtype != torch.float32 \
@@ -274,7 +281,7 @@ class Express:
             whole = qkernels.express_lane(plan, tokens, k, id_bytes, before + at["x"][0], before + at["ids"][0],
                                           before + at["w"][0], table, prefix, request.timed, not partial, first)
             room = HEADER_SIZE + len(packed) + 40 + 18 * tokens * k + 4 * rows * plan.hidden
-        return Lane(request.mode, plan, first, table, tokens, k, at["x"][0], at["ids"][0], id_bytes, at["w"][0],
+        return QuantLane(request.mode, plan, first, table, tokens, k, at["x"][0], at["ids"][0], id_bytes, at["w"][0],
                     len(memoryview(frame.payload)), request.timed, meta,
                     pack_meta(meta) if partial and not request.timed else None, np.empty(2 * plan.num_experts + 1, np.int64),
                     whole, room)

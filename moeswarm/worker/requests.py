@@ -4,8 +4,10 @@ PING and HELLO are answered at once. A DISPATCH is checked from its metadata alo
 shapes against the limits, the RESULT's size bound against its connection's unsent bound and the
 worker's reply budget: worker/replies.py) and queued on the compute runner; its RESULT leaves from
 the compute thread itself when nothing is ahead of it on its connection (session.py `write_now`),
-else from the loop, in turn. A DISPATCH of a few tokens (a decode step's) that finds the runner
-idle runs on the loop at once (runner.py `run_here`): no thread hand-off, no wake-up. Each
+else from the loop, in turn. A DISPATCH whose metadata has a whole-RESULT lane is answered on the
+loop before anything else (worker/answerers.py `OnLoop`). A DISPATCH of a few tokens (a decode
+step's) that finds the runner idle runs on the loop at once (runner.py `run_here`): no thread
+hand-off, no wake-up. Each
 frame's byte-budget reservation is given back when its reply is decided (at once, or when its
 DISPATCH is done).
 """
@@ -16,18 +18,18 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moeswarm.errors import MoeSwarmError, ProtocolError, printable
-from moeswarm.wire.frames import HEADER_SIZE, Frame, Opcode
+from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.layouts import KnownLayouts
 from moeswarm.wire.messages import ErrorReply, Hello, WorkerInfo
 from moeswarm.wire.stream import decode_frame
+from moeswarm.worker.answerers import OnLoop
 from moeswarm.worker.compute import Computation
 from moeswarm.worker.framing import Incoming
-from moeswarm.worker.hold import selector_fd
 from moeswarm.worker.limits import ByteBudget, WorkerLimits, check_dispatch_size, declared_shapes, reply_bound
 from moeswarm.worker.merge import merge_key
 from moeswarm.worker.replies import AwaitRoom, reply_room
@@ -63,6 +65,7 @@ class Requests:
         self.computation = computation
         self.sessions = sessions  # every open connection's Session: the reply budget counts them all
         self.inline_tokens = inline_tokens
+        self.on_loop = OnLoop(computation.express, runner, inline_tokens, self._reply_in_turn)  # worker/answerers.py
         self._sized: KnownLayouts[Sized] = KnownLayouts()
 
     def handle(self, session: Session, incoming: Incoming) -> Frame | AwaitRoom | None:
@@ -73,8 +76,8 @@ class Requests:
         try:
             if incoming.body is None:
                 raise WorkerBusy(self.budget.held, self.budget.limit, "bytes of requests held")
-            if header.opcode == Opcode.DISPATCH and self.answered_now(session, incoming):
-                return None
+            if header.opcode == Opcode.DISPATCH and self.on_loop.answer(session, rid, header.meta_len, incoming.body):
+                return None  # answered on the loop (worker/answerers.py)
             frame = decode_frame(header, incoming.body)
             if frame.opcode == Opcode.PING:
                 return Frame(Opcode.PONG, rid)
@@ -103,59 +106,6 @@ class Requests:
         finally:
             if not handed_over:
                 self.budget.give(incoming.reserved)
-
-    def answered_now(self, session: Session, incoming: Incoming) -> bool:
-        """A decode step's DISPATCH whose metadata has a whole-RESULT lane (worker/express_answer.py), answered
-        on the loop and its RESULT sent at once, when nothing computes and nothing is ahead of it on
-        its connection: no frame decoded, no thread hand-off, nothing queued. The lane's metadata
-        bytes passed every check before (the first frame with them went the full path), so the
-        frame's size fits its limits and its RESULT (the size of its rows) the connection's bound.
-        False: it goes the usual way."""
-        header = incoming.header
-        return self.answered_whole(session, header.request_id, header.meta_len, incoming.body)
-
-    def answered_whole(self, session: Session, request_id: int, meta_len: int, body: bytes) -> bool:
-        """`answered_now` of the DISPATCH with this request id and body (its metadata the first
-        `meta_len` bytes), its header not made into an object (the transport's callback: every
-        small step counts there)."""
-        if not session.greeted or not session.can_write_now():
-            return False
-        express = self.computation.express
-        lane = express.whole_lane(body, meta_len)
-        if lane is None or lane.tokens > self.inline_tokens:
-            return False
-        ran, reply = self.runner.run_now(session, lambda: express.answer_now(lane, body, request_id), lane.tokens)
-        if not ran or reply is None:
-            return False
-        session.slot.last_active = time.monotonic()
-        if not session.write_buffers_now([reply], 0):  # a reply got ahead of it meanwhile: in turn
-            meta_len = int.from_bytes(reply[16:20], "little")
-            payload = reply[HEADER_SIZE + meta_len :]
-            self._reply_in_turn(session, Frame(Opcode.RESULT, request_id, {}, (payload,),
-                                               bytes(reply[HEADER_SIZE : HEADER_SIZE + meta_len])))
-        return True
-
-    def hold(self, session: Session, feed: Callable[[bytes], None]) -> None:
-        """After `answered_whole`: hold the connection for its next decode DISPATCHes, answered in C
-        (worker/hold.py) while nothing else computes and nothing is unsent; `feed`: the connection's
-        reader, given a frame the hold read and did not answer."""
-        hold = self.computation.express.hold
-        fd, loop_fd = session.direct_fd, selector_fd(session.loop)
-        if not hold.count or fd is None or loop_fd is None or not session.can_write_now():
-            return
-        ran, held = self.runner.run_now(session, lambda: hold.serve(fd, loop_fd, self.inline_tokens), 1)
-        if not ran:
-            return
-        if held.answered:
-            session.slot.last_active = time.monotonic()
-            self.computation.express.answered += held.in_c  # `answer_now` counted the others
-            self.computation.express.whole += held.in_c
-            self.runner.charge(session, held.tokens - 1)
-        if held.unsent and not session.write_buffers_now([memoryview(held.unsent)], 0):
-            log.error("closing connection from %s: a held reply could not be sent in order", session.peer)
-            session.writer.transport.abort()  # cannot happen: nothing else wrote while the hold ran
-        if held.pending:
-            feed(held.pending)
 
     def _size(self, frame: Frame) -> Sized:
         """A DISPATCH's declared sizes checked against the limits, from its metadata alone."""
