@@ -40,6 +40,8 @@ def test_two_joiners_one_kill_meet_the_targets(tmp_path):
     text = page.read_text()
     assert "moeswarm bench swarm --model bundled --joiners 2 --kills 1" in text
     assert result["host"]["cpu"] in text and "load average" in text
+    kill_row = f"| 2 | 1 | {kill['joiner']} | "  # the kills table: one row per kill, its joiner named
+    assert sum(line.startswith(kill_row) for line in text.splitlines()) == 1
     assert json.loads((tmp_path / "bench" / "swarm.json").read_text())["results"][0]["runs"][0]["joiners"] == 2
 
 

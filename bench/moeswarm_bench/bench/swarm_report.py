@@ -101,7 +101,7 @@ def section(result: dict) -> str:
                f"TTL {settings['ttl_s']:g} s"]
     variant += ["keyed (TLS, signed records)"] * bool(settings.get("keyed"))
     variant += ["logits checked live"] * bool(settings.get("check_local"))
-    kills = f"{settings['kills']} kill{'s' if settings['kills'] != 1 else ''}"
+    kill_words = f"{settings['kills']} kill{'s' if settings['kills'] != 1 else ''}"
     return f"""## {model['name']}: {', '.join(variant)}
 
 ```
@@ -114,7 +114,7 @@ def section(result: dict) -> str:
   {host['python']}, {host['date']}; 1-minute load average during the run {load['min']:.1f} to {load['max']:.1f}
   (mean {load['mean']:.1f}, {load['samples']} samples): the machine is shared with other jobs, so every
   second here includes waiting for a core;
-- R = {settings['replicas']}, `--rebalance {settings['rebalance_s']:g}`, `--announce-ttl {settings['ttl_s']:g}`, {kills} per N, the
+- R = {settings['replicas']}, `--rebalance {settings['rebalance_s']:g}`, `--announce-ttl {settings['ttl_s']:g}`, {kill_words} per N, the
   killed joiner started again {'once its record expired' if settings['rejoin'] == 'expiry' else 'at once'}; {'a keyed swarm (a member file each: TLS on every link, signed records); ' if settings.get('keyed') else 'an unkeyed swarm; '}the
   stream's segments {segment} tokens long, {check}.
 
