@@ -5,9 +5,10 @@ store is never entered twice at once. Every request gets a reply frame from here
 exception: "bad_request" for what the protocol or this worker refuses, "internal" for a bug on
 this side (logged with its traceback; the worker goes on serving).
 
-`one` walks the compute thread's answerers (worker/answerers.py): a DISPATCH whose metadata bytes
-were answered before goes express when it can (worker/express_answer.py: the same bits from the
-frame's bytes), every other one the full path (`answer`), which teaches express its lane.
+`one` asks the worker's answerers in turn (worker/answerers.py, which makes the chain with this
+answerer last): a DISPATCH whose metadata bytes were answered before goes express when it can
+(worker/express_answer.py: the same bits from the frame's bytes), every other one the full path
+(`answer`), which teaches express its lane.
 DISPATCHes of one layer from several connections may run as one expert call (`batch`,
 worker/merge.py decides which may merge and keeps the bits); each is answered exactly as `one`
 would have answered it alone.
@@ -31,6 +32,8 @@ from moeswarm.worker.replies import check_reply_bytes
 from moeswarm.worker.runner import DECLINED
 
 if TYPE_CHECKING:
+    from moeswarm.worker.answerers import LoopSide
+    from moeswarm.worker.session import Session
     from moeswarm.worker.store import ExpertStore
 
 log = logging.getLogger("moeswarm.worker")
@@ -61,7 +64,8 @@ class Computation:
         loop, before it was queued: worker/requests.py)."""
         return self.answerers.one(frame, sized)
 
-    def answer_on_loop(self, loop, session, request_id: int, meta_len: int, body: bytes, feed) -> bool:
+    def answer_on_loop(self, loop: LoopSide, session: Session, request_id: int, meta_len: int, body: bytes,
+                       feed: Callable[[bytes], None] | None) -> bool:
         """False: the full path runs as the runner's work, once the frame is decoded and queued
         (worker/requests.py), never as an answer on the loop."""
         return False

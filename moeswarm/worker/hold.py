@@ -15,6 +15,9 @@ connection end it; so do bytes on this connection that are not a learned lane's 
 loop's reader, with every check of its own), HOLD_WAIT_S without a frame, and HOLD_LIMIT_S in all
 (the loop's timers wait that long at most). It runs as the runner's work (nothing else computes
 meanwhile) and only on a plain TCP connection with nothing unsent.
+
+`Hold` is the lanes a hold knows and its C call; `HeldConnection` is the hold as one of the
+worker's answerers (worker/answerers.py), first in their chain.
 """
 
 from __future__ import annotations
