@@ -3,7 +3,8 @@
 Backbone (dispatch/paths.py): the lane (in C), express and a flight, asked in that order in one
 place (`Dispatcher._send`); a test makes a call take one of them by leaving the ones before it out
 of `Dispatcher.call_paths`. Worker (worker/answerers.py): compute (the full path), express (as a frame on
-the compute thread, and whole on the loop) and the hold (a held connection answered in C).
+the compute thread, and whole on the loop) and the hold (a held connection answered in C), for
+each lane kind (quantized experts in C, float ones by torch), the frames' bytes compared.
 
 Quantized experts (random Q4_K blocks, test_quant_experts) over in-process WorkerServers on real
 TCP, and fake workers (test_dispatcher's) where only the backbone's paths are compared.
@@ -12,6 +13,8 @@ TCP, and fake workers (test_dispatcher's) where only the backbone's paths are co
 from __future__ import annotations
 
 import contextlib
+import selectors
+import socket
 
 import pytest
 import torch
@@ -31,6 +34,7 @@ from moeswarm.wire.frames import HEADER_SIZE, Opcode, parse_header
 from moeswarm.wire.messages import Dispatch, ErrorReply, Result
 from moeswarm.wire.stream import decode_frame, send_frame
 from moeswarm.worker.compute import Computation
+from moeswarm.worker.config import INLINE_TOKENS
 from moeswarm.worker.limits import WorkerLimits
 from moeswarm.worker.server import WorkerServer
 from test_quant_experts import random_experts
@@ -142,6 +146,96 @@ def test_every_worker_answerer_gives_the_full_path_s_bits_for_the_same_frames(mo
         sock.close()
     express = server.computation.express
     assert express.whole == len(requests) - 1 and express.hold.answered >= 1
+
+
+def _frame_bytes(reply) -> bytes:
+    """A reply's whole frame (header, metadata, payload) as bytes: a Frame encoded, or a whole frame as is."""
+    return bytes(reply) if not hasattr(reply, "opcode") else b"".join(bytes(part) for part in reply.encode())
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, "the held connection closed"
+        data += chunk
+    return data
+
+
+def _held_replies(computation: Computation, frames: list[bytes]) -> tuple[list[bytes], int]:
+    """The whole RESULT frames a held connection (worker/hold.py) sends for `frames`, all sent before
+    the hold begins on one end of a socket pair (the loop's selector one that is never ready), and
+    how many of them were answered in C. Holds go on while each answers some (one ends after
+    HOLD_LIMIT_S)."""
+    held, peer = socket.socketpair()
+    held.setblocking(False)  # as the loop's connections are
+    peer.settimeout(10.0)
+    with held, peer, selectors.DefaultSelector() as never_ready:
+        peer.sendall(b"".join(frames))
+        answered = in_c = 0
+        while answered < len(frames):
+            did = computation.express.hold.serve(held.fileno(), never_ready.fileno(), INLINE_TOKENS)
+            assert did.answered and not did.pending and not did.unsent
+            answered, in_c = answered + did.answered, in_c + did.in_c
+        replies = []
+        for _ in frames:
+            header = _read_exactly(peer, HEADER_SIZE)
+            parsed = parse_header(header)
+            replies.append(header + _read_exactly(peer, parsed.meta_len + parsed.payload_len))
+    return replies, in_c
+
+
+def _float_store(model: str):
+    from test_worker_torch_lane import store_of as float_store_of
+
+    return float_store_of(model, list(range(8)))
+
+
+@pytest.mark.parametrize("experts", ["quantized", "float"])
+@pytest.mark.parametrize("mode", [CombineMode.PARTIAL, CombineMode.EXACT])
+def test_every_worker_answerer_gives_the_same_frame_bytes_for_the_same_frames(experts, mode, tiny_models):
+    """The same DISPATCH frames through each of the worker's answerers (the chain: hold, express,
+    compute), for each lane kind (quantized experts: `QuantLane`, in C; float ones: `TorchLane`, the
+    partial ones' `OneCall`): every RESULT frame the same bytes, header, metadata and payload."""
+    if experts == "quantized":
+        if qkernels._library() is None:
+            pytest.skip("moeswarm's C kernels are not built")
+        held = (0, 1, 2, 3, 4)
+
+        def make_store():
+            return store_of(held)
+
+        calls = [routing(1, 3, held, seed) for seed in range(8)]
+    else:
+        from test_worker_torch_lane import routing as float_routing
+
+        def make_store():
+            return _float_store(tiny_models("qwen2_moe"))
+
+        store = make_store()
+        calls = [float_routing(store, 1, list(range(8)), seed) for seed in range(8)]
+    requests = [Dispatch(0, *call, mode) for call in calls]
+    rids = [50 + i for i in range(len(requests))]
+    full = Computation(make_store(), WorkerLimits())
+    compute = [_frame_bytes(full.answer(received(request, rid))) for request, rid in zip(requests, rids)]
+    assert all(parse_header(reply[:HEADER_SIZE]).opcode == Opcode.RESULT for reply in compute)
+
+    taught = Computation(make_store(), WorkerLimits())
+    assert [answerer.name for answerer in taught.answerers.chain] == ["hold", "express", "compute"]
+    taught.one(received(requests[0], 49))  # the full path: express learns the lane, the hold holds it
+    by_path = {"express": [], "express, whole": []}
+    for request, rid in zip(requests, rids):
+        by_path["express"].append(_frame_bytes(taught.express.answer(received(request, rid))))
+        header, body = _frame(request, rid)
+        lane = taught.express.whole_lane(body, header.meta_len)
+        by_path["express, whole"].append(_frame_bytes(taught.express.answer_now(lane, body, rid)))
+    frames = [_frame_bytes(request.to_frame(rid)) for request, rid in zip(requests, rids)]
+    by_path["hold"], in_c = _held_replies(taught, frames)
+    assert in_c == (len(frames) if experts == "quantized" else 0)  # float experts: answered by `answer_now`
+    for name, replies in by_path.items():
+        assert replies == compute, name
+    assert taught.express.hold.answered == len(requests)
+    assert taught.express.answered == 3 * len(requests) - in_c  # `answer_now` counts its own; HeldConnection the C's
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Float experts on the express lane (worker/express_answer.py `TorchLane`) and the eager modules' own sums
+"""Float experts on the express lane (worker/torch_lane.py `TorchLane`) and the eager modules' own sums
 (worker/store.py `_sentinel`): a decode step's DISPATCH to a family's torch experts skips the full
 path's decoding and queueing, with the full path's RESULT frame and bits.
 
@@ -140,7 +140,7 @@ def test_eager_experts_that_skip_their_sentinel_give_the_pairs_bits(tiny_models,
 @pytest.mark.parametrize("family, one_call", [("qwen2_moe", True), ("mixtral", True), ("gpt_oss", False)])
 def test_a_one_call_answer_is_the_full_paths_frame_and_refuses_what_it_refuses(tiny_models, family, one_call):
     """Where the store's experts sum a partial DISPATCH themselves, a known one's whole answer is one
-    module call on the payload (`Express._sums_now`, its input tensors reused): per held set (every
+    module call on the payload (`TorchLane._sums_now`, its input tensors reused): per held set (every
     expert; experts 3-6, other holders' slots in the ids), token count and timing, its frame is the
     full path's for the store's answer (timed: but for the CPU time's value), call after call. Ids
     the store refuses (an expert held elsewhere, one out of range) are declined (the full path names
@@ -160,7 +160,7 @@ def test_a_one_call_answer_is_the_full_paths_frame_and_refuses_what_it_refuses(t
                 assert (lane.sums is not None) == one_call
                 if not one_call:
                     continue
-                reply = computation.express._sums_now(lane, body, 40 + seed)
+                reply = lane._sums_now(body, 40 + seed)
                 full = store.run(request).to_frame(40 + seed, 0.0 if timed else None)
                 got = decode_frame(parse_header(bytes(reply[:HEADER_SIZE])), bytes(reply[HEADER_SIZE:]))
                 assert got.payload == b"".join(bytes(part) for part in full.parts)
@@ -174,5 +174,5 @@ def test_a_one_call_answer_is_the_full_paths_frame_and_refuses_what_it_refuses(t
                     ids[0, 0] = bad
                     header, body = _parsed(received(Dispatch(1, hidden, ids, weights, CombineMode.PARTIAL, timed=timed)))
                     lane = computation.express.whole_lane(body, header.meta_len)
-                    assert lane is not None and computation.express._sums_now(lane, body, 1) is None
+                    assert lane is not None and lane._sums_now(body, 1) is None
 

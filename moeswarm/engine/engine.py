@@ -23,18 +23,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.generation.check import LocalCheck
-from moeswarm.generation.draft_names import DEFAULT_DRAFT, check_draft_flags
+from moeswarm.generation.draft_names import check_draft_flags
 from moeswarm.generation.drafters import Drafter
 from moeswarm.forward.sequence_cache import cache_bytes
 from moeswarm.sources.tokenizer import TextCodec
 from moeswarm.engine.job import Failed, Job
 from moeswarm.engine.admission import Admission
+from moeswarm.engine.between_steps import BetweenSteps
+from moeswarm.engine.config import EngineConfig
 from moeswarm.engine.metrics import ServeMetrics, UnrecordedMetrics
 from moeswarm.engine.observers import Policies, ReferenceCheck, RequestFigures, StepMetrics
 from moeswarm.engine.request_metrics import RequestClock
@@ -49,23 +50,6 @@ from moeswarm.engine.step import Ran, Step, StepObserver, Taken, Took, Work
 from moeswarm.engine.tally import Tally
 from moeswarm.engine.whole_model import WholeModel
 from moeswarm.swarm import Swarm
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    context: int  # positions a sequence may use (prompt + output)
-    max_batch: int = 16  # sequences stepped together; more wait in the queue
-    speculate: int | None = 0  # most drafts per sequence per step, in each of its branches (0: off; None: on with
-    # AUTO_SPECULATE and the goodput rule where steps have remote trips, off otherwise: engine/speculation.py)
-    prefill_chunk: int = 64  # most prompt tokens a sequence feeds per step
-    step_tokens: int = 256  # token budget of a step (decode tokens first, then prompt chunks); more, up to GROWTH
-    # times, while their compute fits in the step's wait on replies (engine/step_budget.py)
-    cache_slots: int = 8  # finished sequences' KV caches kept for prefix reuse (0: off)
-    keep_accounting: bool = False  # keep every layer call in the swarm's accounting (one generation); else per step
-    health_interval_s: float = 2.0
-    draft: str = DEFAULT_DRAFT  # where drafts come from (generation/drafters.py): ngram, suffix, local or both
-    groups: int = 0  # batches in flight per step (engine/turns.py); 0: one or two, by measurement (engine/group_policy.py)
-    adaptive: bool = False  # each step's drafts chosen by the goodput rule, `speculate` their cap (engine/speculation.py)
 
 
 class Engine:
@@ -110,7 +94,7 @@ class Engine:
         self._tallies: dict[int, Tally] = {}  # id(sequence) -> its request's figures
         self._wake = threading.Condition()
         self._stopping = False
-        self._calls: deque[tuple[Callable[[], object], Future]] = deque()  # run_between_steps' work
+        self._calls = BetweenSteps(self._wake)  # run_between_steps' work
         self._health_due = 0.0
         self._thread = threading.Thread(target=self._run, name="moeswarm-engine", daemon=True)
 
@@ -193,11 +177,7 @@ class Engine:
         """Run `call()` on the engine's thread between two steps, when the model and the swarm are
         free (a forward outside the batch: /v1/embeddings), from any thread; its result or exception
         in the future."""
-        future: Future = Future()
-        with self._wake:
-            self._calls.append((call, future))
-            self._wake.notify_all()
-        return future
+        return self._calls.add(call)
 
     def end_all(self, message: str) -> None:
         """End every queued and running job now, from any thread: each is told Failed(message, 503) (a
@@ -230,8 +210,7 @@ class Engine:
                     if self._stopping:
                         break
             self.step()
-        while self._calls:
-            self._calls.popleft()[1].set_exception(MoeSwarmError("the server is shutting down"))
+        self._calls.refuse("the server is shutting down")
         for sequence in list(self._active):
             self._remove(sequence, "error")
             sequence.job.emit(Failed("the server is shutting down", 503))
@@ -241,7 +220,7 @@ class Engine:
         health check first when due). False when there was nothing to step."""
         if time.monotonic() >= self._health_due and (not self._active or self.problems):
             self._check_health()
-        self._run_calls()
+        self._calls.run()
         self._admit()
         if not self._active:
             return False
@@ -251,17 +230,6 @@ class Engine:
             for sequence in list(self._active):
                 self._fail(sequence, error)
         return True
-
-    def _run_calls(self) -> None:
-        while self._calls:
-            with self._wake:
-                call, future = self._calls.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(call())
-            except BaseException as error:  # the caller's to report: the engine goes on
-                future.set_exception(error)
 
     def _check_health(self) -> None:
         try:

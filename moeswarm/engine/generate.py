@@ -24,7 +24,8 @@ from moeswarm.generation.sampling import SamplingParams, make_generator
 from moeswarm.sources.loading import load_local
 from moeswarm.sources.source import ModelSource
 from moeswarm.sources.tokenizer import TextCodec, load_text_codec
-from moeswarm.engine.engine import Engine, EngineConfig
+from moeswarm.engine.config import EngineConfig
+from moeswarm.engine.engine import Engine
 from moeswarm.engine.job import Delta, Event, Failed, Finished, Job, Rewind
 from moeswarm.engine.metrics import UnrecordedMetrics
 from moeswarm.engine.whole_model import WholeModel

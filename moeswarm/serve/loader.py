@@ -18,7 +18,8 @@ from moeswarm.sources.source import ModelSource
 from moeswarm.sources.tokenizer import load_text_codec
 from moeswarm.serve.api import ServeState
 from moeswarm.serve.chat import set_chat_template
-from moeswarm.engine.engine import Engine, EngineConfig
+from moeswarm.engine.config import EngineConfig
+from moeswarm.engine.engine import Engine
 from moeswarm.stages.client import StageError
 from moeswarm.stages.find import StageWatch
 from moeswarm.stages.gateway import open_gateway

@@ -20,7 +20,7 @@ from moeswarm.sources.source import ModelSource, open_source
 from moeswarm.serve.api import ServeState, create_app
 from moeswarm.serve.chat import read_chat_template
 from moeswarm.serve.drain import DrainingServer
-from moeswarm.engine.engine import EngineConfig
+from moeswarm.engine.config import EngineConfig
 from moeswarm.serve.http_limits import limited_protocol, redact_access_log
 from moeswarm.serve.loader import Backend, load
 from moeswarm.serve.options import ServeOptions, model_name

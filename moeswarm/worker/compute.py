@@ -5,9 +5,10 @@ store is never entered twice at once. Every request gets a reply frame from here
 exception: "bad_request" for what the protocol or this worker refuses, "internal" for a bug on
 this side (logged with its traceback; the worker goes on serving).
 
-`one` walks the compute thread's answerers (worker/answerers.py): a DISPATCH whose metadata bytes
-were answered before goes express when it can (worker/express_answer.py: the same bits from the
-frame's bytes), every other one the full path (`answer`), which teaches express its lane.
+`one` asks the worker's answerers in turn (worker/answerers.py, which makes the chain with this
+answerer last): a DISPATCH whose metadata bytes were answered before goes express when it can
+(worker/express_answer.py: the same bits from the frame's bytes), every other one the full path
+(`answer`), which teaches express its lane.
 DISPATCHes of one layer from several connections may run as one expert call (`batch`,
 worker/merge.py decides which may merge and keeps the bits); each is answered exactly as `one`
 would have answered it alone.
@@ -24,14 +25,15 @@ from moeswarm.errors import MoeSwarmError, printable
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import Frame
 from moeswarm.wire.messages import Dispatch, ErrorReply, Result
-from moeswarm.worker.answerers import Answerer
-from moeswarm.worker.express_answer import Express
+from moeswarm.worker.answerers import answerers
 from moeswarm.worker.limits import WorkerLimits, check_dispatch_size, check_reply_size
 from moeswarm.worker.merge import merge, partners, split
 from moeswarm.worker.replies import check_reply_bytes
 from moeswarm.worker.runner import DECLINED
 
 if TYPE_CHECKING:
+    from moeswarm.worker.answerers import LoopSide
+    from moeswarm.worker.session import Session
     from moeswarm.worker.store import ExpertStore
 
 log = logging.getLogger("moeswarm.worker")
@@ -52,19 +54,21 @@ class Computation:
         self.model_top_k = model_top_k
         self.merged_calls = 0  # expert calls that served several connections' DISPATCHes at once
         self.merged_requests = 0  # the DISPATCHes they served
-        self.express = Express(store)  # metadata seen before: answered from the frame's bytes
-        self.chain: tuple[Answerer, ...] = (self.express, self)  # the compute thread's answerers, in turn
+        # the worker's answerers, this one last; express: metadata seen before, answered from the frame's bytes
+        self.answerers, self.express = answerers(store, self)
 
     def one(self, frame: Frame, sized: bool = False) -> Frame:
         """The reply to one DISPATCH frame, from the first answerer of the chain that answers it.
 
         sized: the frame's declared sizes were checked against the limits already (on the event
         loop, before it was queued: worker/requests.py)."""
-        for answerer in self.chain:
-            reply = answerer.answer(frame, sized)
-            if reply is not None:
-                return reply
-        raise AssertionError("the full path answers every DISPATCH")
+        return self.answerers.one(frame, sized)
+
+    def answer_on_loop(self, loop: LoopSide, session: Session, request_id: int, meta_len: int, body: bytes,
+                       feed: Callable[[bytes], None] | None) -> bool:
+        """False: the full path runs as the runner's work, once the frame is decoded and queued
+        (worker/requests.py), never as an answer on the loop."""
+        return False
 
     def answer(self, frame: Frame, sized: bool = False) -> Frame:
         """The full path's reply to one DISPATCH frame: decoding, experts and encoding (express learns

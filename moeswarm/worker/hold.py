@@ -15,19 +15,32 @@ connection end it; so do bytes on this connection that are not a learned lane's 
 loop's reader, with every check of its own), HOLD_WAIT_S without a frame, and HOLD_LIMIT_S in all
 (the loop's timers wait that long at most). It runs as the runner's work (nothing else computes
 meanwhile) and only on a plain TCP connection with nothing unsent.
+
+`Hold` is the lanes a hold knows and its C call; `HeldConnection` is the hold as one of the
+worker's answerers (worker/answerers.py), first in their chain.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moeswarm.kernels import qkernels
-from moeswarm.wire.frames import HEADER_SIZE
+from moeswarm.wire.frames import HEADER_SIZE, Frame
 from moeswarm.worker.config import INLINE_TOKENS
+
+if TYPE_CHECKING:
+    from moeswarm.worker.answerers import LoopSide
+    from moeswarm.worker.express_answer import Express, LearnedLane
+    from moeswarm.worker.session import Session
+
+log = logging.getLogger("moeswarm.worker")
 
 HOLD_WAIT_S = 0.05  # the longest a hold waits for the connection's next frame
 HOLD_LIMIT_S = 0.1  # the longest one hold keeps the loop's thread
@@ -70,21 +83,21 @@ class Hold:
         self._by_python = 0  # frames `answer` answered in the hold under way
         self.answered = 0  # frames answered in holds
 
-    def add(self, meta: bytes, payload_bytes: int, tokens: int, reply_bytes: int, whole: tuple | None = None,
-            exact: bool = False, lane: object = None) -> None:
-        """A lane: DISPATCHes of `tokens` whose metadata bytes are `meta` and payload `payload_bytes`
-        long, their RESULT frames `reply_bytes` at most, answered by `whole` (qkernels.express_lane's
-        struct and what it points into; `exact`: its rows) or else by `answer` (`lane` given to it)."""
-        if self.count == len(self._lanes) or tokens > INLINE_TOKENS:
+    def add(self, meta: bytes, lane: LearnedLane) -> None:
+        """A lane (worker/express_answer.py `LearnedLane`, answering whole): DISPATCHes whose metadata
+        bytes are `meta`, answered in C where the lane says (`in_c`), else by `answer` (`lane` given to it)."""
+        if self.count == len(self._lanes) or lane.tokens > INLINE_TOKENS:
             return  # the loop's express lane and the full path still answer it
+        in_c = lane.in_c()
+        whole, exact = in_c if in_c is not None else (None, False)
         kept = ctypes.create_string_buffer(meta, len(meta))
         self._kept.append((kept, whole))
         if whole is None:
             self._python[self.count] = lane
-        self._lanes[self.count] = qkernels.HoldLane(ctypes.addressof(kept), len(meta), payload_bytes,
+        self._lanes[self.count] = qkernels.HoldLane(ctypes.addressof(kept), len(meta), lane.payload_bytes,
                                                     ctypes.addressof(whole[0]) if whole is not None else None,
-                                                    int(exact), tokens)
-        self._sizes.append((tokens, HEADER_SIZE + len(meta) + payload_bytes, reply_bytes))
+                                                    int(exact), lane.tokens)
+        self._sizes.append((lane.tokens, HEADER_SIZE + len(meta) + lane.payload_bytes, lane.reply_bytes))
         self.count += 1
 
     def serve(self, fd: int, loop_fd: int, max_tokens: int) -> Held:
@@ -121,6 +134,54 @@ class Hold:
             return -1
         self._by_python += 1
         return reply.nbytes
+
+
+class HeldConnection:
+    """The hold as one of the worker's answerers (worker/answerers.py): a DISPATCH read whole by the
+    transport's callback (worker/server.py `_whole_frame`) is answered whole by express on the loop,
+    then the connection is held for its next frames, answered in C by `hold` (express's lanes)."""
+
+    name = "hold"
+
+    def __init__(self, express: Express):
+        self.express = express
+        self.hold = express.hold
+
+    def answer(self, frame: Frame, sized: bool = False) -> None:
+        """None: a frame on the compute thread was not read by a hold (the next answerers' own)."""
+        return None
+
+    def answer_on_loop(self, loop: LoopSide, session: Session, request_id: int, meta_len: int, body: bytes,
+                       feed: Callable[[bytes], None] | None) -> bool:
+        """The transport's callback's DISPATCH (`feed`: the connection's reader, given a frame the hold
+        reads and does not answer; None: not the callback's, the next answerers' own) answered whole by
+        express and its RESULT sent: True, the connection then held; False: it goes the usual way."""
+        if feed is None or not self.express.answer_whole_on_loop(loop, session, request_id, meta_len, body):
+            return False
+        self._hold(loop, session, feed)
+        return True
+
+    def _hold(self, loop: LoopSide, session: Session, feed: Callable[[bytes], None]) -> None:
+        """Hold the connection for its next decode DISPATCHes, answered in C while nothing else computes
+        and nothing is unsent; `feed`: the connection's reader, given a frame the hold read and did not
+        answer."""
+        hold = self.hold
+        fd, loop_fd = session.direct_fd, selector_fd(session.loop)
+        if not hold.count or fd is None or loop_fd is None or not session.can_write_now():
+            return
+        ran, held = loop.runner.run_now(session, lambda: hold.serve(fd, loop_fd, loop.inline_tokens), 1)
+        if not ran:
+            return
+        if held.answered:
+            session.slot.last_active = time.monotonic()
+            self.express.answered += held.in_c  # `answer_now` counted the others
+            self.express.whole += held.in_c
+            loop.runner.charge(session, held.tokens - 1)
+        if held.unsent and not session.write_buffers_now([memoryview(held.unsent)], 0):
+            log.error("closing connection from %s: a held reply could not be sent in order", session.peer)
+            session.writer.transport.abort()  # cannot happen: nothing else wrote while the hold ran
+        if held.pending:
+            feed(held.pending)
 
 
 def selector_fd(loop) -> int | None:

@@ -5,7 +5,7 @@ shapes against the limits, the RESULT's size bound against its connection's unse
 worker's reply budget: worker/replies.py) and queued on the compute runner; its RESULT leaves from
 the compute thread itself when nothing is ahead of it on its connection (session.py `write_now`),
 else from the loop, in turn. A DISPATCH whose metadata has a whole-RESULT lane is answered on the
-loop before anything else (worker/answerers.py `OnLoop`). A DISPATCH of a few tokens (a decode
+loop before anything else (worker/answerers.py `Answerers.on_loop`). A DISPATCH of a few tokens (a decode
 step's) that finds the runner idle runs on the loop at once (runner.py `run_here`): no thread
 hand-off, no wake-up. Each
 frame's byte-budget reservation is given back when its reply is decided (at once, or when its
@@ -18,7 +18,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,7 @@ from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.layouts import KnownLayouts
 from moeswarm.wire.messages import ErrorReply, Hello, WorkerInfo
 from moeswarm.wire.stream import decode_frame
-from moeswarm.worker.answerers import OnLoop
+from moeswarm.worker.answerers import LoopSide
 from moeswarm.worker.compute import Computation
 from moeswarm.worker.framing import Incoming
 from moeswarm.worker.limits import ByteBudget, WorkerLimits, check_dispatch_size, declared_shapes, reply_bound
@@ -65,7 +65,7 @@ class Requests:
         self.computation = computation
         self.sessions = sessions  # every open connection's Session: the reply budget counts them all
         self.inline_tokens = inline_tokens
-        self.on_loop = OnLoop(computation.express, runner, inline_tokens, self._reply_in_turn)  # worker/answerers.py
+        self.loop_side = LoopSide(runner, inline_tokens, self._reply_in_turn)  # for the answerers (worker/answerers.py)
         self._sized: KnownLayouts[Sized] = KnownLayouts()
 
     def handle(self, session: Session, incoming: Incoming) -> Frame | AwaitRoom | None:
@@ -76,7 +76,7 @@ class Requests:
         try:
             if incoming.body is None:
                 raise WorkerBusy(self.budget.held, self.budget.limit, "bytes of requests held")
-            if header.opcode == Opcode.DISPATCH and self.on_loop.answer(session, rid, header.meta_len, incoming.body):
+            if header.opcode == Opcode.DISPATCH and self.answer_on_loop(session, rid, header.meta_len, incoming.body):
                 return None  # answered on the loop (worker/answerers.py)
             frame = decode_frame(header, incoming.body)
             if frame.opcode == Opcode.PING:
@@ -106,6 +106,13 @@ class Requests:
         finally:
             if not handed_over:
                 self.budget.give(incoming.reserved)
+
+    def answer_on_loop(self, session: Session, request_id: int, meta_len: int, body: bytes,
+                       feed: Callable[[bytes], None] | None = None) -> bool:
+        """A DISPATCH read whole (its frame body `body`, its metadata the first `meta_len` bytes) answered
+        on the loop by the worker's answerers (worker/answerers.py `Answerers.on_loop`; `feed`: the
+        connection's reader, where the transport's callback read it): True; False: it goes the usual way."""
+        return self.computation.answerers.on_loop(self.loop_side, session, request_id, meta_len, body, feed)
 
     def _size(self, frame: Frame) -> Sized:
         """A DISPATCH's declared sizes checked against the limits, from its metadata alone."""

@@ -243,7 +243,7 @@ class WorkerServer:
     def _whole_frame(self, reader: asyncio.StreamReader, session: Session, watch: IdleWatch, data: bytes) -> bool:
         """A chunk the transport read that is one whole DISPATCH frame, while the connection's reader
         waits between frames with nothing buffered: answered here, in the transport's callback, when
-        its metadata has a whole-RESULT lane (worker/answerers.py `OnLoop`), and the reader never
+        its metadata has a whole-RESULT lane (worker/answerers.py `Answerers.on_loop`), and the reader never
         sees it: a decode step's DISPATCH then costs no wake-up of the reader's coroutine and none of
         its steps. False: the reader gets the chunk as usual (and every check of its own)."""
         if self._closing or not watch.waiting or buffered(reader) or len(data) < HEADER_SIZE:
@@ -253,7 +253,7 @@ class WorkerServer:
                 or HEADER_SIZE + meta_len + payload_len != len(data):
             return False  # the reader's own checks name anything wrong
         # answered on the loop, and the connection held for its next frames (worker/answerers.py)
-        if not self.requests.on_loop.answer(session, request_id, meta_len, data[HEADER_SIZE:], reader.feed_data):
+        if not self.requests.answer_on_loop(session, request_id, meta_len, data[HEADER_SIZE:], reader.feed_data):
             return False
         watch.renew(self.limits.idle_timeout_s)
         return True
