@@ -101,9 +101,17 @@ def test_two_joiners_cover_the_model_and_generate_through_the_invite_is_bit_iden
         report = json.loads(generated.stdout.strip().splitlines()[-1])
         assert report["bit_identical"] is True and len(report["workers"]) == 2
 
-        status = _run("status", invite, "--dir", str(tmp_path / "status"), "--json")
-        assert status.returncode == 0, status.stderr[-3000:]
-        view = json.loads(status.stdout)
+        # each member announces the rows its experts computed (at its next refresh: TTL/3 = 20 s)
+        deadline = time.monotonic() + 60
+        while True:
+            status = _run("status", invite, "--dir", str(tmp_path / "status"), "--json")
+            assert status.returncode == 0, status.stderr[-3000:]
+            view = json.loads(status.stdout)
+            loads = [member["load"] for member in view["members"]]
+            if all(loads) or time.monotonic() > deadline:
+                break
+            time.sleep(3)
+        assert all(load and load > 0 for load in loads), loads  # rows per minute, measured while generating
         assert len(view["members"]) == 2
         assert [row["fewest"] for row in view["layers"]] == [1] * len(manifest.moe_layers())
 

@@ -99,11 +99,13 @@ def run(args: argparse.Namespace) -> int:
     announce_address(args.host, 1, args.announce_host)  # 0.0.0.0 needs an announce host: say so before fetching
     dht = SwarmDht.open(list(invite.dht), host=args.host, port=args.dht_port, **keys)
     try:
-        helds = [record.held for record in dht.fetch(invite.model).values()]
-        share = plan_share(manifest, layers, num_experts, helds, _memory_bytes(args.memory),
+        members = [(record.held, record.load) for record in dht.fetch(invite.model).values()]
+        share = plan_share(manifest, layers, num_experts, members, _memory_bytes(args.memory),
                            dht.addresses()[0].encode())
+        measured = sum(load is not None for _, load in members)
         _say(f"share: experts {format_ids(share.experts)} of MoE layers {format_ids(layers)} "
-             f"({share.covers} layer-expert pairs nobody held; {len(helds)} members announced)")
+             f"({share.covers} layer-expert pairs nobody held; {len(members)} members announced, "
+             f"{measured} with a measured load)")
 
         def open_node(experts, port=0):  # a moved share listens on a free port: the old one still serves
             out = fetch_share(invite, manifest, experts, directory, tls, args.timeout, _say)
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         raise_open_files_limit(config.limits.max_connections)
         node = open_node(share.experts, config.port)
         member = Member(node, share.experts, layers, num_experts, open_node,
-                        lambda: {a: r.held for a, r in dht.fetch(invite.model).items()}, _say)
+                        lambda: {a: (r.held, r.load) for a, r in dht.fetch(invite.model).items()}, _say)
         asyncio.run(_serve(member, args.rebalance))
     finally:
         dht.close()

@@ -68,6 +68,7 @@ class QuantLane:
     found: np.ndarray  # [2 n + 1] int64 scratch: the C call's hit experts, their counts, how many
     whole: tuple | None = None  # (qkernels.ExpressLane, what it points into): whole RESULT frames in C
     reply_bytes: int = 0  # room a whole RESULT frame needs
+    served: np.ndarray | None = None  # [n] int64: the store's counters of the run's experts (worker/served.py)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class OneCall:
     x_at: slice  # where x's, w's and the ids' bytes lie in the payload
     w_at: slice
     ids_at: int
+    served: np.ndarray | None = None  # [n] int64: the store's counters of the module's experts (worker/served.py)
 
 
 class Express:
@@ -131,6 +133,8 @@ class Express:
                                       lane.id_bytes, lane.k, base + lane.weights_at, lane.table, out,
                                       lane.found[: lane.plan.num_experts], torch.get_num_threads()) != 0:
                 return None
+            if lane.served is not None:
+                np.add(lane.served, lane.found[: lane.plan.num_experts], out=lane.served)  # [n] rows per module expert
             meta = lane.meta
         else:
             out = np.zeros((lane.tokens * lane.k, width), np.float32)  # [T k, d]: the pairs' rows first
@@ -140,6 +144,8 @@ class Express:
                 return None
             n, hit = lane.plan.num_experts, int(lane.found[-1])
             counts = lane.found[n : n + hit].tolist()
+            if lane.served is not None:
+                lane.served[lane.found[:hit]] += lane.found[n : n + hit]  # hit module experts' rows
             out = out[: sum(counts)]  # [S, d]
             meta = {**lane.meta, "tensors": [["y", "f32", "f32", [out.shape[0], width]]],
                     "experts": (lane.found[:hit] + lane.first).tolist(), "counts": counts}
@@ -203,6 +209,10 @@ class Express:
         values = one.ids.tolist()
         if -2 in values or values.count(one.summing.other) == len(values):
             return None
+        if one.served is not None:
+            for value in values:  # a decode step's few ids: cheaper in Python than a numpy call
+                if value >= 0 and value != one.summing.other:
+                    one.served[value] += 1
         one.hidden_bytes[:] = payload[one.x_at]
         one.weights_bytes[:] = payload[one.w_at]
         started = time.thread_time() if lane.timed else 0.0
@@ -261,6 +271,7 @@ class Express:
         if at["x"][2].name != "f32" or at["w"][2].name != "f32":
             return False
         plan, first = found
+        served = _served(self.store, request.layer, first, plan.num_experts)
         tokens, k = request.top_k_index.shape
         partial = request.mode == CombineMode.PARTIAL
         meta = {key: value for key, value in reply.meta.items() if key in ("layer", "mode", "tensors") and
@@ -279,12 +290,13 @@ class Express:
         if packed.endswith(tail):
             prefix = packed[: len(packed) - len(tail)] + (b"\xa6cpu_us" if request.timed and partial else b"")
             whole = qkernels.express_lane(plan, tokens, k, id_bytes, before + at["x"][0], before + at["ids"][0],
-                                          before + at["w"][0], table, prefix, request.timed, not partial, first)
+                                          before + at["w"][0], table, prefix, request.timed, not partial, first,
+                                          served)
             room = HEADER_SIZE + len(packed) + 40 + 18 * tokens * k + 4 * rows * plan.hidden
         return QuantLane(request.mode, plan, first, table, tokens, k, at["x"][0], at["ids"][0], id_bytes, at["w"][0],
                     len(memoryview(frame.payload)), request.timed, meta,
                     pack_meta(meta) if partial and not request.timed else None, np.empty(2 * plan.num_experts + 1, np.int64),
-                    whole, room)
+                    whole, room, served)
 
 
 def _torch_lane(store, frame: Frame, request: Dispatch, reply: Frame, at: dict) -> TorchLane:
@@ -304,8 +316,20 @@ def _torch_lane(store, frame: Frame, request: Dispatch, reply: Frame, at: dict) 
     (x_at, x_size, *_), (w_at, w_size, *_) = at["x"], at["w"]
     sums = OneCall(summing, hidden, index, weights, index.numpy().reshape(-1), memoryview(hidden.numpy()).cast("B"),
                    memoryview(weights.numpy()).cast("B"), slice(x_at, x_at + x_size), slice(w_at, w_at + w_size),
-                   at["ids"][0])
+                   at["ids"][0], _served(store, request.layer, summing.first, _module_experts(store, request.layer)))
     return TorchLane(tokens, payload_bytes, request.timed, prefix, sums)
+
+
+def _served(store, layer: int, first: int, count: int) -> np.ndarray | None:
+    """The store's counters [count] of experts first.. of `layer` (worker/served.py), or None (a stand-in store)."""
+    served = getattr(store, "served", None)
+    return None if served is None else served.span(layer, first, count)
+
+
+def _module_experts(store, layer: int) -> int:
+    """How many experts the layer's one module holds here (its ids within the module are 0..n-1)."""
+    held = getattr(store, "held", {}).get(layer, ())
+    return len(held)
 
 
 def _reply_bound(frame: Frame, request: Dispatch) -> int:
