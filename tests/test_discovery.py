@@ -205,6 +205,32 @@ def test_a_record_s_measured_load_is_optional_bounded_and_checked():
         assert str(caught.value) == message, why
 
 
+def test_a_seed_record_is_bounded_and_checked():
+    """A member's seed record (discovery/seed_record.py): a round trip, and every wrong field one line."""
+    from moeswarm.discovery.seed_record import SeedRecord, parse_seed_record
+
+    record = SeedRecord("10.0.0.7:7001", "fp", "ab" * 32, (0, 1, 2, 9), False)
+    assert record.to_value()["experts"] == "0-2,9"
+    assert parse_seed_record("10.0.0.7:7001", record.to_value(), "fp") == record
+    assert not parse_seed_record("10.0.0.7:7001", record.offline().to_value(), "fp").online
+    bad = {
+        "manifest": ("AB" * 32, f"manifest '{'AB' * 32}' is not a sha256 in lowercase hex"),
+        "experts": ("0-3,x", "experts: bad expert list '0-3,x': 'x' is not an expert id or an A-B range "
+                             "(expected e.g. 0-3,9,17-20)"),
+        "tls": (1, "tls and online must be true or false"),
+        "v": (2, "seed record version 2, this moeswarm reads 1"),
+    }
+    for field, (value, message) in bad.items():
+        with pytest.raises(RecordError) as caught:
+            parse_seed_record("10.0.0.7:7001", {**record.to_value(), field: value}, "fp")
+        assert str(caught.value) == message, field
+    with pytest.raises(RecordError, match="is not HOST:PORT"):
+        relayed = {**record.to_value(), "address": "relay://r:7/n"}
+        parse_seed_record("relay://r:7/n", relayed, "fp")
+    with pytest.raises(RecordError, match="20 fields"):
+        parse_seed_record("10.0.0.7:7001", {**record.to_value(), **{f"x{i}": 0 for i in range(13)}}, "fp")
+
+
 def test_workers_and_swarm_together_is_one_line_error(qwen2_moe, capsys):
     status = main(["generate", "--model", qwen2_moe, "--workers", "127.0.0.1:1", "--swarm",
                    "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGfYbptK5dv9tZnhD75bw19RrcZoTz6swmHv4xWK8Apx9", "--prompt-ids", "1"])

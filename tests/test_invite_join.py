@@ -175,7 +175,9 @@ def test_a_keyed_invite_carries_no_key_and_a_member_joins_with_its_own_file(tmp_
         joiner = _cli("join", text, "--memory", "1", "--dir", str(tmp_path / "j"), "--threads", "1",
                       "--swarm-key", member)
         processes.append(joiner)
-        assert _share(_lines_until(joiner, "announced on the swarm as ")) == list(range(32))
+        lines = _lines_until(joiner, "announced on the swarm as ")
+        assert _share(lines) == list(range(32))
+        assert any("seeding the share's pieces as 127.0.0.1:" in line for line in lines)  # its seed record signed
         generated = _run("generate", "--model", str(model), "--swarm", text, "--swarm-key", backbone, "--prompt",
                          "def main(", "--max-new-tokens", "6", "--check-local", "--json", "--threads", "1")
         assert generated.returncode == 0, generated.stderr[-3000:]

@@ -66,8 +66,8 @@ def test_every_answering_path_counts_each_routed_row_once(mode):
     assert _counted(server.store, held) == _rows(requests)
 
 
-def test_a_float_store_counts_through_its_own_run():
-    """Float experts (the store's own run: full path and TorchLane), merged or not: rows counted once."""
+def test_the_store_s_own_run_counts_each_routed_row_once():
+    """The store's `run` (what the full path, merged calls and float experts' lanes call): rows counted once."""
     from moeswarm.worker.store import ExpertStore
 
     stub = store_of((0, 1, 2, 3, 4))

@@ -77,15 +77,21 @@ def share_path(directory: str | Path, fingerprint: str, experts: Sequence[int]) 
 
 
 def fetch_share(invite: Invite, manifest: Manifest, experts: Sequence[int], directory: str | Path, tls,
-                timeout_s: float, say: Callable[[str], None]) -> Path:
-    """The slice of `experts` in `directory`: reused when there, else fetched from the invite's seeder
-    (FetchError naming what went wrong). `say` gets one line: what was fetched, or reused."""
+                timeout_s: float, say: Callable[[str], None], sources: Sequence | None = None,
+                keep_pieces: bool = False) -> Path:
+    """The slice of `experts` in `directory`: reused when there, else fetched from `sources`
+    (slices/sources.py: members' seeds, then the invite's seeder; None: the invite's seeder alone),
+    FetchError naming what went wrong. keep_pieces: keep the pieces for this member's seed. `say`
+    gets one line: what was fetched, from whom, or reused."""
     from moeswarm.slices.fetch import fetch_slice
 
     out = share_path(directory, invite.model, experts)
     if out.is_file():
         say(f"reusing {out}")
         return out
-    report = fetch_slice(invite.seed, manifest, experts, out, None, False, tls, 3, timeout_s)
-    say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) into {out}")
+    report = fetch_slice(invite.seed if sources is None else sources, manifest, experts, out, None, False, tls, 3,
+                         timeout_s, keep_pieces)
+    origins = ", ".join(f"{count} from {address}" for address, count in sorted(report["from"].items()))
+    say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) into {out}"
+        + (f" ({origins})" if origins else ""))
     return out

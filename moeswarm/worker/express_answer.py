@@ -209,10 +209,6 @@ class Express:
         values = one.ids.tolist()
         if -2 in values or values.count(one.summing.other) == len(values):
             return None
-        if one.served is not None:
-            for value in values:  # a decode step's few ids: cheaper in Python than a numpy call
-                if value >= 0 and value != one.summing.other:
-                    one.served[value] += 1
         one.hidden_bytes[:] = payload[one.x_at]
         one.weights_bytes[:] = payload[one.w_at]
         started = time.thread_time() if lane.timed else 0.0
@@ -223,6 +219,10 @@ class Express:
         if out.dtype != torch.float32 or not out.is_contiguous():
             return None
         cpu_s = time.thread_time() - started if lane.timed else None
+        if one.served is not None:  # counted once answered (a declined call is counted by the path that answers it)
+            for value in values:  # a decode step's few ids: cheaper in Python than a numpy call
+                if value >= 0 and value != one.summing.other:
+                    one.served[value] += 1
         self.answered += 1
         self.whole += 1
         return _partial_frame(lane, request_id, out.numpy(), cpu_s)
