@@ -254,6 +254,11 @@ def test_pieces_come_from_any_seed_that_holds_them_and_a_lying_seed_is_passed_ov
                              tmp_path / "second.gguf", retries=0)
         assert _same(tmp_path / "second.gguf", tmp_path / "expected-fewer.gguf")
         assert second["from"] == {f"{host}:{port}": second["fetched_bytes"]} and second["passed_over"] == []
+        # a seed that is gone, asked first: the next source is asked at once (no back-off while another can serve)
+        again = fetch_slice([Source(gone, frozenset(held)), Source(f"{host}:{port}", frozenset(held))], manifest,
+                            fewer, tmp_path / "again.gguf")
+        assert again["from"] == {f"{host}:{port}": again["fetched_bytes"]} and again["attempts"] == 2
+        assert _same(tmp_path / "again.gguf", tmp_path / "expected-fewer.gguf")
 
         # a lying seed first: its lie is caught by the hash, and the honest seed gives the piece
         data = bytearray(kept.read_bytes())

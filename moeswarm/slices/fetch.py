@@ -61,9 +61,10 @@ def fetch_slice(peer: str | Sequence[Source], manifest: Manifest, experts: Seque
                 keep_pieces: bool = False) -> dict:
     """Fetch what a slice of `experts` needs and write it to `out`: from the seeder at `peer`
     (HOST:PORT), or from `peer`'s sources in turn (slices/sources.py), each asked for the missing
-    pieces it holds; a source that stays unreachable after `retries`, refuses or lies (a piece whose
-    hash is not the manifest's) is passed over, and FetchError (the last one's cause) comes when no
-    source is left for a piece. keep_pieces: keep the checked pieces (`pieces_paths(out)`: a sparse
+    pieces it holds; a source whose connection breaks is asked again (after the others, or after a
+    back-off when it is the only one left) up to `retries` times; one that stays unreachable,
+    refuses or lies (a piece whose hash is not the manifest's) is passed over, and FetchError (the
+    last one's cause) comes when no source is left for a piece. keep_pieces: keep the checked pieces (`pieces_paths(out)`: a sparse
     file as long as the model, and the list of what it holds) for this member to seed."""
     out = Path(out)
     sources = [Source(peer)] if isinstance(peer, str) else list(peer)
@@ -87,8 +88,11 @@ def fetch_slice(peer: str | Sequence[Source], manifest: Manifest, experts: Seque
         with record.open("a") as log_file, progress(desc=f"fetching {out.name}", total=total, unit="B") as bar:
             bar.update(resumed)
             while todo := [p for p in pieces if (p.offset, p.length) not in done]:
-                source = next((s for s in sources if s.address not in failed
-                               and any(s.holds((p.offset, p.length)) for p in todo)), None)
+                candidates = [s for s in sources if s.address not in failed
+                              and any(s.holds((p.offset, p.length)) for p in todo)]
+                # the least tried first (in the sources' order among equals): a seed that broke is tried
+                # again only after the others
+                source = min(candidates, key=lambda s: attempts[s.address], default=None)
                 if source is None:
                     if failed:
                         raise list(failed.values())[-1]
@@ -115,7 +119,8 @@ def fetch_slice(peer: str | Sequence[Source], manifest: Manifest, experts: Seque
                             f"{partial}: run the same command again to resume")
                         _passed_over(address, failed[address], sources, failed)
                         continue
-                    time.sleep(min(0.5 * 2 ** (attempts[address] - 1), 5.0))
+                    if len(candidates) == 1:  # no other source to ask meanwhile: back off before trying it again
+                        time.sleep(min(0.5 * 2 ** (attempts[address] - 1), 5.0))
                 except FetchError as error:  # it refused, or lied: nothing of the piece was kept
                     failed[address] = error
                     _passed_over(address, error, sources, failed)
