@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.discovery.invite import parse_invite
     from moeswarm.discovery.joining import check_key, fetch_share, layout, plan_share, share_path
     from moeswarm.discovery.seed_record import SEEDS
-    from moeswarm.node.member_seed import open_member_seed
+    from moeswarm.node.member_seed import ShareSeed, open_member_seed
     from moeswarm.slices.sources import fetch_sources
     from moeswarm.node.rebalancing import Member
     from moeswarm.ids import format_ids
@@ -130,14 +130,16 @@ def run(args: argparse.Namespace) -> int:
         check_can_listen(config.host, config.port)
         raise_open_files_limit(config.limits.max_connections)
         node = open_node(share.experts, config.port)
-        seed = None if args.no_seed else open_member_seed(
-            share_path(directory, invite.model, share.experts), manifest, share.experts, server_tls(args.swarm_key, args.host),
-            dht, args.host, args.seed_port, args.announce_host, args.announce_ttl)
-        if seed is None and not args.no_seed:
-            _say("not seeding: the share's pieces were not kept beside its slice (fetched with --no-seed, or by an "
-                 "older moeswarm)")
+        seed_tls = server_tls(args.swarm_key, args.host) if not args.no_seed else None
+
+        def open_seed(experts, first):
+            return open_member_seed(share_path(directory, invite.model, experts), manifest, experts, seed_tls, dht,
+                                    args.host, args.seed_port if first else 0, args.announce_host, args.announce_ttl)
+
+        seed = None if args.no_seed else ShareSeed(open_seed, _say)
         member = Member(node, share.experts, layers, num_experts, open_node,
-                        lambda: {a: (r.held, r.load) for a, r in dht.fetch(invite.model).items()}, _say)
+                        lambda: {a: (r.held, r.load) for a, r in dht.fetch(invite.model).items()}, _say,
+                        on_move=None if seed is None else seed.follow)
         asyncio.run(_serve(member, args.rebalance, seed))
     finally:
         dht.close()
@@ -154,7 +156,7 @@ async def _serve(member, interval_s: float, seed) -> None:
 
     stop = stop_event((signal.SIGTERM, signal.SIGINT))
     if seed is not None:
-        _say(f"seeding the share's pieces as {await seed.start()}")
+        await seed.follow(member.share)
     try:
         await member.serve(stop, interval_s)
     finally:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,3 +76,36 @@ def open_member_seed(slice_path: str | Path, manifest: Manifest, experts: Sequen
         return None
     seeder = Seeder(pieces_paths(slice_path)[0], tls, pieces=frozenset(wanted))
     return MemberSeed(seeder, manifest, experts, dht, host, port, announce_host, ttl_s)
+
+
+class ShareSeed:
+    """The seed of a member's current share, replaced when its share moves (node/rebalancing.py).
+
+    open_seed(experts, first): the MemberSeed of that share's kept pieces, or None (not kept);
+    `first` is True for the share the member joined with (it may take `--seed-port`)."""
+
+    def __init__(self, open_seed: Callable[[tuple[int, ...], bool], MemberSeed | None],
+                 report: Callable[[str], None]):
+        self.open_seed = open_seed
+        self.report = report
+        self.seed: MemberSeed | None = None
+        self._first = True
+
+    async def follow(self, experts: Sequence[int]) -> None:
+        """Seed the pieces of the share of `experts`: the new seed started and announced first, then
+        the old one withdrawn and closed."""
+        new = self.open_seed(tuple(experts), self._first)
+        self._first = False
+        if new is None:
+            self.report("not seeding: the share's pieces were not kept beside its slice (fetched with --no-seed, "
+                        "or by an older moeswarm)")
+        else:
+            self.report(f"seeding the share's pieces as {await new.start()}")
+        old, self.seed = self.seed, new
+        if old is not None:
+            await old.stop()
+
+    async def stop(self) -> None:
+        if self.seed is not None:
+            seed, self.seed = self.seed, None
+            await seed.stop()

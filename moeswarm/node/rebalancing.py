@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from moeswarm.discovery.follow import POLL_S
@@ -76,12 +76,14 @@ class Member:
 
     open_node(experts): fetch that share and build its node (blocking: run off the loop), not started.
     read(): {address: ({layer: experts}, its announced load or None)} of the model's announcements
-    on the DHT (blocking)."""
+    on the DHT (blocking). on_move(experts): called once a move is done, with the new share (the
+    member's seed follows it: node/member_seed.py)."""
 
     def __init__(self, node: WorkerNode, share: Sequence[int], layers: Sequence[int], num_experts: int,
                  open_node: Callable[[tuple[int, ...]], WorkerNode],
                  read: Callable[[], dict[str, tuple[Held, Held | None]]],
-                 report: Callable[[str], None] = log.info, grace_s: float = GRACE_S):
+                 report: Callable[[str], None] = log.info, grace_s: float = GRACE_S,
+                 on_move: Callable[[tuple[int, ...]], Awaitable[None]] | None = None):
         self.node = node
         self.share = tuple(share)
         self.layers = list(layers)
@@ -90,6 +92,7 @@ class Member:
         self.read = read
         self.report = report
         self.grace_s = grace_s
+        self.on_move = on_move
         self.moves = 0
 
     async def serve(self, stop: asyncio.Event, interval_s: float) -> None:
@@ -135,6 +138,8 @@ class Member:
         else:
             await _wait(stop, self.grace_s)  # stopping meanwhile: both close now
         await old.stop()
+        if self.on_move is not None:
+            await self.on_move(move.share)
         return move
 
 
