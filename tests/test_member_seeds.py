@@ -59,5 +59,11 @@ def test_a_second_joiner_fetches_its_share_from_the_first_with_the_inviters_seed
         assert generated.returncode == 0, generated.stderr[-3000:]
         report = json.loads(generated.stdout.strip().splitlines()[-1])
         assert report["bit_identical"] is True and len(report["workers"]) == 2
+
+        status = _run("status", invite, "--dir", str(tmp_path / "status"), "--json")
+        assert status.returncode == 0, status.stderr[-3000:]
+        seeds = {seed["address"]: seed["experts"] for seed in json.loads(status.stdout)["seeds"]}
+        assert seeds[seed_address] == list(range(ALL)) and len(seeds) == 2  # the second seeds its share too
+        assert sorted(seeds.values()) == sorted([list(range(ALL)), share_b])
     finally:
         stop(joiners)

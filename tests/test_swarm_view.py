@@ -21,7 +21,8 @@ def test_the_view_marks_the_weakest_layers_and_the_uncovered_experts():
     assert members[0].load == 49 and members[1].load is None  # rows per minute, all its experts; none announced
     assert [(r.layer, r.fewest, r.weakest, r.weakest_layer) for r in layers] == [
         (0, 1, (0, 1, 2, 3), False), (1, 0, (3,), True)]
-    text = format_view("fp", members, layers, [("127.0.0.1:9", range(0, 2))])
+    text = format_view("fp", members, layers, [("127.0.0.1:9", range(0, 2))], [("127.0.0.1:5", (0, 1, 3))])
+    assert "  seed 127.0.0.1:5: the pieces of experts 0-1,3\n" in text
     assert "layer   1: UNCOVERED   experts 3  <- weakest" in text
     assert "  127.0.0.1:1+relay://r:7/n  direct+relay  yes         10         49  layer 0: 2-3; layer 1: 2\n" in text
     assert "  127.0.0.1:2                direct        no          10          -  experts 0-1 of layers 0-1\n" in text

@@ -72,8 +72,9 @@ def layer_rows(coverage: Mapping[int, Sequence[int]]) -> list[LayerRow]:
 
 
 def format_view(model: str, members: Sequence[MemberRow], layers: Sequence[LayerRow],
-                stages: Sequence[tuple[str, range]] = ()) -> str:
-    """The terminal table."""
+                stages: Sequence[tuple[str, range]] = (), seeds: Sequence[tuple[str, Sequence[int]]] = ()) -> str:
+    """The terminal table. seeds: (address, the experts whose slice pieces it serves) of each
+    member's seed (discovery/seed_record.py)."""
     lines = [f"swarm of model {model}: {len(members)} members announced"]
     if members:
         width = max(len(m.address) for m in members)
@@ -84,6 +85,8 @@ def format_view(model: str, members: Sequence[MemberRow], layers: Sequence[Layer
                          f"{m.throughput:>9.0f}  {load:>9}  {m.share}")
     for address, span in stages:
         lines.append(f"  stage {printable(address, 300)}: decoder layers {span.start}-{span.stop - 1}")
+    for address, experts in seeds:
+        lines.append(f"  seed {printable(address, 300)}: the pieces of experts {format_ids(experts)}")
     lines.append("coverage per MoE layer (holders of its least-held experts):")
     for row in layers:
         state = "UNCOVERED" if row.fewest == 0 else f"{row.fewest} holder{'s' if row.fewest != 1 else ''}"
