@@ -173,6 +173,64 @@ def test_records_from_the_network_are_checked_before_use():
         parse_record("a:1", record.to_value(), "fp")
 
 
+def test_a_record_s_measured_load_is_optional_bounded_and_checked():
+    """`load` (rows per minute of each held expert, worker/served.py): a round trip; an old record
+    without it reads as before (None); a new record read by the old parser's fields is unchanged;
+    every wrong shape is one line."""
+    import dataclasses
+
+    record = Announcement("10.0.0.7:7000", "fp", "qwen2_moe", 8, 16, {0: (0, 1, 2, 3), 2: (5,)}, True,
+                          Capacity(64, 512), 12.5)
+    assert "load" not in record.to_value() and parse_record("10.0.0.7:7000", record.to_value(), "fp").load is None
+    loaded = dataclasses.replace(record, load={0: (0, 7, 900, 3), 2: (12,)})
+    value = loaded.to_value()
+    assert value["load"] == [[0, [0, 7, 900, 3]], [2, [12]]]
+    assert parse_record("10.0.0.7:7000", value, "fp") == loaded
+    assert parse_record("10.0.0.7:7000", {**value, "load": [[2, [12]]]}, "fp").load == {2: (12,)}  # layers may be left out
+    assert loaded.offline().load == loaded.load and not loaded.offline().online
+    bad = {
+        "held layers only": ([[1, [1]]], "load names layer 1, which is not a held layer or is named twice"),
+        "twice": ([[2, [1]], [2, [1]]], "load names layer 2, which is not a held layer or is named twice"),
+        "one rate per expert": ([[0, [1, 2]]], "load of layer 0 has 2 rates for 4 held experts (at most 65536 in all)"),
+        "integers": ([[2, [True]]], "load of layer 2 has a rate that is not an integer in 0-1099511627776"),
+        "not negative": ([[2, [-1]]], "load of layer 2 has a rate that is not an integer in 0-1099511627776"),
+        "not huge": ([[2, [1 << 41]]], "load of layer 2 has a rate that is not an integer in 0-1099511627776"),
+        "pairs": ([[2, 5]], "load has an entry that is not [layer, [rates]]"),
+        "a list": ({"0": 1}, "load is not a list of [layer, rates] pairs, at most one per held layer"),
+        "bounded": ([[0, [1] * 4]] * 3, "load is not a list of [layer, rates] pairs, at most one per held layer"),
+    }
+    for why, (load, message) in bad.items():
+        with pytest.raises(RecordError) as caught:
+            parse_record("10.0.0.7:7000", {**value, "load": load}, "fp")
+        assert str(caught.value) == message, why
+
+
+def test_a_seed_record_is_bounded_and_checked():
+    """A member's seed record (discovery/seed_record.py): a round trip, and every wrong field one line."""
+    from moeswarm.discovery.seed_record import SeedRecord, parse_seed_record
+
+    record = SeedRecord("10.0.0.7:7001", "fp", "ab" * 32, (0, 1, 2, 9), False)
+    assert record.to_value()["experts"] == "0-2,9"
+    assert parse_seed_record("10.0.0.7:7001", record.to_value(), "fp") == record
+    assert not parse_seed_record("10.0.0.7:7001", record.offline().to_value(), "fp").online
+    bad = {
+        "manifest": ("AB" * 32, f"manifest '{'AB' * 32}' is not a sha256 in lowercase hex"),
+        "experts": ("0-3,x", "experts: bad expert list '0-3,x': 'x' is not an expert id or an A-B range "
+                             "(expected e.g. 0-3,9,17-20)"),
+        "tls": (1, "tls and online must be true or false"),
+        "v": (2, "seed record version 2, this moeswarm reads 1"),
+    }
+    for field, (value, message) in bad.items():
+        with pytest.raises(RecordError) as caught:
+            parse_seed_record("10.0.0.7:7001", {**record.to_value(), field: value}, "fp")
+        assert str(caught.value) == message, field
+    with pytest.raises(RecordError, match="is not HOST:PORT"):
+        relayed = {**record.to_value(), "address": "relay://r:7/n"}
+        parse_seed_record("relay://r:7/n", relayed, "fp")
+    with pytest.raises(RecordError, match="20 fields"):
+        parse_seed_record("10.0.0.7:7001", {**record.to_value(), **{f"x{i}": 0 for i in range(13)}}, "fp")
+
+
 def test_workers_and_swarm_together_is_one_line_error(qwen2_moe, capsys):
     status = main(["generate", "--model", qwen2_moe, "--workers", "127.0.0.1:1", "--swarm",
                    "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGfYbptK5dv9tZnhD75bw19RrcZoTz6swmHv4xWK8Apx9", "--prompt-ids", "1"])

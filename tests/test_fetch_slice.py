@@ -226,3 +226,62 @@ def _wait_until(condition, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+def test_pieces_come_from_any_seed_that_holds_them_and_a_lying_seed_is_passed_over(files, loop, tmp_path):
+    """A first fetch keeps its pieces; a seed of them (slices/seed.py limited to those pieces) serves a
+    second fetcher of fewer experts byte for byte, with the inviter's seeder gone. A seed that lies is
+    passed over for the next source holding the piece; a seed asked for a piece it lacks refuses it."""
+    from moeswarm.slices.fetch import kept_pieces, pieces_paths
+    from moeswarm.slices.sources import Source
+
+    manifest = load_manifest(files["manifest"])
+    first = tmp_path / "first.gguf"
+    with seeding(loop, files["model"]) as (inviter, _):
+        report = fetch_slice(inviter, manifest, EXPERTS, first, keep_pieces=True)
+    assert _same(first, files["tmp"] / "expected.gguf") and report["from"] == {inviter: report["fetched_bytes"]}
+    kept, listed = pieces_paths(first)
+    held = {(p.offset, p.length) for p in manifest.pieces(EXPERTS, None, False)}
+    assert kept_pieces(first, manifest) == held and not first.with_name("first.gguf.partial").exists()
+
+    fewer = [3, 5]
+    write_slice(files["model"], tmp_path / "expected-fewer.gguf", fewer)
+    seed = Seeder(kept, pieces=frozenset(held))
+    host, port = loop.call(seed.start("127.0.0.1", 0))
+    try:
+        gone = f"127.0.0.1:{_free_port()}"  # the inviter's seeder, stopped
+        second = fetch_slice([Source(f"{host}:{port}", frozenset(held)), Source(gone)], manifest, fewer,
+                             tmp_path / "second.gguf", retries=0)
+        assert _same(tmp_path / "second.gguf", tmp_path / "expected-fewer.gguf")
+        assert second["from"] == {f"{host}:{port}": second["fetched_bytes"]} and second["passed_over"] == []
+        # a seed that is gone, asked first: the next source is asked at once (no back-off while another can serve)
+        again = fetch_slice([Source(gone, frozenset(held)), Source(f"{host}:{port}", frozenset(held))], manifest,
+                            fewer, tmp_path / "again.gguf")
+        assert again["from"] == {f"{host}:{port}": again["fetched_bytes"]} and again["attempts"] == 2
+        assert _same(tmp_path / "again.gguf", tmp_path / "expected-fewer.gguf")
+
+        # a lying seed first: its lie is caught by the hash, and the honest seed gives the piece
+        data = bytearray(kept.read_bytes())
+        tensor = next(t for t in manifest.data["tensors"] if t["name"] == "blk.1.ffn_up_exps.weight")
+        data[tensor["offset"] + 3 * (tensor["bytes"] // len(tensor["units"])) + 100] ^= 0x01  # expert 3
+        liar_path = tmp_path / "liar.pieces"
+        liar_path.write_bytes(bytes(data))
+        with seeding(loop, liar_path) as (liar, _):
+            third = fetch_slice([Source(liar, frozenset(held)), Source(f"{host}:{port}", frozenset(held))],
+                                manifest, fewer, tmp_path / "third.gguf", retries=0)
+            assert _same(tmp_path / "third.gguf", tmp_path / "expected-fewer.gguf")
+            assert third["passed_over"] == [liar] and third["from"][liar] > 0  # the pieces before the lie count
+            with pytest.raises(FetchError, match="does not match the owner's manifest"):  # the liar alone: no one left
+                fetch_slice([Source(liar, frozenset(held))], manifest, fewer, tmp_path / "fourth.gguf", retries=0)
+        with pytest.raises(FetchError, match=r"refused .*: bytes \[\d+, \d+\) are not a piece this seed holds"):
+            fetch_slice(f"{host}:{port}", manifest, [7], tmp_path / "fifth.gguf", retries=0)  # expert 7: not held
+        with pytest.raises(FetchError, match="no seed holds blk.0.ffn_.* expert 7"):
+            fetch_slice([Source(f"{host}:{port}", frozenset(held))], manifest, [7], tmp_path / "sixth.gguf")
+    finally:
+        loop.call(seed.close())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

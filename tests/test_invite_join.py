@@ -101,9 +101,17 @@ def test_two_joiners_cover_the_model_and_generate_through_the_invite_is_bit_iden
         report = json.loads(generated.stdout.strip().splitlines()[-1])
         assert report["bit_identical"] is True and len(report["workers"]) == 2
 
-        status = _run("status", invite, "--dir", str(tmp_path / "status"), "--json")
-        assert status.returncode == 0, status.stderr[-3000:]
-        view = json.loads(status.stdout)
+        # each member announces the rows its experts computed (at its next refresh: TTL/3 = 20 s)
+        deadline = time.monotonic() + 60
+        while True:
+            status = _run("status", invite, "--dir", str(tmp_path / "status"), "--json")
+            assert status.returncode == 0, status.stderr[-3000:]
+            view = json.loads(status.stdout)
+            loads = [member["load"] for member in view["members"]]
+            if all(loads) or time.monotonic() > deadline:
+                break
+            time.sleep(3)
+        assert all(load and load > 0 for load in loads), loads  # rows per minute, measured while generating
         assert len(view["members"]) == 2
         assert [row["fewest"] for row in view["layers"]] == [1] * len(manifest.moe_layers())
 
@@ -167,7 +175,9 @@ def test_a_keyed_invite_carries_no_key_and_a_member_joins_with_its_own_file(tmp_
         joiner = _cli("join", text, "--memory", "1", "--dir", str(tmp_path / "j"), "--threads", "1",
                       "--swarm-key", member)
         processes.append(joiner)
-        assert _share(_lines_until(joiner, "announced on the swarm as ")) == list(range(32))
+        lines = _lines_until(joiner, "announced on the swarm as ")
+        assert _share(lines) == list(range(32))
+        assert any("seeding the share's pieces as 127.0.0.1:" in line for line in lines)  # its seed record signed
         generated = _run("generate", "--model", str(model), "--swarm", text, "--swarm-key", backbone, "--prompt",
                          "def main(", "--max-new-tokens", "6", "--check-local", "--json", "--threads", "1")
         assert generated.returncode == 0, generated.stderr[-3000:]

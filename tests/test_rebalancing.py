@@ -72,3 +72,4 @@ def test_a_killed_member_share_is_taken_over_and_generation_stays_bit_identical(
         stop(joiners)
     assert said.count("moved: experts ") == 1, said  # one member moved, once
     assert "rebalancing: taking experts " in said and ", then dropping " in said
+    assert said.count("seeding the share's pieces as ") == 1, said  # the mover's seed follows its new share

@@ -160,7 +160,10 @@ def test_a_one_call_answer_is_the_full_paths_frame_and_refuses_what_it_refuses(t
                 assert (lane.sums is not None) == one_call
                 if not one_call:
                     continue
+                before = store.served.rows[1].copy()  # [E]: rows counted so far (worker/served.py)
                 reply = lane._sums_now(body, 40 + seed)
+                routed = np.bincount(index[index >= 0].numpy(), minlength=EXPERTS)  # [E]
+                assert np.array_equal(store.served.rows[1] - before, routed)  # each routed row counted once
                 full = store.run(request).to_frame(40 + seed, 0.0 if timed else None)
                 got = decode_frame(parse_header(bytes(reply[:HEADER_SIZE])), bytes(reply[HEADER_SIZE:]))
                 assert got.payload == b"".join(bytes(part) for part in full.parts)
@@ -174,5 +177,7 @@ def test_a_one_call_answer_is_the_full_paths_frame_and_refuses_what_it_refuses(t
                     ids[0, 0] = bad
                     header, body = _parsed(received(Dispatch(1, hidden, ids, weights, CombineMode.PARTIAL, timed=timed)))
                     lane = computation.express.whole_lane(body, header.meta_len)
+                    before = store.served.rows[1].copy()
                     assert lane is not None and lane._sums_now(body, 1) is None
+                    assert np.array_equal(store.served.rows[1], before)  # declined: the full path counts it
 

@@ -4,7 +4,9 @@ No expert list, no manifest file, no multiaddr: the invite (`moeswarm invite`) n
 share is sized to `--memory` and chosen from the coverage announced on the DHT
 (discovery/joining.py); then the process is a `moeswarm worker` of that share, announced on the
 swarm, and every `--rebalance` seconds it looks whether to move part of its share where the swarm
-needs it (node/rebalancing.py; docs/network.md, Invites and join, Rebalancing).
+needs it (node/rebalancing.py; docs/network.md, Invites and join, Rebalancing). The pieces it
+fetched (from the invite's seeder or from other members' seeds: slices/sources.py) are kept and
+served to later joiners (node/member_seed.py) unless `--no-seed`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read the swarm's coverage this often and move part of the share where the swarm needs "
                              "it (fetch first, then drop; one member a round; docs/network.md, Rebalancing); 0: never")
     parser.add_argument("--dht-port", type=port, default=0, metavar="PORT", help="TCP port of this member's DHT node")
+    parser.add_argument("--seed-port", type=port, default=0, metavar="PORT",
+                        help="TCP port of this member's seed of the pieces it fetched (0: a free one)")
+    parser.add_argument("--no-seed", action="store_true",
+                        help="do not keep the fetched pieces nor serve them to later joiners (by default a member "
+                             "keeps them beside its slice, serves them and announces itself as a seed)")
     parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads of the worker")
     parser.add_argument("--timeout", type=seconds, default=30.0,
                         help="seconds to connect to a seeder, and for each piece beyond its length at 64 KiB/s")
@@ -73,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.discovery.invite import parse_invite
-    from moeswarm.discovery.joining import check_key, fetch_share, layout, plan_share
+    from moeswarm.discovery.joining import check_key, fetch_share, layout, plan_share, share_path
+    from moeswarm.discovery.seed_record import SEEDS
+    from moeswarm.node.member_seed import ShareSeed, open_member_seed
+    from moeswarm.slices.sources import fetch_sources
     from moeswarm.node.rebalancing import Member
     from moeswarm.ids import format_ids
     from moeswarm.slices.manifest_fetch import fetch_manifest
@@ -99,23 +109,38 @@ def run(args: argparse.Namespace) -> int:
     announce_address(args.host, 1, args.announce_host)  # 0.0.0.0 needs an announce host: say so before fetching
     dht = SwarmDht.open(list(invite.dht), host=args.host, port=args.dht_port, **keys)
     try:
-        helds = [record.held for record in dht.fetch(invite.model).values()]
-        share = plan_share(manifest, layers, num_experts, helds, _memory_bytes(args.memory),
+        members = [(record.held, record.load) for record in dht.fetch(invite.model).values()]
+        share = plan_share(manifest, layers, num_experts, members, _memory_bytes(args.memory),
                            dht.addresses()[0].encode())
+        measured = sum(load is not None for _, load in members)
         _say(f"share: experts {format_ids(share.experts)} of MoE layers {format_ids(layers)} "
-             f"({share.covers} layer-expert pairs nobody held; {len(helds)} members announced)")
+             f"({share.covers} layer-expert pairs nobody held; {len(members)} members announced, "
+             f"{measured} with a measured load)")
+
+        def sources():  # read again at each fetch: seeds join over time
+            seeds = dht.fetch(invite.model, SEEDS).values()
+            return fetch_sources(invite.seed, seeds, manifest, tls is not None, None, dht.addresses()[0].encode())
 
         def open_node(experts, port=0):  # a moved share listens on a free port: the old one still serves
-            out = fetch_share(invite, manifest, experts, directory, tls, args.timeout, _say)
+            out = fetch_share(invite, manifest, experts, directory, tls, args.timeout, _say, sources(),
+                              keep_pieces=not args.no_seed)
             return build_node(replace(config, port=port), functools.partial(_load, Hosting(str(out)), args.threads),
                               _say, dht)
 
         check_can_listen(config.host, config.port)
         raise_open_files_limit(config.limits.max_connections)
         node = open_node(share.experts, config.port)
+        seed_tls = server_tls(args.swarm_key, args.host) if not args.no_seed else None
+
+        def open_seed(experts, first):
+            return open_member_seed(share_path(directory, invite.model, experts), manifest, experts, seed_tls, dht,
+                                    args.host, args.seed_port if first else 0, args.announce_host, args.announce_ttl)
+
+        seed = None if args.no_seed else ShareSeed(open_seed, _say)
         member = Member(node, share.experts, layers, num_experts, open_node,
-                        lambda: {a: r.held for a, r in dht.fetch(invite.model).items()}, _say)
-        asyncio.run(_serve(member, args.rebalance))
+                        lambda: {a: (r.held, r.load) for a, r in dht.fetch(invite.model).items()}, _say,
+                        on_move=None if seed is None else seed.follow)
+        asyncio.run(_serve(member, args.rebalance, seed))
     finally:
         dht.close()
     server = member.node.server
@@ -124,12 +149,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(member, interval_s: float) -> None:
+async def _serve(member, interval_s: float, seed) -> None:
     import signal
 
     from moeswarm.stop_signal import stop_event
 
-    await member.serve(stop_event((signal.SIGTERM, signal.SIGINT)), interval_s)
+    stop = stop_event((signal.SIGTERM, signal.SIGINT))
+    if seed is not None:
+        await seed.follow(member.share)
+    try:
+        await member.serve(stop, interval_s)
+    finally:
+        if seed is not None:
+            await seed.stop()
 
 
 def _worker_config(args: argparse.Namespace, invite) -> WorkerConfig:

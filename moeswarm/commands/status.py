@@ -1,4 +1,4 @@
-"""`moeswarm status INVITE`: the swarm as announced on its DHT: members, shares, coverage per layer.
+"""`moeswarm status INVITE`: the swarm as announced on its DHT: members, shares, seeds, coverage per layer.
 
 It joins the DHT as a client (it stores nothing), fetches the manifest the invite pins (for the
 model's layers and experts), reads the announcements once, prints a table (or `--json`) and exits.
@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.discovery.invite import parse_invite
     from moeswarm.discovery.joining import check_key, layout
+    from moeswarm.discovery.seed_record import SEEDS
     from moeswarm.discovery.stage_record import STAGES
     from moeswarm.discovery.swarm_view import format_view, swarm_view
     from moeswarm.slices.manifest_fetch import fetch_manifest
@@ -48,13 +49,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         records = dht.fetch(invite.model)
         stages = [(address, record.layers) for address, record in sorted(dht.fetch(invite.model, STAGES).items())]
+        seeds = [(address, record.experts) for address, record in sorted(dht.fetch(invite.model, SEEDS).items())
+                 if record.manifest == invite.manifest]
     finally:
         dht.close()
     members, rows = swarm_view(records, layers, num_experts)
     if args.json:
         print(json.dumps({"model": invite.model, "members": [m.__dict__ for m in members],
                           "stages": [{"address": a, "layers": [s.start, s.stop - 1]} for a, s in stages],
+                          "seeds": [{"address": a, "experts": list(e)} for a, e in seeds],
                           "layers": [{**r.__dict__, "weakest": list(r.weakest)} for r in rows]}))
     else:
-        print(format_view(invite.model, members, rows, stages))
+        print(format_view(invite.model, members, rows, stages, seeds))
     return 0

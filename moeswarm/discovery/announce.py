@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -30,8 +31,12 @@ BENCH_TOKENS = 16
 class Announcer:
     """Keeps one record on the DHT: a worker's Announcement, or a record of another `kind` (a stage's)."""
 
-    def __init__(self, dht: SwarmDht, record: Announcement, ttl_s: float = DEFAULT_TTL_S, kind: RecordKind = WORKERS):
+    def __init__(self, dht: SwarmDht, record: Announcement, ttl_s: float = DEFAULT_TTL_S, kind: RecordKind = WORKERS,
+                 refresh: Callable[[Announcement], Announcement] | None = None):
+        """refresh: the record to store at each refresh, from the last one (a worker's measured load:
+        node/worker.py); None: the same record every time."""
         self.dht = dht
+        self.refresh = refresh
         self.record = dataclasses.replace(record, address=canonical_address(record.address))  # as readers require it
         self.ttl_s = ttl_s
         self.kind = kind
@@ -50,6 +55,8 @@ class Announcer:
     def _refresh(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
+                if self.refresh is not None:
+                    self.record = self.refresh(self.record)
                 if not self.dht.store(self.record, self.ttl_s, kind=self.kind):
                     log.warning("announcement refresh: no DHT peer stored the record (retrying)")
             except Exception as error:  # the DHT process may be going down; the next round tries again

@@ -8,7 +8,8 @@ The order, and what each step relies on:
 3. the DHT is joined and the members' announcements read (what each holds, as it claims: only a
    worker's HELLO is trusted by backbones, so a lying record can skew a share, never an answer);
 4. `plan_share` (pure: placement/share.py) picks the experts where the swarm is weakest, as many
-   as `--memory` holds;
+   as `--memory` holds, weighing each (layer, expert) by the load its holders announce
+   (placement/load.py);
 5. `fetch_share` fetches exactly those bytes (slices/fetch.py: hashed, resumable) and the command
    serves them, moving the share later when the swarm needs it (node/rebalancing.py).
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 from moeswarm.discovery.invite import Invite
 from moeswarm.errors import MoeSwarmError
 from moeswarm.ids import format_ids
+from moeswarm.placement.load import swarm_load
 from moeswarm.placement.share import Share, choose_share, coverage_of, experts_for_memory, joiner_order
 from moeswarm.slices.manifest import Manifest
 
@@ -57,12 +59,16 @@ def layout(manifest: Manifest, invite: Invite) -> tuple[list[int], int]:
 
 
 def plan_share(manifest: Manifest, layers: Sequence[int], num_experts: int,
-               helds: Iterable[Mapping[int, Sequence[int]]], memory_bytes: int, seed: bytes) -> Share:
-    """The experts this joiner takes: `memory_bytes` worth, where `helds` (each member's {layer:
-    experts}) cover the model least; ties in the order `seed` draws."""
+               members: Iterable[tuple[Mapping[int, Sequence[int]], Mapping[int, Sequence[int]] | None]],
+               memory_bytes: int, seed: bytes) -> Share:
+    """The experts this joiner takes: `memory_bytes` worth, where `members` (each one's ({layer:
+    experts}, its announced load or None)) cover the model least, weighted by the measured load
+    (placement/load.py); ties in the order `seed` draws."""
+    members = list(members)
     count = experts_for_memory(memory_bytes, manifest.expert_bytes(), num_experts)
-    coverage = coverage_of(helds, layers, num_experts)
-    return choose_share(coverage, count, order=joiner_order(seed, num_experts))
+    coverage = coverage_of((held for held, _ in members), layers, num_experts)
+    load = swarm_load(members, layers, num_experts)
+    return choose_share(coverage, count, load, order=joiner_order(seed, num_experts))
 
 
 def share_path(directory: str | Path, fingerprint: str, experts: Sequence[int]) -> Path:
@@ -71,15 +77,21 @@ def share_path(directory: str | Path, fingerprint: str, experts: Sequence[int]) 
 
 
 def fetch_share(invite: Invite, manifest: Manifest, experts: Sequence[int], directory: str | Path, tls,
-                timeout_s: float, say: Callable[[str], None]) -> Path:
-    """The slice of `experts` in `directory`: reused when there, else fetched from the invite's seeder
-    (FetchError naming what went wrong). `say` gets one line: what was fetched, or reused."""
+                timeout_s: float, say: Callable[[str], None], sources: Sequence | None = None,
+                keep_pieces: bool = False) -> Path:
+    """The slice of `experts` in `directory`: reused when there, else fetched from `sources`
+    (slices/sources.py: members' seeds, then the invite's seeder; None: the invite's seeder alone),
+    FetchError naming what went wrong. keep_pieces: keep the pieces for this member's seed. `say`
+    gets one line: what was fetched, from whom, or reused."""
     from moeswarm.slices.fetch import fetch_slice
 
     out = share_path(directory, invite.model, experts)
     if out.is_file():
         say(f"reusing {out}")
         return out
-    report = fetch_slice(invite.seed, manifest, experts, out, None, False, tls, 3, timeout_s)
-    say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) into {out}")
+    report = fetch_slice(invite.seed if sources is None else sources, manifest, experts, out, None, False, tls, 3,
+                         timeout_s, keep_pieces)
+    origins = ", ".join(f"{count} from {address}" for address, count in sorted(report["from"].items()))
+    say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) into {out}"
+        + (f" ({origins})" if origins else ""))
     return out

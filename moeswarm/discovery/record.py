@@ -12,6 +12,7 @@ lying record costs a connection attempt, never a wrong answer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ MAX_LAYERS = 4096
 MAX_RUNS_TEXT = 8192  # one layer's experts as "0-3,9,17-20"
 MAX_HIDDEN = 1 << 20
 MAX_COUNT = 1 << 31  # connections, tokens per DISPATCH
+MAX_LOAD_VALUES = 1 << 16  # rates in a record's `load`, over all its layers
+MAX_RATE = 1 << 40  # rows per minute of one expert
 
 
 class RecordError(ValueError):
@@ -50,6 +53,9 @@ class Announcement:
     held: {MoE layer: experts held in it, ascending}.
     throughput: tokens per second through every held layer, measured by the worker at start (0: unmeasured).
     online: False in the record a worker leaves when it shuts down cleanly (dropped at once).
+    load: {MoE layer: rows per minute each expert of held[layer] computed here, in its order}, over
+    the worker's recent window (worker/served.py); None: not measured yet, or a record from a
+    moeswarm that announces none (the field is optional: such records read as before).
     """
 
     address: str
@@ -62,10 +68,12 @@ class Announcement:
     capacity: Capacity
     throughput: float
     online: bool = True
+    load: dict[int, tuple[int, ...]] | None = field(default=None, hash=False)
 
     def to_value(self) -> dict:
         """The msgpack-able value stored on the DHT (experts as runs: "0-63", not 64 integers)."""
-        return {
+        load = {} if self.load is None else {"load": [[layer, list(rates)] for layer, rates in sorted(self.load.items())]}
+        return {**load,
             "v": RECORD_VERSION, "address": self.address, "fingerprint": self.fingerprint,
             "model_type": self.model_type, "num_experts": self.num_experts, "hidden_size": self.hidden_size,
             "held": [[layer, format_ids(experts)] for layer, experts in sorted(self.held.items())],
@@ -74,8 +82,7 @@ class Announcement:
         }
 
     def offline(self) -> "Announcement":
-        return Announcement(self.address, self.fingerprint, self.model_type, self.num_experts, self.hidden_size,
-                            self.held, self.tls, self.capacity, self.throughput, online=False)
+        return dataclasses.replace(self, online=False)
 
 
 def announcement_key(fingerprint: str) -> str:
@@ -128,8 +135,9 @@ def parse_record(subkey: object, value: object, fingerprint: str) -> Announcemen
     tls, online = value.get("tls"), value.get("online")
     if type(tls) is not bool or type(online) is not bool:
         raise RecordError("tls and online must be true or false")
+    held = _held(value.get("held"), num_experts)
     return Announcement(address, fingerprint, text_field(value, "model_type", MAX_NAME), num_experts, hidden_size,
-                        _held(value.get("held"), num_experts), tls, Capacity(*capacity), float(throughput), online)
+                        held, tls, Capacity(*capacity), float(throughput), online, _load(value.get("load"), held))
 
 
 WORKERS = RecordKind(announcement_key, parse_record)
@@ -154,6 +162,31 @@ def _held(raw: object, num_experts: int) -> dict[int, tuple[int, ...]]:
             raise RecordError(f"layer {layer} holds experts outside 0-{num_experts - 1}, or none")
         held[layer] = tuple(experts)
     return held
+
+
+def _load(raw: object, held: Mapping[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]] | None:
+    """The optional `load`: [[layer, [rows per minute of each expert held there]]], for held layers only."""
+    if raw is None:
+        return None
+    if not isinstance(raw, (list, tuple)) or len(raw) > len(held):
+        raise RecordError("load is not a list of [layer, rates] pairs, at most one per held layer")
+    load: dict[int, tuple[int, ...]] = {}
+    total = 0
+    for pair in raw:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and type(pair[0]) is int
+                and isinstance(pair[1], (list, tuple))):
+            raise RecordError("load has an entry that is not [layer, [rates]]")
+        layer, rates = pair
+        if layer not in held or layer in load:
+            raise RecordError(f"load names layer {quoted(layer)}, which is not a held layer or is named twice")
+        total += len(rates)
+        if len(rates) != len(held[layer]) or total > MAX_LOAD_VALUES:
+            raise RecordError(f"load of layer {layer} has {len(rates)} rates for {len(held[layer])} held experts "
+                              f"(at most {MAX_LOAD_VALUES} in all)")
+        if not all(type(rate) is int and 0 <= rate <= MAX_RATE for rate in rates):
+            raise RecordError(f"load of layer {layer} has a rate that is not an integer in 0-{MAX_RATE}")
+        load[layer] = tuple(rates)
+    return load
 
 
 def check_address(address: str) -> None:

@@ -1,7 +1,8 @@
 """Signed announcements: with a swarm key, every DHT record is signed by its member and checked by every node.
 
-A keyed worker stores its announcement (discovery/record.py), and a keyed stage its stage record
-(discovery/stage_record.py, under the model's stage key), under the subkey `MEMBER_ID@ADDRESS` as
+A keyed worker stores its announcement (discovery/record.py), a keyed stage its stage record
+(discovery/stage_record.py, under the model's stage key), and a keyed member's seed its seed record
+(discovery/seed_record.py, under the model's seed key), under the subkey `MEMBER_ID@ADDRESS` as
 
     {"body": msgpack of the announcement, "cert": the member's certificate (DER), "sig": Ed25519 signature}
 
@@ -34,6 +35,7 @@ from hivemind.utils import MSGPackSerializer
 
 from moeswarm.errors import printable
 from moeswarm.discovery.record import RecordError, announcement_key
+from moeswarm.discovery.seed_record import seed_key
 from moeswarm.discovery.stage_record import stage_key
 from moeswarm.transport.member_cert import MEMBER_ID_HEX, Authority, CertError, Identity, MemberCert
 
@@ -104,7 +106,8 @@ def open_record(authority: Authority, key_id_bytes: bytes, subkey: object, value
         raise RecordError("body names another address than its subkey")
     fingerprint = announcement.get("fingerprint")
     if not isinstance(fingerprint, str) or len(fingerprint) > 128 or \
-            key_id_bytes not in (key_id(announcement_key(fingerprint)), key_id(stage_key(fingerprint))):
+            key_id_bytes not in (key_id(announcement_key(fingerprint)), key_id(stage_key(fingerprint)),
+                                 key_id(seed_key(fingerprint))):
         raise RecordError("body names another model than its DHT key")
     return signer, announcement
 

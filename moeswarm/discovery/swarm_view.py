@@ -22,6 +22,7 @@ class MemberRow:
     share: str  # "experts X of layers Y", or per layer when it differs
     throughput: float  # tokens/s the member measured at start (0: unmeasured)
     tls: bool
+    load: int | None = None  # rows per minute its experts computed lately, all together (None: not announced)
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,14 @@ def share_text(held: Mapping[int, Sequence[int]]) -> str:
 def swarm_view(records: Mapping[str, object], layers: Sequence[int],
                num_experts: int) -> tuple[list[MemberRow], list[LayerRow]]:
     """(a row per member, a row per MoE layer) from the announcements by address (each with `held`,
-    `throughput`, `tls`)."""
+    `throughput`, `tls`, and `load` where announced: discovery/record.py)."""
     members = [MemberRow(printable(address, 300), path_of(address), share_text(record.held), record.throughput,
-                         record.tls) for address, record in sorted(records.items())]
+                         record.tls, _total(getattr(record, "load", None))) for address, record in sorted(records.items())]
     return members, layer_rows(coverage_of([record.held for record in records.values()], layers, num_experts))
+
+
+def _total(load: Mapping[int, Sequence[int]] | None) -> int | None:
+    return None if load is None else sum(sum(rates) for rates in load.values())
 
 
 def layer_rows(coverage: Mapping[int, Sequence[int]]) -> list[LayerRow]:
@@ -67,17 +72,21 @@ def layer_rows(coverage: Mapping[int, Sequence[int]]) -> list[LayerRow]:
 
 
 def format_view(model: str, members: Sequence[MemberRow], layers: Sequence[LayerRow],
-                stages: Sequence[tuple[str, range]] = ()) -> str:
-    """The terminal table."""
+                stages: Sequence[tuple[str, range]] = (), seeds: Sequence[tuple[str, Sequence[int]]] = ()) -> str:
+    """The terminal table. seeds: (address, the experts whose slice pieces it serves) of each
+    member's seed (discovery/seed_record.py)."""
     lines = [f"swarm of model {model}: {len(members)} members announced"]
     if members:
         width = max(len(m.address) for m in members)
-        lines.append(f"  {'ADDRESS':<{width}}  {'PATH':<12}  {'TLS':<3}  {'TOKENS/S':>9}  SHARE")
+        lines.append(f"  {'ADDRESS':<{width}}  {'PATH':<12}  {'TLS':<3}  {'TOKENS/S':>9}  {'ROWS/MIN':>9}  SHARE")
         for m in members:
+            load = "-" if m.load is None else str(m.load)
             lines.append(f"  {m.address:<{width}}  {m.path:<12}  {'yes' if m.tls else 'no':<3}  "
-                         f"{m.throughput:>9.0f}  {m.share}")
+                         f"{m.throughput:>9.0f}  {load:>9}  {m.share}")
     for address, span in stages:
         lines.append(f"  stage {printable(address, 300)}: decoder layers {span.start}-{span.stop - 1}")
+    for address, experts in seeds:
+        lines.append(f"  seed {printable(address, 300)}: the pieces of experts {format_ids(experts)}")
     lines.append("coverage per MoE layer (holders of its least-held experts):")
     for row in layers:
         state = "UNCOVERED" if row.fewest == 0 else f"{row.fewest} holder{'s' if row.fewest != 1 else ''}"

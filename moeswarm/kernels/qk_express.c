@@ -69,6 +69,8 @@ int64_t qk_express_sums(const QkLane *lane, const uint8_t *payload, uint8_t *rep
                                   (int)lane->activation, (float)lane->alpha, (float)lane->limit, lane->sums,
                                   lane->counts, threads, 1);
     if (status != 0) return status < 0 ? status : -status;
+    if (lane->served)
+        for (int64_t i = 0; i < lane->n_experts; i++) lane->served[i] += lane->counts[i];
     uint8_t *meta = reply + MSW_HEADER_SIZE;
     memcpy(meta, lane->meta, (size_t)lane->meta_len);
     int64_t meta_len = lane->meta_len;
@@ -98,6 +100,8 @@ int64_t qk_express_rows(const QkLane *lane, const uint8_t *payload, uint8_t *rep
     if (status != 0) return status < 0 ? status : -status;
     int64_t rows = 0;
     for (int64_t i = 0; i < n_hit; i++) rows += lane->counts[i];
+    if (lane->served)
+        for (int64_t i = 0; i < n_hit; i++) lane->served[lane->hit[i]] += lane->counts[i];
     uint8_t *meta = reply + MSW_HEADER_SIZE, *at = meta;
     memcpy(at, lane->meta, (size_t)lane->meta_len);
     at += lane->meta_len;

@@ -27,6 +27,9 @@ typedef struct {
     int64_t meta_len, timed;
     int64_t *hit;
     int64_t first; /* exact: the id of the module's expert 0 */
+    /* [n_experts] or NULL: rows each module expert computed, added to by every answer (the worker's
+     * measured load, worker/served.py) */
+    int64_t *served;
 } QkLane;
 
 int64_t qk_express_sums(const QkLane *lane, const uint8_t *payload, uint8_t *reply, int64_t cap, uint64_t rid,

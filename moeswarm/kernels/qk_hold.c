@@ -178,7 +178,7 @@ static const MswLayoutEntry layout[] = {
     MSW_FIELD(QkLane, tokens), MSW_FIELD(QkLane, k), MSW_FIELD(QkLane, id_bytes), MSW_FIELD(QkLane, hidden_at),
     MSW_FIELD(QkLane, ids_at), MSW_FIELD(QkLane, weights_at), MSW_FIELD(QkLane, table), MSW_FIELD(QkLane, table_len),
     MSW_FIELD(QkLane, counts), MSW_FIELD(QkLane, sums), MSW_FIELD(QkLane, meta), MSW_FIELD(QkLane, meta_len),
-    MSW_FIELD(QkLane, timed), MSW_FIELD(QkLane, hit), MSW_FIELD(QkLane, first),
+    MSW_FIELD(QkLane, timed), MSW_FIELD(QkLane, hit), MSW_FIELD(QkLane, first), MSW_FIELD(QkLane, served),
     MSW_SIZE(QkHoldLane), MSW_FIELD(QkHoldLane, meta), MSW_FIELD(QkHoldLane, meta_len),
     MSW_FIELD(QkHoldLane, payload_len), MSW_FIELD(QkHoldLane, lane), MSW_FIELD(QkHoldLane, exact),
     MSW_FIELD(QkHoldLane, tokens),

@@ -402,16 +402,20 @@ class ExpressLane(ctypes.Structure):
                 ("up_bias", _PTR), ("down_bias", _PTR), ("activation", _I64), ("alpha", ctypes.c_double),
                 ("limit", ctypes.c_double), ("tokens", _I64), ("k", _I64), ("id_bytes", _I64), ("hidden_at", _I64),
                 ("ids_at", _I64), ("weights_at", _I64), ("table", _PTR), ("table_len", _I64), ("counts", _PTR),
-                ("sums", _PTR), ("meta", _PTR), ("meta_len", _I64), ("timed", _I64), ("hit", _PTR), ("first", _I64)]
+                ("sums", _PTR), ("meta", _PTR), ("meta_len", _I64), ("timed", _I64), ("hit", _PTR), ("first", _I64),
+                ("served", _PTR)]
 
 
 def express_lane(plan: ExpertsPlan, tokens: int, k: int, id_bytes: int, hidden_at: int, ids_at: int, weights_at: int,
                  table: np.ndarray, meta: bytes, timed: bool, exact: bool = False,
-                 first: int = 0) -> tuple[ExpressLane, tuple]:
+                 first: int = 0, served: np.ndarray | None = None) -> tuple[ExpressLane, tuple]:
     """The lane for DISPATCHes of `tokens` x `k` whose x, ids and w lie at these offsets of a frame's
     body; meta: the RESULT's metadata bytes (partial, timed: up to its last value, "cpu_us"'s;
-    exact: up to its row count); first: the id of the plan's expert 0 (exact). Returns the struct
-    and what it points into (keep both alive together)."""
+    exact: up to its row count); first: the id of the plan's expert 0 (exact); served: [plan's
+    experts] int64, contiguous, or None: every answer adds each expert's rows to it (the worker's
+    measured load). Returns the struct and what it points into (keep both alive together)."""
+    if served is not None:
+        assert served.dtype == np.int64 and served.shape == (plan.num_experts,) and served.flags.c_contiguous
     n = max(plan.num_experts, 1)
     counts, hit = np.zeros(n, np.int64), np.zeros(n, np.int64)
     sums = np.zeros((tokens * k if exact else tokens, plan.hidden), np.float32)
@@ -421,8 +425,8 @@ def express_lane(plan: ExpertsPlan, tokens: int, k: int, id_bytes: int, hidden_a
     lane = ExpressLane(n_experts, gate, up, down, gate_type, up_type, down_type, hidden, inner, gate_bias, up_bias,
                        down_bias, activation, alpha, limit, tokens, k, id_bytes, hidden_at, ids_at, weights_at,
                        _address(table), len(table), _address(counts), _address(sums), ctypes.addressof(meta_buffer),
-                       len(meta), int(timed), _address(hit), first)
-    return lane, (plan, table, counts, hit, sums, meta_buffer)
+                       len(meta), int(timed), _address(hit), first, None if served is None else _address(served))
+    return lane, (plan, table, counts, hit, sums, meta_buffer, served)
 
 
 def express_answer(lane: ExpressLane, exact: bool, body: bytes, reply: bytearray, request_id: int, threads: int) -> int:

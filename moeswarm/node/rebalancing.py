@@ -1,7 +1,8 @@
 """A joined member keeping its share where the swarm needs it (`moeswarm join --rebalance SECONDS`).
 
 Every period the member reads the announcements of its model from the DHT, adds its own share
-(its record may not have spread yet), and asks placement/rebalance.py's `choose_mover` who moves.
+(its record may not have spread yet), and asks placement/rebalance.py's `choose_mover` who moves,
+each (layer, expert) weighed by the load its holders announce (placement/load.py).
 Every member reads the same records and applies the same rule, so at most one member moves a
 round (the one whose move gains most; ties: the smallest announced address), and only when the
 gain passes the margin or fills a hole. The move, in an order that never leaves an expert
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from moeswarm.discovery.follow import POLL_S
 from moeswarm.errors import one_line
 from moeswarm.ids import format_ids
+from moeswarm.placement.load import swarm_load
 from moeswarm.placement.rebalance import Move, choose_mover
 from moeswarm.placement.share import coverage_of
 
@@ -51,15 +53,21 @@ def uniform_shares(helds: Mapping[str, Held], layers: Sequence[int]) -> dict[str
     return shares
 
 
-def plan_round(helds: Mapping[str, Held], me: str, share: Sequence[int], layers: Sequence[int],
-               num_experts: int) -> Move | None:
+def plan_round(records: Mapping[str, tuple[Held, Held | None]], me: str, share: Sequence[int],
+               layers: Sequence[int], num_experts: int) -> Move | None:
     """This member's move this round, or None (no move gains, or another member's gains more).
 
-    helds: {announced address: {layer: experts}} as read from the DHT; `me` holding `share` at
-    every layer is put in whether or not its record was among them."""
-    helds = {**helds, me: {layer: tuple(share) for layer in layers}}
+    records: {announced address: ({layer: experts}, its announced load or None)} as read from the
+    DHT (placement/load.py weighs the pairs by the loads); `me` holding `share` at every layer is
+    put in whether or not its record was among them (with its announced load where it was)."""
+    held = {layer: tuple(share) for layer in layers}
+    announced, load = records.get(me, (None, None))
+    mine = load if announced is not None and {n: tuple(e) for n, e in announced.items()} == held else None
+    records = {**records, me: (held, mine)}
+    helds = {address: held for address, (held, _) in records.items()}
     coverage = coverage_of(helds.values(), layers, num_experts)
-    chosen = choose_mover(coverage, uniform_shares(helds, layers))
+    load = swarm_load(records.values(), layers, num_experts)
+    chosen = choose_mover(coverage, uniform_shares(helds, layers), load=load)
     return chosen[1] if chosen is not None and chosen[0] == me else None
 
 
@@ -67,11 +75,15 @@ class Member:
     """A joined member: the worker node serving its share, replaced by another node when it moves.
 
     open_node(experts): fetch that share and build its node (blocking: run off the loop), not started.
-    read(): {address: {layer: experts}} of the model's announcements on the DHT (blocking)."""
+    read(): {address: ({layer: experts}, its announced load or None)} of the model's announcements
+    on the DHT (blocking). on_move(experts): called once a move is done, with the new share (the
+    member's seed follows it: node/member_seed.py)."""
 
     def __init__(self, node: WorkerNode, share: Sequence[int], layers: Sequence[int], num_experts: int,
-                 open_node: Callable[[tuple[int, ...]], WorkerNode], read: Callable[[], dict[str, Held]],
-                 report: Callable[[str], None] = log.info, grace_s: float = GRACE_S):
+                 open_node: Callable[[tuple[int, ...]], WorkerNode],
+                 read: Callable[[], dict[str, tuple[Held, Held | None]]],
+                 report: Callable[[str], None] = log.info, grace_s: float = GRACE_S,
+                 on_move: Callable[[tuple[int, ...]], Awaitable[None]] | None = None):
         self.node = node
         self.share = tuple(share)
         self.layers = list(layers)
@@ -80,6 +92,7 @@ class Member:
         self.read = read
         self.report = report
         self.grace_s = grace_s
+        self.on_move = on_move
         self.moves = 0
 
     async def serve(self, stop: asyncio.Event, interval_s: float) -> None:
@@ -100,8 +113,8 @@ class Member:
         announcer = self.node.announcer
         if announcer is None:
             return None
-        helds = await loop.run_in_executor(None, self.read)
-        move = plan_round(helds, announcer.record.address, self.share, self.layers, self.num_experts)
+        records = await loop.run_in_executor(None, self.read)
+        move = plan_round(records, announcer.record.address, self.share, self.layers, self.num_experts)
         if move is None:
             return None
         self.report(f"rebalancing: taking experts {format_ids(move.fetch)}"
@@ -125,6 +138,8 @@ class Member:
         else:
             await _wait(stop, self.grace_s)  # stopping meanwhile: both close now
         await old.stop()
+        if self.on_move is not None:
+            await self.on_move(move.share)
         return move
 
 

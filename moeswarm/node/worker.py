@@ -173,7 +173,7 @@ class WorkerNode:
                               self.source.config.model_type, store.num_experts, store.hidden_size, store.held,
                               tls=config.tls is not None, capacity=Capacity(limits.max_connections, limits.max_tokens),
                               throughput=self.tokens_per_s)
-        announcer = Announcer(self.dht, record, config.announce_ttl_s)
+        announcer = Announcer(self.dht, record, config.announce_ttl_s, refresh=_load_refresh(store, config.announce_ttl_s))
         await asyncio.get_running_loop().run_in_executor(None, announcer.start)
         self.announcer = announcer
         self.report(f"announced on the swarm as {announcer.record.address} ({self.tokens_per_s:.0f} tokens/s measured)")
@@ -194,6 +194,27 @@ def _open_dht(config: WorkerConfig, report: Report) -> SwarmDht:
     if not config.swarm:
         report(f"started a new swarm; join it with --swarm {','.join(dht.addresses())}")
     return dht
+
+
+def _load_refresh(store: ExpertStore, span_s: float):
+    """The announcement's refresh: the record with the rows per minute its experts computed over
+    the last `span_s` (worker/served.py), counted from now (the start-up measurement is not load);
+    None for a store that counts nothing."""
+    import dataclasses
+
+    from moeswarm.worker.served import LoadWindow
+
+    served = getattr(store, "served", None)
+    if served is None:
+        return None
+    window = LoadWindow(served, span_s)
+    window.mark()
+
+    def refresh(record):
+        rates = window.rates()
+        return record if rates is None else dataclasses.replace(record, load=rates)
+
+    return refresh
 
 
 def _throughput(store: ExpertStore, source: ModelSource) -> float:

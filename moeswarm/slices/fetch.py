@@ -11,17 +11,23 @@ connection is retried; a fetch that stops (killed, or out of retries) resumes wh
 pieces listed are re-checked against the manifest and kept. Once every piece is there, the slice
 is cut from the partial file by `moeswarm slice`'s own writer (gguf/gguf_slice.py), so the
 result is byte for byte what `moeswarm slice` writes from the whole file, and the partial files
-are removed.
+are removed (or, for a member that seeds them, kept: `keep_pieces`).
+
+Pieces may come from several sources (slices/sources.py: the inviter's seeder and the seeds
+joined members announce): each is asked for the missing pieces it holds, and one that fails,
+refuses or lies is passed over for the next; the hash check is the same whoever sent the bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import socket
 import ssl
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -29,6 +35,7 @@ from moeswarm.errors import MoeSwarmError, printable
 from moeswarm.ids import parse_address
 from moeswarm.slices.manifest import Manifest, Piece
 from moeswarm.slices.protocol import DATA, ERROR, MAX_ERROR, RESPONSE, encode_request
+from moeswarm.slices.sources import Source
 from moeswarm.progress import progress
 from moeswarm.gguf.gguf_slice import write_slice
 
@@ -37,6 +44,7 @@ WINDOW = 4  # requests in flight on the connection
 TIMEOUT_S = 30.0
 MIN_RATE = 64 << 10  # bytes/s: a piece must arrive within timeout_s + its length at this rate
 _RECORD_LINE = re.compile(r"[0-9]{1,20} [0-9]{1,20}")
+log = logging.getLogger("moeswarm.fetch")
 
 
 class FetchError(MoeSwarmError):
@@ -47,11 +55,19 @@ class Broken(Exception):
     """The connection broke: worth another try."""
 
 
-def fetch_slice(peer: str, manifest: Manifest, experts: Sequence[int], out: str | Path,
+def fetch_slice(peer: str | Sequence[Source], manifest: Manifest, experts: Sequence[int], out: str | Path,
                 layers: tuple[int, int] | None = None, with_backbone: bool = False,
-                tls: ssl.SSLContext | None = None, retries: int = 3, timeout_s: float = TIMEOUT_S) -> dict:
-    """Fetch what a slice of `experts` needs from the seeder at `peer` (HOST:PORT) and write it to `out`."""
+                tls: ssl.SSLContext | None = None, retries: int = 3, timeout_s: float = TIMEOUT_S,
+                keep_pieces: bool = False) -> dict:
+    """Fetch what a slice of `experts` needs and write it to `out`: from the seeder at `peer`
+    (HOST:PORT), or from `peer`'s sources in turn (slices/sources.py), each asked for the missing
+    pieces it holds; a source whose connection breaks is asked again (after the others, or after a
+    back-off when it is the only one left) up to `retries` times; one that stays unreachable,
+    refuses or lies (a piece whose hash is not the manifest's) is passed over, and FetchError (the
+    last one's cause) comes when no source is left for a piece. keep_pieces: keep the checked pieces (`pieces_paths(out)`: a sparse
+    file as long as the model, and the list of what it holds) for this member to seed."""
     out = Path(out)
+    sources = [Source(peer)] if isinstance(peer, str) else list(peer)
     pieces = manifest.pieces(experts, layers, with_backbone)
     partial, record = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.done")
     try:
@@ -61,31 +77,53 @@ def fetch_slice(peer: str, manifest: Manifest, experts: Sequence[int], out: str 
                          f"{error.strerror or error}") from None
     resumed = sum(p.length for p in pieces if (p.offset, p.length) in done)
     total = sum(p.length for p in pieces)
-    fetched, attempt, started = 0, 0, time.perf_counter()
+    fetched, attempts, started = 0, Counter(), time.perf_counter()
+    failed: dict[str, FetchError] = {}  # sources passed over, and why
+    from_each: Counter[str] = Counter()  # bytes fetched from each source
     try:
         fd = os.open(partial, os.O_RDWR)
     except OSError as error:
         raise FetchError(f"cannot open {partial}: {error.strerror or error}") from None
     try:
-        with record.open("a") as log, progress(desc=f"fetching {out.name}", total=total, unit="B") as bar:
+        with record.open("a") as log_file, progress(desc=f"fetching {out.name}", total=total, unit="B") as bar:
             bar.update(resumed)
             while todo := [p for p in pieces if (p.offset, p.length) not in done]:
+                candidates = [s for s in sources if s.address not in failed
+                              and any(s.holds((p.offset, p.length)) for p in todo)]
+                # the least tried first (in the sources' order among equals): a seed that broke is tried
+                # again only after the others
+                source = min(candidates, key=lambda s: attempts[s.address], default=None)
+                if source is None:
+                    if failed:
+                        raise list(failed.values())[-1]
+                    raise FetchError(f"no seed holds {todo[0].label}; {len(done)} of {len(pieces)} pieces kept in "
+                                     f"{partial}: run the same command again to resume")
+                address = source.address
                 try:
-                    for piece, data in ranges(peer, todo, tls, timeout_s):
-                        _check(peer, piece, data)
+                    for piece, data in ranges(address, [p for p in todo if source.holds((p.offset, p.length))],
+                                              tls, timeout_s):
+                        _check(address, piece, data)
                         _write(fd, partial, data, piece.offset)
-                        log.write(f"{piece.offset} {piece.length}\n")
-                        log.flush()
+                        log_file.write(f"{piece.offset} {piece.length}\n")
+                        log_file.flush()
                         done.add((piece.offset, piece.length))
                         fetched += piece.length
+                        from_each[address] += piece.length
                         bar.update(piece.length)
                 except Broken as error:
-                    attempt += 1
-                    if attempt > retries:
+                    attempts[address] += 1
+                    if attempts[address] > retries:
                         hint = "" if tls else " (if it was started with --swarm-key, pass the same --swarm-key)"
-                        raise FetchError(f"seeder {peer}: {error}{hint}; {len(done)} of {len(pieces)} pieces kept in "
-                                         f"{partial}: run the same command again to resume") from None
-                    time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+                        failed[address] = FetchError(
+                            f"seeder {address}: {error}{hint}; {len(done)} of {len(pieces)} pieces kept in "
+                            f"{partial}: run the same command again to resume")
+                        _passed_over(address, failed[address], sources, failed)
+                        continue
+                    if len(candidates) == 1:  # no other source to ask meanwhile: back off before trying it again
+                        time.sleep(min(0.5 * 2 ** (attempts[address] - 1), 5.0))
+                except FetchError as error:  # it refused, or lied: nothing of the piece was kept
+                    failed[address] = error
+                    _passed_over(address, error, sources, failed)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -96,11 +134,42 @@ def fetch_slice(peer: str, manifest: Manifest, experts: Sequence[int], out: str 
         raise FetchError(f"cannot write {out}: {error.strerror or error} (the fetched pieces stay in {partial})") from None
     if report["fingerprint"] != manifest.fingerprint:
         raise FetchError(f"the slice's fingerprint {report['fingerprint']} is not the manifest's {manifest.fingerprint}")
-    partial.unlink()
-    record.unlink()
-    return {**report, "peer": peer, "pieces": len(pieces), "fetched_bytes": fetched, "resumed_bytes": resumed,
-            "fetch_s": round(seconds, 4), "attempts": attempt + 1,
+    if keep_pieces:
+        kept, listed = pieces_paths(out)
+        os.replace(record, listed)
+        os.replace(partial, kept)
+    else:
+        partial.unlink()
+        record.unlink()
+    return {**report, "peer": sources[0].address if len(sources) == 1 else [s.address for s in sources],
+            "pieces": len(pieces), "fetched_bytes": fetched, "resumed_bytes": resumed,
+            "from": dict(from_each), "passed_over": sorted(failed),
+            "fetch_s": round(seconds, 4), "attempts": sum(attempts.values()) + 1,
             "mb_per_s": round(fetched / seconds / 1e6, 2) if seconds > 0 else None}
+
+
+def pieces_paths(out: str | Path) -> tuple[Path, Path]:
+    """(the kept pieces' sparse file, the list of the (offset, length) it holds) beside slice `out`."""
+    out = Path(out)
+    return out.with_name(out.name + ".pieces"), out.with_name(out.name + ".pieces.done")
+
+
+def kept_pieces(out: str | Path, manifest: Manifest) -> frozenset[tuple[int, int]]:
+    """The pieces kept beside slice `out` (`keep_pieces`) for `manifest` (its hash heads the list):
+    the ranges a seed of this member may serve; empty when none are kept. They were checked when
+    fetched; a fetcher checks each again."""
+    kept, listed = pieces_paths(out)
+    if not kept.is_file() or not listed.is_file() or kept.stat().st_size != manifest.file_size:
+        return frozenset()
+    lines = listed.read_text(errors="replace").splitlines()
+    if not lines or lines[0] != f"{RECORD_HEADER} {manifest.sha256} {manifest.file_size}":
+        return frozenset()
+    return frozenset(tuple(int(x) for x in line.split()) for line in lines[1:] if _RECORD_LINE.fullmatch(line))
+
+
+def _passed_over(address: str, error: FetchError, sources: list[Source], failed: dict) -> None:
+    if any(s.address not in failed for s in sources):
+        log.warning("passing over seed %s: %s", address, printable(str(error), 300))
 
 
 def _resume(partial: Path, record: Path, manifest: Manifest, pieces: list[Piece]) -> set[tuple[int, int]]:

@@ -1,7 +1,8 @@
 """The seeder: serves byte ranges of one model file to joining workers (`moeswarm seed`).
 
 A worker that is to host some experts fetches just their byte ranges (slices/fetch.py) from a
-peer that has the file. The seeder trusts nobody and is trusted by nobody: with a swarm key it
+peer that has the file, or from a joined member that holds those pieces (`pieces`: it serves
+only them). The seeder trusts nobody and is trusted by nobody: with a swarm key it
 talks only to peers holding the same key (mutual TLS, transport/tls.py); what it sends is checked
 against the owner's manifest by the fetcher. Every request is bounded (slices/protocol.py): at
 most MAX_REQUEST bytes, inside the file; a bad one gets a one-line ERR! and the connection closes,
@@ -38,6 +39,7 @@ MAX_PER_PEER = 16
 IDLE_TIMEOUT_S = 60.0
 HANDSHAKE_TIMEOUT_S = 10.0
 EVICT_AFTER_S = 5.0
+LINGER_S = 2.0  # after an ERR!, how long the fetcher's unread requests are read and dropped
 
 
 class Seeder:
@@ -45,7 +47,12 @@ class Seeder:
 
     def __init__(self, path: str | Path, tls: ssl.SSLContext | None = None, max_connections: int = MAX_CONNECTIONS,
                  idle_timeout_s: float = IDLE_TIMEOUT_S, max_per_peer: int = MAX_PER_PEER,
-                 evict_after_s: float = EVICT_AFTER_S, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S):
+                 evict_after_s: float = EVICT_AFTER_S, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 pieces: frozenset[tuple[int, int]] | None = None):
+        """pieces: the (offset, length) ranges this seeder holds and serves, each asked for whole (a
+        joined member's seed: the pieces it fetched, at their offsets in a sparse file as long as the
+        model); None: any range of the file (the inviter's whole model)."""
+        self.pieces = pieces
         self.path = Path(path)
         if not self.path.is_file():
             raise MoeSwarmError(f"{self.path}: no such file to seed")
@@ -117,6 +124,7 @@ class Seeder:
                     log.info("refused a request from %s: %s", peer, error)
                     writer.write(encode_error(str(error)))
                     await writer.drain()
+                    await _linger(reader)
                     return
                 data = await asyncio.to_thread(os.pread, self._fd, length, offset)
                 writer.write(RESPONSE.pack(DATA, len(data)))
@@ -137,4 +145,21 @@ class Seeder:
             raise ProtocolError(f"a request may ask for 1 to {MAX_REQUEST} bytes, not {length}")
         if offset + length > self.size:
             raise ProtocolError(f"bytes [{offset}, {offset + length}) lie beyond the file's {self.size} bytes")
+        if self.pieces is not None and (offset, length) not in self.pieces:
+            raise ProtocolError(f"bytes [{offset}, {offset + length}) are not a piece this seed holds")
         return offset, length
+
+
+async def _linger(reader: asyncio.StreamReader, seconds: float = LINGER_S) -> None:
+    """Read and drop what the fetcher sent after a refused request (its pipelined requests) until it
+    closes, for at most `seconds`: closing with unread bytes resets the connection, and the fetcher
+    would see the reset instead of the ERR! that says why."""
+    try:
+        await within(seconds, _drain_input(reader))
+    except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
+        pass
+
+
+async def _drain_input(reader: asyncio.StreamReader) -> None:
+    while await reader.read(1 << 16):
+        pass

@@ -26,6 +26,7 @@ from moeswarm.kernels import qkernels
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import HEADER_SIZE, Frame, Opcode, pack_meta
 from moeswarm.wire.messages import Dispatch
+from moeswarm.worker.served import served_span
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class QuantLane:
     found: np.ndarray  # [2 n + 1] int64 scratch: the C call's hit experts, their counts, how many
     whole: tuple | None = None  # (qkernels.ExpressLane, what it points into): whole RESULT frames in C
     reply_bytes: int = 0  # room a whole RESULT frame needs
+    served: np.ndarray | None = None  # [n] int64: the store's counters of the run's experts (worker/served.py)
 
     @property
     def answers_whole(self) -> bool:
@@ -74,6 +76,8 @@ class QuantLane:
                                       self.id_bytes, self.k, base + self.weights_at, self.table, out,
                                       self.found[: self.plan.num_experts], torch.get_num_threads()) != 0:
                 return None
+            if self.served is not None:
+                np.add(self.served, self.found[: self.plan.num_experts], out=self.served)  # [n] rows per run expert
             meta = self.meta
         else:
             out = np.zeros((self.tokens * self.k, width), np.float32)  # [T k, d]: the pairs' rows first
@@ -83,6 +87,8 @@ class QuantLane:
                 return None
             n, hit = self.plan.num_experts, int(self.found[-1])
             counts = self.found[n : n + hit].tolist()
+            if self.served is not None:
+                self.served[self.found[:hit]] += self.found[n : n + hit]  # hit run experts' rows
             out = out[: sum(counts)]  # [S, d]
             meta = {**self.meta, "tensors": [["y", "f32", "f32", [out.shape[0], width]]],
                     "experts": (self.found[:hit] + self.first).tolist(), "counts": counts}
@@ -112,6 +118,7 @@ def learn_quant_lane(store, frame: Frame, request: Dispatch, reply: Frame, at: d
     if at["x"][2].name != "f32" or at["w"][2].name != "f32":
         return False
     plan, first = found
+    served = served_span(store, request.layer, first, plan.num_experts)
     tokens, k = request.top_k_index.shape
     partial = request.mode == CombineMode.PARTIAL
     meta = {key: value for key, value in reply.meta.items() if key in ("layer", "mode", "tensors") and
@@ -130,9 +137,10 @@ def learn_quant_lane(store, frame: Frame, request: Dispatch, reply: Frame, at: d
     if packed.endswith(tail):
         prefix = packed[: len(packed) - len(tail)] + (b"\xa6cpu_us" if request.timed and partial else b"")
         whole = qkernels.express_lane(plan, tokens, k, id_bytes, before + at["x"][0], before + at["ids"][0],
-                                      before + at["w"][0], table, prefix, request.timed, not partial, first)
+                                      before + at["w"][0], table, prefix, request.timed, not partial, first,
+                                      served)
         room = HEADER_SIZE + len(packed) + 40 + 18 * tokens * k + 4 * rows * plan.hidden
     return QuantLane(request.mode, plan, first, table, tokens, k, at["x"][0], at["ids"][0], id_bytes, at["w"][0],
                      len(memoryview(frame.payload)), request.timed, meta,
                      pack_meta(meta) if partial and not request.timed else None,
-                     np.empty(2 * plan.num_experts + 1, np.int64), whole, room)
+                     np.empty(2 * plan.num_experts + 1, np.int64), whole, room, served)

@@ -26,6 +26,7 @@ from moeswarm.ids import LayerId, format_ids, runs
 from moeswarm.model.hosted import HostedLayer
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.messages import U8_IDS, Dispatch, Result
+from moeswarm.worker.served import Served
 
 
 _NUMPY_ADD_ROWS = 64  # up to this many routed pairs, a PARTIAL answer's adds go in numpy (_by_token)
@@ -50,6 +51,7 @@ class SelfSumming:
     module: torch.nn.Module
     u8_ids: np.ndarray  # [256] int64: the module's id for each u8 wire id; `other` for 255 (another holder's slot), -2 not held here
     other: int  # the id the module takes as "no expert of mine": -1, or its sentinel
+    first: int = 0  # the module's expert i is expert first + i
 
 
 class ExpertStore:
@@ -63,6 +65,7 @@ class ExpertStore:
         self._dtypes = {layer: compute_dtype(layer_runs[0].module) for layer, layer_runs in self._runs.items()}
         self._num_experts = num_experts
         self._hidden_size = hidden_size
+        self.served = Served(self._held, num_experts)  # rows computed per expert: the measured load
 
     @property
     def held(self) -> dict[int, tuple[int, ...]]:
@@ -107,7 +110,7 @@ class ExpertStore:
         other = -1 if only.sums_itself else only.sentinel
         table = self._locals[layer].take(U8_IDS + 2, mode="clip")  # [256]: the run's id, -1, or -2
         table[table == -1] = other
-        return SelfSumming(only.module, table, other)
+        return SelfSumming(only.module, table, other, only.experts.start)
 
     def ids_table(self, layer: int) -> np.ndarray:
         """[E + 3] int64: at position id + 2 (clipped), the id within its run where held here, -1 for
@@ -121,8 +124,14 @@ class ExpertStore:
             return f"layers {format_ids(list(self._held))}, experts {format_ids(expert_sets.pop())}"
         return "; ".join(f"layer {layer}: experts {format_ids(experts)}" for layer, experts in self._held.items())
 
-    @torch.inference_mode()
     def run(self, request: Dispatch) -> Result:
+        """The Result of `request` (ProtocolError naming what is wrong with it); its rows counted in `served`."""
+        result = self._run(request)
+        self.served.add(result.layer, result.experts, result.counts)
+        return result
+
+    @torch.inference_mode()
+    def _run(self, request: Dispatch) -> Result:
         layer_runs, index, local = self._check(request)  # [T, k] int64 numpy each: ids, and ids within their run
         if request.mode == CombineMode.PARTIAL and len(layer_runs) == 1:
             only = layer_runs[0]

@@ -25,6 +25,7 @@ from msgpack import packb
 from moeswarm.wire.config import CombineMode
 from moeswarm.wire.frames import HEADER, HEADER_SIZE, MAGIC, VERSION, Frame, Opcode, pack_meta
 from moeswarm.wire.messages import Dispatch, Result
+from moeswarm.worker.served import served_span
 from moeswarm.worker.store import SelfSumming
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class OneCall:
     x_at: slice  # where x's, w's and the ids' bytes lie in the payload
     w_at: slice
     ids_at: int
+    served: np.ndarray | None = None  # [n] int64: the store's counters of the module's experts (worker/served.py)
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,10 @@ class TorchLane:
         if out.dtype != torch.float32 or not out.is_contiguous():
             return None
         cpu_s = time.thread_time() - started if self.timed else None
+        if one.served is not None:  # counted once answered (a declined call is counted by the path that answers it)
+            for value in values:  # a decode step's few ids: cheaper in Python than a numpy call
+                if value >= 0 and value != one.summing.other:
+                    one.served[value] += 1
         return _partial_frame(self, request_id, out.numpy(), cpu_s)
 
     def _run(self, frame: Frame) -> tuple[Result, float | None] | None:
@@ -148,8 +154,13 @@ def learn_torch_lane(store, frame: Frame, request: Dispatch, reply: Frame, at: d
     (x_at, x_size, *_), (w_at, w_size, *_) = at["x"], at["w"]
     sums = OneCall(summing, hidden, index, weights, index.numpy().reshape(-1), memoryview(hidden.numpy()).cast("B"),
                    memoryview(weights.numpy()).cast("B"), slice(x_at, x_at + x_size), slice(w_at, w_at + w_size),
-                   at["ids"][0])
+                   at["ids"][0], served_span(store, request.layer, summing.first, _module_experts(store, request.layer)))
     return TorchLane(store, tokens, payload_bytes, reply_bytes, request.timed, prefix, sums)
+
+
+def _module_experts(store, layer: int) -> int:
+    """How many experts the layer's one module holds here (its ids within the module are 0..n-1)."""
+    return len(getattr(store, "held", {}).get(layer, ()))
 
 
 def _reply_bound(frame: Frame, request: Dispatch) -> int:
