@@ -13,7 +13,7 @@ import pytest
 from moeswarm import native
 from moeswarm.errors import MoeSwarmError
 from moeswarm.transport import token_call
-from moeswarm.kernels import qkernels
+from moeswarm.kernels import qk_mirrors, qkernels
 from moeswarm.wire import frames
 from moeswarm.wire.codecs import CODECS, INTEGER_CODECS
 from moeswarm.wire.messages import U8_IDS
@@ -97,7 +97,7 @@ class _SwappedLane(ctypes.Structure):
 
 @needs_kernels
 def test_a_mirror_that_disagrees_is_refused_at_load(monkeypatch):
-    monkeypatch.setattr(qkernels, "ExpressLane", _SwappedLane)
+    monkeypatch.setattr(qk_mirrors, "ExpressLane", _SwappedLane)
     refused = r"^refusing moeswarm/_qkernels: QkLane\.alpha is 104 in C and 112 in Python"
     with pytest.raises(MoeSwarmError, match=refused):
         qkernels._library.__wrapped__()
