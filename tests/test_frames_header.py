@@ -103,6 +103,43 @@ def test_a_mirror_that_disagrees_is_refused_at_load(monkeypatch):
         qkernels._library.__wrapped__()
 
 
+class _SwappedMatmul(ctypes.Structure):
+    """qk_matmul_call's Matmul with `rows` and `K` in each other's place: same size, two offsets off."""
+
+    _fields_ = _swapped(qk_mirrors.Matmul._fields_, "rows", "K")
+
+
+@needs_kernels
+def test_a_call_struct_that_disagrees_is_refused_at_load(monkeypatch):
+    monkeypatch.setattr(qk_mirrors, "Matmul", _SwappedMatmul)
+    refused = r"^refusing moeswarm/_qkernels: QkMatmul\.rows is 16 in C and 24 in Python"
+    with pytest.raises(MoeSwarmError, match=refused):
+        qkernels._library.__wrapped__()
+
+
+@needs_kernels
+def test_every_call_struct_is_in_the_kernels_layout_report():
+    report = native.reported(qkernels._library(), "qk_layout")
+    for c_name, mirror in qk_mirrors.mirrors().items():
+        assert report[c_name] == ctypes.sizeof(mirror)
+        assert {f"{c_name}.{name}": report[f"{c_name}.{name}"] for name, _ in mirror._fields_} == {
+            f"{c_name}.{name}": getattr(mirror, name).offset for name, _ in mirror._fields_}
+
+
+class _SwappedTake(ctypes.Structure):
+    """tc_take's Take with `doze` and `spin` in each other's place: same size, two offsets off."""
+
+    _fields_ = _swapped(token_call.Take._fields_, "doze", "spin")
+
+
+@needs_token_call
+def test_a_token_call_struct_that_disagrees_is_refused_at_load(monkeypatch):
+    monkeypatch.setattr(token_call, "Take", _SwappedTake)
+    refused = r"^refusing moeswarm/_token_call: TcTake\.doze is 112 in C and 120 in Python"
+    with pytest.raises(MoeSwarmError, match=refused):
+        token_call._library.__wrapped__()
+
+
 @needs_token_call
 def test_a_library_reporting_other_constants_is_refused(monkeypatch):
     real = native.reported

@@ -17,6 +17,7 @@ import torch
 
 from moeswarm.kernels import qk_library
 from moeswarm.kernels.qk_matmul import _address, row_bytes
+from moeswarm.kernels.qk_mirrors import Dispatch, Expert, ExpertSet, Experts
 
 # qk_expert's activations.
 ACTIVATIONS = {"silu": 0, "gpt_oss": 1}
@@ -51,10 +52,10 @@ def expert(gate: Blocks, up: Blocks, down: Blocks, x: torch.Tensor, threads: int
     assert x.dtype == torch.float32 and x.stride(1) == 1 and up.rows == gate.rows and down.rows == hidden
     _check_blocks([gate], [up], [down])
     out = torch.empty(n, hidden, dtype=torch.float32)
-    code = qk_library._library().qk_expert(gate.qtype, gate.address, up.qtype, up.address, down.qtype, down.address, hidden,
-                                gate.rows, x.data_ptr(), n, x.stride(0), _pointer(gate_bias), _pointer(up_bias),
-                                _pointer(down_bias), ACTIVATIONS[activation], alpha, limit, out.data_ptr(), hidden,
-                                threads, int(int8_activations))
+    call = Expert(gate.qtype, gate.address, up.qtype, up.address, down.qtype, down.address, hidden, gate.rows,
+                  x.data_ptr(), n, x.stride(0), _pointer(gate_bias), _pointer(up_bias), _pointer(down_bias),
+                  ACTIVATIONS[activation], alpha, limit, out.data_ptr(), hidden, threads, int8_activations)
+    code = qk_library._library().qk_expert_call(call)
     if code != 0:
         raise RuntimeError(f"qk_expert failed for GGUF types {gate.qtype}, {up.qtype}, {down.qtype} "
                            f"(hidden size {hidden}, intermediate size {gate.rows})")
@@ -74,7 +75,8 @@ def _check_blocks(gate: list[Blocks], up: list[Blocks], down: list[Blocks]) -> N
 
 
 class ExpertsPlan:
-    """A layer's n experts as qk_experts takes them, every argument but the DISPATCH's computed once.
+    """A layer's n experts as qk_experts takes them (`set`, kernels/qk_calls.h QkExpertSet), made once:
+    each call's struct points to it.
 
     gate, up, down: each expert's Blocks (one type per role); biases float32 [n, I], [n, I], [n, H] or None."""
 
@@ -87,11 +89,16 @@ class ExpertsPlan:
         _check_blocks(gate, up, down)
         self.num_experts = n
         self.hidden = down[0].rows if n else 0
+        self.inner = gate[0].rows if n else 0
+        self.types = tuple(m[0].qtype if n else 0 for m in (gate, up, down))  # gate, up, down
+        self.activation, self.alpha, self.limit = ACTIVATIONS[activation], alpha, limit
         self._tables = [(ctypes.c_int64 * max(n, 1))(*(b.address for b in m)) for m in (gate, up, down)]
         self._biases = (gate_bias, up_bias, down_bias)  # kept alive: the C code reads them by address
-        types = [m[0].qtype if n else 0 for m in (gate, up, down)]
-        self._head = (n, *(ctypes.addressof(t) for t in self._tables), *types, self.hidden, gate[0].rows if n else 0)
-        self._tail = (*(_pointer(b) for b in self._biases), ACTIVATIONS[activation], alpha, limit)
+        self.matrices = tuple(ctypes.addressof(t) for t in self._tables)  # gate, up, down: [n] addresses each
+        self.biases = tuple(_pointer(b) for b in self._biases)  # gate, up, down (None: none)
+        self.set = ExpertSet(n, *self.matrices, *self.types, self.hidden, self.inner, *self.biases, self.activation,
+                             alpha, limit)
+        self.set_at = ctypes.addressof(self.set)  # what each call's struct points to
 
 
 def dispatch_sums(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_bytes: int, k: int, weights: int,
@@ -104,9 +111,9 @@ def dispatch_sums(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_byte
     0, -3 (an id not held here, or no slot routed: nothing computed), or another failure code."""
     assert final.dtype == np.float32 and final.shape == (tokens, plan.hidden) and final.flags.c_contiguous
     assert counts.dtype == np.int64 and counts.shape == (plan.num_experts,) and table.dtype == np.int64
-    return qk_library._library().qk_dispatch_sums(*plan._head, hidden, tokens, ids, id_bytes, k, weights, _address(table),
-                                       len(table), *plan._tail, _address(final), _address(counts), threads, 1)
-
+    call = Dispatch(plan.set_at, hidden, tokens, ids, id_bytes, k, weights, _address(table), len(table), _address(final),
+                    tokens, _address(counts), None, None, threads, 1)
+    return qk_library._library().qk_dispatch_sums_call(call)
 
 
 def dispatch_rows(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_bytes: int, k: int, weights: int,
@@ -120,10 +127,9 @@ def dispatch_rows(plan: ExpertsPlan, hidden: int, tokens: int, ids: int, id_byte
     assert rows.dtype == np.float32 and rows.shape == (tokens * k, plan.hidden) and rows.flags.c_contiguous
     assert found.dtype == np.int64 and found.shape == (2 * n + 1,) and table.dtype == np.int64
     base = _address(found)
-    return qk_library._library().qk_dispatch_rows(*plan._head, hidden, tokens, ids, id_bytes, k, weights, _address(table),
-                                       len(table), *plan._tail, _address(rows), rows.shape[0], base, base + 8 * n,
-                                       base + 16 * n, threads, 1)
-
+    call = Dispatch(plan.set_at, hidden, tokens, ids, id_bytes, k, weights, _address(table), len(table), _address(rows),
+                    rows.shape[0], base + 8 * n, base, base + 16 * n, threads, 1)
+    return qk_library._library().qk_dispatch_rows_call(call)
 
 
 def experts(plan: ExpertsPlan, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, threads: int,
@@ -138,11 +144,12 @@ def experts(plan: ExpertsPlan, hidden: torch.Tensor, index: torch.Tensor, weight
     assert index.dtype == torch.int64 and index.is_contiguous() and index.shape == weights.shape == (S, k)
     assert weights.dtype == torch.float32 and weights.is_contiguous()
     final = torch.zeros(S, H, dtype=torch.float32)
-    code = qk_library._library().qk_experts(*plan._head, hidden.data_ptr(), S, hidden.stride(0), index.data_ptr(), k,
-                                 weights.data_ptr(), *plan._tail, final.data_ptr(), threads, int(int8_activations))
+    call = Experts(plan.set_at, hidden.data_ptr(), S, hidden.stride(0), index.data_ptr(), k, weights.data_ptr(),
+                   final.data_ptr(), threads, int8_activations)
+    code = qk_library._library().qk_experts_call(call)
     if code == -2:
         bad = index[index >= plan.num_experts][0].item()
         raise ValueError(f"expert id {bad} out of range: this module holds experts 0-{plan.num_experts - 1}")
     if code != 0:
-        raise RuntimeError(f"qk_experts failed (GGUF types {plan._head[4:7]}, out of memory or an unsupported type)")
+        raise RuntimeError(f"qk_experts failed (GGUF types {plan.types}, out of memory or an unsupported type)")
     return final

@@ -11,7 +11,7 @@ import numpy as np
 from moeswarm.kernels.qk_experts import ExpertsPlan
 from moeswarm.kernels import qk_library
 from moeswarm.kernels.qk_matmul import _address
-from moeswarm.kernels.qk_mirrors import ExpressLane, HoldOut
+from moeswarm.kernels.qk_mirrors import ExpressLane, Hold, HoldOut
 
 
 def express_lane(plan: ExpertsPlan, tokens: int, k: int, id_bytes: int, hidden_at: int, ids_at: int, weights_at: int,
@@ -25,10 +25,8 @@ def express_lane(plan: ExpertsPlan, tokens: int, k: int, id_bytes: int, hidden_a
     counts, hit = np.zeros(n, np.int64), np.zeros(n, np.int64)
     sums = np.zeros((tokens * k if exact else tokens, plan.hidden), np.float32)
     meta_buffer = ctypes.create_string_buffer(meta, len(meta))
-    n_experts, gate, up, down, gate_type, up_type, down_type, hidden, inner = plan._head
-    gate_bias, up_bias, down_bias, activation, alpha, limit = plan._tail
-    lane = ExpressLane(n_experts, gate, up, down, gate_type, up_type, down_type, hidden, inner, gate_bias, up_bias,
-                       down_bias, activation, alpha, limit, tokens, k, id_bytes, hidden_at, ids_at, weights_at,
+    lane = ExpressLane(plan.num_experts, *plan.matrices, *plan.types, plan.hidden, plan.inner, *plan.biases,
+                       plan.activation, plan.alpha, plan.limit, tokens, k, id_bytes, hidden_at, ids_at, weights_at,
                        _address(table), len(table), _address(counts), _address(sums), ctypes.addressof(meta_buffer),
                        len(meta), int(timed), _address(hit), first)
     return lane, (plan, table, counts, hit, sums, meta_buffer)
@@ -46,7 +44,7 @@ def hold(lanes: ctypes.Array, n_lanes: int, max_tokens: int, fd: int, loop_fd: i
          into: bytearray, reply: bytearray, answer: ctypes._CFuncPtr, threads: int, out: HoldOut) -> int:
     """Answer a connection's DISPATCHes of learned lanes of at most `max_tokens` as they come, in C
     (kernels/qk_hold.c `qk_hold`): why it ended (worker/hold.py's outcomes), `out` what it did."""
-    return qk_library._library().qk_hold(ctypes.addressof(lanes), n_lanes, max_tokens, fd, loop_fd, wait_s, limit_s,
-                              ctypes.addressof(ctypes.c_char.from_buffer(into)), len(into),
-                              ctypes.addressof(ctypes.c_char.from_buffer(reply)), len(reply), answer, threads,
-                              ctypes.byref(out))
+    call = Hold(ctypes.addressof(lanes), n_lanes, max_tokens, fd, loop_fd, wait_s, limit_s,
+                ctypes.addressof(ctypes.c_char.from_buffer(into)), len(into),
+                ctypes.addressof(ctypes.c_char.from_buffer(reply)), len(reply), answer, threads, ctypes.addressof(out))
+    return qk_library._library().qk_hold(call)

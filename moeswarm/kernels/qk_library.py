@@ -15,7 +15,6 @@ from functools import cache
 
 from moeswarm import native
 from moeswarm.kernels import qk_mirrors
-from moeswarm.kernels.qk_mirrors import HOLD_ANSWER
 from moeswarm.wire import frames
 
 log = logging.getLogger(__name__)
@@ -30,47 +29,30 @@ def _library() -> ctypes.CDLL | None:
         log.warning("moeswarm's C kernels (moeswarm/_qkernels) are not built: GGUF experts are dequantized to float32 "
                     "(reinstall with `pip install -e .` and a C compiler to keep them quantized)")
         return None
-    native.check_layout("_qkernels", native.reported(lib, "qk_layout"),
-                        qk_mirrors.mirrors(), frames.c_constants())
+    native.check_layout("_qkernels", native.reported(lib, "qk_layout"), qk_mirrors.mirrors(), frames.c_constants())
+    by = ctypes.POINTER  # a mirror's instance is passed by reference
     lib.qk_supported.argtypes = [ctypes.c_int, _I64]
-    lib.qk_matmul.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int,
-                              ctypes.c_int]
-    lib.qk_matmul_heads.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
-                                    ctypes.c_int, ctypes.c_int]
+    lib.qk_matmul_call.argtypes = [by(qk_mirrors.Matmul)]
+    lib.qk_matmul_heads_call.argtypes = [by(qk_mirrors.MatmulHeads)]
+    lib.qk_expert_call.argtypes = [by(qk_mirrors.Expert)]
+    lib.qk_experts_call.argtypes = [by(qk_mirrors.Experts)]
+    lib.qk_dispatch_sums_call.argtypes = lib.qk_dispatch_rows_call.argtypes = [by(qk_mirrors.Dispatch)]
+    lib.qk_rope_call.argtypes = [by(qk_mirrors.Rope)]
+    lib.qk_attend_one_call.argtypes = [by(qk_mirrors.Attend)]
+    lib.qk_rope_call.restype = lib.qk_attend_one_call.restype = None
+    lib.qk_hold.argtypes, lib.qk_hold.restype = [by(qk_mirrors.Hold)], _I64
     lib.qk_dequantize.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR]
     lib.qk_silu_glu.argtypes = [_PTR, _PTR, _PTR, _I64]
     lib.qk_oss_glu.argtypes = [_PTR, _PTR, _PTR, _I64, ctypes.c_float, ctypes.c_float]
     lib.qk_silu_glu.restype = lib.qk_oss_glu.restype = None
-    lib.qk_expert.argtypes = [ctypes.c_int, _PTR, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64,
-                              _I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _I64,
-                              ctypes.c_int, ctypes.c_int]
-    lib.qk_experts.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
-                               _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int,
-                               ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
-    lib.qk_dispatch_sums.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
-                                     _PTR, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
-                                     ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _PTR, ctypes.c_int,
-                                     ctypes.c_int]
-    lib.qk_dispatch_rows.argtypes = [_I64, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64, _I64,
-                                     _PTR, _I64, _PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
-                                     ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, _I64, _PTR, _PTR, _PTR,
-                                     ctypes.c_int, ctypes.c_int]
     lib.qk_express_sums.argtypes = lib.qk_express_rows.argtypes = [_PTR, ctypes.c_char_p, _PTR, _I64,
                                                                     ctypes.c_uint64, ctypes.c_int]
     lib.qk_express_sums.restype = lib.qk_express_rows.restype = _I64
-    lib.qk_hold.argtypes = [_PTR, _I64, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_double, ctypes.c_double, _PTR, _I64, _PTR,
-                            _I64, HOLD_ANSWER, ctypes.c_int, _PTR]
-    lib.qk_hold.restype = _I64
     lib.qk_add_rows.argtypes, lib.qk_add_rows.restype = [_PTR, _PTR, _I64, _I64], None
     lib.qk_peak.argtypes, lib.qk_peak.restype = [_PTR, _I64], ctypes.c_double
     lib.qk_rms_norm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR]
-    lib.qk_rope.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
-    lib.qk_attend_one.argtypes = lib.qk_attend_one_h.argtypes = [
-        _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR,
-        ctypes.c_int]
     lib.qk_rope_table.argtypes = [_PTR, _I64, _PTR, _I64, ctypes.c_float, _PTR, _PTR]
-    lib.qk_rms_norm.restype = lib.qk_rope.restype = lib.qk_rope_table.restype = lib.qk_attend_one.restype = None
-    lib.qk_attend_one_h.restype = None
+    lib.qk_rms_norm.restype = lib.qk_rope_table.restype = None
     lib.qk_use_isa.argtypes = [ctypes.c_int]
     lib.qk_isa.argtypes = []
     lib.qk_pool_rest.argtypes, lib.qk_pool_rest.restype = [], None

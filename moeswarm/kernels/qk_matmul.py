@@ -13,6 +13,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from moeswarm.kernels import qk_library
+from moeswarm.kernels.qk_mirrors import Matmul, MatmulHeads
 
 _BLOCK_SIZES = {int(qtype): sizes for qtype, sizes in GGML_QUANT_SIZES.items()}  # type -> (values, bytes) a block
 
@@ -36,7 +37,6 @@ def address(weight: np.ndarray) -> int:
     return weight.ctypes.data
 
 
-
 def matmul(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tensor, threads: int,
            int8_activations: bool = False) -> torch.Tensor:
     """x [n, K] float32 times W^T: W is weight [rows, row_bytes] of `qtype` blocks (K values a row) -> [n, rows].
@@ -50,8 +50,9 @@ def matmul(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tensor, thr
     assert x.dtype == torch.float32 and x.shape[1] == row_length and x.stride(1) == 1 and weight.strides[1] == 1
     assert weight.strides[0] == stride == row_bytes(qtype, row_length)  # rows back to back, each whole
     y = torch.empty(n, rows, dtype=torch.float32)
-    code = qk_library._library().qk_matmul(int(qtype), _address(weight), rows, row_length, stride,
-                                x.data_ptr(), n, x.stride(0), y.data_ptr(), rows, threads, int(int8_activations))
+    call = Matmul(qtype, _address(weight), rows, row_length, stride, x.data_ptr(), n, x.stride(0), y.data_ptr(), rows,
+                  threads, int8_activations)
+    code = qk_library._library().qk_matmul_call(call)
     if code != 0:
         raise RuntimeError(f"qk_matmul failed for GGUF type {qtype} with rows of {row_length} values")
     return y
@@ -68,13 +69,12 @@ def matmul_heads(qtype: int, weight: np.ndarray, row_length: int, x: torch.Tenso
     assert weight.strides == (rows * stride, stride, 1)  # matrices and their rows back to back
     assert stride == row_bytes(qtype, row_length)
     y = torch.empty(n, heads, rows, dtype=torch.float32)
-    code = qk_library._library().qk_matmul_heads(int(qtype), _address(weight), heads, rows * stride, rows, row_length, stride,
-                                      x.data_ptr(), n, x.stride(0), y.data_ptr(), heads * rows, threads,
-                                      int(int8_activations))
+    call = MatmulHeads(qtype, _address(weight), heads, rows * stride, rows, row_length, stride, x.data_ptr(), n,
+                       x.stride(0), y.data_ptr(), heads * rows, threads, int8_activations)
+    code = qk_library._library().qk_matmul_heads_call(call)
     if code != 0:
         raise RuntimeError(f"qk_matmul_heads failed for GGUF type {qtype} with rows of {row_length} values")
     return y
-
 
 
 def dequantize(qtype: int, weight: np.ndarray, row_length: int) -> torch.Tensor:
@@ -83,7 +83,7 @@ def dequantize(qtype: int, weight: np.ndarray, row_length: int) -> torch.Tensor:
     assert weight.ndim == 2 and weight.shape[1] * weight.itemsize == row_bytes(qtype, row_length)
     out = torch.empty(rows, row_length, dtype=torch.float32)
     if qk_library._library().qk_dequantize(int(qtype), _address(np.ascontiguousarray(weight)), rows, row_length,
-                                weight.shape[1], out.data_ptr()) != 0:
+                                           weight.shape[1], out.data_ptr()) != 0:
         raise RuntimeError(f"qk_dequantize failed for GGUF type {qtype} with rows of {row_length} values")
     return out
 

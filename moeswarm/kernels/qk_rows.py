@@ -4,13 +4,12 @@ numpy operations it replaces; where a thread count is taken, the bits do not dep
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import torch
 
 from moeswarm.kernels import qk_library
 from moeswarm.kernels.qk_matmul import _address
+from moeswarm.kernels.qk_mirrors import Attend, Rope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -27,10 +26,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     B, H, T, D = x.shape
     cos, sin = cos.contiguous(), sin.contiguous()
-    strides = (ctypes.c_int64 * 3)(*x.stride()[:3])
-    out_strides = (ctypes.c_int64 * 3)(*out.stride()[:3])
-    assert out.stride(3) == 1 and x.stride(3) == 1
-    qk_library._library().qk_rope(x.data_ptr(), strides, out.data_ptr(), out_strides, B, H, T, D, cos.data_ptr(), sin.data_ptr())
+    xs, os = x.stride(), out.stride()
+    assert os[3] == 1 and xs[3] == 1
+    call = Rope(x.data_ptr(), xs[0], xs[1], xs[2], out.data_ptr(), os[0], os[1], os[2], B, H, T, D, cos.data_ptr(),
+                sin.data_ptr())
+    qk_library._library().qk_rope_call(call)
     return out
 
 
@@ -43,8 +43,8 @@ def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) ->
     h = inv_freq.shape[0]
     cos = torch.empty(*positions.shape, 2 * h, dtype=torch.float32)
     sin = torch.empty_like(cos)
-    qk_library._library().qk_rope_table(positions.data_ptr(), positions.numel(), inv_freq.data_ptr(), h, scale, cos.data_ptr(),
-                             sin.data_ptr())
+    qk_library._library().qk_rope_table(positions.data_ptr(), positions.numel(), inv_freq.data_ptr(), h, scale,
+                                        cos.data_ptr(), sin.data_ptr())
     return cos, sin
 
 
@@ -63,13 +63,12 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     threads = max(1, min(threads, B * Hq))
     out = torch.empty(B, 1, Hq, Dv, dtype=torch.float32)
     scratch = torch.empty(threads * p, dtype=torch.float32)
-    qs, ks, vs = ((ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (q, k, v))
-    library = qk_library._library()
-    kernel = library.qk_attend_one if k.dtype is torch.float32 else library.qk_attend_one_h
-    kernel(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, B, Hq, Hkv, p, D, Dv, scale, out.data_ptr(),
-           scratch.data_ptr(), threads)
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    call = Attend(q.data_ptr(), qs[0], qs[1], qs[2], k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1],
+                  vs[2], B, Hq, Hkv, p, D, Dv, scale, out.data_ptr(), scratch.data_ptr(), threads,
+                  k.dtype is not torch.float32)
+    qk_library._library().qk_attend_one_call(call)
     return out
-
 
 
 def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -84,7 +83,6 @@ def oss_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) ->
     out = torch.empty_like(gate)
     qk_library._library().qk_oss_glu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), alpha, limit)
     return out
-
 
 
 def add_rows(total: np.ndarray, rows: np.ndarray) -> None:
