@@ -1,6 +1,6 @@
 """moeswarm's C libraries (built by `pip install -e .` from pyproject.toml's ext-modules), found by name.
 
-Each is plain C loaded with ctypes by the module that declares its functions (kernels/qkernels.py,
+Each is plain C loaded with ctypes by the module that declares its functions (kernels/qk_library.py,
 transport/token_call.py); a library that was not built (no compiler at install time) is None, and
 its callers take their Python paths. A library that was built from other sources than the Python
 loading it (its report of struct layouts and constants, `check_layout`) is refused.

@@ -13,7 +13,7 @@ import pytest
 from moeswarm import native
 from moeswarm.errors import MoeSwarmError
 from moeswarm.transport import token_call
-from moeswarm.kernels import qkernels
+from moeswarm.kernels import qk_mirrors, qkernels
 from moeswarm.wire import frames
 from moeswarm.wire.codecs import CODECS, INTEGER_CODECS
 from moeswarm.wire.messages import U8_IDS
@@ -97,10 +97,47 @@ class _SwappedLane(ctypes.Structure):
 
 @needs_kernels
 def test_a_mirror_that_disagrees_is_refused_at_load(monkeypatch):
-    monkeypatch.setattr(qkernels, "ExpressLane", _SwappedLane)
+    monkeypatch.setattr(qk_mirrors, "ExpressLane", _SwappedLane)
     refused = r"^refusing moeswarm/_qkernels: QkLane\.alpha is 104 in C and 112 in Python"
     with pytest.raises(MoeSwarmError, match=refused):
         qkernels._library.__wrapped__()
+
+
+class _SwappedMatmul(ctypes.Structure):
+    """qk_matmul_call's Matmul with `rows` and `K` in each other's place: same size, two offsets off."""
+
+    _fields_ = _swapped(qk_mirrors.Matmul._fields_, "rows", "K")
+
+
+@needs_kernels
+def test_a_call_struct_that_disagrees_is_refused_at_load(monkeypatch):
+    monkeypatch.setattr(qk_mirrors, "Matmul", _SwappedMatmul)
+    refused = r"^refusing moeswarm/_qkernels: QkMatmul\.rows is 16 in C and 24 in Python"
+    with pytest.raises(MoeSwarmError, match=refused):
+        qkernels._library.__wrapped__()
+
+
+@needs_kernels
+def test_every_call_struct_is_in_the_kernels_layout_report():
+    report = native.reported(qkernels._library(), "qk_layout")
+    for c_name, mirror in qk_mirrors.mirrors().items():
+        assert report[c_name] == ctypes.sizeof(mirror)
+        assert {f"{c_name}.{name}": report[f"{c_name}.{name}"] for name, _ in mirror._fields_} == {
+            f"{c_name}.{name}": getattr(mirror, name).offset for name, _ in mirror._fields_}
+
+
+class _SwappedTake(ctypes.Structure):
+    """tc_take's Take with `doze` and `spin` in each other's place: same size, two offsets off."""
+
+    _fields_ = _swapped(token_call.Take._fields_, "doze", "spin")
+
+
+@needs_token_call
+def test_a_token_call_struct_that_disagrees_is_refused_at_load(monkeypatch):
+    monkeypatch.setattr(token_call, "Take", _SwappedTake)
+    refused = r"^refusing moeswarm/_token_call: TcTake\.doze is 112 in C and 120 in Python"
+    with pytest.raises(MoeSwarmError, match=refused):
+        token_call._library.__wrapped__()
 
 
 @needs_token_call

@@ -26,7 +26,7 @@ from moeswarm.local.workers import local_workers
 from moeswarm.model.experts import experts_modules
 from moeswarm.sources.loading import load_experts, load_local
 from moeswarm.sources.source import open_source
-from moeswarm.kernels import qkernels
+from moeswarm.kernels import qk_library, qkernels
 from moeswarm.swarm import open_swarm
 from moeswarm.kernels.quant_experts import QuantExperts, QuantMatrix, quant_matrix
 from moeswarm.kernels.quant_linear import QuantEmbedding, QuantLinear
@@ -97,7 +97,7 @@ def test_backbone_keeps_the_files_encoding_unless_asked_for_float32(q4_k_m, monk
 
 
 def test_without_the_c_kernels_everything_is_float32(q4_k_m, monkeypatch):
-    monkeypatch.setattr(qkernels, "_library", lambda: None)  # as when the extension was not built
+    monkeypatch.setattr(qk_library, "_library", lambda: None)  # as when the extension was not built
     model = load_local(q4_k_m)
     assert not any(isinstance(m, QuantExperts) for _, m in experts_modules(model).values())
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear

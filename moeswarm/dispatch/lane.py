@@ -47,6 +47,7 @@ from moeswarm.ids import LayerId
 from moeswarm.transport import token_call
 from moeswarm.transport.link import Pending
 from moeswarm.transport.tcp import TcpLink
+from moeswarm.transport.token_call import Send, Take
 from moeswarm.wire.config import CombineMode, WireConfig
 from moeswarm.wire.frames import HEADER, HEADER_SIZE, pack_meta
 from moeswarm.wire.messages import Dispatch, Result
@@ -184,9 +185,9 @@ class LanePath:
             request_id = link.new_request_id()
             deadline = now + state.deadline_s(1)
             frame = template.frame
-            outcome = self._send(fd, template.address, len(frame), request_id, template.x_at, x_at, d, template.ids_at,
-                                 template.id_bytes, ids_at, k, owner_at, len(owners), holder, template.w_at, w_at,
-                                 deadline)
+            outcome = self._send(Send(fd, template.address, len(frame), request_id, template.x_at, x_at, d,
+                                      template.ids_at, template.id_bytes, ids_at, k, owner_at, len(owners), holder,
+                                      template.w_at, w_at, deadline))
             if outcome < 0:
                 express.give_up(pool, _express_call(sent), holder, link.lost_directly(outcome, sending=True).cause)
                 return Outcome.FAILED
@@ -220,9 +221,9 @@ class LanePath:
         for share, meta in zip(call.shares, metas):
             link = links[share.worker]
             buffer, address = self._buffer(share.worker, link, k, d)
-            got = self._take(share.fd, share.pending.request_id, address, len(buffer), meta, len(meta), timed,
-                             1 if share.first else len(share.experts), d, share.first, out_at, share.deadline,
-                             info_at, top_at, doze_for, spin_s)
+            got = self._take(Take(share.fd, share.pending.request_id, address, len(buffer), meta, len(meta), timed,
+                                  1 if share.first else len(share.experts), d, share.first, out_at, share.deadline,
+                                  info_at, top_at, doze_for, spin_s))
             doze_for = 0.0  # the others' replies come about when the first's does
             if got >= 0:
                 answered.append((share.worker, time.perf_counter() - share.pending.sent_at, got * 1e-6 if timed else None))

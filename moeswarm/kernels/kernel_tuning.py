@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moeswarm.kernels.qk_mirrors import Matmul
+
 log = logging.getLogger(__name__)
 
 PREFETCH = ("none", "l2", "nta")  # qkernels.c's QK_PREFETCH_* in order
@@ -123,8 +125,8 @@ def measure(lib) -> tuple[Tuning, dict]:
     timings: dict[str, dict] = {}
 
     def product(matrix: np.ndarray, n: int) -> None:
-        lib.qk_matmul(Q4_K, matrix.ctypes.data, ROWS, K, matrix.shape[1], x.ctypes.data, n, K, y.ctypes.data, ROWS,
-                      1, 1)
+        lib.qk_matmul_call(Matmul(Q4_K, matrix.ctypes.data, ROWS, K, matrix.shape[1], x.ctypes.data, n, K,
+                                  y.ctypes.data, ROWS, 1, 1))
 
     def cold(tuning: Tuning) -> float:
         tuning.apply(lib)

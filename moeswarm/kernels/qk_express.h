@@ -6,7 +6,7 @@
 #include <stdint.h>
 
 typedef struct {
-    /* the experts (qkernels.py ExpertsPlan's head and tail) */
+    /* the experts (kernels/qk_experts.py ExpertsPlan: QkExpertSet's fields, alpha and limit as doubles) */
     int64_t n_experts;
     const int64_t *gate, *up, *down;
     int64_t gate_type, up_type, down_type, H, I;

@@ -15,8 +15,7 @@
  * left whole in `in` for the loop's reader to take (the full path names the fault); a reply the
  * socket could not take whole is left for the loop to write (nothing else is written meanwhile).
  *
- * The frame header and its constants: wire/frames.h. This file also holds the kernels library's
- * layout report (qk_layout: moeswarm/native.h).
+ * The frame header and its constants: wire/frames.h. The structs Python fills: qk_hold.h.
  */
 
 #define _GNU_SOURCE
@@ -29,24 +28,11 @@
 #include <time.h>
 
 #include "frames.h"
-#include "native.h"
 #include "qk_express.h"
+#include "qk_hold.h"
 #include "qk_pool.h"
 
 #define PARTS_WAIT_NS 5000000 /* the longest a frame's later bytes may take once its first came */
-
-typedef struct {
-    const uint8_t *meta; /* a DISPATCH's metadata bytes, as the lane was learned from */
-    int64_t meta_len, payload_len;
-    const QkLane *lane; /* NULL: answered by the caller's `answer` (float experts: a torch module) */
-    int64_t exact;      /* 1: qk_express_rows; 0: qk_express_sums */
-    int64_t tokens;     /* the DISPATCH's */
-} QkHoldLane;
-
-/* The RESULT frame answering the DISPATCH of lane `index` (its frame's body, body_len bytes, request
- * rid) into reply [cap]: its length, or below zero where declined. */
-typedef int64_t (*QkHoldAnswer)(int64_t index, const uint8_t *body, int64_t body_len, uint64_t rid, uint8_t *reply,
-                                int64_t cap);
 
 enum {
     HOLD_WAITED = 0,   /* nothing came within the wait */
@@ -57,13 +43,6 @@ enum {
     HOLD_CLOSED = 5,   /* the connection failed or ended: the loop finds out itself */
     HOLD_SPENT = 6,    /* the hold's time is up */
 };
-
-typedef struct {
-    int64_t answered; /* frames read, answered and sent (a HOLD_FULL one's reply partly) */
-    int64_t tokens;   /* their tokens */
-    int64_t pending;  /* HOLD_DECLINED: the frame's bytes at in[0:pending] */
-    int64_t unsent_at, unsent_len; /* HOLD_FULL: reply[unsent_at : unsent_at + unsent_len] */
-} QkHoldOut;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -100,9 +79,14 @@ static const QkHoldLane *lane_of(const QkHoldLane *lanes, int64_t n_lanes, int64
  * loop_fd: the event loop's selector (its readiness ends the hold when fd has nothing). in
  * [in_cap]: room for the largest such lane's frame; reply [reply_cap]: for its RESULT; answer: the
  * caller's answer to a lane without a QkLane. Returns why it ended (HOLD_*), out: what it did. */
-int64_t qk_hold(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, int fd, int loop_fd, double wait_s,
-                double limit_s, uint8_t *in, int64_t in_cap, uint8_t *reply, int64_t reply_cap, QkHoldAnswer answer,
-                int threads, QkHoldOut *out) {
+int64_t qk_hold(const QkHold *call) {
+    const QkHoldLane *lanes = call->lanes;
+    int64_t n_lanes = call->n_lanes, max_tokens = call->max_tokens, in_cap = call->in_cap, reply_cap = call->reply_cap;
+    int fd = (int)call->fd, loop_fd = (int)call->loop_fd, threads = (int)call->threads;
+    double wait_s = call->wait_s, limit_s = call->limit_s;
+    uint8_t *in = call->in, *reply = call->reply;
+    QkHoldAnswer answer = call->answer;
+    QkHoldOut *out = call->out;
     memset(out, 0, sizeof *out);
     int64_t end = now_ns() + (int64_t)(limit_s * 1e9), wait_ns = (int64_t)(wait_s * 1e9);
     for (;;) {
@@ -167,25 +151,3 @@ int64_t qk_hold(const QkHoldLane *lanes, int64_t n_lanes, int64_t max_tokens, in
         qk_pool_rest(); /* the kernels' helpers sleep while this thread waits (as the runner's idle does) */
     }
 }
-
-/* The layout this library was built with, for moeswarm/native.py's check against the ctypes mirrors
- * (kernels/qkernels.py ExpressLane, HoldLane, HoldOut) and wire/frames.py. */
-static const MswLayoutEntry layout[] = {
-    MSW_SIZE(QkLane), MSW_FIELD(QkLane, n_experts), MSW_FIELD(QkLane, gate), MSW_FIELD(QkLane, up),
-    MSW_FIELD(QkLane, down), MSW_FIELD(QkLane, gate_type), MSW_FIELD(QkLane, up_type), MSW_FIELD(QkLane, down_type),
-    MSW_FIELD(QkLane, H), MSW_FIELD(QkLane, I), MSW_FIELD(QkLane, gate_bias), MSW_FIELD(QkLane, up_bias),
-    MSW_FIELD(QkLane, down_bias), MSW_FIELD(QkLane, activation), MSW_FIELD(QkLane, alpha), MSW_FIELD(QkLane, limit),
-    MSW_FIELD(QkLane, tokens), MSW_FIELD(QkLane, k), MSW_FIELD(QkLane, id_bytes), MSW_FIELD(QkLane, hidden_at),
-    MSW_FIELD(QkLane, ids_at), MSW_FIELD(QkLane, weights_at), MSW_FIELD(QkLane, table), MSW_FIELD(QkLane, table_len),
-    MSW_FIELD(QkLane, counts), MSW_FIELD(QkLane, sums), MSW_FIELD(QkLane, meta), MSW_FIELD(QkLane, meta_len),
-    MSW_FIELD(QkLane, timed), MSW_FIELD(QkLane, hit), MSW_FIELD(QkLane, first), MSW_FIELD(QkLane, served),
-    MSW_SIZE(QkHoldLane), MSW_FIELD(QkHoldLane, meta), MSW_FIELD(QkHoldLane, meta_len),
-    MSW_FIELD(QkHoldLane, payload_len), MSW_FIELD(QkHoldLane, lane), MSW_FIELD(QkHoldLane, exact),
-    MSW_FIELD(QkHoldLane, tokens),
-    MSW_SIZE(QkHoldOut), MSW_FIELD(QkHoldOut, answered), MSW_FIELD(QkHoldOut, tokens), MSW_FIELD(QkHoldOut, pending),
-    MSW_FIELD(QkHoldOut, unsent_at), MSW_FIELD(QkHoldOut, unsent_len),
-    MSW_FRAME_CONSTANTS,
-    {NULL, 0},
-};
-
-const MswLayoutEntry *qk_layout(void) { return layout; }

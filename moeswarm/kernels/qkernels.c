@@ -31,7 +31,7 @@
  * calls (qk_matmul, qk_silu_glu / qk_oss_glu) and torch's adds and products in between: the same
  * bits, without the caller's per-matrix work (moeswarm/kernels/quant_experts.py).
  *
- * Plain C with no Python API: moeswarm/kernels/qkernels.py loads it with ctypes. The file includes
+ * Plain C with no Python API: moeswarm/kernels/qk_library.py loads it with ctypes. The file includes
  * itself once per instruction set (QK_PASS) to build the SIMD integer dots from one source.
  */
 #ifndef QK_PASS  /* the main part; the integer dots per instruction set are at the end */

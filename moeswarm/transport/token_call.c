@@ -9,8 +9,9 @@
  * and a RESULT is taken only when its metadata bytes are the ones the full path's decoder accepted
  * for the same request (else it is left whole in `buf` for that decoder to judge).
  *
- * The frame header and its constants: wire/frames.h. tc_layout reports the constants this library
- * was built with (moeswarm/native.h), checked at load against transport/token_call.py.
+ * The frame header and its constants: wire/frames.h; the functions' argument structs: token_call.h.
+ * tc_layout reports the structs' layout and the constants this library was built with
+ * (moeswarm/native.h), checked at load against transport/token_call.py.
  *
  * Legend: d = hidden size, k = router top-k, E = routed experts, n = rows of a RESULT.
  */
@@ -26,6 +27,7 @@
 
 #include "frames.h"
 #include "native.h"
+#include "token_call.h"
 
 /* Outcomes below zero. A frame read whole (tc_take's buf holds it) is TC_OTHER_FRAME or
  * TC_MISMATCH; after any other the stream is out of step and the caller closes the socket. */
@@ -116,9 +118,15 @@ static int read_exactly(int fd, uint8_t *to, int64_t size, double deadline) {
  *   w    [k] float32 at w_at
  * 0 once every byte is with the kernel, else an outcome below zero (TC_TIMEOUT: the peer takes
  * no bytes; part of the frame may be out). */
-int tc_send(int fd, uint8_t *frame, int64_t len, uint64_t rid, int64_t x_at, const float *x, int64_t d,
-            int64_t ids_at, int id_bytes, const int64_t *ids, int64_t k, const int64_t *owner, int64_t num_experts,
-            int64_t me, int64_t w_at, const float *w, double deadline) {
+int tc_send(const TcSend *call) {
+    int fd = (int)call->fd, id_bytes = (int)call->id_bytes;
+    uint8_t *frame = call->frame;
+    int64_t len = call->len, x_at = call->x_at, d = call->d, ids_at = call->ids_at, k = call->k;
+    int64_t num_experts = call->num_experts, me = call->me, w_at = call->w_at;
+    uint64_t rid = call->rid;
+    const float *x = call->x, *w = call->w;
+    const int64_t *ids = call->ids, *owner = call->owner;
+    double deadline = call->deadline;
     msw_put_le(frame + MSW_AT_REQUEST_ID, rid, 8);
     memcpy(frame + x_at, x, (size_t)d * sizeof(float));
     memcpy(frame + w_at, w, (size_t)k * sizeof(float));
@@ -185,9 +193,14 @@ static int timed_meta(const uint8_t *got, int64_t got_len, const uint8_t *want, 
  * seconds to sleep for the reply first (0: none), woken by it; `spin`: seconds to spin for it next,
  * before sleeping in poll (0: none). Returns the RESULT's cpu_us (0
  * when not timed), or an outcome below zero; out is changed only on success. */
-int64_t tc_take(int fd, uint64_t rid, uint8_t *buf, int64_t cap, const uint8_t *meta, int64_t meta_len, int timed,
-                int64_t rows, int64_t d, int first, float *out, double deadline, int64_t *info, double *top,
-                double doze, double spin) {
+int64_t tc_take(const TcTake *call) {
+    int fd = (int)call->fd, timed = (int)call->timed, first = (int)call->first;
+    uint64_t rid = call->rid;
+    uint8_t *buf = call->buf;
+    const uint8_t *meta = call->meta;
+    int64_t cap = call->cap, meta_len = call->meta_len, rows = call->rows, d = call->d, *info = call->info;
+    float *out = call->out;
+    double deadline = call->deadline, *top = call->top, doze = call->doze, spin = call->spin;
     if (doze > 0) doze_ready(fd, doze);
     if (spin > 0) spin_ready(fd, spin);
     int failed = read_exactly(fd, buf, MSW_HEADER_SIZE, deadline);
@@ -229,9 +242,18 @@ int64_t tc_take(int fd, uint64_t rid, uint8_t *buf, int64_t cap, const uint8_t *
     return cpu_us;
 }
 
-/* The constants this library was built with, for moeswarm/native.py's check against
- * transport/token_call.py (the outcomes) and wire/frames.py (the frame's). */
+/* The layout and constants this library was built with, for moeswarm/native.py's check against
+ * transport/token_call.py (the structs' mirrors, the outcomes) and wire/frames.py (the frame's). */
 static const MswLayoutEntry layout[] = {
+    MSW_SIZE(TcSend), MSW_FIELD(TcSend, fd), MSW_FIELD(TcSend, frame), MSW_FIELD(TcSend, len), MSW_FIELD(TcSend, rid),
+    MSW_FIELD(TcSend, x_at), MSW_FIELD(TcSend, x), MSW_FIELD(TcSend, d), MSW_FIELD(TcSend, ids_at),
+    MSW_FIELD(TcSend, id_bytes), MSW_FIELD(TcSend, ids), MSW_FIELD(TcSend, k), MSW_FIELD(TcSend, owner),
+    MSW_FIELD(TcSend, num_experts), MSW_FIELD(TcSend, me), MSW_FIELD(TcSend, w_at), MSW_FIELD(TcSend, w),
+    MSW_FIELD(TcSend, deadline),
+    MSW_SIZE(TcTake), MSW_FIELD(TcTake, fd), MSW_FIELD(TcTake, rid), MSW_FIELD(TcTake, buf), MSW_FIELD(TcTake, cap),
+    MSW_FIELD(TcTake, meta), MSW_FIELD(TcTake, meta_len), MSW_FIELD(TcTake, timed), MSW_FIELD(TcTake, rows),
+    MSW_FIELD(TcTake, d), MSW_FIELD(TcTake, first), MSW_FIELD(TcTake, out), MSW_FIELD(TcTake, deadline),
+    MSW_FIELD(TcTake, info), MSW_FIELD(TcTake, top), MSW_FIELD(TcTake, doze), MSW_FIELD(TcTake, spin),
     MSW_FRAME_CONSTANTS, MSW_CONSTANT(TC_TIMEOUT), MSW_CONSTANT(TC_CLOSED), MSW_CONSTANT(TC_BAD_HEADER),
     MSW_CONSTANT(TC_OTHER_REQUEST), MSW_CONSTANT(TC_TOO_BIG), MSW_CONSTANT(TC_OTHER_FRAME), MSW_CONSTANT(TC_MISMATCH),
     MSW_CONSTANT(TC_IO), MSW_CONSTANT(TC_BAD_ID),

@@ -29,21 +29,33 @@ OUTCOMES = {TIMEOUT: "timeout", CLOSED: "closed", BAD_HEADER: "bad header", OTHE
 WHOLE = (OTHER_FRAME, MISMATCH)  # outcomes that leave the frame whole in the buffer
 
 
+class Send(ctypes.Structure):
+    """tc_send's arguments (transport/token_call.h TcSend)."""
+
+    _fields_ = [("fd", _I64), ("frame", _PTR), ("len", _I64), ("rid", ctypes.c_uint64), ("x_at", _I64), ("x", _PTR),
+                ("d", _I64), ("ids_at", _I64), ("id_bytes", _I64), ("ids", _PTR), ("k", _I64), ("owner", _PTR),
+                ("num_experts", _I64), ("me", _I64), ("w_at", _I64), ("w", _PTR), ("deadline", _DOUBLE)]
+
+
+class Take(ctypes.Structure):
+    """tc_take's arguments (transport/token_call.h TcTake)."""
+
+    _fields_ = [("fd", _I64), ("rid", ctypes.c_uint64), ("buf", _PTR), ("cap", _I64), ("meta", ctypes.c_char_p),
+                ("meta_len", _I64), ("timed", _I64), ("rows", _I64), ("d", _I64), ("first", _I64), ("out", _PTR),
+                ("deadline", _DOUBLE), ("info", _PTR), ("top", _PTR), ("doze", _DOUBLE), ("spin", _DOUBLE)]
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
     lib = native.load("_token_call")
     if lib is None:
         return None
-    native.check_layout("_token_call", native.reported(lib, "tc_layout"), {},
+    native.check_layout("_token_call", native.reported(lib, "tc_layout"), {"TcSend": Send, "TcTake": Take},
                         {**frames.c_constants(), "TC_TIMEOUT": TIMEOUT, "TC_CLOSED": CLOSED, "TC_BAD_HEADER": BAD_HEADER,
                          "TC_OTHER_REQUEST": OTHER_REQUEST, "TC_TOO_BIG": TOO_BIG, "TC_OTHER_FRAME": OTHER_FRAME,
                          "TC_MISMATCH": MISMATCH, "TC_IO": IO, "TC_BAD_ID": BAD_ID})
-    lib.tc_send.argtypes = [_INT, _PTR, _I64, ctypes.c_uint64, _I64, _PTR, _I64, _I64, _INT, _PTR, _I64, _PTR,
-                            _I64, _I64, _I64, _PTR, _DOUBLE]
-    lib.tc_send.restype = _INT
-    lib.tc_take.argtypes = [_INT, ctypes.c_uint64, _PTR, _I64, _PTR, _I64, _INT, _I64, _I64, _INT, _PTR, _DOUBLE,
-                            _PTR, _PTR, _DOUBLE, _DOUBLE]
-    lib.tc_take.restype = _I64
+    lib.tc_send.argtypes, lib.tc_send.restype = [ctypes.POINTER(Send)], _INT
+    lib.tc_take.argtypes, lib.tc_take.restype = [ctypes.POINTER(Take)], _I64
     return lib
 
 
@@ -52,20 +64,21 @@ def available() -> bool:
 
 
 def functions() -> tuple:
-    """(tc_send, tc_take) as ctypes functions (None, None when not built), called with addresses:
+    """(tc_send, tc_take) as ctypes functions (None, None when not built), each called with its struct
+    (`Send`, `Take`; addresses as ints):
 
-    tc_send(fd, frame, length, request_id, x_at, x, d, ids_at, id_bytes, ids, k, owner, E, me, w_at, w,
-            deadline): the template at `frame` [length] sent with `request_id`, x [d] float32, ids [k]
-            int64 (holder `me`'s by owner [E] int64, the others -1) and w [k] float32 written at the
-            template's offsets; 0, or an outcome below zero.
-    tc_take(fd, request_id, buf, cap, meta, meta_len, timed, rows, d, first, out, deadline, info, top, doze, spin):
-            the RESULT into buf [cap], checked against `meta` (timed: plus a last "cpu_us"), its
-            rows x d float32 added into out [d] (first: out = y + 0.0); info [3] int64 gets the
-            frame's opcode, meta_len and body length, top [1] float64 its largest |value|; it sleeps
-            up to `doze` seconds for the reply (woken by it), then spins up to `spin` seconds before
-            it sleeps in poll (dispatch/wait.py). The
-            RESULT's cpu_us (0 untimed), or an outcome below zero.
-    deadline: time.monotonic() seconds."""
+    Send(fd, frame, length, request_id, x_at, x, d, ids_at, id_bytes, ids, k, owner, E, me, w_at, w,
+         deadline): the template at `frame` [length] sent with `request_id`, x [d] float32, ids [k]
+         int64 (holder `me`'s by owner [E] int64, the others -1) and w [k] float32 written at the
+         template's offsets; tc_send returns 0, or an outcome below zero.
+    Take(fd, request_id, buf, cap, meta, meta_len, timed, rows, d, first, out, deadline, info, top, doze, spin):
+         the RESULT into buf [cap], checked against `meta` (timed: plus a last "cpu_us"), its
+         rows x d float32 added into out [d] (first: out = y + 0.0); info [3] int64 gets the
+         frame's opcode, meta_len and body length, top [1] float64 its largest |value|; it sleeps
+         up to `doze` seconds for the reply (woken by it), then spins up to `spin` seconds before
+         it sleeps in poll (dispatch/wait.py). tc_take returns the RESULT's cpu_us (0 untimed), or
+         an outcome below zero.
+    deadline: time.monotonic() seconds; meta: an address, or bytes (kept alive by the struct)."""
     lib = _library()
     return (lib.tc_send, lib.tc_take) if lib is not None else (None, None)
 
