@@ -1973,8 +1973,20 @@ static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_b
     }
 }
 
+#if QK_PASS == 3
+#include "qk_q4k16.h"
+#endif
+
 static void S(int_rows)(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx,
                         int64_t n, float *y, int64_t ldy) {
+#if QK_PASS == 3
+    if (type == T_Q4_K && n >= Q4K16_FROM && rows >= Q4K16_ROWS) {  /* qk_q4k16.h: 16 rows side by side */
+        int64_t most = rows - rows % Q4K16_ROWS;
+        S(rows16_q4k)(w, row_bytes, most, qx, n, y, ldy);
+        w += most * row_bytes, y += most, rows -= most;
+        if (rows == 0) return;
+    }
+#endif
     switch (type) {  /* one copy of the loops per type: its branches fold away */
     case T_Q4_0: S(rows_of)(T_Q4_0, w, row_bytes, rows, qx, n, y, ldy); return;
     case T_Q4_1: S(rows_of)(T_Q4_1, w, row_bytes, rows, qx, n, y, ldy); return;
