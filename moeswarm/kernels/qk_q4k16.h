@@ -22,7 +22,7 @@
 #define Q4K16_TOKENS 64  /* tokens per pass over the rows: their float sums ([64][16]) stay in L1 */
 #define Q4K16_TILE 8     /* tokens dotted with one repacked register while it is in a register */
 #ifndef Q4K16_FROM
-#define Q4K16_FROM 4
+#define Q4K16_FROM 2  /* from 2 tokens on (one token: rows8_kquant, which reads each row once without a repack) */
 #endif
 
 typedef int32_t Q4K16_X4 __attribute__((may_alias, aligned(1)));  /* 4 bytes read in place, for a broadcast */
@@ -42,50 +42,39 @@ typedef struct {
     __m512 d, dmin;    /* lane r = row r's d, dmin */
 } S(Q4K16);
 
-/* The 16 x 16 dwords r[0..16) transposed in place: r[k] lane i = the old r[i] lane k. */
-static inline AI void S(transpose16)(__m512i *r) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+/* The 16 bytes at src + (4L + g) * row_bytes in 128-bit lane L of z[g], g < 4, then each lane's 4 x 4
+ * dwords transposed: lane 4L + g of z[i] = dword i of those bytes of row 4L + g. Broadcasts (loads)
+ * and masked ones (blends, on either vector port) arrange the lanes, where a 16 x 16 transpose
+ * took twice the shuffles, all on one port. */
+static inline AI void S(rows_to_lanes)(const uint8_t *src, int64_t row_bytes, __m512i z[4]) {
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {
+        const uint8_t *row = src + g * row_bytes;
+        z[g] = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)row));
+#pragma GCC unroll 4
+        for (int L = 1; L < 4; L++)
+            z[g] = _mm512_mask_broadcast_i32x4(z[g], (__mmask16)(0xf << 4 * L), _mm_loadu_si128((const __m128i *)(row + 4 * L * row_bytes)));
     }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int h = 0; h < 2; h++)
-        for (int i = 0; i < 4; i++) {
-            t[8 * h + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
-            t[8 * h + 4 + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
-        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
-    }
+    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    z[0] = _mm512_unpacklo_epi64(t0, t2);
+    z[1] = _mm512_unpackhi_epi64(t0, t2);
+    z[2] = _mm512_unpacklo_epi64(t1, t3);
+    z[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-/* Super-block b of rows w, w + row_bytes, .. (16) into *p; pf: the next rows to prefetch (or NULL). */
-static inline AI void S(repack16)(const uint8_t *w, int64_t row_bytes, int64_t b, S(Q4K16) *p, const uint8_t *pf) {
+/* Super-block b of rows w, w + row_bytes, .. (16) into *p; pf: the next rows to prefetch (or NULL).
+ * Out of line: *p stays in memory (L1) for the token tiles that read it. */
+static __attribute__((noinline)) void S(repack16)(const uint8_t *w, int64_t row_bytes, int64_t b, S(Q4K16) *p, const uint8_t *pf) {
     const int64_t bytes = 144;
     w += b * bytes;
     if (pf)
+#pragma GCC unroll 16
         for (int r = 0; r < Q4K16_ROWS; r++) S(prefetch)(pf + r * row_bytes + b * bytes, bytes);  /* into L2 */
-    /* d, dmin and the 12 scale bytes: 4 dwords a row; register g's 128-bit lane L holds row 4L + g,
-     * then each lane's 4 x 4 dwords transposed: lane 4L + g of register i = row 4L + g's dword i */
-    __m512i z[4], t[4];
-    for (int g = 0; g < 4; g++) {
-        const uint8_t *row = w + g * row_bytes;
-        z[g] = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)row));
-        for (int L = 1; L < 4; L++) z[g] = _mm512_inserti32x4(z[g], _mm_loadu_si128((const __m128i *)(row + 4 * L * row_bytes)), L);
-    }
-    t[0] = _mm512_unpacklo_epi32(z[0], z[1]);
-    t[1] = _mm512_unpackhi_epi32(z[0], z[1]);
-    t[2] = _mm512_unpacklo_epi32(z[2], z[3]);
-    t[3] = _mm512_unpackhi_epi32(z[2], z[3]);
-    const __m512i halves = _mm512_unpacklo_epi64(t[0], t[2]), a0 = _mm512_unpackhi_epi64(t[0], t[2]);
-    const __m512i a1 = _mm512_unpacklo_epi64(t[1], t[3]), a2 = _mm512_unpackhi_epi64(t[1], t[3]);
+    /* d, dmin and the 12 scale bytes: 4 dwords a row, one register each */
+    __m512i head[4];
+    S(rows_to_lanes)(w, row_bytes, head);
+    const __m512i halves = head[0], a0 = head[1], a1 = head[2], a2 = head[3];
     p->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(halves));
     p->dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(halves, 16)));
     /* k_scales_mins on 16 rows at once: u[0], u[1] the scales 0-3, 4-7; u[2], u[3] the mins */
@@ -97,19 +86,21 @@ static inline AI void S(repack16)(const uint8_t *w, int64_t row_bytes, int64_t b
     u[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(a2, 4), m4),
                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(a1, 6), m2), 4));
     const __m512i byte = _mm512_set1_epi32(0xff);
+#pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
         p->scale[j] = _mm512_and_si512(_mm512_srli_epi32(u[j / 4], 8 * (j % 4)), byte);
         __m512i m = _mm512_and_si512(_mm512_srli_epi32(u[2 + j / 4], 8 * (j % 4)), byte);
         p->min[j] = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
     }
-    /* the quants: chunks 2h, 2h + 1 (64 bytes a row) transposed, then split into low and high nibbles */
+    /* the quants, 16 bytes of each row at a time to lanes, then split into low and high nibbles */
     const __m512i nibble = _mm512_set1_epi8(0x0f);
-    for (int h = 0; h < 2; h++) {
-        __m512i q[16];
-        for (int r = 0; r < Q4K16_ROWS; r++) q[r] = _mm512_loadu_si512(w + r * row_bytes + 16 + 64 * h);
-        S(transpose16)(q);
-        for (int i = 0; i < 16; i++) {  /* dword k = i % 8 of chunk c = 2h + i / 8: sub-blocks 2c, 2c + 1 */
-            int c = 2 * h + i / 8, k = i % 8;
+#pragma GCC unroll 8
+    for (int piece = 0; piece < 8; piece++) {  /* 16 bytes a row: dwords 4 (piece % 2) .. + 3 of chunk c = piece / 2 */
+        __m512i q[4];
+        S(rows_to_lanes)(w + 16 + 16 * piece, row_bytes, q);
+        int c = piece / 2;
+        for (int i = 0; i < 4; i++) {  /* low nibbles: sub-block 2c; high: 2c + 1 */
+            int k = 4 * (piece % 2) + i;
             p->q[16 * c + k] = _mm512_and_si512(q[i], nibble);
             p->q[16 * c + 8 + k] = _mm512_and_si512(_mm512_srli_epi16(q[i], 4), nibble);
         }
@@ -128,7 +119,7 @@ static inline AI void S(tokens16)(const S(Q4K16) *p, const QX *qx, int64_t b, in
             for (int i = 0; i < NT; i++) {
                 const Q4K16_X4 *x = (const Q4K16_X4 *)(qx->q + (t0 + i) * K + 256 * b + 32 * j + 16 * half);
                 __m512i s;
-                __asm__("vpxord %0, %0, %0" : "=v"(s));  /* a zeroing idiom: no move from a zero register */
+                __asm__ volatile("vpxord %0, %0, %0" : "=v"(s));  /* a zeroing idiom: no move from a zero register */
                 S(dpbusd_x4)(&s, q0, x);  /* 4 x quants broadcast from memory */
                 S(dpbusd_x4)(&s, q1, x + 1);
                 S(dpbusd_x4)(&s, q2, x + 2);

@@ -6,7 +6,8 @@
  * each token's x is quantized once per call to int8 blocks with a float scale, as llama.cpp does,
  * and each (row, token) is a sum of integer dots of weight quants with x quants (AVX2 maddubs/madd,
  * AVX-VNNI and AVX512-VNNI vpdpbusd/vpdpwssd), the float scales applied once per block. Rows go by
- * in groups of 8, tokens in tiles of 4 that share each unpacked weight block.
+ * in groups of 8, tokens in tiles of 4 that share each unpacked weight block (AVX512-VNNI's Q4_K
+ * with several tokens: 16 rows side by side, one a lane, qk_q4k16.h).
  *
  * Float path (F32, F16, BF16, MXFP4): a tile of ROW_TILE rows is decoded into a small float32
  * scratch (a few KiB: it stays in L1), then dotted with every token's x: each decoded row is used by
