@@ -3,8 +3,7 @@
  * Included once, from qkernels.c's QK_PASS == 3 part (its S(), AI, QX, tuning and helpers in scope).
  *
  * The row-at-a-time kernels (wide_q45k, wide16_q4k) keep one row's sums for a token in the 16 lanes
- * of a register and add them up per super-block (sum8z): about a third of their work with 8-16
- * tokens. Here a super-block of 16 rows is first repacked in L1 (repack16): its quants unpacked to
+ * of a register and add them up once per super-block, row and token (sum8z's shuffles). Here a super-block of 16 rows is first repacked in L1 (repack16): its quants unpacked to
  * bytes and transposed so that register (j, k) holds values 32j + 4k .. 32j + 4k + 3 of sub-block j
  * of every row, lane r for row r, next to the 16 rows' scales and mins as int32 lanes and d, dmin as
  * floats. Each token then takes, per 4 values, one vpdpbusd with those 4 x quants broadcast from
