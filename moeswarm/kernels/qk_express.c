@@ -1,4 +1,4 @@
-/* A DISPATCH answered in one call, its RESULT frame included (moeswarm/worker/express_answer.py).
+/* A DISPATCH answered in one call, its RESULT frame included (moeswarm/worker/quant_lane.py).
  *
  * The worker's express lane computes a DISPATCH whose metadata bytes it has answered before from
  * the frame's bytes (qk_dispatch_sums, qk_dispatch_rows). These entries do that and then write the

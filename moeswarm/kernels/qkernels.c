@@ -6,7 +6,8 @@
  * each token's x is quantized once per call to int8 blocks with a float scale, as llama.cpp does,
  * and each (row, token) is a sum of integer dots of weight quants with x quants (AVX2 maddubs/madd,
  * AVX-VNNI and AVX512-VNNI vpdpbusd/vpdpwssd), the float scales applied once per block. Rows go by
- * in groups of 8, tokens in tiles of 4 that share each unpacked weight block.
+ * in groups of 8, tokens in tiles of 4 that share each unpacked weight block (AVX512-VNNI's Q4_K
+ * with several tokens: 16 rows side by side, one a lane, qk_q4k16.h).
  *
  * Float path (F32, F16, BF16, MXFP4): a tile of ROW_TILE rows is decoded into a small float32
  * scratch (a few KiB: it stays in L1), then dotted with every token's x: each decoded row is used by
@@ -1148,7 +1149,7 @@ static int64_t read_ids(const void *ids, int id_bytes, int64_t pairs, const int6
     return routed;
 }
 
-/* A partial DISPATCH's sums straight from its frame's bytes (moeswarm/worker/express_answer.py): the ids as
+/* A partial DISPATCH's sums straight from its frame's bytes (moeswarm/worker/quant_lane.py): the ids as
  * they travel, mapped by read_ids; the routing weights as they travel (float32, copied to aligned
  * memory); then qk_experts into final [S, H] (zeros). counts [n_experts] gets each expert's
  * routed slots. Returns -3, computing nothing, when an id is not held or no slot is routed (the
@@ -1179,7 +1180,7 @@ done:
     return status;
 }
 
-/* An exact DISPATCH's rows straight from its frame's bytes (moeswarm/worker/express_answer.py): the ids and
+/* An exact DISPATCH's rows straight from its frame's bytes (moeswarm/worker/quant_lane.py): the ids and
  * weights as in qk_dispatch_sums; each routed (token, slot) pair's row w * E(x) into rows [pairs, H]
  * (zeros), experts ascending and, within an expert, slot-major then token (eager's order): the
  * pairs' rows gathered and run as one-slot tokens through qk_experts, as the store's exact path
@@ -1973,8 +1974,20 @@ static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_b
     }
 }
 
+#if QK_PASS == 3
+#include "qk_q4k16.h"
+#endif
+
 static void S(int_rows)(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx,
                         int64_t n, float *y, int64_t ldy) {
+#if QK_PASS == 3
+    if (type == T_Q4_K && n >= Q4K16_FROM && rows >= Q4K16_ROWS) {  /* qk_q4k16.h: 16 rows side by side */
+        int64_t most = rows - rows % Q4K16_ROWS;
+        S(rows16_q4k)(w, row_bytes, most, qx, n, y, ldy);
+        w += most * row_bytes, y += most, rows -= most;
+        if (rows == 0) return;
+    }
+#endif
     switch (type) {  /* one copy of the loops per type: its branches fold away */
     case T_Q4_0: S(rows_of)(T_Q4_0, w, row_bytes, rows, qx, n, y, ldy); return;
     case T_Q4_1: S(rows_of)(T_Q4_1, w, row_bytes, rows, qx, n, y, ldy); return;
