@@ -1,11 +1,13 @@
 """The C kernels' speed choices, measured on the host they run on (qkernels.c: `tuning`, `qk_tune`).
 
-Three choices change how fast a product runs and never its bits (tests/test_kernel_tuning.py runs
+Four choices change how fast a product runs and never its bits (tests/test_kernel_tuning.py runs
 each one and compares): how the next rows' weights are prefetched (none, into L2, non-temporal), from
-how many tokens on the K-quants use their wide tiles, and whether AVX-512's Q4_K takes 16-token tiles.
+how many tokens on the K-quants use their wide tiles, whether AVX-512's Q4_K takes 16-token tiles, and
+from how many tokens on AVX512-VNNI's Q4_K runs on 16 rows side by side (qk_q4k16.h; 0: never).
 Which is fastest depends on the CPU's caches and memory, not on its vendor, so at the first use of
 the kernels in a process they are:
-  1. forced by MOESWARM_QK_TUNING (`prefetch=none|l2|nta,wide_from=1..9,wide16=0|1`, any subset; the
+  1. forced by MOESWARM_QK_TUNING (`prefetch=none|l2|nta,wide_from=1..9,wide16=0|1,rows16_from=0|2..64`,
+     any subset; the
      rest as below), or `default` (the built-in choices, nothing measured), or `measure` (measured
      again now, and cached);
   2. else read from the cache (~/.cache/moeswarm/kernel-tuning.json, MOESWARM_CACHE_DIR to move it),
@@ -32,12 +34,13 @@ from moeswarm.kernels.qk_mirrors import Matmul
 log = logging.getLogger(__name__)
 
 PREFETCH = ("none", "l2", "nta")  # qkernels.c's QK_PREFETCH_* in order
-FORMAT = 1  # bump when the choices or their measurement change: cached choices are measured again
+FORMAT = 2  # bump when the choices or their measurement change: cached choices are measured again
 MARGIN = 0.97  # a choice replaces the built-in one only when it takes at most this share of its time
 Q4_K, Q4_K_BLOCK_BYTES, Q4_K_BLOCK = 12, 144, 256
 ROWS, K = 2048, 2048  # a 2048 x 2048 Q4_K matrix: an attention matrix at OLMoE's width (2.4 MB)
 COLD_MATRICES = 16  # read in turn, each evicted from the caches first: as a decode step reads them
 REPEATS = 5
+ROWS16_COUNTS = (2, 3, 4, 6, 8, 16)  # token counts the 16-rows choice is timed at
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,10 @@ class Tuning:
     prefetch: str = "l2"
     wide_from: int = 4
     wide16: int = 1
+    rows16_from: int = 2
 
     def apply(self, lib) -> None:
-        if lib.qk_tune(PREFETCH.index(self.prefetch), self.wide_from, self.wide16) != 0:
+        if lib.qk_tune(PREFETCH.index(self.prefetch), self.wide_from, self.wide16, self.rows16_from) != 0:
             raise ValueError(f"kernel tuning out of range: {self}")
 
 
@@ -55,7 +59,8 @@ DEFAULT = Tuning()
 
 
 def parse(text: str, base: Tuning = DEFAULT) -> Tuning:
-    """`prefetch=nta,wide_from=5,wide16=0` (any subset) over `base`; ValueError naming what is wrong."""
+    """`prefetch=nta,wide_from=5,wide16=0,rows16_from=4` (any subset) over `base`; ValueError naming
+    what is wrong."""
     fields = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")
@@ -65,9 +70,11 @@ def parse(text: str, base: Tuning = DEFAULT) -> Tuning:
             fields[name] = int(value)
         elif name == "wide16" and value in ("0", "1"):
             fields[name] = int(value)
+        elif name == "rows16_from" and value.isdigit() and _rows16_valid(int(value)):
+            fields[name] = int(value)
         else:
             raise ValueError(f"MOESWARM_QK_TUNING: {item!r} is not one of prefetch=none|l2|nta, wide_from=1..9, "
-                             "wide16=0|1 (or the words default, measure)")
+                             "wide16=0|1, rows16_from=0|2..64 (or the words default, measure)")
     return replace(base, **fields)
 
 
@@ -146,7 +153,8 @@ def measure(lib) -> tuple[Tuning, dict]:
 
     prefetch = {name: _best(lambda name=name: cold(replace(DEFAULT, prefetch=name))) for name in PREFETCH}
     timings["cold_one_row_us"] = {name: 1e6 * s for name, s in prefetch.items()}
-    chosen = replace(DEFAULT, prefetch=_winner(prefetch, DEFAULT.prefetch))
+    # the wide tiles timed with the 16 rows off: on, they take every Q4_K product of 2+ tokens
+    chosen = replace(DEFAULT, prefetch=_winner(prefetch, DEFAULT.prefetch), rows16_from=0)
     wide = {n: (_best(lambda n=n: hot(replace(chosen, wide_from=n), n)), _best(lambda n=n: hot(replace(chosen, wide_from=9), n)))
             for n in range(4, 9)}
     timings["hot_wide_vs_narrow_us"] = {n: [1e6 * a, 1e6 * b] for n, (a, b) in wide.items()}
@@ -159,7 +167,15 @@ def measure(lib) -> tuple[Tuning, dict]:
     sixteen = {flag: _best(lambda flag=flag: hot(replace(chosen, wide16=flag), 16)) for flag in (0, 1)}
     timings["hot_16_tokens_us"] = {str(flag): 1e6 * s for flag, s in sixteen.items()}
     chosen = replace(chosen, wide16=int(_winner({str(k): v for k, v in sixteen.items()}, str(DEFAULT.wide16))))
-    return chosen, timings
+    rows16 = {n: (_best(lambda n=n: hot(replace(chosen, rows16_from=2), n)),
+                  _best(lambda n=n: hot(replace(chosen, rows16_from=0), n))) for n in ROWS16_COUNTS}
+    timings["hot_rows16_vs_not_us"] = {n: [1e6 * a, 1e6 * b] for n, (a, b) in rows16.items()}
+    rows16_from = 0  # the least count from which 16 rows side by side are not slower (by the margin) at any count above
+    for n in reversed(ROWS16_COUNTS):
+        if rows16[n][0] > rows16[n][1] / MARGIN:
+            break
+        rows16_from = n
+    return replace(chosen, rows16_from=rows16_from), timings
 
 
 def _best(run) -> float:
@@ -195,7 +211,12 @@ def _valid(fields: dict) -> bool:
         tuning = Tuning(**fields)
     except TypeError:
         return False
-    return tuning.prefetch in PREFETCH and tuning.wide_from in range(1, 10) and tuning.wide16 in (0, 1)
+    return (tuning.prefetch in PREFETCH and tuning.wide_from in range(1, 10) and tuning.wide16 in (0, 1)
+            and isinstance(tuning.rows16_from, int) and _rows16_valid(tuning.rows16_from))
+
+
+def _rows16_valid(value: int) -> bool:
+    return value == 0 or 2 <= value <= 64
 
 
 def _write_cache(path: Path, key: str, tuning: Tuning, timings: dict) -> None:

@@ -20,9 +20,6 @@
 #define Q4K16_ROWS 16
 #define Q4K16_TOKENS 64  /* tokens per pass over the rows: their float sums ([64][16]) stay in L1 */
 #define Q4K16_TILE 8     /* tokens dotted with one repacked register while it is in a register */
-#ifndef Q4K16_FROM
-#define Q4K16_FROM 2  /* from 2 tokens on (one token: rows8_kquant, which reads each row once without a repack) */
-#endif
 
 typedef int32_t Q4K16_X4 __attribute__((may_alias, aligned(1)));  /* 4 bytes read in place, for a broadcast */
 
