@@ -1924,8 +1924,7 @@ static inline AI void S(wide_tile)(const int type, const uint8_t *row, const QX 
  * stays in L1 while the group's rows (a few KiB) are dotted with it. The first tile's pass over a
  * group prefetches the next group's rows into L2, a row for each row read: a layer's experts are
  * far larger than the caches, so each group's weights come from DRAM, and without the prefetch the
- * first pass waits for them (measured: about 1.5x the time of a matrix already in L3 at 16 tokens
- * and K = 7168, docs/gguf.md). */
+ * first pass waits for them (docs/gguf.md has the measurement). */
 #define INT_ROW_TILE 8  /* = the 8 lanes of rows8_kquant */
 static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx,
                                  int64_t n, float *y, int64_t ldy) {
