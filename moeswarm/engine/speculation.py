@@ -110,7 +110,7 @@ class Speculation:
         k = 0
         if found:
             calibration = self.calibrations.setdefault(_key(sequence), Calibration())
-            estimates = sequence.drafter.support(sequence.context, found)  # [branch][position]
+            estimates = sequence.drafter.support(sequence.context, found, sequence.job.params.greedy)  # [branch][position]
             rates = [calibration.rates(e) for e in estimates]
             best = max(rates, key=lambda r: expected_tokens(r, len(r)))  # the first on a tie
             k = choose_k(best, line, sequence.max_drafts, len(found) if sequence.branching else 1, base)

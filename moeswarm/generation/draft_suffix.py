@@ -125,13 +125,13 @@ class SuffixDrafter:
                     break
         return found
 
-    def support(self, context: list[int], drafts: list[list[int]]) -> list[list[float]]:
+    def support(self, context: list[int], drafts: list[list[int]], greedy: bool = True) -> list[list[float]]:
         """Each of the drafts just given for `context`: its acceptance estimate per position, from the
         occurrences they were drafted from (this request's text only when none were found for it)."""
         at, occurrences = self.found
         if at != len(context):
             occurrences = matches(context, [self._own(context)], max(map(len, drafts), default=0))
-        return [support(occurrences, draft) for draft in drafts]
+        return [support(occurrences, draft, greedy) for draft in drafts]
 
     def feedback(self, drafted: int, accepted: int, cap: int) -> None:
         pass  # the length follows each match's own length

@@ -65,10 +65,10 @@ class NgramDrafter:
     def branches(self, context: list[int], stepper: Stepper, limit: int) -> list[list[int]]:
         return propose_many(context, limit, NGRAM_BRANCHES, min_ngram=self.min_ngram)
 
-    def support(self, context: list[int], drafts: list[list[int]]) -> list[list[float]]:
+    def support(self, context: list[int], drafts: list[list[int]], greedy: bool = True) -> list[list[float]]:
         """Each draft's acceptance estimate per position, from the earlier occurrences of the context's end."""
         occurrences = matches(context, [Document(context)], max(map(len, drafts), default=0))
-        return [support(occurrences, draft) for draft in drafts]
+        return [support(occurrences, draft, greedy) for draft in drafts]
 
     def feedback(self, drafted: int, accepted: int, cap: int) -> None:
         pass  # a lookup costs nothing: always propose up to the cap
