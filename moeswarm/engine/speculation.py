@@ -10,7 +10,8 @@ plain decoding.
 A drafter that scores its own drafts (the model-free ones: generation/draft_support.py) is sized by
 each draft's evidence: the sequence drafts up to the cap, `size` reads the drafts' acceptance
 estimates per position through the drafter's Calibration (generation/draft_measure.py: what drafts
-of that strength have kept, engine-wide) and cuts them to the K the rule picks. A strongly supported
+of that strength have kept, engine-wide) and cuts them to the K the rule picks (greedy: each position at least the sequence's acceptance EMA
+where a draft was tried there). A strongly supported
 draft (a file being re-emitted) is fed long from the first step, an unsupported one (sampled text, a
 prompt that repeats nothing) not at all; the cut drafts are then the step's shadow drafts. Other
 drafters are sized by the sequence's acceptance EMA before they draft (`plan`).
@@ -112,6 +113,9 @@ class Speculation:
             calibration = self.calibrations.setdefault(_key(sequence), Calibration())
             estimates = sequence.drafter.support(sequence.context, found, sequence.job.params.greedy)  # [branch][position]
             rates = [calibration.rates(e) for e in estimates]
+            if sequence.job.params.greedy:  # weak greedy drafts are kept more than estimated (docs/drafts.md):
+                measured = drafts.acceptance.values  # what this text kept, once tried, lifts them
+                rates = [[max(r, measured[i] if i < len(measured) else 0.0) for i, r in enumerate(b)] for b in rates]
             best = max(rates, key=lambda r: expected_tokens(r, len(r)))  # the first on a tie
             k = choose_k(best, line, sequence.max_drafts, len(found) if sequence.branching else 1, base)
             cut: list[list[int]] = []
