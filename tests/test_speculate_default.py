@@ -40,7 +40,7 @@ def test_the_default_drafts_over_workers_and_stays_bit_identical(trained_workers
     assert (plain["speculate"], plain["drafted"], plain["speculate_per_step"]) == (0, 0, [])
 
 
-def test_on_random_text_k_falls_to_zero_quickly_and_the_seed_keeps_its_tokens(trained_workers, capsys):
+def test_on_random_text_k_stays_at_zero_and_the_seed_keeps_its_tokens(trained_workers, capsys):
     # temperature 50 over the 128 likeliest tokens: nearly uniform, so a token recurs (a suffix match,
     # a draft) within a few dozen, and a draft is kept about once in 128
     hot = ("--prompt", REPEATING, "--max-new-tokens", "64", "--temperature", "50", "--top-k", "128", "--seed", "7")
@@ -50,7 +50,7 @@ def test_on_random_text_k_falls_to_zero_quickly_and_the_seed_keeps_its_tokens(tr
     assert report["bit_identical"] is True
     assert report["tokens"] == plain["tokens"]  # drafts never change a seed's tokens (sampling.py's coupled rule)
     per_step = report["speculate_per_step"]
-    assert per_step[0] > 0 and 0 in per_step[:40], per_step  # a few rejected drafts bring K down to 0
+    assert sum(1 for k in per_step if k) <= 6, per_step  # drafts the text barely supports are not fed (or soon not)
     assert per_step[-16:].count(0) >= 14, per_step  # and keep it there (a noisy step cost may let a draft through)
     assert report["acceptance_per_position"][0] < 0.1
 

@@ -16,6 +16,7 @@ from moeswarm.sources.tokenizer import TextCodec
 from moeswarm.engine.engine import EngineConfig
 from moeswarm.engine.speculation import resolve_speculation
 from moeswarm.engine.whole_model import WholeModel
+from moeswarm.generation.draft_suffix import SuffixDrafter
 
 VOCAB = 64
 
@@ -50,16 +51,48 @@ def noisy(n: int) -> int:
     return 0 if n % 2 else n // 2 % (VOCAB - 1) + 1
 
 
+class Unscored:
+    """The suffix drafter without `support`: sized by its acceptance EMA alone (as local drafts are)."""
+
+    name = "unscored"
+
+    def __init__(self):
+        self.inner = SuffixDrafter()
+
+    def draft(self, context, stepper, limit):
+        return self.inner.draft(context, stepper, limit)
+
+    def branches(self, context, stepper, limit):
+        return self.inner.branches(context, stepper, limit)
+
+    def feedback(self, drafted, accepted, cap):
+        pass
+
+
 def test_rejected_drafts_bring_k_to_zero_and_the_tokens_stay_the_same():
     prompt = [0, 50, 0, 51, 0, 52]
     plain = generate(WholeModel(Scripted(noisy)), prompt, 60, 0, codec=_codec())
-    adaptive = generate(WholeModel(Scripted(noisy)), prompt, 60, 4, codec=_codec(), adaptive=True)
+    adaptive = generate(WholeModel(Scripted(noisy)), prompt, 60, 4, codec=_codec(), adaptive=True, drafter=Unscored)
 
     assert adaptive.tokens == plain.tokens  # the verify rule: drafts never change the output
     per_step = adaptive.speculation["speculate_per_step"]
     assert per_step[0] > 0 and per_step[-10:] == [0] * 10, per_step
     assert adaptive.speculation["acceptance_per_position"][0] < 0.05
     assert adaptive.accepted == 0 and 0 < adaptive.drafted < 4 * len(per_step)
+
+
+def test_drafts_the_text_barely_supports_are_not_fed_from_the_first_step():
+    """The suffix drafter scores its drafts (generation/draft_support.py): a one-token match among
+    several continuations is not worth a row, so the default feeds (almost) none, and learns from
+    the shadows that it was right."""
+    prompt = [0, 50, 0, 51, 0, 52]
+    plain = generate(WholeModel(Scripted(noisy)), prompt, 60, 0, codec=_codec())
+    adaptive = generate(WholeModel(Scripted(noisy)), prompt, 60, 4, codec=_codec(), adaptive=True)
+
+    assert adaptive.tokens == plain.tokens
+    per_step = adaptive.speculation["speculate_per_step"]
+    assert per_step[0] == 0 and sum(per_step) <= 4 and per_step[-20:] == [0] * 20, per_step
+    assert adaptive.accepted == 0 and adaptive.drafted <= 4
 
 
 def test_a_periodic_text_keeps_k_at_the_cap_and_saves_steps():
@@ -71,7 +104,8 @@ def test_a_periodic_text_keeps_k_at_the_cap_and_saves_steps():
 
     assert adaptive.tokens == plain.tokens
     assert adaptive.steps < plain.steps / 2  # most drafts kept
-    assert adaptive.speculation["speculate_per_step"][-1] > 0
+    per_step = adaptive.speculation["speculate_per_step"]
+    assert per_step[0] == 4 and per_step[-1] > 0, per_step  # a long match drafts at the cap from the first step
 
 
 def test_a_model_with_recurrent_layers_drafts_nothing_by_default_and_refuses_drafts_asked_for():

@@ -297,6 +297,7 @@ class Engine:
         for sequence, tally in zip(sequences, tallies):
             started = time.perf_counter()
             sequence.plan_drafts(self.config.context)
+            self.speculation.size(sequence, tally.drafts)
             self.speculation.shadow(sequence, tally.drafts)
             seconds.append(time.perf_counter() - started)
         return seconds

@@ -7,6 +7,15 @@ slope) and the sequence's acceptance per draft position (an EMA, seeded from its
 the engine's earlier sequences). `--speculate K` caps K; K = 0 when drafting is not expected to beat
 plain decoding.
 
+A drafter that scores its own drafts (the model-free ones: generation/draft_support.py) is sized by
+each draft's evidence: the sequence drafts up to the cap, `size` reads the drafts' acceptance
+estimates per position through the drafter's Calibration (generation/draft_measure.py: what drafts
+of that strength have kept, engine-wide) and cuts them to the K the rule picks (greedy: each position at least the sequence's acceptance EMA
+where a draft was tried there). A strongly supported
+draft (a file being re-emitted) is fed long from the first step, an unsupported one (sampled text, a
+prompt that repeats nothing) not at all; the cut drafts are then the step's shadow drafts. Other
+drafters are sized by the sequence's acceptance EMA before they draft (`plan`).
+
 A sequence at K = 0 still learns: while its K is 0 it asks its drafter for a shadow draft (every
 step for the model-free drafters, every PROBE_EVERY steps for those that run forwards), never fed,
 and scores it against the tokens the model then emits, so acceptance that returns (a file being
@@ -22,9 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from moeswarm.generation.draft_measure import Acceptance, CostModel
+from moeswarm.generation.draft_measure import Acceptance, Calibration, CostModel
 from moeswarm.generation.draft_names import AUTO_SPECULATE
-from moeswarm.generation.goodput import choose_k
+from moeswarm.generation.goodput import StepCost, choose_k, expected_tokens
 from moeswarm.errors import MoeSwarmError
 from moeswarm.forward.packed import JOURNAL, keeps_recurrent_state
 
@@ -44,8 +53,11 @@ class SequenceDrafts:
     fed: int = 1  # tokens it fed in its latest step
     rows: int = 1  # rows (branches) it fed in its latest drafting step
     shadow: tuple[int, list[list[int]]] | None = None  # (context length drafted at, drafts) while K = 0
+    shadow_estimates: list[list[float]] | None = None  # the shadow drafts' estimates (a drafter scoring its drafts)
     since_probe: int = 0
     history: list[int] = field(default_factory=list)  # K per decode step, the first HISTORY
+    sizing: tuple[StepCost, int] | None = None  # (cost line, other sequences' tokens) while its drafts await `size`
+    estimated: tuple[int, list[list[int]], list[list[float]]] | None = None  # (context length, fed drafts, estimates)
 
     def summary(self) -> dict:
         a = self.acceptance
@@ -64,6 +76,7 @@ class Speculation:
     adaptive: bool  # the goodput rule chooses K (else: always the cap)
     cost: CostModel = field(default_factory=CostModel)
     by_drafter: dict[str, Acceptance] = field(default_factory=dict)  # "suffix/greedy" -> engine-wide acceptance
+    calibrations: dict[str, Calibration] = field(default_factory=dict)  # "suffix/greedy" -> its estimates' calibration
     totals: Acceptance = field(default_factory=Acceptance)  # every sequence's verified drafts (the metrics)
 
     def start(self, sequence) -> SequenceDrafts:
@@ -71,7 +84,8 @@ class Speculation:
         return SequenceDrafts(Acceptance(shared.values if shared is not None else None))
 
     def plan(self, sequences: list, states: list[SequenceDrafts]) -> None:
-        """Set each decoding sequence's draft limit for this step (Sequence.k_limit; adaptive only)."""
+        """Set each decoding sequence's draft limit for this step (Sequence.k_limit; adaptive only): the
+        cap for a drafter that scores its drafts (`size` cuts them), else the rule's K from the EMA."""
         decoding = [(s, d) for s, d in zip(sequences, states) if not s.prefill_left and s.max_drafts > 0]
         total = sum(d.fed for _, d in decoding)
         line = self.cost.line() if self.adaptive else None
@@ -79,17 +93,47 @@ class Speculation:
             cap = sequence.max_drafts
             k = cap  # fixed: the sequence's own length rule within the cap (engine/sequence.py)
             if line is not None:
+                if hasattr(sequence.drafter, "support"):
+                    sequence.k_limit, drafts.sizing = cap, (line, total - drafts.fed)
+                    continue  # its K is chosen once its drafts are seen
                 rows = drafts.rows if sequence.job.params.greedy else 1
                 k = choose_k(drafts.acceptance.rates(cap), line, cap, rows, total - drafts.fed)
                 sequence.k_limit = k
-            drafts.chosen, drafts.chosen_sum, drafts.steps = k, drafts.chosen_sum + k, drafts.steps + 1
-            if len(drafts.history) < HISTORY:
-                drafts.history.append(k)
+            _chosen(drafts, k)
+
+    def size(self, sequence, drafts: SequenceDrafts) -> None:
+        """After drafting at the cap (`plan`): cut the sequence's drafts to the K their calibrated
+        estimates earn; at K = 0 they become its shadow drafts."""
+        if drafts.sizing is None:
+            return
+        (line, base), drafts.sizing = drafts.sizing, None
+        found = [b for b in sequence.branches if b]
+        k = 0
+        if found:
+            calibration = self.calibrations.setdefault(_key(sequence), Calibration())
+            estimates = sequence.drafter.support(sequence.context, found, sequence.job.params.greedy)  # [branch][position]
+            rates = [calibration.rates(e) for e in estimates]
+            if sequence.job.params.greedy:  # weak greedy drafts are kept more than estimated (docs/drafts.md):
+                measured = drafts.acceptance.values  # what this text kept, once tried, lifts them
+                rates = [[max(r, measured[i] if i < len(measured) else 0.0) for i, r in enumerate(b)] for b in rates]
+            best = max(rates, key=lambda r: expected_tokens(r, len(r)))  # the first on a tie
+            k = choose_k(best, line, sequence.max_drafts, len(found) if sequence.branching else 1, base)
+            cut: list[list[int]] = []
+            for draft in (d[:k] for d in found):
+                if draft not in cut:  # distinct drafts may share their first K tokens
+                    cut.append(draft)
+            if k:
+                drafts.estimated = (len(sequence.context), cut, [e[:k] for e in estimates])
+            elif drafts.shadow is None:
+                drafts.shadow, drafts.shadow_estimates = (len(sequence.context), found), estimates
+            sequence.branches = cut if k else [[]]
+        sequence.k_limit = k
+        _chosen(drafts, k)
 
     def shadow(self, sequence, drafts: SequenceDrafts) -> None:
         """After planning: a sequence at K = 0 drafts without feeding, to keep learning its acceptance."""
         if (not self.adaptive or sequence.k_limit != 0 or sequence.prefill_left or drafts.shadow is not None
-                or sequence.max_drafts <= 0):
+                or sequence.max_drafts <= 0 or hasattr(sequence.drafter, "support")):  # `size` kept its drafts as shadows
             return
         drafts.since_probe += 1
         if sequence.drafter.name not in FREE_DRAFTERS and drafts.since_probe < PROBE_EVERY:
@@ -111,6 +155,10 @@ class Speculation:
         if drafted:
             drafts.rows = rows
             self._record(sequence, drafts, drafted, accepted)
+        if drafted and drafts.estimated is not None:
+            at, fed_drafts, estimates = drafts.estimated
+            self._calibrate(sequence, sequence.context[at:], fed_drafts, estimates, drafted, accepted)
+        drafts.estimated = None
         if drafts.shadow is not None:
             self._score_shadow(sequence, drafts)
 
@@ -127,6 +175,18 @@ class Speculation:
         if fed:
             self.totals.observe(drafted, accepted)
 
+    def _calibrate(self, sequence, emitted: list[int], drafts: list[list[int]], estimates: list[list[float]],
+                   drafted: int, accepted: int) -> None:
+        """A verified draft's estimates against what it kept: the draft of `drafted` tokens whose first
+        `accepted` are what the model emitted (the kept branch, or the best shadow)."""
+        for draft, scored in zip(drafts, estimates):
+            kept = 0
+            while kept < min(len(draft), len(emitted)) and draft[kept] == emitted[kept]:
+                kept += 1
+            if kept == accepted and len(draft) == drafted:
+                self.calibrations[_key(sequence)].record(scored, accepted)
+                return
+
     def _score_shadow(self, sequence, drafts: SequenceDrafts) -> None:
         at, found = drafts.shadow
         emitted = sequence.context[at:]
@@ -139,7 +199,9 @@ class Speculation:
             if kept > best:
                 best, best_len = kept, len(draft)
         if settled or sequence.done:
-            drafts.shadow = None
+            if drafts.shadow_estimates is not None:
+                self._calibrate(sequence, emitted, found, drafts.shadow_estimates, best_len, best)
+            drafts.shadow = drafts.shadow_estimates = None
             self._record(sequence, drafts, best_len, best, fed=False)
 
     def summary(self) -> dict:
@@ -149,6 +211,12 @@ class Speculation:
                 "accepted_tokens": t.accepted, "accepted_per_position": list(t.accepted_at),
                 "mean_accepted_per_draft": t.accepted / t.drafts if t.drafts else None,
                 "acceptance_per_position": {key: [round(v, 4) for v in a.values] for key, a in self.by_drafter.items()}}
+
+
+def _chosen(drafts: SequenceDrafts, k: int) -> None:
+    drafts.chosen, drafts.chosen_sum, drafts.steps = k, drafts.chosen_sum + k, drafts.steps + 1
+    if len(drafts.history) < HISTORY:
+        drafts.history.append(k)
 
 
 def _key(sequence) -> str:

@@ -7,6 +7,14 @@ were each accepted and position m + 1 (when m < D) rejected; later positions wer
 keep their value. Each position's value is an EMA (weight ACCEPT_WEIGHT to the newest), starting
 at PRIOR: a drafter starts trusted, and a few rejections bring it down.
 
+Calibration: what drafts of each estimated strength really keep (a drafter that scores its own drafts,
+generation/draft_support.py). The estimates' range is cut into BUCKETS; each bucket counts the
+positions tried at an estimate in it and those kept, decayed by DECAY per new outcome there, and
+starts from TRUST pseudo-tries kept at the estimate itself: a fresh engine takes a drafter's word,
+and a few outcomes correct it where it is wrong (rejections at 0.3: sampled text; keeps at 0.7:
+text the model copies). The buckets are per drafter, engine-wide: a long-lived server's later
+requests start from what its earlier ones measured.
+
 Cost: decode steps' seconds, kept as an EMA per count of tokens fed, and a least-squares line
 through those averages. Until two counts have been seen the slope is unknown and taken as the
 floor: MIN_TOKEN_SHARE of a one-token step per extra token (a row is never quite free: its bytes,
@@ -23,6 +31,9 @@ COST_WEIGHT = 0.25  # of the newest step in a token count's EMA
 MIN_TOKEN_SHARE = 0.02  # the least a token costs, as a share of a one-token step
 MAX_POSITIONS = 64  # positions tracked (drafts past them count as the last one's)
 MAX_COUNTS = 256  # token counts whose cost is kept (the most recent)
+BUCKETS = 10  # of the estimates' range [0, 1]
+TRUST = 3.0  # pseudo-tries a bucket starts from, kept at the estimate's own rate
+DECAY = 0.95  # a bucket's counts' weight kept per new outcome in it (about the last 20 count)
 
 
 class Acceptance:
@@ -63,6 +74,37 @@ class Acceptance:
             self.accepted_at.append(0)
         for position in range(accepted):
             self.accepted_at[position] += 1
+
+
+class Calibration:
+    """A drafter's estimates (draft_support.py's e_i) mapped to acceptance, by what was kept."""
+
+    def __init__(self):
+        self.tried = [0.0] * BUCKETS  # decayed counts of positions tried with an estimate in the bucket
+        self.kept = [0.0] * BUCKETS  # of those, kept
+
+    def rate(self, estimate: float) -> float:
+        """The acceptance a position estimated at `estimate` has had: its bucket's kept share, with
+        TRUST pseudo-tries at the estimate."""
+        estimate = min(max(estimate, 0.0), 1.0)
+        b = _bucket(estimate)
+        return (self.kept[b] + TRUST * estimate) / (self.tried[b] + TRUST)
+
+    def rates(self, estimates: list[float]) -> list[float]:
+        return [self.rate(e) for e in estimates]
+
+    def record(self, estimates: list[float], accepted: int) -> None:
+        """One verified draft whose positions had `estimates`: the first `accepted` kept, the next (if
+        any) rejected, the rest not tried."""
+        accepted = max(0, min(accepted, len(estimates)))
+        for position in range(min(len(estimates), accepted + 1)):
+            b = _bucket(min(max(estimates[position], 0.0), 1.0))
+            self.tried[b] = DECAY * self.tried[b] + 1.0
+            self.kept[b] = DECAY * self.kept[b] + (1.0 if position < accepted else 0.0)
+
+
+def _bucket(estimate: float) -> int:
+    return min(int(estimate * BUCKETS), BUCKETS - 1)
 
 
 class CostModel:

@@ -11,6 +11,9 @@ the step's limit. Distinct continuations of the best matches are the branches a 
 verifies side by side. A sampled request's one draft comes from its own text only: its random
 draws follow its drafts, and the same seed must give the same tokens whatever else ran.
 
+`support` scores the drafts it just gave, position by position, from the same occurrences
+(draft_support.py): what the goodput rule sizes a step's drafts by.
+
 The verify rule makes the output independent of the drafts: a drafter changes the speed, never the
 tokens.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+from moeswarm.generation.draft_support import support
 
 MAX_MATCH = 64  # the longest match measured (longer ones draft as much as that)
 CANDIDATES = 256  # latest occurrences of the last token examined per document
@@ -86,6 +91,7 @@ class SuffixDrafter:
     def __init__(self, history: SuffixHistory | None = None):
         self.history = history if history is not None else SuffixHistory()
         self.own: Document | None = None
+        self.found: tuple[int, list[Match]] = (-1, [])  # (context length, occurrences) of the latest drafts
 
     def _own(self, context: list[int]) -> Document:
         own = self.own
@@ -109,13 +115,23 @@ class SuffixDrafter:
 
     def _drafts(self, context: list[int], documents: list[Document], limit: int, most: int) -> list[list[int]]:
         found: list[list[int]] = []
-        for match in matches(context, documents, limit):
+        occurrences = matches(context, documents, limit)
+        self.found = (len(context), occurrences)
+        for match in occurrences:
             draft = match.continuation[: max(1, min(limit, int(SPEC_PER_MATCH * match.length)))]
             if draft and draft not in found:
                 found.append(draft)
                 if len(found) == most:
                     break
         return found
+
+    def support(self, context: list[int], drafts: list[list[int]], greedy: bool = True) -> list[list[float]]:
+        """Each of the drafts just given for `context`: its acceptance estimate per position, from the
+        occurrences they were drafted from (this request's text only when none were found for it)."""
+        at, occurrences = self.found
+        if at != len(context):
+            occurrences = matches(context, [self._own(context)], max(map(len, drafts), default=0))
+        return [support(occurrences, draft, greedy) for draft in drafts]
 
     def feedback(self, drafted: int, accepted: int, cap: int) -> None:
         pass  # the length follows each match's own length

@@ -15,7 +15,11 @@ Every drafter answers `draft(context, stepper, limit)` (one draft, with `stepper
 as it was) and `branches(context, stepper, limit)` (several alternative drafts, the first being
 its best guess), and takes `feedback(drafted, accepted, cap)` after the verify step. Greedy
 generation verifies all the branches in one forward (generation/branches.py): the same round
-trips as one draft, a longer accepted run. The verify rule makes the output independent of the
+trips as one draft, a longer accepted run. The model-free drafters also answer
+`support(context, drafts)`: each draft's acceptance estimate per position, from the text's evidence
+for it (generation/draft_support.py), by which the goodput rule sizes a step's drafts before they
+are fed (engine/speculation.py); a drafter without it is sized by its measured acceptance alone.
+The verify rule makes the output independent of the
 drafts, so a drafter changes the speed, never the tokens.
 """
 
@@ -28,7 +32,8 @@ import torch
 from moeswarm.generation.draft import propose, propose_many
 from moeswarm.generation.draft_local import LocalDrafter
 from moeswarm.generation.draft_names import DRAFTERS
-from moeswarm.generation.draft_suffix import SuffixDrafter, SuffixHistory
+from moeswarm.generation.draft_suffix import Document, SuffixDrafter, SuffixHistory, matches
+from moeswarm.generation.draft_support import support
 from moeswarm.forward.stepper import Stepper
 
 STRONG_NGRAM = 2  # the shortest n-gram match `both` takes over the local draft (one draft)
@@ -59,6 +64,11 @@ class NgramDrafter:
 
     def branches(self, context: list[int], stepper: Stepper, limit: int) -> list[list[int]]:
         return propose_many(context, limit, NGRAM_BRANCHES, min_ngram=self.min_ngram)
+
+    def support(self, context: list[int], drafts: list[list[int]], greedy: bool = True) -> list[list[float]]:
+        """Each draft's acceptance estimate per position, from the earlier occurrences of the context's end."""
+        occurrences = matches(context, [Document(context)], max(map(len, drafts), default=0))
+        return [support(occurrences, draft, greedy) for draft in drafts]
 
     def feedback(self, drafted: int, accepted: int, cap: int) -> None:
         pass  # a lookup costs nothing: always propose up to the cap
