@@ -52,9 +52,10 @@ def noisy(n: int) -> int:
 
 
 class Unscored:
-    """The suffix drafter without `support`: sized by its acceptance EMA alone (as local drafts are)."""
+    """The suffix drafter without `support`: sized by its acceptance EMA alone (as local drafts are),
+    and, a lookup as the suffix drafter is, shadow-drafting every step while its K is 0."""
 
-    name = "unscored"
+    name = "suffix"
 
     def __init__(self):
         self.inner = SuffixDrafter()
