@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -32,6 +30,7 @@ from moeswarm.relay.server import CHUNK, RelayLimits, RelayServer
 from moeswarm.swarm import open_swarm
 from moeswarm.transport.relay import RelayLink
 from moeswarm.transport.tls import client_context, write_swarm_key
+from netns import namespace  # noqa: F401  (a fixture)
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 NEW_TOKENS = 4
@@ -178,49 +177,6 @@ def test_a_relay_that_alters_a_byte_fails_the_link_and_the_results_stay_exact(qw
     assert tampering.flipped == 1
     assert result.bit_identical is True and len(result.tokens) == NEW_TOKENS
     assert stats["takedowns"] >= 1 and stats["failovers"] >= 1
-
-
-class Namespace:
-    """A network namespace joined to this one by a veth pair: 10.200.N.1 here, 10.200.N.2 there, and
-    10.201.N.2 on the namespace's loopback, which nothing here routes to."""
-
-    def __init__(self):
-        n = os.getpid() % 200 + 1
-        self.name, self.here_if, self.there_if = f"msrelay{n}", f"msrh{n}", f"msrn{n}"
-        self.here, self.inside = f"10.200.{n}.1", f"10.201.{n}.2"
-        self._steps = [
-            ["ip", "netns", "add", self.name],
-            ["ip", "link", "add", self.here_if, "type", "veth", "peer", "name", self.there_if],
-            ["ip", "link", "set", self.there_if, "netns", self.name],
-            ["ip", "addr", "add", f"{self.here}/24", "dev", self.here_if],
-            ["ip", "link", "set", self.here_if, "up"],
-            ["ip", "-n", self.name, "addr", "add", f"10.200.{n}.2/24", "dev", self.there_if],
-            ["ip", "-n", self.name, "link", "set", self.there_if, "up"],
-            ["ip", "-n", self.name, "link", "set", "lo", "up"],
-            ["ip", "-n", self.name, "addr", "add", f"{self.inside}/32", "dev", "lo"],
-        ]
-
-    def create(self) -> None:
-        self.delete()  # left by a run that was killed
-        for step in self._steps:
-            done = subprocess.run(step, capture_output=True, text=True)
-            if done.returncode != 0:
-                self.delete()
-                pytest.skip(f"cannot make a network namespace here ({' '.join(step)}: {done.stderr.strip()})")
-
-    def delete(self) -> None:
-        subprocess.run(["ip", "link", "del", self.here_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
-
-
-@pytest.fixture
-def namespace():
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("needs `ip netns` and root to make a network namespace")
-    made = Namespace()
-    made.create()
-    yield made
-    made.delete()
 
 
 def test_a_worker_that_cannot_be_dialled_is_reached_through_the_relay(qwen2_moe, key, reference, namespace):
