@@ -69,7 +69,7 @@ needs_token_call = pytest.mark.skipif(not token_call.available(), reason="the C 
 def test_kernels_report_their_layout_and_it_is_python_s():
     report = native.reported(qkernels._library(), "qk_layout")
     assert report["QkLane"] == ctypes.sizeof(qkernels.ExpressLane)
-    assert report["QkLane.alpha"] == qkernels.ExpressLane.alpha.offset
+    assert report["QkLane.hidden_at"] == qkernels.ExpressLane.hidden_at.offset == 32
     assert report["QkHoldOut.unsent_len"] == qkernels.HoldOut.unsent_len.offset
     assert {key: report[key] for key in frames.c_constants()} == frames.c_constants()
 
@@ -90,15 +90,15 @@ def _swapped(fields: list, one: str, other: str) -> list:
 
 
 class _SwappedLane(ctypes.Structure):
-    """ExpressLane with `alpha` and `limit` in each other's place: same size, two offsets off."""
+    """ExpressLane with `hidden_at` and `ids_at` in each other's place: same size, two offsets off."""
 
-    _fields_ = _swapped(qkernels.ExpressLane._fields_, "alpha", "limit")
+    _fields_ = _swapped(qkernels.ExpressLane._fields_, "hidden_at", "ids_at")
 
 
 @needs_kernels
 def test_a_mirror_that_disagrees_is_refused_at_load(monkeypatch):
     monkeypatch.setattr(qk_mirrors, "ExpressLane", _SwappedLane)
-    refused = r"^refusing moeswarm/_qkernels: QkLane\.alpha is 104 in C and 112 in Python"
+    refused = r"^refusing moeswarm/_qkernels: QkLane\.hidden_at is 32 in C and 40 in Python"
     with pytest.raises(MoeSwarmError, match=refused):
         qkernels._library.__wrapped__()
 

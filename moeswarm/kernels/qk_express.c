@@ -19,7 +19,6 @@
 #include <time.h>
 
 #include "frames.h"
-#include "qk_dispatch.h"
 #include "qk_express.h"
 
 /* v as msgpack packs a non-negative int (the smallest form); its length. */
@@ -56,21 +55,18 @@ static int64_t thread_ns(void) {
  * qk_dispatch_sums's failure). */
 int64_t qk_express_sums(const QkLane *lane, const uint8_t *payload, uint8_t *reply, int64_t cap, uint64_t rid,
                         int threads) {
-    int64_t values = lane->tokens * lane->H, body = values * (int64_t)sizeof(float);
+    int64_t values = lane->tokens * lane->set->H, body = values * (int64_t)sizeof(float);
     int64_t meta_room = lane->meta_len + (lane->timed ? 9 : 0);
     if (cap < MSW_HEADER_SIZE + meta_room + body) return -2;
     int64_t started = lane->timed ? thread_ns() : 0;
     memset(lane->sums, 0, (size_t)body);
-    int status = qk_dispatch_sums(lane->n_experts, lane->gate, lane->up, lane->down, (int)lane->gate_type,
-                                  (int)lane->up_type, (int)lane->down_type, lane->H, lane->I,
-                                  (const float *)(payload + lane->hidden_at), lane->tokens, payload + lane->ids_at,
-                                  (int)lane->id_bytes, lane->k, payload + lane->weights_at, lane->table,
-                                  lane->table_len, lane->gate_bias, lane->up_bias, lane->down_bias,
-                                  (int)lane->activation, (float)lane->alpha, (float)lane->limit, lane->sums,
-                                  lane->counts, threads, 1);
+    QkDispatch call = {lane->set, (const float *)(payload + lane->hidden_at), lane->tokens, payload + lane->ids_at,
+                       lane->id_bytes, lane->k, payload + lane->weights_at, lane->table, lane->table_len, lane->sums,
+                       0, lane->counts, NULL, NULL, threads, 1};
+    int status = qk_dispatch_sums_call(&call);
     if (status != 0) return status < 0 ? status : -status;
     if (lane->served)
-        for (int64_t i = 0; i < lane->n_experts; i++) lane->served[i] += lane->counts[i];
+        for (int64_t i = 0; i < lane->set->n_experts; i++) lane->served[i] += lane->counts[i];
     uint8_t *meta = reply + MSW_HEADER_SIZE;
     memcpy(meta, lane->meta, (size_t)lane->meta_len);
     int64_t meta_len = lane->meta_len;
@@ -87,16 +83,13 @@ int64_t qk_express_sums(const QkLane *lane, const uint8_t *payload, uint8_t *rep
 int64_t qk_express_rows(const QkLane *lane, const uint8_t *payload, uint8_t *reply, int64_t cap, uint64_t rid,
                         int threads) {
     int64_t pairs = lane->tokens * lane->k, n_hit = 0;
-    if (cap < MSW_HEADER_SIZE + lane->meta_len + 40 + 18 * pairs + pairs * lane->H * (int64_t)sizeof(float)) return -2;
+    if (cap < MSW_HEADER_SIZE + lane->meta_len + 40 + 18 * pairs + pairs * lane->set->H * (int64_t)sizeof(float)) return -2;
     int64_t started = lane->timed ? thread_ns() : 0;
-    memset(lane->sums, 0, (size_t)(pairs * lane->H) * sizeof(float));
-    int status = qk_dispatch_rows(lane->n_experts, lane->gate, lane->up, lane->down, (int)lane->gate_type,
-                                  (int)lane->up_type, (int)lane->down_type, lane->H, lane->I,
-                                  (const float *)(payload + lane->hidden_at), lane->tokens, payload + lane->ids_at,
-                                  (int)lane->id_bytes, lane->k, payload + lane->weights_at, lane->table,
-                                  lane->table_len, lane->gate_bias, lane->up_bias, lane->down_bias,
-                                  (int)lane->activation, (float)lane->alpha, (float)lane->limit, lane->sums, pairs,
-                                  lane->hit, lane->counts, &n_hit, threads, 1);
+    memset(lane->sums, 0, (size_t)(pairs * lane->set->H) * sizeof(float));
+    QkDispatch call = {lane->set, (const float *)(payload + lane->hidden_at), lane->tokens, payload + lane->ids_at,
+                       lane->id_bytes, lane->k, payload + lane->weights_at, lane->table, lane->table_len, lane->sums,
+                       pairs, lane->counts, lane->hit, &n_hit, threads, 1};
+    int status = qk_dispatch_rows_call(&call);
     if (status != 0) return status < 0 ? status : -status;
     int64_t rows = 0;
     for (int64_t i = 0; i < n_hit; i++) rows += lane->counts[i];
@@ -106,7 +99,7 @@ int64_t qk_express_rows(const QkLane *lane, const uint8_t *payload, uint8_t *rep
     memcpy(at, lane->meta, (size_t)lane->meta_len);
     at += lane->meta_len;
     at += pack_uint(at, (uint64_t)rows);
-    at += pack_uint(at, (uint64_t)lane->H);
+    at += pack_uint(at, (uint64_t)lane->set->H);
     static const uint8_t experts[8] = {0xa7, 'e', 'x', 'p', 'e', 'r', 't', 's'};
     static const uint8_t counts[7] = {0xa6, 'c', 'o', 'u', 'n', 't', 's'};
     memcpy(at, experts, sizeof experts);
@@ -124,7 +117,7 @@ int64_t qk_express_rows(const QkLane *lane, const uint8_t *payload, uint8_t *rep
         at += sizeof key;
         at += pack_uint(at, (uint64_t)cpu_us);
     }
-    int64_t meta_len = at - meta, body = rows * lane->H * (int64_t)sizeof(float);
+    int64_t meta_len = at - meta, body = rows * lane->set->H * (int64_t)sizeof(float);
     msw_put_header(reply, MSW_OP_RESULT, rid, (uint64_t)meta_len, (uint64_t)body);
     memcpy(at, lane->sums, (size_t)body);
     return MSW_HEADER_SIZE + meta_len + body;

@@ -5,14 +5,10 @@
 
 #include <stdint.h>
 
+#include "qk_calls.h"
+
 typedef struct {
-    /* the experts (kernels/qk_experts.py ExpertsPlan: QkExpertSet's fields, alpha and limit as doubles) */
-    int64_t n_experts;
-    const int64_t *gate, *up, *down;
-    int64_t gate_type, up_type, down_type, H, I;
-    const float *gate_bias, *up_bias, *down_bias;
-    int64_t activation;
-    double alpha, limit;
+    const QkExpertSet *set; /* the experts (kernels/qk_experts.py ExpertsPlan.set, kept alive with the lane) */
     /* the DISPATCH: its tokens, top-k, ids' width and where x, ids and w lie in its payload */
     int64_t tokens, k, id_bytes, hidden_at, ids_at, weights_at;
     const int64_t *table; /* [table_len]: the store's ids table for the layer */

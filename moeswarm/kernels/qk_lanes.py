@@ -28,8 +28,7 @@ def express_lane(plan: ExpertsPlan, tokens: int, k: int, id_bytes: int, hidden_a
     counts, hit = np.zeros(n, np.int64), np.zeros(n, np.int64)
     sums = np.zeros((tokens * k if exact else tokens, plan.hidden), np.float32)
     meta_buffer = ctypes.create_string_buffer(meta, len(meta))
-    lane = ExpressLane(plan.num_experts, *plan.matrices, *plan.types, plan.hidden, plan.inner, *plan.biases,
-                       plan.activation, plan.alpha, plan.limit, tokens, k, id_bytes, hidden_at, ids_at, weights_at,
+    lane = ExpressLane(plan.set_at, tokens, k, id_bytes, hidden_at, ids_at, weights_at,
                        _address(table), len(table), _address(counts), _address(sums), ctypes.addressof(meta_buffer),
                        len(meta), int(timed), _address(hit), first, None if served is None else _address(served))
     return lane, (plan, table, counts, hit, sums, meta_buffer, served)

@@ -11,10 +11,7 @@
 #include "qk_hold.h"
 
 static const MswLayoutEntry layout[] = {
-    MSW_SIZE(QkLane), MSW_FIELD(QkLane, n_experts), MSW_FIELD(QkLane, gate), MSW_FIELD(QkLane, up),
-    MSW_FIELD(QkLane, down), MSW_FIELD(QkLane, gate_type), MSW_FIELD(QkLane, up_type), MSW_FIELD(QkLane, down_type),
-    MSW_FIELD(QkLane, H), MSW_FIELD(QkLane, I), MSW_FIELD(QkLane, gate_bias), MSW_FIELD(QkLane, up_bias),
-    MSW_FIELD(QkLane, down_bias), MSW_FIELD(QkLane, activation), MSW_FIELD(QkLane, alpha), MSW_FIELD(QkLane, limit),
+    MSW_SIZE(QkLane), MSW_FIELD(QkLane, set),
     MSW_FIELD(QkLane, tokens), MSW_FIELD(QkLane, k), MSW_FIELD(QkLane, id_bytes), MSW_FIELD(QkLane, hidden_at),
     MSW_FIELD(QkLane, ids_at), MSW_FIELD(QkLane, weights_at), MSW_FIELD(QkLane, table), MSW_FIELD(QkLane, table_len),
     MSW_FIELD(QkLane, counts), MSW_FIELD(QkLane, sums), MSW_FIELD(QkLane, meta), MSW_FIELD(QkLane, meta_len),

@@ -12,17 +12,13 @@ _I64, _PTR, _F32, _F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 
 class ExpressLane(ctypes.Structure):
     """A DISPATCH lane's constants for qk_express_sums / qk_express_rows (kernels/qk_express.c's
-    QkLane): the experts, where x, ids and w lie in a frame's body, scratch, and the RESULT's
-    metadata bytes (exact: up to its row count)."""
+    QkLane): the experts (the address of an ExpertsPlan's `set`), where x, ids and w lie in a frame's
+    body, scratch, and the RESULT's metadata bytes (exact: up to its row count)."""
 
-    _fields_ = [("n_experts", _I64), ("gate", _PTR), ("up", _PTR), ("down", _PTR), ("gate_type", _I64),
-                ("up_type", _I64), ("down_type", _I64), ("H", _I64), ("I", _I64), ("gate_bias", _PTR),
-                ("up_bias", _PTR), ("down_bias", _PTR), ("activation", _I64), ("alpha", ctypes.c_double),
-                ("limit", ctypes.c_double), ("tokens", _I64), ("k", _I64), ("id_bytes", _I64), ("hidden_at", _I64),
+    _fields_ = [("set", _PTR), ("tokens", _I64), ("k", _I64), ("id_bytes", _I64), ("hidden_at", _I64),
                 ("ids_at", _I64), ("weights_at", _I64), ("table", _PTR), ("table_len", _I64), ("counts", _PTR),
                 ("sums", _PTR), ("meta", _PTR), ("meta_len", _I64), ("timed", _I64), ("hit", _PTR), ("first", _I64),
                 ("served", _PTR)]
-
 
 
 # A hold's answer to a lane it has no ExpressLane for (kernels/qk_hold.c QkHoldAnswer): (lane index,
