@@ -9,7 +9,8 @@ from fractions import Fraction
 
 import pytest
 
-from moeswarm.placement.rebalance import choose_mover, droppable, rebalance, without
+from moeswarm.node.rebalancing import Settling, plan_round
+from moeswarm.placement.rebalance import SWARM_MARGIN, choose_mover, cost, droppable, rebalance, without
 from moeswarm.placement.share import coverage_of
 
 
@@ -117,3 +118,55 @@ def test_the_margin_damps_small_gains_and_the_sole_holder_never_drops():
     assert rebalance({0: [2, 2, 1, 1]}, (0, 1), 2, load={0: [4, 4, 5, 1]}) is None  # 5/2 < 1.25 x 4/2
     assert rebalance({0: [1, 1, 0, 0]}, (0, 1), 2) is None and droppable({0: [1, 1, 0, 0]}, (0, 1)) == []
     assert rebalance({0: [1, 1, 1, 1]}, (0,), 3).fetch == (1, 2)  # free room is filled before anything is swapped
+
+
+def _doubled(loads):
+    """m holds 0-3, n holds 4-7, p all 8 (every expert twice, one layer), with `loads` measured."""
+    shares = {"m": (0, 1, 2, 3), "n": (4, 5, 6, 7)}
+    coverage = coverage_of([{0: (0, 1, 2, 3)}, {0: (4, 5, 6, 7)}, {0: tuple(range(8))}], [0], 8)
+    return coverage, shares, {0: loads}
+
+
+def test_the_swarm_gains_by_a_margin_or_nothing_moves():
+    # noise: expert 3 measured at 2 rows/min, the others at 10: m's swap of 3 for 4 passes the per-swap
+    # margin (10/6 > 1.25 x 2/2) but lowers the swarm's load per holder by 2/3 of 36, under a tenth
+    coverage, shares, load = _doubled([10, 10, 10, 2, 10, 10, 10, 10])
+    assert rebalance(coverage, shares["m"], 4, load) is not None
+    assert cost(coverage, load) == 36 and choose_mover(coverage, shares, load=load) is None
+    assert choose_mover(coverage, shares, load=load, swarm_margin=Fraction(0))[0] == "m"  # the rule that moved it
+    # a real imbalance: 0-3 never routed; m takes 4-7 and the swarm's 80 falls by 4 x 40/6, over a tenth
+    coverage, shares, load = _doubled([0, 0, 0, 0, 40, 40, 40, 40])
+    mover, move = choose_mover(coverage, shares, load=load)
+    assert mover == "m" and move.share == (4, 5, 6, 7) and move.gain[1] >= SWARM_MARGIN * cost(coverage, load)
+    # a hole always moves, however small the swarm's load there
+    b, c = (4, 5, 6, 7), (0, 1, 4, 5)
+    coverage = coverage_of([{0: b}, {0: c}], [0], 8)
+    assert choose_mover(coverage, {"b": b, "c": c}, load={0: [1000] * 8})[1].gain[0] == 2
+
+
+def test_loads_weigh_a_round_only_once_the_swarm_kept_its_members_and_shares():
+    now = [0.0]
+    settling = Settling(10.0, clock=lambda: now[0])
+    records = {"a:1": ({0: (0, 1)}, None), "b:1": ({0: (2, 3)}, None)}
+    assert not settling.settled(records)  # the first round starts the wait
+    now[0] = 9.9
+    assert not settling.settled(dict(records))
+    now[0] = 10.0
+    assert settling.settled(dict(records))
+    loaded = {address: (held, {0: (5, 5)}) for address, (held, _) in records.items()}
+    assert settling.settled(loaded)  # new rates are not a change of the swarm
+    moved = {**records, "b:1": ({0: (1, 3)}, None)}
+    assert not settling.settled(moved)  # a move starts the wait again
+    now[0] = 20.0
+    assert settling.settled(moved)
+    assert not settling.settled({"a:1": records["a:1"]})  # so does a leave
+
+
+def test_a_round_before_the_swarm_settled_weighs_every_pair_alike():
+    # m and p hold 0-3, n and p 4-7; the loads say 0-3 are never routed: with loads m moves to 4-7,
+    # without them every expert has 2 holders and nothing moves
+    records = {"m:1": ({0: (0, 1, 2, 3)}, {0: (0, 0, 0, 0)}), "n:1": ({0: (4, 5, 6, 7)}, {0: (40, 40, 40, 40)}),
+               "p:1": ({0: tuple(range(8))}, None)}
+    move = plan_round(records, "m:1", (0, 1, 2, 3), [0], 8, loads=True)
+    assert move is not None and move.share == (4, 5, 6, 7)
+    assert plan_round(records, "m:1", (0, 1, 2, 3), [0], 8, loads=False) is None

@@ -5,8 +5,12 @@ Every period the member reads the announcements of its model from the DHT, adds 
 each (layer, expert) weighed by the load its holders announce (placement/load.py).
 Every member reads the same records and applies the same rule, so at most one member moves a
 round (the one whose move gains most; ties: the smallest announced address), and only when the
-gain passes the margin or fills a hole. The move, in an order that never leaves an expert
-without a holder:
+gain passes the margin or fills a hole. Loads weigh a round only once the swarm has kept the same
+members and shares for `settle_s` (`Settling`): a load is a rate over the last announcement TTL, so
+after a join, a leave or a move the records still carry windows from before (and a new node's
+first window undercounts the traffic backbones had not yet sent it); until then every pair weighs
+1, and only holes and uneven holder counts move a share. The move, in an order that never leaves
+an expert without a holder:
 
 1. fetch the new share's slice (discovery/joining.py `fetch_share`: hashed, resumable) and load
    it into a second worker node on a free port, beside the one serving;
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -54,21 +59,50 @@ def uniform_shares(helds: Mapping[str, Held], layers: Sequence[int]) -> dict[str
 
 
 def plan_round(records: Mapping[str, tuple[Held, Held | None]], me: str, share: Sequence[int],
-               layers: Sequence[int], num_experts: int) -> Move | None:
+               layers: Sequence[int], num_experts: int, loads: bool = True) -> Move | None:
     """This member's move this round, or None (no move gains, or another member's gains more).
 
     records: {announced address: ({layer: experts}, its announced load or None)} as read from the
-    DHT (placement/load.py weighs the pairs by the loads); `me` holding `share` at every layer is
-    put in whether or not its record was among them (with its announced load where it was)."""
+    DHT (placement/load.py weighs the pairs by the loads; with `loads` False every pair weighs 1);
+    `me` holding `share` at every layer is put in whether or not its record was among them (with
+    its announced load where it was)."""
     held = {layer: tuple(share) for layer in layers}
     announced, load = records.get(me, (None, None))
     mine = load if announced is not None and {n: tuple(e) for n, e in announced.items()} == held else None
     records = {**records, me: (held, mine)}
     helds = {address: held for address, (held, _) in records.items()}
     coverage = coverage_of(helds.values(), layers, num_experts)
-    load = swarm_load(records.values(), layers, num_experts)
+    load = swarm_load(records.values(), layers, num_experts) if loads else None
     chosen = choose_mover(coverage, uniform_shares(helds, layers), load=load)
     return chosen[1] if chosen is not None and chosen[0] == me else None
+
+
+class Settling:
+    """Whether the swarm's members and shares have stayed the same for `settle_s` seconds.
+
+    `settled(records)` is called each round with the records read ({address: (held, load)}); any
+    change of addresses or of what they hold (a join, a leave, a move) starts the wait again, as
+    does the first call."""
+
+    def __init__(self, settle_s: float, clock: Callable[[], float] = time.monotonic):
+        self.settle_s = settle_s
+        self.clock = clock
+        self._seen: frozenset | None = None
+        self._since = 0.0
+
+    def settled(self, records: Mapping[str, tuple[Held, Held | None]]) -> bool:
+        now = self.clock()
+        seen = frozenset((address, tuple(sorted((layer, tuple(sorted(experts))) for layer, experts in held.items())))
+                         for address, (held, _) in records.items())
+        if seen != self._seen:
+            self._seen, self._since = seen, now
+        return now - self._since >= self.settle_s
+
+
+def settle_s(announce_ttl_s: float) -> float:
+    """How long the swarm must stay the same before loads weigh: every record's load window (the
+    last TTL, refreshed every TTL/3) then starts after backbones found the change (POLL_S)."""
+    return 2 * announce_ttl_s + POLL_S
 
 
 class Member:
@@ -77,13 +111,15 @@ class Member:
     open_node(experts): fetch that share and build its node (blocking: run off the loop), not started.
     read(): {address: ({layer: experts}, its announced load or None)} of the model's announcements
     on the DHT (blocking). on_move(experts): called once a move is done, with the new share (the
-    member's seed follows it: node/member_seed.py)."""
+    member's seed follows it: node/member_seed.py). settling: when loads weigh a round (None:
+    `Settling(settle_s(its announcement's TTL))`)."""
 
     def __init__(self, node: WorkerNode, share: Sequence[int], layers: Sequence[int], num_experts: int,
                  open_node: Callable[[tuple[int, ...]], WorkerNode],
                  read: Callable[[], dict[str, tuple[Held, Held | None]]],
                  report: Callable[[str], None] = log.info, grace_s: float = GRACE_S,
-                 on_move: Callable[[tuple[int, ...]], Awaitable[None]] | None = None):
+                 on_move: Callable[[tuple[int, ...]], Awaitable[None]] | None = None,
+                 settling: Settling | None = None):
         self.node = node
         self.share = tuple(share)
         self.layers = list(layers)
@@ -93,6 +129,7 @@ class Member:
         self.report = report
         self.grace_s = grace_s
         self.on_move = on_move
+        self.settling = settling
         self.moves = 0
 
     async def serve(self, stop: asyncio.Event, interval_s: float) -> None:
@@ -114,7 +151,10 @@ class Member:
         if announcer is None:
             return None
         records = await loop.run_in_executor(None, self.read)
-        move = plan_round(records, announcer.record.address, self.share, self.layers, self.num_experts)
+        if self.settling is None:
+            self.settling = Settling(settle_s(announcer.ttl_s))
+        settled = self.settling.settled(records)
+        move = plan_round(records, announcer.record.address, self.share, self.layers, self.num_experts, loads=settled)
         if move is None:
             return None
         self.report(f"rebalancing: taking experts {format_ids(move.fetch)}"

@@ -21,6 +21,11 @@ gains. The rules that make it safe and damped:
 - **one mover a round**: every member evaluates every member's best move on the same coverage;
   only the one whose move gains most (ties: the smallest member id) moves. A move strictly lowers
   (uncovered cells, load per holder summed over cells), so rounds end.
+- **the swarm gains by a margin** (Petals' rule): a move that covers no new cell is made only when
+  it removes at least `swarm_margin` of the swarm's load per holder summed over its held cells
+  (`cost`). Measured loads are noisy (rows per minute over a short window), and with many experts
+  some pair always passes the per-swap margin by chance; a move costs the share's bytes, so only
+  a gain to the whole swarm moves them.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from fractions import Fraction
 from moeswarm.placement.share import Coverage, Gain, gain
 
 MARGIN = Fraction(1, 4)
+SWARM_MARGIN = Fraction(1, 10)
 
 
 @dataclass(frozen=True)
@@ -84,19 +90,30 @@ def rebalance(coverage: Coverage, share: Sequence[int], capacity: int, load: Cov
 
 
 def choose_mover(coverage: Coverage, shares: Mapping[str, Sequence[int]], capacities: Mapping[str, int] | None = None,
-                 load: Coverage | None = None, margin: Fraction = MARGIN) -> tuple[str, Move] | None:
-    """(the member that moves this round, its move), or None when no member's move gains.
+                 load: Coverage | None = None, margin: Fraction = MARGIN,
+                 swarm_margin: Fraction = SWARM_MARGIN) -> tuple[str, Move] | None:
+    """(the member that moves this round, its move), or None when no member's move gains enough.
 
     shares: {member id: experts it holds at every layer} of the members that may move (counted in
     `coverage` too, with any others). capacities: {member id: experts its memory holds} (absent:
-    its share's size)."""
+    its share's size). A best move that covers no new cell must remove at least `swarm_margin` of
+    `cost(coverage, load)`."""
     best = None
     for member in sorted(shares):
         capacity = (capacities or {}).get(member, len(shares[member]))
         move = rebalance(coverage, shares[member], capacity, load, margin)
         if move is not None and (best is None or _key(move.gain) < _key(best[1].gain)):
             best = (member, move)
+    if best is not None and best[1].gain[0] <= 0 and best[1].gain[1] < swarm_margin * cost(coverage, load):
+        return None
     return best
+
+
+def cost(coverage: Coverage, load: Coverage | None = None) -> Fraction:
+    """The swarm's load per holder summed over its held cells: sum of load[l][e] / holders[l][e]
+    (load None: 1 everywhere). A move's relief (`Move.gain[1]`) is how much it lowers this."""
+    return sum((Fraction(1 if load is None else load[layer][e], h)
+                for layer, holders in coverage.items() for e, h in enumerate(holders) if h > 0), Fraction(0))
 
 
 def _positive(value: Gain) -> bool:

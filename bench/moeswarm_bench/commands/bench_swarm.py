@@ -20,7 +20,7 @@ def _counts(text: str) -> tuple[int, ...]:
 
 
 def flags(parser: argparse.ArgumentParser) -> None:
-    from moeswarm_bench.bench.swarm_bench import JOINERS, KILLS, REBALANCE_S, REPLICAS, SEGMENT_TOKENS, TTL_S
+    from moeswarm_bench.bench.swarm_settings import JOINERS, KILLS, REBALANCE_S, REPLICAS, SEGMENT_TOKENS, TTL_S
 
     parser.add_argument("--joiners", type=_counts, default=JOINERS, metavar="N,...",
                         help=f"swarms of this many `moeswarm join` processes, one after another "
@@ -56,7 +56,9 @@ def flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from moeswarm_bench.bench.swarm_bench import Settings, run_swarm_bench, table_lines
+    from moeswarm_bench.bench.swarm_bench import run_swarm_bench
+    from moeswarm_bench.bench.swarm_lines import table_lines
+    from moeswarm_bench.bench.swarm_settings import Settings
 
     settings = Settings(args.joiners, args.kills, args.replicas, args.seed, args.ttl, args.rebalance, rejoin=args.rejoin,
                         segment_tokens=args.segment_tokens, keyed=args.keyed, check_local=args.check_local)
