@@ -14,9 +14,10 @@ from moeswarm.placement.rebalance import SWARM_MARGIN, choose_mover, cost, dropp
 from moeswarm.placement.share import coverage_of
 
 
-def _worth(coverage, experts, load) -> tuple[int, Fraction]:
-    """A share's worth against `coverage` from scratch: cells it covers, then load per holder removed."""
-    covers, relief = 0, Fraction(0)
+def _worth(coverage, experts, load) -> tuple[int, int, Fraction]:
+    """A share's worth against `coverage` from scratch: cells it covers, cells it gives a second holder,
+    then load per holder removed."""
+    covers, backs, relief = 0, 0, Fraction(0)
     for layer, holders in coverage.items():
         for expert in experts:
             h = holders[expert]
@@ -24,8 +25,9 @@ def _worth(coverage, experts, load) -> tuple[int, Fraction]:
             if h == 0:
                 covers += 1
             else:
+                backs += h == 1
                 relief += Fraction(weight, h) - Fraction(weight, h + 1)
-    return covers, relief
+    return covers, backs, relief
 
 
 def _covered(coverage) -> set[tuple[int, int]]:
@@ -65,7 +67,7 @@ def test_the_move_is_as_good_as_the_best_reachable_share(seed):
     after = set(move.share)
     assert after in reachable and _worth(others, after, load) == best > now
     assert set(move.fetch) == after - set(share) and set(move.drop) == set(share) - after
-    assert move.gain == (best[0] - now[0], best[1] - now[1])
+    assert move.gain == tuple(b - n for b, n in zip(best, now))
     moved = coverage_of([{layer: after for layer in coverage}], list(coverage), num_experts)
     assert _covered(coverage) <= _covered({l: [a + b for a, b in zip(others[l], moved[l])] for l in coverage})
 
@@ -86,7 +88,7 @@ def test_a_swarm_settles_one_mover_a_round_and_never_uncovers(seed):
         for member in members:  # the mover's move gains most; ties go to the smallest id
             other = rebalance(coverage, members[member], len(members[member]), load)
             if other is not None and member != mover:
-                assert (other.gain[0], other.gain[1]) <= move.gain and (other.gain != move.gain or mover < member)
+                assert other.gain <= move.gain and (other.gain != move.gain or mover < member)
         assert len(move.share) == len(members[mover])
         members = {**members, mover: move.share}
         helds = [{layer: s for layer in layers} for s in members.values()]
@@ -120,28 +122,41 @@ def test_the_margin_damps_small_gains_and_the_sole_holder_never_drops():
     assert rebalance({0: [1, 1, 1, 1]}, (0,), 3).fetch == (1, 2)  # free room is filled before anything is swapped
 
 
-def _doubled(loads):
-    """m holds 0-3, n holds 4-7, p all 8 (every expert twice, one layer), with `loads` measured."""
-    shares = {"m": (0, 1, 2, 3), "n": (4, 5, 6, 7)}
-    coverage = coverage_of([{0: (0, 1, 2, 3)}, {0: (4, 5, 6, 7)}, {0: tuple(range(8))}], [0], 8)
+def _spare(loads):
+    """m and o hold 0-3, n holds 4-7, p all 8 (0-3 three times, 4-7 twice, one layer), with `loads` measured."""
+    shares = {"m": (0, 1, 2, 3), "n": (4, 5, 6, 7), "o": (0, 1, 2, 3)}
+    coverage = coverage_of([{0: share} for share in shares.values()] + [{0: tuple(range(8))}], [0], 8)
     return coverage, shares, {0: loads}
 
 
 def test_the_swarm_gains_by_a_margin_or_nothing_moves():
     # noise: expert 3 measured at 2 rows/min, the others at 10: m's swap of 3 for 4 passes the per-swap
-    # margin (10/6 > 1.25 x 2/2) but lowers the swarm's load per holder by 2/3 of 36, under a tenth
-    coverage, shares, load = _doubled([10, 10, 10, 2, 10, 10, 10, 10])
+    # margin (10/6 > 1.25 x 2/6) but lowers the swarm's load per holder by 4/3 of 92/3, under a tenth
+    coverage, shares, load = _spare([10, 10, 10, 2, 10, 10, 10, 10])
     assert rebalance(coverage, shares["m"], 4, load) is not None
-    assert cost(coverage, load) == 36 and choose_mover(coverage, shares, load=load) is None
+    assert cost(coverage, load) == Fraction(92, 3) and choose_mover(coverage, shares, load=load) is None
     assert choose_mover(coverage, shares, load=load, swarm_margin=Fraction(0))[0] == "m"  # the rule that moved it
     # a real imbalance: 0-3 never routed; m takes 4-7 and the swarm's 80 falls by 4 x 40/6, over a tenth
-    coverage, shares, load = _doubled([0, 0, 0, 0, 40, 40, 40, 40])
+    coverage, shares, load = _spare([0, 0, 0, 0, 40, 40, 40, 40])
     mover, move = choose_mover(coverage, shares, load=load)
-    assert mover == "m" and move.share == (4, 5, 6, 7) and move.gain[1] >= SWARM_MARGIN * cost(coverage, load)
+    assert mover == "m" and move.share == (4, 5, 6, 7) and move.gain[2] >= SWARM_MARGIN * cost(coverage, load)
     # a hole always moves, however small the swarm's load there
     b, c = (4, 5, 6, 7), (0, 1, 4, 5)
     coverage = coverage_of([{0: b}, {0: c}], [0], 8)
     assert choose_mover(coverage, {"b": b, "c": c}, load={0: [1000] * 8})[1].gain[0] == 2
+
+
+def test_no_load_takes_a_second_holder_away_and_a_cell_held_once_draws_one():
+    """Every expert held twice (m 0-3, n 4-7, p all): however hot 4-7 are measured, nobody drops a
+    second holder of 0-3 for them (a member leaving would then take 0-3's only copy). With 0-3
+    held once (p gone), a member with room takes 0-3 over the hot 4-7."""
+    shares = {"m": (0, 1, 2, 3), "n": (4, 5, 6, 7)}
+    load = {0: [0, 0, 0, 0, 40, 40, 40, 40]}
+    twice = coverage_of([{0: share} for share in shares.values()] + [{0: tuple(range(8))}], [0], 8)
+    assert choose_mover(twice, shares, load=load, swarm_margin=Fraction(0)) is None
+    once = coverage_of([{0: share} for share in shares.values()] + [{0: (4, 5, 6, 7)}], [0], 8)
+    mover, move = choose_mover(once, shares, capacities={"n": 8}, load=load)
+    assert mover == "n" and move.fetch == (0, 1, 2, 3) and move.gain[:2] == (0, 4)
 
 
 def test_loads_weigh_a_round_only_once_the_swarm_kept_its_members_and_shares():
@@ -163,10 +178,10 @@ def test_loads_weigh_a_round_only_once_the_swarm_kept_its_members_and_shares():
 
 
 def test_a_round_before_the_swarm_settled_weighs_every_pair_alike():
-    # m and p hold 0-3, n and p 4-7; the loads say 0-3 are never routed: with loads m moves to 4-7,
-    # without them every expert has 2 holders and nothing moves
+    # m, o and p hold 0-3, n and p 4-7; the loads say 0-3 are never routed: with loads m moves to 4-7,
+    # without them m's 0-3 and 4-7 would each have 2 holders besides it, and nothing moves
     records = {"m:1": ({0: (0, 1, 2, 3)}, {0: (0, 0, 0, 0)}), "n:1": ({0: (4, 5, 6, 7)}, {0: (40, 40, 40, 40)}),
-               "p:1": ({0: tuple(range(8))}, None)}
+               "o:1": ({0: (0, 1, 2, 3)}, None), "p:1": ({0: tuple(range(8))}, None)}
     move = plan_round(records, "m:1", (0, 1, 2, 3), [0], 8, loads=True)
     assert move is not None and move.share == (4, 5, 6, 7)
     assert plan_round(records, "m:1", (0, 1, 2, 3), [0], 8, loads=False) is None

@@ -68,8 +68,15 @@ def test_a_killed_member_share_is_taken_over_and_generation_stays_bit_identical(
         for joiner in joiners[1:]:
             if joiner.poll() is None:
                 joiner.terminate()
-        said = "".join(joiner.communicate(timeout=60)[0] for joiner in joiners[1:])  # the rest of their lines
+        said_each = [joiner.communicate(timeout=60)[0] for joiner in joiners[1:]]  # the rest of their lines
+        said = "".join(said_each)
         stop(joiners)
     assert said.count("moved: experts ") == 1, said  # one member moved, once
     assert "rebalancing: taking experts " in said and ", then dropping " in said
     assert said.count("seeding the share's pieces as ") == 1, said  # the mover's seed follows its new share
+    # the mover's directory keeps the slice (and seed pieces) of the share it moved to, not the one it left
+    mover = next(name for name, text in zip("bc", said_each) if "moved: experts " in text)
+    new_share = next(line for line in said.splitlines() if "moved: experts " in line).split("moved: experts ")[1].split()[0]
+    slices = sorted(path.name for path in (tmp_path / mover).iterdir() if ".experts-" in path.name)
+    assert slices and all(f".experts-{new_share.replace(',', '_')}.gguf" in name for name in slices), slices
+    assert "removed the slice of the share moved away from" in said

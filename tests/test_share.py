@@ -15,9 +15,10 @@ from moeswarm.placement.load import swarm_load
 from moeswarm.placement.share import choose_share, coverage_of, experts_for_memory, gain, joiner_order
 
 
-def _worth(coverage, experts, load) -> tuple[int, Fraction]:
-    """A share's worth computed from scratch: cells covered, then load per holder removed."""
-    covers, relief = 0, Fraction(0)
+def _worth(coverage, experts, load) -> tuple[int, int, Fraction]:
+    """A share's worth against `coverage` from scratch: cells it covers, cells it gives a second holder,
+    then load per holder removed."""
+    covers, backs, relief = 0, 0, Fraction(0)
     for layer, holders in coverage.items():
         for expert in experts:
             h = holders[expert]
@@ -25,8 +26,9 @@ def _worth(coverage, experts, load) -> tuple[int, Fraction]:
             if h == 0:
                 covers += 1
             else:
+                backs += h == 1
                 relief += Fraction(weight, h) - Fraction(weight, h + 1)
-    return covers, relief
+    return covers, backs, relief
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -40,7 +42,7 @@ def test_the_share_is_as_good_as_the_best_subset(seed):
     share = choose_share(coverage, count, load, order)
     best = max(_worth(coverage, subset, load) for subset in itertools.combinations(range(num_experts), count))
     assert len(share.experts) == count and list(share.experts) == sorted(set(share.experts))
-    assert (share.covers, share.relief) == _worth(coverage, share.experts, load) == best
+    assert (share.covers, share.backs, share.relief) == _worth(coverage, share.experts, load) == best
 
 
 def test_an_empty_swarm_is_split_by_successive_joiners():
@@ -57,7 +59,7 @@ def test_an_empty_swarm_is_split_by_successive_joiners():
 def test_a_hole_left_by_a_member_comes_before_any_load():
     coverage = {0: [1, 1, 0, 1], 1: [1, 1, 1, 1]}
     assert choose_share(coverage, 1, load={0: [100, 100, 0, 100], 1: [100] * 4}).experts == (2,)
-    assert gain(coverage, 2) == (1, Fraction(1, 2))
+    assert gain(coverage, 2) == (1, 1, Fraction(1, 2))  # covers layer 0, backs layer 1
 
 
 def test_coverage_ignores_other_layers_and_counts_each_member_once():
@@ -103,7 +105,7 @@ def test_the_share_weighed_by_announced_loads_is_as_good_as_the_best_subset(seed
     count = rng.randint(1, num_experts)
     share = choose_share(coverage, count, load, joiner_order(bytes([seed]), num_experts))
     best = max(_worth(coverage, subset, load) for subset in itertools.combinations(range(num_experts), count))
-    assert (share.covers, share.relief) == _worth(coverage, share.experts, load) == best
+    assert (share.covers, share.backs, share.relief) == _worth(coverage, share.experts, load) == best
 
 
 def test_the_swarm_load_sums_holders_scales_the_unmeasured_and_fills_the_unknown():

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.discovery.invite import parse_invite
-    from moeswarm.discovery.joining import check_key, fetch_share, layout, plan_share, share_path
+    from moeswarm.discovery.joining import check_key, drop_share, fetch_share, layout, plan_share, share_path
     from moeswarm.discovery.seed_record import SEEDS
     from moeswarm.node.member_seed import ShareSeed, open_member_seed
     from moeswarm.slices.sources import fetch_sources
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                            dht.addresses()[0].encode())
         measured = sum(load is not None for _, load in members)
         _say(f"share: experts {format_ids(share.experts)} of MoE layers {format_ids(layers)} "
-             f"({share.covers} layer-expert pairs nobody held; {len(members)} members announced, "
+             f"({share.covers} layer-expert pairs nobody held, {share.backs} held once; {len(members)} members announced, "
              f"{measured} with a measured load)")
 
         def sources():  # read again at each fetch: seeds join over time
@@ -137,9 +137,18 @@ def run(args: argparse.Namespace) -> int:
                                     args.host, args.seed_port if first else 0, args.announce_host, args.announce_ttl)
 
         seed = None if args.no_seed else ShareSeed(open_seed, _say)
+        held = [share.experts]  # the share whose slice the directory keeps
+
+        async def moved(experts):  # the old node is closed: seed the new share, then free the old one's disk
+            if seed is not None:
+                await seed.follow(experts)
+            freed = drop_share(directory, invite.model, held[0])
+            held[0] = tuple(experts)
+            _say(f"removed the slice of the share moved away from ({freed} bytes on disk)")
+
         member = Member(node, share.experts, layers, num_experts, open_node,
                         lambda: {a: (r.held, r.load) for a, r in dht.fetch(invite.model).items()}, _say,
-                        on_move=None if seed is None else seed.follow)
+                        on_move=moved)
         asyncio.run(_serve(member, args.rebalance, seed))
     finally:
         dht.close()

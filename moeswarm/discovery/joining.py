@@ -76,6 +76,24 @@ def share_path(directory: str | Path, fingerprint: str, experts: Sequence[int]) 
     return Path(directory) / f"{fingerprint}.experts-{format_ids(experts).replace(',', '_')}.gguf"
 
 
+def drop_share(directory: str | Path, fingerprint: str, experts: Sequence[int]) -> int:
+    """Remove the slice of `experts` from `directory`, with its kept pieces and any partial fetch
+    (a member that moved away from that share: its disk holds one share, not every one it held).
+    Returns the bytes freed; files already gone are skipped."""
+    from moeswarm.slices.fetch import pieces_paths
+
+    out = share_path(directory, fingerprint, experts)
+    freed = 0
+    partial = (out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.done"))
+    for path in (out, *partial, *pieces_paths(out)):
+        try:
+            freed += path.stat().st_blocks * 512  # what the disk gets back (the pieces file is sparse)
+            path.unlink()
+        except FileNotFoundError:
+            continue
+    return freed
+
+
 def fetch_share(invite: Invite, manifest: Manifest, experts: Sequence[int], directory: str | Path, tls,
                 timeout_s: float, say: Callable[[str], None], sources: Sequence | None = None,
                 keep_pieces: bool = False) -> Path:

@@ -159,7 +159,7 @@ class Member:
             return None
         self.report(f"rebalancing: taking experts {format_ids(move.fetch)}"
                     + (f", then dropping {format_ids(move.drop)}" if move.drop else "")
-                    + f" ({move.gain[0]} layer-expert pairs nobody else holds)")
+                    + f" ({move.gain[0]} layer-expert pairs nobody else holds, {move.gain[1]} held by one member alone)")
         new = await loop.run_in_executor(None, self.open_node, move.share)
         try:
             await new.start()

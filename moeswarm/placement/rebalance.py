@@ -6,7 +6,8 @@ fetch the new experts, announce the new share, then drop the old part.
 
     coverage[l][e]  holders of expert e at MoE layer l, this member included   (share.coverage_of)
     without         the same with this member's own share taken out
-    gain(e)         what holding e adds to `without`  (share.gain: cells covered, then load relief)
+    gain(e)         what holding e adds to `without`  (share.gain: cells covered, cells given a
+                    second holder, then load relief)
 
 A move keeps the share's size (plus free slots, up to `capacity`) and swaps held experts for
 unheld ones. Gains are sums of independent terms, so the best share reachable with at most k swaps
@@ -15,13 +16,17 @@ gains. The rules that make it safe and damped:
 
 - **never uncover**: an expert this member is the only holder of at any layer is never dropped
   (`droppable`: others hold it at every layer); what it drops, others still serve.
-- **margin**: a swap of held y for unheld x is made only when x covers a cell nobody else holds
-  and y does not, or its relief passes y's by the factor (1 + margin): small gains do not move
-  bytes.
+- **margin**: a swap of held y for unheld x is made only when x covers more cells nobody else
+  holds than y, or as many and gives more cells a second holder, or both as many and its relief
+  passes y's by the factor (1 + margin): small gains do not move bytes.
+- **redundancy before load**: a cell one member alone holds is one departure from a stall, so
+  giving it a second holder outranks any load relief, and a move never takes a cell's second
+  holder away to relieve a hot one.
 - **one mover a round**: every member evaluates every member's best move on the same coverage;
   only the one whose move gains most (ties: the smallest member id) moves. A move strictly lowers
-  (uncovered cells, load per holder summed over cells), so rounds end.
-- **the swarm gains by a margin** (Petals' rule): a move that covers no new cell is made only when
+  (uncovered cells, cells held once, load per holder summed over cells), so rounds end.
+- **the swarm gains by a margin** (Petals' rule): a move that neither covers a new cell nor gives
+  one a second holder is made only when
   it removes at least `swarm_margin` of the swarm's load per holder summed over its held cells
   (`cost`). Measured loads are noisy (rows per minute over a short window), and with many experts
   some pair always passes the per-swap margin by chance; a move costs the share's bytes, so only
@@ -47,7 +52,7 @@ class Move:
     fetch: tuple[int, ...]
     drop: tuple[int, ...]
     share: tuple[int, ...]  # the share after the move
-    gain: Gain  # (cells newly covered, load per holder removed) summed over the swaps and additions
+    gain: Gain  # (cells newly covered, cells given a second holder, load per holder removed), over the swaps and additions
 
 
 def without(coverage: Coverage, share: Sequence[int]) -> dict[int, list[int]]:
@@ -84,8 +89,8 @@ def rebalance(coverage: Coverage, share: Sequence[int], capacity: int, load: Cov
         drop.append(y)
     if not fetch:
         return None
-    total = (sum(gains[e][0] for e in fetch) - sum(gains[e][0] for e in drop),
-             sum((gains[e][1] for e in fetch), Fraction(0)) - sum((gains[e][1] for e in drop), Fraction(0)))
+    total = tuple(sum((gains[e][i] for e in fetch), start) - sum((gains[e][i] for e in drop), start)
+                  for i, start in enumerate((0, 0, Fraction(0))))
     return Move(tuple(sorted(fetch)), tuple(sorted(drop)), tuple(sorted(held - set(drop) | set(fetch))), total)
 
 
@@ -96,37 +101,38 @@ def choose_mover(coverage: Coverage, shares: Mapping[str, Sequence[int]], capaci
 
     shares: {member id: experts it holds at every layer} of the members that may move (counted in
     `coverage` too, with any others). capacities: {member id: experts its memory holds} (absent:
-    its share's size). A best move that covers no new cell must remove at least `swarm_margin` of
-    `cost(coverage, load)`."""
+    its share's size). A best move that covers no new cell and gives none a second holder must
+    remove at least `swarm_margin` of `cost(coverage, load)`."""
     best = None
     for member in sorted(shares):
         capacity = (capacities or {}).get(member, len(shares[member]))
         move = rebalance(coverage, shares[member], capacity, load, margin)
         if move is not None and (best is None or _key(move.gain) < _key(best[1].gain)):
             best = (member, move)
-    if best is not None and best[1].gain[0] <= 0 and best[1].gain[1] < swarm_margin * cost(coverage, load):
+    if best is not None and best[1].gain[0] <= 0 and best[1].gain[1] <= 0 and \
+            best[1].gain[2] < swarm_margin * cost(coverage, load):
         return None
     return best
 
 
 def cost(coverage: Coverage, load: Coverage | None = None) -> Fraction:
     """The swarm's load per holder summed over its held cells: sum of load[l][e] / holders[l][e]
-    (load None: 1 everywhere). A move's relief (`Move.gain[1]`) is how much it lowers this."""
+    (load None: 1 everywhere). A move's relief (`Move.gain[2]`) is how much it lowers this."""
     return sum((Fraction(1 if load is None else load[layer][e], h)
                 for layer, holders in coverage.items() for e, h in enumerate(holders) if h > 0), Fraction(0))
 
 
 def _positive(value: Gain) -> bool:
-    return value[0] > 0 or value[1] > 0
+    return any(part > 0 for part in value)
 
 
-def _key(value: Gain) -> tuple[int, Fraction]:
+def _key(value: Gain) -> tuple[int, int, Fraction]:
     """Sort key putting the largest gain first."""
-    return -value[0], -value[1]
+    return -value[0], -value[1], -value[2]
 
 
 def _better(x: Gain, y: Gain, margin: Fraction) -> bool:
     """Whether holding an expert of gain `x` instead of one of gain `y` is worth a move."""
-    if x[0] != y[0]:
-        return x[0] > y[0]
-    return x[1] > (1 + margin) * y[1]
+    if x[:2] != y[:2]:
+        return x[:2] > y[:2]
+    return x[2] > (1 + margin) * y[2]

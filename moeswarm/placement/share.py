@@ -11,11 +11,15 @@ A share is a set of experts held at every MoE layer (a slice file holds that: sl
 Adding a member that holds expert e gives one more holder to each cell (l, e), so experts add
 independently, and expert e is worth
 
-    gain(e) = (cells of e that nobody holds,  sum over held cells of load[l][e] / (h (h + 1)))
+    gain(e) = (cells of e that nobody holds,  cells of e that one member holds,
+               sum over held cells of load[l][e] / (h (h + 1)))
 
-where h = holders[l][e]: first cover what is uncovered, then cut the load per holder
-(load / h -> load / (h + 1)) where it is highest. A share's worth is the sum of its experts'
-gains, compared first by cells covered, then by load; the best share of `count` experts is the
+where h = holders[l][e]: first cover what is uncovered, then give a second holder to what one
+member alone holds (so that losing any one member uncovers nothing), then cut the load per holder
+(load / h -> load / (h + 1)) where it is highest. Redundancy comes before load: with loads
+first, a third holder of a hot expert outranks a second holder of a cold one, and a member that
+leaves then takes the cold expert's only copy with it. A share's worth is the sum of its experts'
+gains, compared in that order; the best share of `count` experts is the
 `count` experts of highest gain (sums of independent terms: no other subset does better), ties
 taken in `order` (a joiner's own permutation, so joiners reading the same coverage at once do
 not all pick the same experts).
@@ -30,7 +34,7 @@ from fractions import Fraction
 from moeswarm.errors import MoeSwarmError
 
 Coverage = Mapping[int, Sequence[int]]  # {MoE layer: holders of each expert, by expert id}
-Gain = tuple[int, Fraction]  # (cells newly covered, load per holder removed)
+Gain = tuple[int, int, Fraction]  # (cells newly covered, cells given a second holder, load per holder removed)
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Share:
 
     experts: tuple[int, ...]
     covers: int  # (layer, expert) cells nobody held before
+    backs: int  # cells one member alone held before
     relief: Fraction  # load per holder removed, summed over the cells already held
 
 
@@ -57,16 +62,18 @@ def coverage_of(helds: Iterable[Mapping[int, Sequence[int]]], layers: Sequence[i
 
 
 def gain(coverage: Coverage, expert: int, load: Coverage | None = None) -> Gain:
-    """What holding `expert` at every layer adds: (cells newly covered, load per holder removed)."""
-    covers, relief = 0, Fraction(0)
+    """What holding `expert` at every layer adds: (cells newly covered, cells given a second holder,
+    load per holder removed)."""
+    covers, backs, relief = 0, 0, Fraction(0)
     for layer, holders in coverage.items():
         h = holders[expert]
         if h == 0:
             covers += 1
         else:
+            backs += h == 1
             weight = 1 if load is None else load[layer][expert]
             relief += Fraction(weight, h * (h + 1))
-    return covers, relief
+    return covers, backs, relief
 
 
 def choose_share(coverage: Coverage, count: int, load: Coverage | None = None,
@@ -84,8 +91,9 @@ def choose_share(coverage: Coverage, count: int, load: Coverage | None = None,
         raise ValueError(f"order is not a permutation of 0-{num_experts - 1}")
     rank = {expert: i for i, expert in enumerate(order)}
     gains = {expert: gain(coverage, expert, load) for expert in range(num_experts)}
-    best = sorted(range(num_experts), key=lambda e: (-gains[e][0], -gains[e][1], rank[e]))[:count]
-    return Share(tuple(sorted(best)), sum(gains[e][0] for e in best), sum((gains[e][1] for e in best), Fraction(0)))
+    best = sorted(range(num_experts), key=lambda e: (-gains[e][0], -gains[e][1], -gains[e][2], rank[e]))[:count]
+    return Share(tuple(sorted(best)), sum(gains[e][0] for e in best), sum(gains[e][1] for e in best),
+                 sum((gains[e][2] for e in best), Fraction(0)))
 
 
 def experts_for_memory(memory_bytes: int, bytes_per_expert: int, num_experts: int) -> int:
