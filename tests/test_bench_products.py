@@ -36,14 +36,15 @@ def test_products_against_ggml_times_every_side_or_reports_its_crash(qwen3_q4_k_
                            "--repeats", "2", "--against", "ggml", "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
-    sides = ["moeswarm", *ggml_buffer_types()]
-    assert sides[1] == "CPU"
+    sides = ["moeswarm", "moeswarm-anon", *ggml_buffer_types()]
+    assert sides[2] == "CPU"
     assert [(r["group"], r["side"]) for r in result["rows"]] == [
         (group, side) for group in ("attention", "head", "experts") for side in sides]
     matrices = {r["group"]: r["placement"]["moeswarm"] for r in result["rows"] if r["side"] == "moeswarm"}
+    assert [r["max_rel_diff"] for r in result["rows"] if r["side"] == "moeswarm-anon"] == [0.0] * 3  # the same bits
     assert matrices["head"] == 1
     for row in result["rows"]:
-        if row["side"] in ("moeswarm", "CPU"):  # the plain buffers run everywhere
+        if row["side"] in ("moeswarm", "moeswarm-anon", "CPU"):  # the plain buffers run everywhere
             assert row["status"] == "ok"
         if row["status"] == "ok":
             assert 0 < row["min_ms"] <= row["median_ms"] and row["passes"] == 2

@@ -3,9 +3,11 @@ library llama.cpp runs (llama-cpp-python's copy), on the same file's tensors, on
 
 The groups are bench products' (attention: every layer's q, k, v, output in turn; head; one token's
 8 experts of layer 0), each read from DRAM: every weight evicted from the caches before each pass.
-Sides: moeswarm's kernels (the tuning in force), ggml with its plain CPU buffers, and ggml with each
-extra buffer type its CPU device offers on this host (AMX, CPU_REPACK: repacked weights, llama.cpp's
-default where they run), each weight placed as llama.cpp places it (ggml_lib.py). Every side runs in
+Sides: moeswarm's kernels (the tuning in force) on the file's mapping, as moeswarm reads its weights;
+the same on an anonymous copy of them (`moeswarm-anon`: one allocation, transparent huge pages where
+the host gives them, as ggml's buffers are copies); ggml with its plain CPU buffers, and ggml with
+each extra buffer type its CPU device offers on this host (AMX, CPU_REPACK: repacked weights,
+llama.cpp's default where they run), each weight placed as llama.cpp places it (ggml_lib.py). Every side runs in
 a child process of its own (`serve`), so a side that crashes (ggml's extra types do on some hosts and
 types) is a row saying so, never the end of the bench. The passes alternate: each round every side
 once, the order reversed every other round; figures are the minimum and median over the rounds.
@@ -28,6 +30,7 @@ import time
 import numpy as np
 
 MOESWARM = "moeswarm"
+MOESWARM_ANON = "moeswarm-anon"  # the same kernels on an anonymous copy of the weights (as ggml's buffers hold them)
 REPLY_S = 300.0  # a side that has not answered a pass (or its start) in this long is reported hung
 GROUPS = ("attention", "head", "experts")
 
@@ -61,6 +64,20 @@ class _MoeswarmSide:
         return self.outputs
 
 
+def _anonymous(group):
+    """The group's matrices copied into one anonymous allocation (numpy asks for huge pages for large ones)."""
+    page = 4096
+    spans = [-(-blocks.nbytes // page) * page for _, blocks, _ in group]  # each copy starts on a page
+    arena, out = np.empty(sum(spans) + page, dtype=np.uint8), []
+    at = (page - arena.ctypes.data % page) % page
+    for (qtype, blocks, K), span in zip(group, spans):
+        copy = arena[at:at + blocks.nbytes].reshape(blocks.shape)
+        copy[...] = blocks
+        out.append((qtype, copy, K))
+        at += span
+    return out
+
+
 def serve(path: str, side: str, experts: int) -> None:
     """A child's loop: build every group on `side`, say so (one JSON line: placement, agreement with
     moeswarm), then for each group name read from stdin time one cold pass and print its seconds."""
@@ -71,7 +88,7 @@ def serve(path: str, side: str, experts: int) -> None:
     groups = _groups(path, experts)
     built, ready = {}, {"placement": {}, "max_rel_diff": {}}
     ggml = None
-    if side != MOESWARM:
+    if side not in (MOESWARM, MOESWARM_ANON):
         from moeswarm_bench.bench.ggml_lib import Ggml, OneRowProducts
 
         ggml = Ggml()
@@ -80,18 +97,19 @@ def serve(path: str, side: str, experts: int) -> None:
         reference = _MoeswarmSide(group, inputs)
         reference.run()
         if side == MOESWARM:
-            built[name] = (reference, reference.spans)
-            ready["placement"][name] = {MOESWARM: len(group)}
-            ready["max_rel_diff"][name] = 0.0
-            continue
-        products = OneRowProducts(ggml, group, side, inputs)
+            products, spans, counts = reference, reference.spans, {side: len(group)}
+        elif side == MOESWARM_ANON:
+            products = _MoeswarmSide(_anonymous(group), inputs)
+            spans, counts = products.spans, {side: len(group)}
+        else:
+            products = OneRowProducts(ggml, group, side, inputs)
+            spans, counts = products.weight_spans(), {}
+            for placed in products.weights:
+                counts[placed.buffer_type] = counts.get(placed.buffer_type, 0) + 1
         products.run()
         diff = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
                    for a, b in zip(products.results(), reference.results()))
-        counts: dict[str, int] = {}
-        for placed in products.weights:
-            counts[placed.buffer_type] = counts.get(placed.buffer_type, 0) + 1
-        built[name] = (products, products.weight_spans())
+        built[name] = (products, spans)
         ready["placement"][name], ready["max_rel_diff"][name] = counts, diff
     print(json.dumps(ready), flush=True)
     for line in sys.stdin:
@@ -169,7 +187,7 @@ def run_against_ggml(path: str, repeats: int = 30, experts: int = 8) -> dict:
     from moeswarm_bench.bench.worker_real import _cpu_model
 
     load_start = os.getloadavg()[0]
-    sides = [MOESWARM, *ggml_buffer_types()]
+    sides = [MOESWARM, MOESWARM_ANON, *ggml_buffer_types()]
     children = [_Child(path, side, experts) for side in sides]
     ready = {}
     for child in children:  # one at a time: their start-up (reading, repacking) off the others' clocks
