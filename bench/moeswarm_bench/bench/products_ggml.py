@@ -47,6 +47,7 @@ class _MoeswarmSide:
     def __init__(self, group, inputs) -> None:
         from moeswarm.kernels.qk_mirrors import Matmul
 
+        self.group, self.inputs = group, inputs  # held: the calls below point into them
         self.outputs = [np.empty(blocks.shape[0], dtype=np.float32) for _, blocks, _ in group]
         self.calls = [Matmul(qtype, blocks.ctypes.data, blocks.shape[0], K, blocks.shape[1], inputs[K].ctypes.data, 1,
                              K, y.ctypes.data, blocks.shape[0], 1, 1) for (qtype, blocks, K), y in zip(group, self.outputs)]
@@ -241,16 +242,16 @@ def table_lines(result: dict) -> list[str]:
              f"{meta['kernels']}, {meta['ggml']}, 1 thread, weights from DRAM, {meta['repeats']} rounds, load "
              f"{meta['load_average_1min_start']:.1f} -> {meta['load_average_1min_end']:.1f}, {meta['date']}; ratio: the "
              "side's time over moeswarm's (above 1: moeswarm faster)",
-             f"{'group':<10} {'side':<11} {'min ms':>8} {'median ms':>9} {'min ratio':>9} {'med ratio':>9} "
+             f"{'group':<10} {'side':<13} {'min ms':>8} {'median ms':>9} {'min ratio':>9} {'med ratio':>9} "
              f"{'max rel diff':>12}  placement / status"]
     for r in result["rows"]:
         if r["status"] == "ok":
             ratio = (f"{r['min_over_moeswarm']:>9.2f} {r['median_over_moeswarm']:>9.2f}" if "min_over_moeswarm" in r
                      else f"{'-':>9} {'-':>9}")
-            lines.append(f"{r['group']:<10} {r['side']:<11} {r['min_ms']:>8.3f} {r['median_ms']:>9.3f} {ratio} "
+            lines.append(f"{r['group']:<10} {r['side']:<13} {r['min_ms']:>8.3f} {r['median_ms']:>9.3f} {ratio} "
                          f"{r['max_rel_diff']:>12.2e}  {r['placement']}")
         else:
-            lines.append(f"{r['group']:<10} {r['side']:<11} {r['status']}")
+            lines.append(f"{r['group']:<10} {r['side']:<13} {r['status']}")
     return lines
 
 
