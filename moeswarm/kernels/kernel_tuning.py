@@ -51,7 +51,7 @@ class Tuning:
     wide_from: int = 4
     wide16: int = 1
     rows16_from: int = 2
-    q6k_rows16_from: int = 8
+    q6k_rows16_from: int = 4
 
     def apply(self, lib) -> None:
         if lib.qk_tune(PREFETCH.index(self.prefetch), self.wide_from, self.wide16, self.rows16_from,

@@ -92,7 +92,7 @@ def tuning() -> dict:
             "spin_ns": _library().qk_pool_spin_ns()}
 
 
-def tune(prefetch: str, wide_from: int, wide16: int, rows16_from: int = 2, q6k_rows16_from: int = 8) -> None:
+def tune(prefetch: str, wide_from: int, wide16: int, rows16_from: int = 2, q6k_rows16_from: int = 4) -> None:
     """Set the speed choices (for tests that prove every choice gives the same bits)."""
     from moeswarm.kernels.kernel_tuning import Tuning
 

@@ -3,9 +3,9 @@
  *
  * Included once, from qkernels.c's QK_PASS == 3 part, after qk_q4k16.h.
  *
- * A super-block of 16 rows is first repacked in L1 (repack_q6k16): each row's 256 quants (0..63)
- * decoded to bytes in value order (q6k_block's AVX2 steps), then transposed so that register g holds
- * values 4g .. 4g + 3 of every row, lane r for row r; next to them the 16 rows' sub-block scales as
+ * A super-block of 16 rows is first repacked in L1 (repack_q6k16): its ql and qh bytes transposed to
+ * lanes, then each row's quants (0..63) decoded there, bytewise, so that register g holds values
+ * 4g .. 4g + 3 of every row, lane r for row r; next to them the 16 rows' sub-block scales as
  * int32 lanes, their scale pairs as word pairs, and d as floats. Each token takes, per 4 values, one
  * vpdpbusd with those 4 x quants broadcast from memory, and a row's sums stay in its lane.
  *
@@ -27,39 +27,36 @@ typedef struct {
     __m512 d;           /* lane r = row r's d */
 } S(Q6K16);
 
-/* Row w's super-block (w: its start) decoded to its 256 quants (0..63) in value order, at out. */
-static inline AI void S(q6k_decode)(const uint8_t *w, uint8_t *out) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; h++) {
-        __m256i ql0 = S(load)(w + 64 * h), ql1 = S(load)(w + 64 * h + 32), qh = S(load)(w + 128 + 32 * h);
-        __m256i *o = (__m256i *)(out + 128 * h);
-        _mm256_storeu_si256(o, _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, three), 4)));
-        _mm256_storeu_si256(o + 1, _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4)));
-        _mm256_storeu_si256(o + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4)));
-        _mm256_storeu_si256(o + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4)));
-    }
-}
-
 /* Super-block b of rows w, w + row_bytes, .. (16) into *p; pf: the next rows to prefetch (or NULL).
  * Out of line: *p stays in memory (L1) for the token tiles that read it. */
 static __attribute__((noinline)) void S(repack_q6k16)(const uint8_t *w, int64_t row_bytes, int64_t b, S(Q6K16) *p,
                                                       const uint8_t *pf) {
-    uint8_t decoded[Q4K16_ROWS * 256] __attribute__((aligned(64)));  /* [row][value] */
     uint16_t halves[Q4K16_ROWS];
     w += b * Q6K_BYTES;
     for (int r = 0; r < Q4K16_ROWS; r++) {
         if (pf) S(prefetch)(pf + r * row_bytes + b * Q6K_BYTES, Q6K_BYTES);  /* into L2 */
-        S(q6k_decode)(w + r * row_bytes, decoded + 256 * r);
         memcpy(&halves[r], w + r * row_bytes + 208, 2);
     }
     p->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)halves));
-    for (int c = 0; c < 16; c++) {  /* values 16c .. 16c + 15 of every row: 4 registers */
-        __m512i z[4];
-        S(rows_to_lanes)(decoded + 16 * c, 256, z);
-        for (int i = 0; i < 4; i++) p->q[4 * c + i] = z[i];
+    /* The quants decoded in lanes: value 128h + 32s + l (l < 32) of a row is nibble s / 2 of ql byte
+     * 64h + 32 (s % 2) + l, with bits 2s, 2s + 1 of qh byte 32h + l on top (q6k_block's steps), so value
+     * group 32h + 8s + i (values 4 at a time) is built from ql dword 16h + 8 (s % 2) + i and qh dword
+     * 8h + i, bytewise. */
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
+    for (int h = 0; h < 2; h++) {
+        __m512i ql[16], qh[8];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) S(rows_to_lanes)(w + 64 * h + 16 * c, row_bytes, ql + 4 * c);
+#pragma GCC unroll 2
+        for (int c = 0; c < 2; c++) S(rows_to_lanes)(w + 128 + 32 * h + 16 * c, row_bytes, qh + 4 * c);
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++)
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) {
+                __m512i low = _mm512_and_si512(_mm512_srli_epi32(ql[8 * (s % 2) + i], 4 * (s / 2)), m4);
+                __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh[i], 2 * s), m2), 4);
+                p->q[32 * h + 8 * s + i] = _mm512_or_si512(low, high);
+            }
     }
     __m512i sc[4];  /* [i]: lane r = row r's scale bytes 4i .. 4i + 3 */
     S(rows_to_lanes)(w + 192, row_bytes, sc);

@@ -75,7 +75,7 @@ typedef int32_t i16v __attribute__((vector_size(LANES * sizeof(int32_t)), aligne
  *              (2..64; 0: never)
  *   q6k_rows16_from  the same for Q6_K (qk_q6k16.h) */
 enum { QK_PREFETCH_NONE = 0, QK_PREFETCH_L2 = 1, QK_PREFETCH_NTA = 2 };
-static struct { int prefetch, wide_from, wide16, rows16_from, q6k_rows16_from; } tuning = {QK_PREFETCH_L2, 4, 1, 2, 8};
+static struct { int prefetch, wide_from, wide16, rows16_from, q6k_rows16_from; } tuning = {QK_PREFETCH_L2, 4, 1, 2, 4};
 static const u16 BYTE_SHIFT = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
 static inline __attribute__((always_inline)) u16 top_bytes16(const uint8_t *p) {
     u16 words;
