@@ -191,7 +191,7 @@ def run_against_ggml(path: str, repeats: int = 30, experts: int = 8) -> dict:
     sides = [MOESWARM, MOESWARM_ANON, *ggml_buffer_types()]
     children = [_Child(path, side, experts) for side in sides]
     ready = {}
-    for child in children:  # one at a time: their start-up (reading, repacking) off the others' clocks
+    for child in children:  # every side built (read, repacked) before any pass is timed
         line = child.reply()
         ready[child.side] = json.loads(line) if line is not None else None
     times: dict[tuple[str, str], list[float]] = {}
