@@ -18,30 +18,32 @@ from test_quant_kernels import random_rows
 
 pytestmark = pytest.mark.skipif(not qkernels.available(), reason="moeswarm's C kernels are not built")
 
-CHOICES = list(itertools.product(kernel_tuning.PREFETCH, (1, 4, 6, 9), (0, 1), (0, 2, 5)))
+# (rows16_from, q6k_rows16_from): never, and each from 2 or 5 tokens on
+CHOICES = list(itertools.product(kernel_tuning.PREFETCH, (1, 4, 6, 9), (0, 1), ((0, 0), (2, 5), (5, 2))))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
 def test_every_choice_gives_the_same_bits(qtype):
     """Every prefetch, wide-tile threshold, 16-token and 16-row choice: the bits of the built-in one,
     at token counts that take every tile (1-3 narrow, 4-8 wide or narrow by the threshold, 13 and 20:
-    16 and 8; Q4_K from 2 or 5 tokens on 16 rows side by side, or never)."""
+    16 and 8; Q4_K and Q6_K from 2 or 5 tokens on 16 rows side by side, or never)."""
     K = 512
     raw = random_rows(qtype, 40, K, seed=7)
     x = torch.randn(20, K, generator=torch.Generator().manual_seed(7)) * torch.logspace(-2, 2, 20)[:, None]
     before = qkernels.tuning()
     try:
-        qkernels.tune(**{"prefetch": "l2", "wide_from": 4, "wide16": 1, "rows16_from": 0})
+        qkernels.tune(**{"prefetch": "l2", "wide_from": 4, "wide16": 1, "rows16_from": 0, "q6k_rows16_from": 0})
         reference = {n: qkernels.matmul(int(qtype), raw, K, x[:n], threads=2, int8_activations=True)
                      for n in (1, 2, 3, 4, 5, 8, 13, 20)}
-        for prefetch, wide_from, wide16, rows16_from in CHOICES:
-            qkernels.tune(prefetch, wide_from, wide16, rows16_from)
+        for prefetch, wide_from, wide16, (rows16_from, q6k_rows16_from) in CHOICES:
+            qkernels.tune(prefetch, wide_from, wide16, rows16_from, q6k_rows16_from)
             for n, expected in reference.items():
                 got = qkernels.matmul(int(qtype), raw, K, x[:n], threads=2, int8_activations=True)
-                assert torch.equal(got, expected), \
-                    f"{prefetch}, wide_from={wide_from}, wide16={wide16}, rows16_from={rows16_from}, {n} tokens"
+                assert torch.equal(got, expected), (f"{prefetch}, wide_from={wide_from}, wide16={wide16}, rows16_from="
+                                                    f"{rows16_from}, q6k_rows16_from={q6k_rows16_from}, {n} tokens")
     finally:
-        qkernels.tune(before["prefetch"], before["wide_from"], before["wide16"], before["rows16_from"])
+        qkernels.tune(before["prefetch"], before["wide_from"], before["wide16"], before["rows16_from"],
+                      before["q6k_rows16_from"])
 
 
 def test_a_choice_out_of_range_is_refused_and_changes_nothing():
@@ -50,6 +52,8 @@ def test_a_choice_out_of_range_is_refused_and_changes_nothing():
         kernel_tuning.Tuning("l2", 0, 1).apply(qkernels._library())
     with pytest.raises(ValueError, match="out of range"):
         kernel_tuning.Tuning("l2", 4, 1, 1).apply(qkernels._library())
+    with pytest.raises(ValueError, match="out of range"):
+        kernel_tuning.Tuning("l2", 4, 1, 2, 65).apply(qkernels._library())
     assert qkernels.tuning() == before
 
 
@@ -58,7 +62,9 @@ def test_the_environment_forces_a_choice_and_names_what_it_refuses():
     assert kernel_tuning.parse(" wide_from=6 ") == kernel_tuning.Tuning("l2", 6, 1)
     assert kernel_tuning.parse("rows16_from=0") == kernel_tuning.Tuning("l2", 4, 1, 0)
     assert kernel_tuning.parse("rows16_from=8,wide16=0") == kernel_tuning.Tuning("l2", 4, 0, 8)
-    for bad in ("prefetch=t0", "wide_from=10", "wide16=2", "rows16_from=1", "rows16_from=65", "speed=max"):
+    assert kernel_tuning.parse("q6k_rows16_from=0") == kernel_tuning.Tuning("l2", 4, 1, 2, 0)
+    for bad in ("prefetch=t0", "wide_from=10", "wide16=2", "rows16_from=1", "rows16_from=65", "q6k_rows16_from=1",
+                "speed=max"):
         with pytest.raises(ValueError, match=f"'{bad}' is not one of"):
             kernel_tuning.parse(bad)
 
@@ -85,9 +91,11 @@ def test_measured_once_per_host_then_cached_and_forced_over_the_cache(tmp_path):
     cache = json.loads((tmp_path / "kernel-tuning.json").read_text())
     (key, entry), = cache.items()
     assert key.endswith(f"|{qkernels.isa()}|v{kernel_tuning.FORMAT}")
-    assert entry["tuning"] == {name: first[name] for name in ("prefetch", "wide_from", "wide16", "rows16_from")}
+    assert entry["tuning"] == {name: first[name] for name in ("prefetch", "wide_from", "wide16", "rows16_from",
+                                                               "q6k_rows16_from")}
     assert set(entry["timings_us"]["cold_one_row_us"]) == set(kernel_tuning.PREFETCH)
     assert set(entry["timings_us"]["hot_rows16_vs_not_us"]) == {str(n) for n in kernel_tuning.ROWS16_COUNTS}
+    assert set(entry["timings_us"]["hot_q6k_rows16_vs_not_us"]) == {str(n) for n in kernel_tuning.ROWS16_COUNTS}
     second = _tuning_in_a_child(tmp_path, None)
     assert second["source"].startswith("cached") and second["prefetch"] == first["prefetch"]
     forced = _tuning_in_a_child(tmp_path, "prefetch=none")

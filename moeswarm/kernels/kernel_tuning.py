@@ -1,12 +1,13 @@
 """The C kernels' speed choices, measured on the host they run on (qkernels.c: `tuning`, `qk_tune`).
 
-Four choices change how fast a product runs and never its bits (tests/test_kernel_tuning.py runs
+Five choices change how fast a product runs and never its bits (tests/test_kernel_tuning.py runs
 each one and compares): how the next rows' weights are prefetched (none, into L2, non-temporal), from
 how many tokens on the K-quants use their wide tiles, whether AVX-512's Q4_K takes 16-token tiles, and
-from how many tokens on AVX512-VNNI's Q4_K runs on 16 rows side by side (qk_q4k16.h; 0: never).
+from how many tokens on AVX512-VNNI's Q4_K and Q6_K run on 16 rows side by side (qk_q4k16.h,
+qk_q6k16.h; 0: never).
 Which is fastest depends on the CPU's caches and memory, not on its vendor, so at the first use of
 the kernels in a process they are:
-  1. forced by MOESWARM_QK_TUNING (`prefetch=none|l2|nta,wide_from=1..9,wide16=0|1,rows16_from=0|2..64`,
+  1. forced by MOESWARM_QK_TUNING (`prefetch=none|l2|nta,wide_from=1..9,wide16=0|1,rows16_from=0|2..64,q6k_rows16_from=0|2..64`,
      any subset; the
      rest as below), or `default` (the built-in choices, nothing measured), or `measure` (measured
      again now, and cached);
@@ -34,9 +35,10 @@ from moeswarm.kernels.qk_mirrors import Matmul
 log = logging.getLogger(__name__)
 
 PREFETCH = ("none", "l2", "nta")  # qkernels.c's QK_PREFETCH_* in order
-FORMAT = 2  # bump when the choices or their measurement change: cached choices are measured again
+FORMAT = 3  # bump when the choices or their measurement change: cached choices are measured again
 MARGIN = 0.97  # a choice replaces the built-in one only when it takes at most this share of its time
 Q4_K, Q4_K_BLOCK_BYTES, Q4_K_BLOCK = 12, 144, 256
+Q6_K, Q6_K_BLOCK_BYTES = 14, 210
 ROWS, K = 2048, 2048  # a 2048 x 2048 Q4_K matrix: an attention matrix at OLMoE's width (2.4 MB)
 COLD_MATRICES = 16  # read in turn, each evicted from the caches first: as a decode step reads them
 REPEATS = 5
@@ -49,9 +51,11 @@ class Tuning:
     wide_from: int = 4
     wide16: int = 1
     rows16_from: int = 2
+    q6k_rows16_from: int = 4
 
     def apply(self, lib) -> None:
-        if lib.qk_tune(PREFETCH.index(self.prefetch), self.wide_from, self.wide16, self.rows16_from) != 0:
+        if lib.qk_tune(PREFETCH.index(self.prefetch), self.wide_from, self.wide16, self.rows16_from,
+                       self.q6k_rows16_from) != 0:
             raise ValueError(f"kernel tuning out of range: {self}")
 
 
@@ -59,8 +63,8 @@ DEFAULT = Tuning()
 
 
 def parse(text: str, base: Tuning = DEFAULT) -> Tuning:
-    """`prefetch=nta,wide_from=5,wide16=0,rows16_from=4` (any subset) over `base`; ValueError naming
-    what is wrong."""
+    """`prefetch=nta,wide_from=5,wide16=0,rows16_from=4,q6k_rows16_from=0` (any subset) over `base`;
+    ValueError naming what is wrong."""
     fields = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")
@@ -70,11 +74,11 @@ def parse(text: str, base: Tuning = DEFAULT) -> Tuning:
             fields[name] = int(value)
         elif name == "wide16" and value in ("0", "1"):
             fields[name] = int(value)
-        elif name == "rows16_from" and value.isdigit() and _rows16_valid(int(value)):
+        elif name in ("rows16_from", "q6k_rows16_from") and value.isdigit() and _rows16_valid(int(value)):
             fields[name] = int(value)
         else:
             raise ValueError(f"MOESWARM_QK_TUNING: {item!r} is not one of prefetch=none|l2|nta, wide_from=1..9, "
-                             "wide16=0|1, rows16_from=0|2..64 (or the words default, measure)")
+                             "wide16=0|1, rows16_from=0|2..64, q6k_rows16_from=0|2..64 (or the words default, measure)")
     return replace(base, **fields)
 
 
@@ -144,11 +148,12 @@ def measure(lib) -> tuple[Tuning, dict]:
             product(matrix, 1)
         return (time.perf_counter() - start) / len(matrices)
 
-    def hot(tuning: Tuning, n: int) -> float:
+    def hot(tuning: Tuning, n: int, matrix: np.ndarray = matrices[0], qtype: int = Q4_K) -> float:
         tuning.apply(lib)
-        product(matrices[0], n)  # in cache
+        call = Matmul(qtype, matrix.ctypes.data, ROWS, K, matrix.shape[1], x.ctypes.data, n, K, y.ctypes.data, ROWS, 1, 1)
+        lib.qk_matmul_call(call)  # in cache
         start = time.perf_counter()
-        product(matrices[0], n)
+        lib.qk_matmul_call(call)
         return time.perf_counter() - start
 
     prefetch = {name: _best(lambda name=name: cold(replace(DEFAULT, prefetch=name))) for name in PREFETCH}
@@ -170,12 +175,23 @@ def measure(lib) -> tuple[Tuning, dict]:
     rows16 = {n: (_best(lambda n=n: hot(replace(chosen, rows16_from=2), n)),
                   _best(lambda n=n: hot(replace(chosen, rows16_from=0), n))) for n in ROWS16_COUNTS}
     timings["hot_rows16_vs_not_us"] = {n: [1e6 * a, 1e6 * b] for n, (a, b) in rows16.items()}
-    rows16_from = 0  # the least count from which 16 rows side by side are not slower (by the margin) at any count above
+    chosen = replace(chosen, rows16_from=_rows16_from(rows16))
+    q6k = _q6k_matrix(rng)
+    q6k_rows16 = {n: (_best(lambda n=n: hot(replace(chosen, q6k_rows16_from=2), n, q6k, Q6_K)),
+                      _best(lambda n=n: hot(replace(chosen, q6k_rows16_from=0), n, q6k, Q6_K))) for n in ROWS16_COUNTS}
+    timings["hot_q6k_rows16_vs_not_us"] = {n: [1e6 * a, 1e6 * b] for n, (a, b) in q6k_rows16.items()}
+    return replace(chosen, q6k_rows16_from=_rows16_from(q6k_rows16)), timings
+
+
+def _rows16_from(times: dict[int, tuple[float, float]]) -> int:
+    """The least token count from which 16 rows side by side (times[n][0]) are not slower, by the margin, than
+    not (times[n][1]) at any count above (0: none)."""
+    rows16_from = 0
     for n in reversed(ROWS16_COUNTS):
-        if rows16[n][0] > rows16[n][1] / MARGIN:
+        if times[n][0] > times[n][1] / MARGIN:
             break
         rows16_from = n
-    return replace(chosen, rows16_from=rows16_from), timings
+    return rows16_from
 
 
 def _best(run) -> float:
@@ -192,6 +208,13 @@ def _q4k_matrix(rng: np.random.Generator) -> np.ndarray:
     """A [ROWS, row bytes] Q4_K matrix of random quants and scales under fixed normal halves (d, dmin)."""
     blocks = rng.integers(0, 256, size=(ROWS, K // Q4_K_BLOCK, Q4_K_BLOCK_BYTES), dtype=np.uint8)
     blocks[:, :, 0:4] = np.frombuffer(np.array([0.01, 0.002], dtype=np.float16).tobytes(), dtype=np.uint8)
+    return np.ascontiguousarray(blocks.reshape(ROWS, -1))
+
+
+def _q6k_matrix(rng: np.random.Generator) -> np.ndarray:
+    """A [ROWS, row bytes] Q6_K matrix of random quants and scales under a fixed normal half (d)."""
+    blocks = rng.integers(0, 256, size=(ROWS, K // Q4_K_BLOCK, Q6_K_BLOCK_BYTES), dtype=np.uint8)
+    blocks[:, :, 208:210] = np.frombuffer(np.array([0.001], dtype=np.float16).tobytes(), dtype=np.uint8)
     return np.ascontiguousarray(blocks.reshape(ROWS, -1))
 
 
@@ -212,7 +235,8 @@ def _valid(fields: dict) -> bool:
     except TypeError:
         return False
     return (tuning.prefetch in PREFETCH and tuning.wide_from in range(1, 10) and tuning.wide16 in (0, 1)
-            and isinstance(tuning.rows16_from, int) and _rows16_valid(tuning.rows16_from))
+            and isinstance(tuning.rows16_from, int) and _rows16_valid(tuning.rows16_from)
+            and isinstance(tuning.q6k_rows16_from, int) and _rows16_valid(tuning.q6k_rows16_from))
 
 
 def _rows16_valid(value: int) -> bool:

@@ -57,7 +57,7 @@ def _library() -> ctypes.CDLL | None:
     lib.qk_isa.argtypes = []
     lib.qk_pool_rest.argtypes, lib.qk_pool_rest.restype = [], None
     lib.qk_pool_spin_ns.argtypes, lib.qk_pool_spin_ns.restype = [], ctypes.c_longlong
-    lib.qk_tune.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.qk_tune.argtypes = [ctypes.c_int] * 5
     lib.qk_tuning.argtypes, lib.qk_tuning.restype = [ctypes.POINTER(ctypes.c_int)], None
     lib.qk_evict.argtypes, lib.qk_evict.restype = [_PTR, _I64], None
     _tune(lib)
@@ -84,18 +84,19 @@ def tuning() -> dict:
     """The speed choices in force (kernel_tuning.py) and where they came from."""
     from moeswarm.kernels.kernel_tuning import PREFETCH
 
-    out = (ctypes.c_int * 4)()
+    out = (ctypes.c_int * 5)()
     _library().qk_tuning(out)
     return {"prefetch": PREFETCH[out[0]], "wide_from": out[1], "wide16": out[2], "rows16_from": out[3],
+            "q6k_rows16_from": out[4],
             "source": TUNING_SOURCE,
             "spin_ns": _library().qk_pool_spin_ns()}
 
 
-def tune(prefetch: str, wide_from: int, wide16: int, rows16_from: int = 2) -> None:
+def tune(prefetch: str, wide_from: int, wide16: int, rows16_from: int = 2, q6k_rows16_from: int = 4) -> None:
     """Set the speed choices (for tests that prove every choice gives the same bits)."""
     from moeswarm.kernels.kernel_tuning import Tuning
 
-    Tuning(prefetch, wide_from, wide16, rows16_from).apply(_library())
+    Tuning(prefetch, wide_from, wide16, rows16_from, q6k_rows16_from).apply(_library())
 
 
 def available() -> bool:

@@ -72,9 +72,10 @@ typedef int32_t i16v __attribute__((vector_size(LANES * sizeof(int32_t)), aligne
  *   wide_from  the K-quants' wide tiles (several tokens' sums in one register) from this many tokens on
  *   wide16     AVX-512's 16-token Q4_K tiles while more than 8 tokens are left (0: tiles of 8 only)
  *   rows16_from  AVX512-VNNI's Q4_K on 16 rows side by side (qk_q4k16.h) from this many tokens on
- *              (2..64; 0: never) */
+ *              (2..64; 0: never)
+ *   q6k_rows16_from  the same for Q6_K (qk_q6k16.h) */
 enum { QK_PREFETCH_NONE = 0, QK_PREFETCH_L2 = 1, QK_PREFETCH_NTA = 2 };
-static struct { int prefetch, wide_from, wide16, rows16_from; } tuning = {QK_PREFETCH_L2, 4, 1, 2};
+static struct { int prefetch, wide_from, wide16, rows16_from, q6k_rows16_from; } tuning = {QK_PREFETCH_L2, 4, 1, 2, 4};
 static const u16 BYTE_SHIFT = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
 static inline __attribute__((always_inline)) u16 top_bytes16(const uint8_t *p) {
     u16 words;
@@ -709,25 +710,29 @@ int qk_isa(void) {
 }
 
 /* Set the speed choices (see `tuning`): prefetch one of QK_PREFETCH_*, wide_from 1..9 (9: never wide,
- * a product's tokens being tiled by 4 instead), wide16 0 or 1, rows16_from 0 or 2..64. Returns 0, or -1
- * (nothing changed) for a value out of range. The bits of every product are the same under every choice. */
-int qk_tune(int prefetch, int wide_from, int wide16, int rows16_from) {
+ * a product's tokens being tiled by 4 instead), wide16 0 or 1, rows16_from and q6k_rows16_from 0 or
+ * 2..64. Returns 0, or -1 (nothing changed) for a value out of range. The bits of every product are
+ * the same under every choice. */
+int qk_tune(int prefetch, int wide_from, int wide16, int rows16_from, int q6k_rows16_from) {
     if (prefetch < QK_PREFETCH_NONE || prefetch > QK_PREFETCH_NTA || wide_from < 1 || wide_from > 9 ||
-        (wide16 != 0 && wide16 != 1) || rows16_from < 0 || rows16_from == 1 || rows16_from > 64)
+        (wide16 != 0 && wide16 != 1) || rows16_from < 0 || rows16_from == 1 || rows16_from > 64 ||
+        q6k_rows16_from < 0 || q6k_rows16_from == 1 || q6k_rows16_from > 64)
         return -1;
     __atomic_store_n(&tuning.prefetch, prefetch, __ATOMIC_RELAXED);
     __atomic_store_n(&tuning.wide_from, wide_from, __ATOMIC_RELAXED);
     __atomic_store_n(&tuning.wide16, wide16, __ATOMIC_RELAXED);
     __atomic_store_n(&tuning.rows16_from, rows16_from, __ATOMIC_RELAXED);
+    __atomic_store_n(&tuning.q6k_rows16_from, q6k_rows16_from, __ATOMIC_RELAXED);
     return 0;
 }
 
-/* The choices in force: out[0..4) = prefetch, wide_from, wide16, rows16_from. */
-void qk_tuning(int out[4]) {
+/* The choices in force: out[0..5) = prefetch, wide_from, wide16, rows16_from, q6k_rows16_from. */
+void qk_tuning(int out[5]) {
     out[0] = __atomic_load_n(&tuning.prefetch, __ATOMIC_RELAXED);
     out[1] = __atomic_load_n(&tuning.wide_from, __ATOMIC_RELAXED);
     out[2] = __atomic_load_n(&tuning.wide16, __ATOMIC_RELAXED);
     out[3] = __atomic_load_n(&tuning.rows16_from, __ATOMIC_RELAXED);
+    out[4] = __atomic_load_n(&tuning.q6k_rows16_from, __ATOMIC_RELAXED);
 }
 
 /* Evict p[0..n) from every cache level (x86: clflush), so that the next read of it comes from DRAM,
@@ -1979,6 +1984,7 @@ static inline AI void S(rows_of)(const int type, const uint8_t *w, int64_t row_b
 
 #if QK_PASS == 3
 #include "qk_q4k16.h"
+#include "qk_q6k16.h"
 #endif
 
 static void S(int_rows)(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx,
@@ -1988,6 +1994,13 @@ static void S(int_rows)(int type, const uint8_t *w, int64_t row_bytes, int64_t r
     if (type == T_Q4_K && rows16_from && n >= rows16_from && rows >= Q4K16_ROWS) {  /* qk_q4k16.h: 16 rows side by side */
         int64_t most = rows - rows % Q4K16_ROWS;
         S(rows16_q4k)(w, row_bytes, most, qx, n, y, ldy);
+        w += most * row_bytes, y += most, rows -= most;
+        if (rows == 0) return;
+    }
+    const int q6k_rows16_from = __atomic_load_n(&tuning.q6k_rows16_from, __ATOMIC_RELAXED);
+    if (type == T_Q6_K && q6k_rows16_from && n >= q6k_rows16_from && rows >= Q4K16_ROWS) {  /* qk_q6k16.h */
+        int64_t most = rows - rows % Q4K16_ROWS;
+        S(rows16_q6k)(w, row_bytes, most, qx, n, y, ldy);
         w += most * row_bytes, y += most, rows -= most;
         if (rows == 0) return;
     }

@@ -8,7 +8,8 @@ decode step finds weights it last read a whole step ago):
 Each group runs at 1 and 2 threads, first on an idle machine, then while another process computes
 (a Python loop that never sleeps): a product's median against its minimum says whether the kernels'
 threads stall when they share the host (qk_pool.c). The tuning in force (kernel_tuning.py) is
-reported with the figures.
+reported with the figures. `--against ggml` times the same groups, one thread, against ggml's
+products instead (products_ggml.py).
 """
 
 from __future__ import annotations

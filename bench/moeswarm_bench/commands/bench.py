@@ -37,7 +37,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                       "same Q4_K_M file: local, 2 workers on loopback and at 20/80 ms RTT (docs/bench-real.md)",
                       flags.real, runs.real),
     "products": Benchmark("one-row products of a real file's tensors from DRAM (attention, head, a token's experts) at 1 "
-                          "and 2 threads, idle and beside a busy process: min and median (docs/bench-real.md)",
+                          "and 2 threads, idle and beside a busy process: min and median; --against ggml: against "
+                          "ggml's, plain and repacked (docs/bench-real.md)",
                           flags.products, runs.products),
     "fuzz": Benchmark("fuzz a live worker: crashes, hangs, wrong replies, RSS (docs/protocol.md, Limits)",
                       flags.fuzz, runs.fuzz),

@@ -98,6 +98,10 @@ def products(parser: argparse.ArgumentParser) -> None:
                         help="GGUF file with attn_q/k/v/output, output.weight and ffn_*_exps tensors (default: the "
                              "OLMoE-shaped Q4_K_M file of `bench real`, built first if missing)")
     parser.add_argument("--repeats", type=positive, default=30, help="timed passes per figure (default 30)")
+    parser.add_argument("--against", choices=("ggml",), default=None,
+                        help="ggml: time the same cold one-row products, one thread, through ggml as llama-cpp-python "
+                             "ships it, with plain buffers and each extra buffer type (AMX, CPU_REPACK) its CPU has, "
+                             "each side in a child process (a crash is a row), alternating rounds")
     parser.add_argument("--json", action="store_true", help=JSON_HELP)
 
 

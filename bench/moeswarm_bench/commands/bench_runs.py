@@ -83,7 +83,11 @@ def products(args: argparse.Namespace) -> None:
         from moeswarm_bench.bench.real_shapes import SHAPES
 
         args.model = str(model_file(SHAPES["olmoe"], DEFAULT_CACHE))
-    result = run_products_bench(args.model, args.repeats)
+    if args.against == "ggml":
+        from moeswarm_bench.bench.products_ggml import run_against_ggml, table_lines
+        result = run_against_ggml(args.model, args.repeats)
+    else:
+        result = run_products_bench(args.model, args.repeats)
     print(json.dumps(result) if args.json else "\n".join(table_lines(result)))
 
 
