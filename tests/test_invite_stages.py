@@ -1,0 +1,124 @@
+"""A stages swarm assembled from one invite, with real processes on loopback and no span typed.
+
+`moeswarm invite --stages 2` seeds the bundled GGUF model and says the model is cut into two
+spans; two `moeswarm join INVITE` take the two spans (the second the one nobody holds), each
+fetching just its slice (its span's experts and the trunk) and serving it as a stage announced on
+the DHT; `generate --swarm INVITE --check-local` finds the stages and is bit-identical to the
+model run locally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moeswarm.bundled import PYMOE
+from moeswarm.discovery.invite import parse_invite
+from moeswarm.local.workers import stop
+from moeswarm.slices.manifest import load_manifest
+
+WAIT_S = 120.0
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moeswarm.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _lines_until(process: subprocess.Popen, marker: str) -> list[str]:
+    lines, deadline = [], time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            pytest.fail(f"process ended before {marker!r}: {''.join(lines)} {process.stderr.read()[-3000:]}")
+        lines.append(line)
+        if marker in line:
+            return lines
+    pytest.fail(f"no {marker!r} within {WAIT_S:g} s")
+
+
+def _run(*args: str, timeout: float = WAIT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moeswarm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def stages_swarm(tmp_path_factory):
+    """(the invite, the model's path, the manifest) of a running `moeswarm invite --stages 2`."""
+    tmp = tmp_path_factory.mktemp("invite-stages")
+    model = tmp / "pymoe.gguf"
+    shutil.copy(PYMOE / "gguf" / "pymoe-Q4_K_M.gguf", model)
+    inviter = _cli("invite", "--model", str(model), "--stages", "2")
+    try:
+        first = inviter.stdout.readline()
+        assert first, inviter.stderr.read()[-3000:]
+        invite = first.rstrip("\n")
+        assert parse_invite(invite).stages == 2
+        yield invite, model, load_manifest(Path(f"{model}.manifest.json"))
+    finally:
+        stop([inviter])
+
+
+def _join(invite: str, directory: Path) -> subprocess.Popen:
+    return _cli("join", invite, "--dir", str(directory), "--threads", "1", "--announce-ttl", "60")
+
+
+def _announced(lines: list[str]) -> tuple[str, str]:
+    """(address, "A-B") from the stage's announcement line."""
+    words = next(line for line in lines if "announced on the swarm as " in line).split("announced on the swarm as ")[1]
+    address, _, span = words.split()
+    return address, span
+
+
+def test_two_joiners_take_the_two_spans_and_generate_through_the_invite_is_bit_identical(stages_swarm, tmp_path):
+    invite, model, manifest = stages_swarm
+    joiners = [_join(invite, tmp_path / "a")]
+    try:
+        lines_a = _lines_until(joiners[0], "announced on the swarm as ")
+        joiners.append(_join(invite, tmp_path / "b"))
+        lines_b = _lines_until(joiners[1], "announced on the swarm as ")
+        (first, span_a), (second, span_b) = _announced(lines_a), _announced(lines_b)
+        assert (span_a, span_b) == ("0-2", "3-5")  # the first the lowest span, the second the one nobody held
+        assert any("stages holding each: 1, 0" in line for line in lines_b)
+        for lines, moe in ((lines_a, (0, 2)), (lines_b, (3, 5))):  # exactly the slice's pieces, nothing more
+            fetched = int(next(line for line in lines if "fetched " in line).split("fetched ", 1)[1].split()[0])
+            assert fetched == sum(p.length for p in manifest.pieces(manifest.data["expert_ids"], moe, True))
+            assert fetched < manifest.file_size
+
+        generated = _run("generate", "--model", str(model), "--swarm", invite, "--prompt", "def main(",
+                         "--max-new-tokens", "8", "--check-local", "--json", "--threads", "1")
+        assert generated.returncode == 0, generated.stderr[-3000:]
+        report = json.loads(generated.stdout.strip().splitlines()[-1])
+        assert report["bit_identical"] is True and report["positions_checked"] >= 10
+        assert f"stages found on the swarm: layers 0-2 at {first}, layers 3-5 at {second}" in generated.stderr
+    finally:
+        stop(joiners)
+
+
+@pytest.mark.parametrize("args, cause", [
+    (["invite", "--model", str(PYMOE / "gguf" / "pymoe-Q4_K_M.gguf"), "--stages", "2", "--experts-only"],
+     "not allowed with argument --stages"),
+    (["invite", "--model", str(PYMOE / "gguf" / "pymoe-Q4_K_M.gguf"), "--stages", "0"], "must be at least 1"),
+])
+def test_bad_flags_are_one_line_and_status_2(args, cause):
+    result = _run(*args, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert cause in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_more_stages_than_layers_and_a_relay_for_a_stage_are_one_line(stages_swarm, tmp_path):
+    _, model, _ = stages_swarm
+    result = _run("invite", "--model", str(model), "--stages", "7", timeout=60)
+    assert result.returncode == 2 and "--stages 7: the model has 6 decoder layers, so 1 to 6 stages" in result.stderr
+    assert "Traceback" not in result.stderr
+    invite = stages_swarm[0]
+    result = _run("join", invite, "--relay", "127.0.0.1:9", "--dir", str(tmp_path / "r"), timeout=60)
+    assert result.returncode == 2 and "a stage is dialled directly" in result.stderr, result.stderr
