@@ -130,9 +130,11 @@ class Chain:
 
     Every step is logged as sent (its records, segments and the hidden states entering the first
     stage). When a stage dies, stalls or loses this session's sequences, the chain takes the next
-    replica of each dead stage, opens a new session, and replays the log in order: every stage
+    replica of each dead stage (or, when a span has none left, the route `replan` gives), opens a
+    new session, and replays the log in order: every stage
     recomputes every step exactly as the first time (the same rows packed the same way), so the
-    caches, and the outputs after them, are bit for bit what they were. Past `max_log_bytes` of
+    caches, and the outputs after them, are bit for bit what they were; `reroute` moves to a better
+    route the same way, between steps. Past `max_log_bytes` of
     logged hidden states the log is dropped and a failed stage fails its steps instead.
     `timeout_s`: the most a step waits for the chain's answer (the swarm's reply timeout, SwarmConfig).
     `kv_cache`: the gateway's --kv-cache; a stage keeping its cache otherwise is passed over at HELLO.
@@ -159,6 +161,10 @@ class Chain:
         self.failovers = 0
         self.replayed_steps = 0
         self.last_replay_s: float | None = None  # from a failure's recovery to the failed step's answer
+        self.reroutes = 0  # moves to a better route (`reroute`)
+        # called with the dead stages' addresses when a span lost every replica: another route of the
+        # stages alive (per position, its replicas), or None (stages/find.py StageWatch sets it)
+        self.replan: Callable[[set[str]], list[list[str]] | None] | None = None
 
     @property
     def route(self) -> list[str]:
@@ -299,31 +305,77 @@ class Chain:
                 if self._log is None:
                     raise cause
                 dead = [i for i, link in enumerate(self._links) if link.dead or not link.answers_ping()]
-                for i in dead:
-                    if self._choice[i] + 1 >= len(self.positions[i]):
-                        span = self._links[i].layers
-                        raise StageError(f"{cause}; no replica left for layers {span.start}-{span.stop - 1}") from None
-                    self._choice[i] += 1
+                lost = [i for i in dead if self._choice[i] + 1 >= len(self.positions[i])]
+                route = self.replan({self.route[i] for i in dead}) if lost and self.replan else None
+                if lost and route is None:
+                    span = self._links[lost[0]].layers
+                    raise StageError(f"{cause}; no replica left for layers {span.start}-{span.stop - 1}") from None
+                replaced = [self.route[i] for i in dead]
+                if route is not None:  # a span lost every replica: another tiling of the stages alive
+                    self.positions, self._choice = [list(r) for r in route], [0] * len(route)
+                else:
+                    for i in dead:
+                        self._choice[i] += 1
                 for link in self._links:
                     link.close()
                 log.warning("stage chain: %s; %s, replaying %d steps", printable(str(cause), 300),
-                            f"replaced {[self.positions[i][self._choice[i] - 1] for i in dead]}" if dead
-                            else "the same stages", len(self._log))
+                            f"replaced {replaced}" if dead else "the same stages", len(self._log))
                 self.generation += 1
                 self.connect()
+                if route is not None:
+                    log.warning("stage chain: re-planned the route as %s", self.describe())
                 with self._lock:
                     waiting = set(self._pending)
-                for logged in self._log:
-                    if logged.number in waiting:
-                        self._register(logged.number)
-                    self._send_quietly(logged)
+                self._replay(waiting)
                 self.failovers += 1
-                self.replayed_steps += len(self._log)
             if number is None:
                 return None, self.generation
             with self._lock:
                 future = self._pending.get(number) or Future()
             return future, self.generation
+
+    def _replay(self, waiting: set[int]) -> None:
+        """Send every logged step again in order on the new session (a fresh future for each one `waiting`)."""
+        for logged in self._log:
+            if logged.number in waiting:
+                self._register(logged.number)
+            self._send_quietly(logged)
+        self.replayed_steps += len(self._log)
+
+    def reroute(self, positions: list[list[str]], drain_s: float = 10.0) -> bool:
+        """Move to another route (per position in layer order, its replicas) between two steps:
+        new sends wait while the step in flight ends (at most `drain_s`), then the new stages get a
+        session and the log replayed, so their caches are what the old route's were. False (the old
+        route kept) when the log was dropped, a step stayed in flight, or the new route cannot be
+        connected."""
+        with self._sending:
+            deadline = time.monotonic() + drain_s
+            while self._pending and time.monotonic() < deadline:
+                time.sleep(0.002)
+            if self._log is None or self._pending:
+                return False
+            old = (self.positions, self._choice)
+            for link in self._links:
+                link.close()
+            self.positions, self._choice = [list(r) for r in positions], [0] * len(positions)
+            self.generation += 1
+            try:
+                self.connect()
+            except StageError as error:
+                log.warning("stage chain: the new route %s failed (%s): keeping %s", positions,
+                            printable(str(error), 300), old[0])
+                self.positions, self._choice = old
+                self.connect()
+                self._replay(set())
+                return False
+            self._replay(set())
+            self.reroutes += 1
+            return True
+
+    def describe(self) -> str:
+        """The route in words: each position's layers and the stage in use."""
+        return ", ".join(f"layers {span.start}-{span.stop - 1} at {address}"
+                         for span, address in zip(self.spans or (), self.route))
 
     def receive(self, link: StageLink, frame: Frame) -> None:
         if link not in self._links:

@@ -9,10 +9,14 @@ stages that answered into the chain: per span in layer order, its replicas. Unti
 layer the gateway reads again every `poll_s`, saying what is missing, for at most `wait_s`; then
 it gives up with the gap in one line.
 
-The route is chosen once, at start. While the gateway runs, a `StageWatch` reads the records again
+The route is chosen at start. While the gateway runs, a `StageWatch` reads the records again
 every `follow_s`: a stage announced since that holds exactly one of the chain's spans (dialled and
 confirmed as above) joins that span's replicas (stages/client.py `Chain.add_replica`), the next to
-take over when the ones before it fail. A stage of any other span is left out: the cuts stay.
+take over when the ones before it fail. When the stages announced now tile the model in fewer
+stages than the chain has, the chain moves to that route between two steps (`Chain.reroute`: the
+new stages replay the logged steps, so outputs stay bit-identical); and when a span of the chain
+loses every replica, the chain asks the watch (`Chain.replan`) for a route of the stages still
+alive before it gives up.
 """
 
 from __future__ import annotations
@@ -102,23 +106,60 @@ class StageWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._reading = threading.Lock()  # the finder's state: the watch's thread and a chain's replan
 
     def follow(self, chain) -> None:
-        """Every `follow_s`, read the records: each new stage holding exactly one of `chain`'s spans joins it."""
+        """Every `follow_s`, read the records: each new stage holding exactly one of `chain`'s spans
+        joins it, and a route of fewer stages replaces the chain's; `chain.replan` is set to `replan`."""
         if self._thread is not None or self._closed:
             return
+        chain.replan = self.replan
         self._thread = threading.Thread(target=self._follow, args=(chain,), name="moeswarm-stage-watch", daemon=True)
         self._thread.start()
 
     def read_once(self, chain) -> list[str]:
-        """One read: the addresses that joined `chain` (each said once)."""
+        """One read: the addresses that joined `chain` (each said once); then, when the stages read
+        tile the model in fewer stages than `chain` has, the chain moves to that route."""
+        with self._reading:
+            offers = self._finder.offers()
         joined = []
-        for offer in self._finder.offers():
+        for offer in offers:
             if chain.add_replica(offer.layers, offer.address):
                 joined.append(offer.address)
                 self._finder.report(f"stage {offer.address} joined as a replica of layers "
                                     f"{offer.layers.start}-{offer.layers.stop - 1}")
+        try:
+            best = plan_route(offers, self._finder.num_layers)
+        except RouteError:
+            return joined
+        if len(best) < len(chain.spans or ()):
+            before = chain.describe()
+            if chain.reroute([list(p.replicas) for p in best]):
+                self._finder.report(f"re-planned the route: {chain.describe()} (was {before})")
+            else:
+                self._forget(p for position in best for p in position.replicas)
         return joined
+
+    def replan(self, dead: set[str]) -> list[list[str]] | None:
+        """A route of the stages announced now but `dead` (addresses: dialled again before use), or None."""
+        self._forget(dead)
+        with self._reading:
+            offers = [o for o in self._finder.offers() if o.address not in dead]
+        try:
+            route = plan_route(offers, self._finder.num_layers)
+        except RouteError as error:
+            self._finder.report(f"no other route of the stages alive: {error}")
+            return None
+        self._finder.report("re-planned the route: " + ", ".join(
+            f"layers {p.layers.start}-{p.layers.stop - 1} at {'|'.join(p.replicas)}" for p in route))
+        return [list(p.replicas) for p in route]
+
+    def _forget(self, addresses) -> None:
+        """Dial these stages again at the next read (they failed since they answered)."""
+        addresses = set(addresses)
+        with self._reading:
+            for key in [k for k in self._finder.answered if k[0] in addresses]:
+                del self._finder.answered[key]
 
     def close(self) -> None:
         if self._closed:
