@@ -77,29 +77,92 @@ def _announced(lines: list[str]) -> tuple[str, str]:
     return address, span
 
 
-def test_two_joiners_take_the_two_spans_and_generate_through_the_invite_is_bit_identical(stages_swarm, tmp_path):
-    invite, model, manifest = stages_swarm
-    joiners = [_join(invite, tmp_path / "a")]
+@pytest.fixture(scope="module")
+def joined(stages_swarm, tmp_path_factory):
+    """Two `join INVITE`, the second started once the first announced: (their processes, their
+    standard output's lines up to the announcement)."""
+    invite = stages_swarm[0]
+    tmp = tmp_path_factory.mktemp("joiners")
+    joiners = [_join(invite, tmp / "a")]
     try:
-        lines_a = _lines_until(joiners[0], "announced on the swarm as ")
-        joiners.append(_join(invite, tmp_path / "b"))
-        lines_b = _lines_until(joiners[1], "announced on the swarm as ")
-        (first, span_a), (second, span_b) = _announced(lines_a), _announced(lines_b)
-        assert (span_a, span_b) == ("0-2", "3-5")  # the first the lowest span, the second the one nobody held
-        assert any("stages holding each: 1, 0" in line for line in lines_b)
-        for lines, moe in ((lines_a, (0, 2)), (lines_b, (3, 5))):  # exactly the slice's pieces, nothing more
-            fetched = int(next(line for line in lines if "fetched " in line).split("fetched ", 1)[1].split()[0])
-            assert fetched == sum(p.length for p in manifest.pieces(manifest.data["expert_ids"], moe, True))
-            assert fetched < manifest.file_size
-
-        generated = _run("generate", "--model", str(model), "--swarm", invite, "--prompt", "def main(",
-                         "--max-new-tokens", "8", "--check-local", "--json", "--threads", "1")
-        assert generated.returncode == 0, generated.stderr[-3000:]
-        report = json.loads(generated.stdout.strip().splitlines()[-1])
-        assert report["bit_identical"] is True and report["positions_checked"] >= 10
-        assert f"stages found on the swarm: layers 0-2 at {first}, layers 3-5 at {second}" in generated.stderr
+        lines = [_lines_until(joiners[0], "announced on the swarm as ")]
+        joiners.append(_join(invite, tmp / "b"))
+        lines.append(_lines_until(joiners[1], "announced on the swarm as "))
+        yield joiners, lines
     finally:
         stop(joiners)
+
+
+def test_two_joiners_take_the_two_spans_and_generate_through_the_invite_is_bit_identical(stages_swarm, joined):
+    invite, model, manifest = stages_swarm
+    lines_a, lines_b = joined[1]
+    (first, span_a), (second, span_b) = _announced(lines_a), _announced(lines_b)
+    assert (span_a, span_b) == ("0-2", "3-5")  # the first the lowest span, the second the one nobody held
+    assert any("stages holding each: 1, 0" in line for line in lines_b)
+    for lines, moe in ((lines_a, (0, 2)), (lines_b, (3, 5))):  # exactly the slice's pieces, nothing more
+        fetched = int(next(line for line in lines if "fetched " in line).split("fetched ", 1)[1].split()[0])
+        assert fetched == sum(p.length for p in manifest.pieces(manifest.data["expert_ids"], moe, True))
+        assert fetched < manifest.file_size
+
+    generated = _run("generate", "--model", str(model), "--swarm", invite, "--prompt", "def main(",
+                     "--max-new-tokens", "8", "--check-local", "--json", "--threads", "1")
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    report = json.loads(generated.stdout.strip().splitlines()[-1])
+    assert report["bit_identical"] is True and report["positions_checked"] >= 10
+    assert f"stages found on the swarm: layers 0-2 at {first}, layers 3-5 at {second}" in generated.stderr
+
+
+def test_a_late_joiner_is_picked_up_by_a_running_gateway_and_takes_over_bit_identical(stages_swarm, joined,
+                                                                                        tmp_path):
+    """A gateway runs on the two joiners; a third `join INVITE` takes layers 0-2 (both spans held
+    once: the lowest), the gateway's watch adds it as that span's replica, the first joiner is
+    killed, and the late joiner takes over with the steps replayed, every logit row equal."""
+    pytest.importorskip("hivemind")
+    import torch
+
+    from moeswarm.forward.packed import PackedStepper, install
+    from moeswarm.sources.loading import load_local
+    from moeswarm.sources.source import open_source
+    from moeswarm.stages.find import StageSearch, watch_stages
+    from moeswarm.stages.gateway import open_gateway
+
+    invite, model, _ = stages_swarm
+    (first_process, _), (lines_a, lines_b) = joined
+    first, second = _announced(lines_a)[0], _announced(lines_b)[0]
+    torch.set_num_threads(1)  # the reference computes as the stages do
+    said: list[str] = []
+    watch = watch_stages(StageSearch(parse_invite(invite).dht, report=said.append, follow_s=0.5),
+                         open_source(str(model)), None)
+    assert watch.route == [[first], [second]]
+    reference = load_local(str(model))
+    install(reference)
+    late = _join(invite, tmp_path / "c")
+    try:
+        with open_gateway(str(model), watch.route, watch=watch) as gateway:
+            install(gateway.model)
+            chain = gateway.model.base_model.layers[0].chain
+            got, want = PackedStepper(gateway.model), PackedStepper(reference)
+            feed = list(range(10, 30))
+            for _ in range(2):
+                out = got.forward(feed)
+                assert torch.equal(out, want.forward(feed))
+                feed = [int(out[-1].argmax())]
+            lines_c = _lines_until(late, "announced on the swarm as ")
+            third, span = _announced(lines_c)
+            assert span == "0-2" and any("stages holding each: 1, 1" in line for line in lines_c)
+            deadline = time.monotonic() + 30
+            while third not in chain.positions[0]:
+                assert time.monotonic() < deadline, f"the late joiner never joined the chain: {said}"
+                time.sleep(0.1)
+            first_process.kill()  # the first joiner dies between two steps
+            first_process.wait()
+            for _ in range(2):
+                out = got.forward(feed)
+                assert torch.equal(out, want.forward(feed))
+                feed = [int(out[-1].argmax())]
+            assert chain.failovers == 1 and chain.route == [third, second]
+    finally:
+        stop([late])
 
 
 @pytest.mark.parametrize("args, cause", [
