@@ -185,3 +185,33 @@ def test_more_stages_than_layers_and_a_relay_for_a_stage_are_one_line(stages_swa
     invite = stages_swarm[0]
     result = _run("join", invite, "--relay", "127.0.0.1:9", "--dir", str(tmp_path / "r"), timeout=60)
     assert result.returncode == 2 and "a stage is dialled directly" in result.stderr, result.stderr
+
+
+def _parsed(argv: list[str]):
+    from moeswarm.cli import build_parser
+
+    return build_parser(argv).parse_args(argv)
+
+
+def test_swarm_invite_of_a_stages_swarm_stands_for_stages_swarm_or_announce_swarm():
+    from moeswarm.commands._swarm import check_workers_or_swarm
+    from moeswarm.discovery.invite import Invite, format_invite
+    from moeswarm.errors import MoeSwarmError
+
+    peers = ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWExample"]
+    experts = Invite(tuple(peers), "fp0123", "a" * 64, 1234, "127.0.0.1:7000", "127.0.0.1:7001")
+    GOLDEN, STAGES_GOLDEN = format_invite(experts), format_invite(Invite(**{**experts.__dict__, "stages": 2}))
+    for command in ("generate", "serve"):
+        extra = ["--prompt", "x"] if command == "generate" else []
+        args = _parsed([command, "--model", "m", *extra, "--swarm", STAGES_GOLDEN])
+        check_workers_or_swarm(args)
+        assert args.stages_swarm == peers and args.swarm is None  # routed through the swarm's stages
+        args = _parsed([command, "--model", "m", *extra, "--swarm", GOLDEN])
+        check_workers_or_swarm(args)
+        assert args.swarm == peers and args.stages_swarm is None  # an experts swarm's: its workers
+        args = _parsed([command, "--model", "m", *extra, "--swarm", STAGES_GOLDEN, "--stages-swarm", GOLDEN])
+        with pytest.raises(MoeSwarmError, match="stands for --stages-swarm INVITE: give one of them"):
+            check_workers_or_swarm(args)
+    args = _parsed(["stage", "--model", "m", "--layers", "0-2", "--swarm", STAGES_GOLDEN])
+    check_workers_or_swarm(args)
+    assert args.announce_swarm == peers and args.swarm is None  # announced there, its experts its own
