@@ -52,3 +52,24 @@ def test_a_bad_invite_is_one_line_naming_the_problem(text, cause):
         parse_invite(text)
     message = str(raised.value)
     assert cause in message and "\n" not in message, message
+
+
+STAGES_INVITE = Invite(INVITE.dht, INVITE.model, INVITE.manifest, 1234, INVITE.seed, INVITE.manifest_seed, None, 3)
+STAGES_GOLDEN = ("moeswarm-invite-1.eyJkaHQiOlsiL2lwNC8xMjcuMC4wLjEvdGNwLzQwMDEvcDJwLzEyRDNLb29XRXhhbXBsZSJdLCJtYW5pZmVzdC"
+                 "I6ImFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWEiLCJtYW5pZmVzdF9i"
+                 "eXRlcyI6MTIzNCwibWFuaWZlc3Rfc2VlZCI6IjEyNy4wLjAuMTo3MDAxIiwibW9kZWwiOiJmcDAxMjMiLCJzZWVkIjoiMTI3LjAuMC4x"
+                 "OjcwMDAiLCJzdGFnZXMiOjMsInN3YXJtIjpudWxsfQ")
+
+
+def test_a_stages_invite_is_pinned_and_one_without_the_field_is_an_experts_swarms():
+    assert format_invite(STAGES_INVITE) == STAGES_GOLDEN
+    assert parse_invite(STAGES_GOLDEN).stages == 3
+    assert parse_invite(GOLDEN).stages is None  # written before the field existed: an experts swarm
+    assert "stages" not in json.loads(base64.urlsafe_b64decode(GOLDEN[18:] + "==="))
+
+
+@pytest.mark.parametrize("stages", [0, -1, 257, 2.0, "2", True, [2]])
+def test_a_malformed_stages_field_is_one_line(stages):
+    with pytest.raises(InviteError) as raised:
+        parse_invite(_encoded({**INVITE.to_json(), "stages": stages}))
+    assert "stages is not an integer in 1-256" in str(raised.value) and "\n" not in str(raised.value)

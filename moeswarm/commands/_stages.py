@@ -15,7 +15,7 @@ STAGES_WAIT_S = 60.0  # stages/find.py's default, restated so `--help` imports n
 
 def stage_route(text: str) -> list[str]:
     """argparse type of `--stages`."""
-    from moeswarm.stages.client import parse_route
+    from moeswarm.stages.link import parse_route
 
     try:
         return parse_route(text)
@@ -58,7 +58,7 @@ def check_stages(args: argparse.Namespace, config, source=None) -> None:
 
 def find_stages(args: argparse.Namespace, config, source=None):
     """`--stages-swarm`: the chain read from the DHT for the model's fingerprint, the swarm kept
-    joined (a stages/find.py StageWatch)."""
+    joined (a stages/watch.py StageWatch)."""
     from moeswarm.sources.source import open_source
     from moeswarm.stages.find import StageSearch, watch_stages
 

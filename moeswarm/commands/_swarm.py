@@ -20,15 +20,27 @@ from moeswarm.transport.member_cert import Authority, Identity
 DEFAULT_TTL_S = 30.0  # discovery/announce.py's default, restated so `--help` imports no torch
 
 
+class InvitePeers(list):
+    """An invite's DHT peers (a list of multiaddrs), with its swarm's mode: `stages`, the spans of a
+    stages swarm's cut, or None for an experts swarm (discovery/invite.py)."""
+
+    stages: int | None = None
+
+
 def swarm_peers(text: str) -> list[str]:
     """argparse type of `--swarm`: [] for "new", else the peers' multiaddrs, or an invite's
-    (`moeswarm invite`: its DHT peers)."""
+    (`moeswarm invite`: its DHT peers, as InvitePeers)."""
     from moeswarm.discovery.invite import InviteError, looks_like_invite, parse_invite
 
     try:
-        return list(parse_invite(text).dht) if looks_like_invite(text) else parse_peers(text)
+        if not looks_like_invite(text):
+            return parse_peers(text)
+        invite = parse_invite(text)
     except (ValueError, InviteError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    peers = InvitePeers(invite.dht)
+    peers.stages = invite.stages
+    return peers
 
 
 def add_worker_swarm(parser: argparse.ArgumentParser) -> None:
@@ -56,12 +68,27 @@ def add_backbone_swarm(parser: argparse.ArgumentParser) -> None:
 
 def check_workers_or_swarm(args: argparse.Namespace) -> None:
     """At most one of --workers and --swarm; neither: the local mode, every expert in this process
-    (MoeSwarmError otherwise: one line, exit status 2)."""
+    (MoeSwarmError otherwise: one line, exit status 2). A stages swarm's invite in --swarm is moved
+    where it belongs: `--stages-swarm` of generate and serve (the gateway routes through the swarm's
+    stages), `--announce-swarm` of stage (the stage is announced there, its experts its own)."""
+    _stages_invite(args)
     if args.workers and args.swarm is not None:
         raise MoeSwarmError("give --workers or --swarm, not both: a fixed list of workers, or the swarm to find them on")
     if args.swarm == []:
         raise MoeSwarmError("--swarm new starts a swarm, which only a worker does: give the multiaddr a worker "
                             "or `moeswarm dht` printed")
+
+
+def _stages_invite(args: argparse.Namespace) -> None:
+    if not getattr(args.swarm, "stages", None):
+        return
+    target = "stages_swarm" if hasattr(args, "stages_swarm") else "announce_swarm"
+    flag = "--" + target.replace("_", "-")
+    if getattr(args, target, None) is not None or getattr(args, "stages", None) or args.workers:
+        raise MoeSwarmError(f"--swarm INVITE of a stages swarm stands for {flag} INVITE: give one of them, "
+                            "without --workers or --stages")
+    setattr(args, target, args.swarm)
+    args.swarm = None
 
 
 def discovery_options(args: argparse.Namespace, report=None):

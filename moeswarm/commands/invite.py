@@ -15,7 +15,7 @@ import sys
 
 from moeswarm.commands._swarm import swarm_peers
 from moeswarm.commands._tls import add_swarm_key
-from moeswarm.commands._types import port
+from moeswarm.commands._types import port, positive
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dht-port", type=port, default=0, help="TCP port of the DHT node (0: a free one)")
     parser.add_argument("--seed-port", type=port, default=0, help="TCP port of the model's seeder (0: a free one)")
     parser.add_argument("--manifest-port", type=port, default=0, help="TCP port of the manifest's seeder (0: a free one)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--stages", type=positive, nargs="?", const=0, default=None, metavar="N",
+                      help="a stages swarm: the model cut into N spans of decoder layers, each joiner serving one "
+                           "(the span with the fewest stages) with its experts; N omitted: spans of about 8 layers, "
+                           "at least 2 (docs/network.md, Stages swarms)")
+    mode.add_argument("--experts-only", dest="stages", action="store_const", const=None,
+                      help="an experts swarm (the default): each joiner serves experts of every MoE layer")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="least severe log records printed on stderr")
     add_swarm_key(parser)
@@ -40,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.discovery.inviter import InviterConfig, open_inviter
 
     config = InviterConfig(args.model, args.manifest, tuple(args.swarm or ()), args.host, args.announce_host,
-                           args.dht_port, args.seed_port, args.manifest_port, args.swarm_key)
+                           args.dht_port, args.seed_port, args.manifest_port, args.swarm_key, args.stages)
     inviter = open_inviter(config)
     asyncio.run(_serve(inviter))
     return 0
@@ -56,6 +63,7 @@ async def _serve(inviter) -> None:
         print(f"moeswarm invite: model {invite.model} seeded at {invite.seed} (manifest {invite.manifest} at "
               f"{invite.manifest_seed}); DHT at {', '.join(invite.dht)}; "
               f"{'keyed: joiners need a member file of this swarm' if invite.swarm else 'unkeyed'}; "
+              f"{f'a stages swarm of {invite.stages} spans' if invite.stages else 'an experts swarm'}; "
               f"join with: moeswarm join INVITE", file=sys.stderr, flush=True)
 
     await serve_until(inviter, stop_event((signal.SIGTERM, signal.SIGINT)), [say])

@@ -1,5 +1,8 @@
 """`moeswarm join INVITE`: take a share of a swarm where it is weakest, fetch just those bytes, serve them.
 
+In a stages swarm (`moeswarm invite --stages`) the share is a span of layers, served as a stage
+(commands/_join_stage.py); what follows is an experts swarm's.
+
 No expert list, no manifest file, no multiaddr: the invite (`moeswarm invite`) names them. The
 share is sized to `--memory` and chosen from the coverage announced on the DHT
 (discovery/joining.py); then the process is a `moeswarm worker` of that share, announced on the
@@ -44,8 +47,9 @@ def gigabytes(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("invite", help="the invite `moeswarm invite` printed (one line: moeswarm-invite-1....)")
     parser.add_argument("--memory", type=gigabytes, default=None, metavar="GB",
-                        help=f"memory for this member's experts, in GB: its share is as many experts as fit "
-                             f"(default: {MEMORY_SHARE:g} of the memory available now)")
+                        help=f"memory for this member's experts, in GB: its share is as many experts as fit (in a "
+                             f"stages swarm: the weakest span that fits) (default: {MEMORY_SHARE:g} of the memory "
+                             f"available now)")
     parser.add_argument("--dir", default=None, metavar="DIR",
                         help="where the manifest and the share's slice are kept (a run again resumes or reuses "
                              "them; default: $XDG_CACHE_HOME/moeswarm/join or ~/.cache/moeswarm/join)")
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.discovery.invite import parse_invite
+    from moeswarm.errors import MoeSwarmError
     from moeswarm.discovery.joining import check_key, drop_share, fetch_share, layout, plan_share, share_path
     from moeswarm.discovery.seed_record import SEEDS
     from moeswarm.node.member_seed import ShareSeed, open_member_seed
@@ -92,12 +97,18 @@ def run(args: argparse.Namespace) -> int:
 
     invite = parse_invite(args.invite)
     check_key(invite, args.swarm_key)
+    if invite.stages is not None and args.relay:
+        raise MoeSwarmError("a stage is dialled directly: --relay is for an experts swarm's members")
     directory = Path(args.dir) if args.dir else _cache_dir()
     _make_dir(directory)
     tls = client_tls(args.swarm_key)
     manifest = fetch_manifest(invite.manifest_seed, invite.manifest, invite.manifest_bytes,
                               directory / f"{invite.manifest}.manifest.json", tls, args.timeout)
     layers, num_experts = layout(manifest, invite)
+    if invite.stages is not None:  # a stages swarm: this member serves a span of layers (docs/network.md)
+        from moeswarm.commands._join_stage import run_stage_member
+
+        return run_stage_member(args, invite, manifest, directory, _memory_bytes(args.memory))
     config = _worker_config(args, invite)
     keys = {}
     if args.swarm_key:

@@ -2,7 +2,7 @@
 
     moeswarm-invite-1.<base64url of a compact JSON object, no padding>
 
-The JSON object (version 1; every field required, no other field):
+The JSON object (version 1; every field required but "stages", no other field):
 
     {"dht": ["/ip4/H/tcp/P/p2p/ID", ...],  DHT peers to join by (1 to MAX_PEERS multiaddrs)
      "model": "<fingerprint>",              the model's fingerprint (gguf/gguf_file.py)
@@ -10,7 +10,12 @@ The JSON object (version 1; every field required, no other field):
      "manifest_bytes": N,                   its length: a joiner fetches exactly that many bytes
      "seed": "HOST:PORT",                   a seeder of the model file's pieces (slices/seed.py)
      "manifest_seed": "HOST:PORT",          a seeder of the manifest file itself
-     "swarm": "<sha256 hex>" | null}        keyed swarm: sha256 of the swarm's certificate (DER); null: unkeyed
+     "swarm": "<sha256 hex>" | null,        keyed swarm: sha256 of the swarm's certificate (DER); null: unkeyed
+     "stages": N}                           optional: a stages swarm, the model cut into N spans of layers
+                                            (placement/stage_cut.py); absent: an experts swarm
+
+An experts swarm's invite carries no "stages" field, so it reads the same as before the field
+existed, and an invite written before it reads as an experts swarm's.
 
 Nothing in it is secret. The manifest's hash makes every fetched byte checkable; the swarm's
 certificate hash tells a joiner which `--swarm-key` (member file) belongs to this swarm: a member
@@ -30,6 +35,7 @@ import re
 from dataclasses import dataclass
 
 from moeswarm.errors import MoeSwarmError
+from moeswarm.placement.stage_cut import MAX_STAGES
 
 PREFIX = "moeswarm-invite-1."
 MAX_INVITE = 4096  # characters of the whole string
@@ -39,6 +45,7 @@ MAX_NAME = 128
 MAX_ADDRESS = 300
 MAX_MANIFEST_BYTES = 256 << 20  # slices/manifest.py's bound on a manifest file
 FIELDS = ("dht", "model", "manifest", "manifest_bytes", "seed", "manifest_seed", "swarm")
+OPTIONAL = ("stages",)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
 
@@ -58,11 +65,15 @@ class Invite:
     seed: str
     manifest_seed: str
     swarm: str | None = None
+    stages: int | None = None  # a stages swarm: the model cut into this many spans; None: an experts swarm
 
     def to_json(self) -> dict:
-        return {"dht": list(self.dht), "model": self.model, "manifest": self.manifest,
-                "manifest_bytes": self.manifest_bytes, "seed": self.seed, "manifest_seed": self.manifest_seed,
-                "swarm": self.swarm}
+        value = {"dht": list(self.dht), "model": self.model, "manifest": self.manifest,
+                 "manifest_bytes": self.manifest_bytes, "seed": self.seed, "manifest_seed": self.manifest_seed,
+                 "swarm": self.swarm}
+        if self.stages is not None:
+            value["stages"] = self.stages
+        return value
 
 
 def format_invite(invite: Invite) -> str:
@@ -98,12 +109,21 @@ def parse_invite(text: str) -> Invite:
         raise InviteError("the invite does not decode (it was cut or altered): copy the whole line again") from None
     if not isinstance(value, dict):
         raise InviteError("the invite does not hold a JSON object")
-    if set(value) != set(FIELDS):
-        unknown, lacking = sorted(set(value) - set(FIELDS))[:4], sorted(set(FIELDS) - set(value))
+    if not set(FIELDS) <= set(value) <= set(FIELDS + OPTIONAL):
+        unknown, lacking = sorted(set(value) - set(FIELDS + OPTIONAL))[:4], sorted(set(FIELDS) - set(value))
         raise InviteError(f"the invite's fields are wrong (missing {lacking}, unknown {[f[:40] for f in unknown]})")
     return Invite(_peers(value["dht"]), _text(value, "model", MAX_NAME), _hash(value, "manifest"),
                   _manifest_bytes(value["manifest_bytes"]), _address(value, "seed"),
-                  _address(value, "manifest_seed"), None if value["swarm"] is None else _hash(value, "swarm"))
+                  _address(value, "manifest_seed"), None if value["swarm"] is None else _hash(value, "swarm"),
+                  _stages(value.get("stages")))
+
+
+def _stages(raw: object) -> int | None:
+    if raw is None:
+        return None
+    if type(raw) is not int or not 1 <= raw <= MAX_STAGES:
+        raise InviteError(f"the invite's stages is not an integer in 1-{MAX_STAGES} (the spans the model is cut into)")
+    return raw
 
 
 def _peers(raw: object) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """A swarm's first member (`moeswarm invite`): a DHT node, seeders of the model and its manifest, and the invite.
 
-The inviter holds the whole model file. It hashes it into a manifest (or reuses one beside it
+The inviter holds the whole model file. In a stages swarm (`--stages`) its invite says how many
+spans the model is cut into (placement/stage_cut.py), and joiners serve spans, not experts. It hashes it into a manifest (or reuses one beside it
 that matches the file), joins or starts the swarm's DHT, serves the model's pieces and the
 manifest file with two seeders (slices/seed.py), and makes the invite (discovery/invite.py) that
 names all three. It serves no experts itself: joiners hold them (`moeswarm join`).
@@ -39,6 +40,7 @@ class InviterConfig:
     seed_port: int = 0
     manifest_port: int = 0
     swarm_key: str | None = None
+    stages: int | None = None  # a stages swarm cut into this many spans (0: the default cut); None: experts only
 
 
 def prepare_manifest(model: str, manifest: str | None) -> tuple[Path, str]:
@@ -75,8 +77,9 @@ class Inviter:
     """The DHT node and the two seeders, and the invite naming them."""
 
     def __init__(self, config: InviterConfig, manifest_path: Path, manifest_sha256: str, fingerprint: str,
-                 dht: SwarmDht, tls: ssl.SSLContext | None):
+                 dht: SwarmDht, tls: ssl.SSLContext | None, stages: int | None = None):
         self.config = config
+        self.stages = stages  # the spans of a stages swarm's cut; None: an experts swarm
         self.dht = dht
         self.fingerprint = fingerprint
         self.manifest_path = manifest_path
@@ -96,7 +99,7 @@ class Inviter:
                              self.manifest_path.stat().st_size,
                              announce_address(config.host, seed_port, config.announce_host),
                              announce_address(config.host, manifest_port, config.announce_host),
-                             swarm_certificate_hash(config.swarm_key) if config.swarm_key else None)
+                             swarm_certificate_hash(config.swarm_key) if config.swarm_key else None, self.stages)
         return format_invite(self.invite)
 
     async def close(self) -> None:
@@ -111,7 +114,8 @@ def open_inviter(config: InviterConfig) -> Inviter:
 
     announce_address(config.host, 1, config.announce_host)  # 0.0.0.0 needs an announce host: say so before hashing
     path, digest = prepare_manifest(config.model, config.manifest)
-    fingerprint = load_manifest(path, digest).fingerprint
+    manifest = load_manifest(path, digest)
+    fingerprint, stages = manifest.fingerprint, _stage_count(config.stages, manifest.block_count())
     keys, tls = {}, None
     if config.swarm_key:
         from moeswarm.transport.member_cert import Authority, Identity
@@ -120,7 +124,20 @@ def open_inviter(config: InviterConfig) -> Inviter:
         keys = {"authority": Authority.load(config.swarm_key), "identity": Identity.load(config.swarm_key)}
         tls = server_context(config.swarm_key)
     dht = SwarmDht.open(list(config.peers), host=config.host, port=config.dht_port, **keys)
-    return Inviter(config, path, digest, fingerprint, dht, tls)
+    return Inviter(config, path, digest, fingerprint, dht, tls, stages)
+
+
+def _stage_count(asked: int | None, num_layers: int) -> int | None:
+    """The spans of a stages swarm's cut: `asked`, or the default for 0; None for an experts swarm."""
+    from moeswarm.placement.stage_cut import MAX_STAGES, default_stage_count
+
+    if asked is None:
+        return None
+    count = asked or default_stage_count(num_layers)
+    if not 1 <= count <= min(num_layers, MAX_STAGES):
+        raise MoeSwarmError(f"--stages {count}: the model has {num_layers} decoder layers, so 1 to "
+                            f"{min(num_layers, MAX_STAGES)} stages")
+    return count
 
 
 async def serve_until(inviter: Inviter, stop: asyncio.Event, on_invite: Sequence = ()) -> None:

@@ -20,7 +20,7 @@ from moeswarm.serve.api import ServeState
 from moeswarm.serve.chat import set_chat_template
 from moeswarm.engine.config import EngineConfig
 from moeswarm.engine.engine import Engine
-from moeswarm.stages.client import StageError
+from moeswarm.stages.link import StageError
 from moeswarm.stages.find import StageWatch
 from moeswarm.stages.gateway import open_gateway
 from moeswarm.swarm import open_swarm

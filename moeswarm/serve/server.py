@@ -34,7 +34,7 @@ GRACEFUL_SHUTDOWN_S = 5  # after the drain: for the last answers (the drain's fi
 Report = Callable[[str], None]
 Stages = Sequence[Sequence[str]]  # per span of layers its replicas, in layer order
 # (the model, discovery's progress lines) -> (the backbone's SwarmConfig, the stages to chain: () for none,
-# the swarm they were found on when they were: stages/find.py StageWatch, or None)
+# the swarm they were found on when they were: stages/watch.py StageWatch, or None)
 HoldersFor = Callable[[ModelSource, Report], tuple[SwarmConfig, Stages, StageWatch | None]]
 
 

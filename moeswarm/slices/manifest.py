@@ -66,6 +66,12 @@ class Manifest:
         """The file's MoE layers (those with stacked routed-expert tensors), ascending."""
         return sorted({layer for t in self.data["tensors"] if (layer := expert_layer(t["name"])) is not None})
 
+    def block_count(self) -> int:
+        """The file's decoder layers: 1 + the highest N of its `blk.N.*` tensors (0 when it has none)."""
+        found = [int(t["name"].split(".")[1]) for t in self.data["tensors"]
+                 if t["name"].startswith("blk.") and t["name"].split(".")[1].isdigit()]
+        return max(found) + 1 if found else 0
+
     def expert_bytes(self) -> int:
         """The bytes one expert takes in the file over every MoE layer (a slice's share of them per expert)."""
         return sum(t["bytes"] // len(t["units"]) for t in self.data["tensors"] if expert_layer(t["name"]) is not None)

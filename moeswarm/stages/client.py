@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
 import ssl
 import threading
 import time
@@ -21,98 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from moeswarm.errors import MoeSwarmError, ProtocolError, one_line, printable
-from moeswarm.stages.dial import DialError, dial, hello_layers
+from moeswarm.errors import ProtocolError, one_line, printable
+from moeswarm.stages.link import MAX_TOKENS, StageError, StageLink
 from moeswarm.stages.protocol import Segment, Step, parse_result
 from moeswarm.wire.frames import Frame, Opcode
-from moeswarm.wire.stream import recv_frame, send_frame
 
 log = logging.getLogger("moeswarm.gateway")
-
-CONNECT_TIMEOUT_S = 10.0
-MAX_TOKENS = 1 << 16  # the most rows a result may carry back (a step never sends more)
-
-
-class StageError(MoeSwarmError):
-    """A stage failed a step (its one-line reason), or a stage could not be reached."""
-
-
-def parse_route(text: str) -> list[list[str]]:
-    """`--stages H:P,H:P|H2:P2,...` -> per position in layer order, its replicas (H:P|H2:P2: the
-    same layers twice, the second used when the first fails)."""
-    positions = [[r.strip() for r in part.split("|") if r.strip()] for part in text.split(",") if part.strip()]
-    if not positions or not all(positions):
-        raise ValueError("give at least one stage, HOST:PORT (replicas of one span joined by |)")
-    for address in (a for replicas in positions for a in replicas):
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"stage {address!r} is not HOST:PORT")
-    return positions
-
-
-class StageLink:
-    """One connection to one stage: HELLO, then a reader thread resolving the chain's futures."""
-
-    def __init__(self, address: str, chain: "Chain"):
-        self.address, self.chain = address, chain
-        self.layers: range | None = None
-        self.dead = False  # its connection was lost
-        self._sock: socket.socket | None = None
-        self._send = threading.Lock()
-
-    def connect(self, session: str, fingerprint: str, tls: ssl.SSLContext | None, links: dict | None = None) -> None:
-        """links: the session's place in its chain, for the stage's HELLO (`upstream`, `onward`,
-        `onward_token`: stages/sessions.py)."""
-        hello = {"role": "gateway", "session": session, "fingerprint": fingerprint, **(links or {})}
-        try:
-            sock, reply = dial(self.address, hello, tls, CONNECT_TIMEOUT_S)
-        except DialError as error:
-            raise StageError(f"stage {self.address}: cannot connect: {one_line(error)}") from None
-        self.layers = hello_layers(reply)
-        if self.layers is None:
-            sock.close()
-            raise StageError(f"stage {self.address} answered HELLO without its layers")
-        kept = reply.meta.get("kv_cache", "model")
-        if kept != self.chain.kv_cache:
-            sock.close()
-            raise StageError(f"stage {self.address} keeps its keys and values as {printable(str(kept), 20)}, this "
-                             f"gateway as {self.chain.kv_cache}: start both with the same --kv-cache")
-        sock.settimeout(None)
-        self._sock = sock
-        threading.Thread(target=self._read, name=f"moeswarm-stage-{self.address}", daemon=True).start()
-
-    def send(self, frame: Frame) -> None:
-        with self._send:
-            send_frame(self._sock, frame)
-
-    def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
-
-    def _read(self) -> None:
-        try:
-            while True:
-                frame, _ = recv_frame(self._sock, None, max_payload=MAX_TOKENS * self.chain.hidden_size * 4 + 4096)
-                self.chain.receive(self, frame)
-        except (OSError, ProtocolError, ConnectionError, ValueError) as error:
-            self.dead = True
-            self.chain.lost(self, one_line(error))
-
-    def answers_ping(self, timeout_s: float = 2.0) -> bool:
-        """Whether the stage answers a PING on a fresh connection within `timeout_s` (not stalled)."""
-        try:
-            sock, _ = dial(self.address, {"role": "stage", "fingerprint": self.chain.fingerprint}, self.chain.tls,
-                           timeout_s)
-            with sock:
-                send_frame(sock, Frame(Opcode.PING, 1))
-                reply, _ = recv_frame(sock, time.monotonic() + timeout_s, max_payload=1 << 16)
-                return reply.opcode == Opcode.PONG
-        except DialError:
-            return False
 
 
 @dataclass(frozen=True)
@@ -130,9 +43,11 @@ class Chain:
 
     Every step is logged as sent (its records, segments and the hidden states entering the first
     stage). When a stage dies, stalls or loses this session's sequences, the chain takes the next
-    replica of each dead stage, opens a new session, and replays the log in order: every stage
+    replica of each dead stage (or, when a span has none left, the route `replan` gives), opens a
+    new session, and replays the log in order: every stage
     recomputes every step exactly as the first time (the same rows packed the same way), so the
-    caches, and the outputs after them, are bit for bit what they were. Past `max_log_bytes` of
+    caches, and the outputs after them, are bit for bit what they were; `reroute` moves to a better
+    route the same way, between steps. Past `max_log_bytes` of
     logged hidden states the log is dropped and a failed stage fails its steps instead.
     `timeout_s`: the most a step waits for the chain's answer (the swarm's reply timeout, SwarmConfig).
     `kv_cache`: the gateway's --kv-cache; a stage keeping its cache otherwise is passed over at HELLO.
@@ -159,6 +74,10 @@ class Chain:
         self.failovers = 0
         self.replayed_steps = 0
         self.last_replay_s: float | None = None  # from a failure's recovery to the failed step's answer
+        self.reroutes = 0  # moves to a better route (`reroute`)
+        # called with the dead stages' addresses when a span lost every replica: another route of the
+        # stages alive (per position, its replicas), or None (stages/watch.py StageWatch sets it)
+        self.replan: Callable[[set[str]], list[list[str]] | None] | None = None
 
     @property
     def route(self) -> list[str]:
@@ -299,31 +218,77 @@ class Chain:
                 if self._log is None:
                     raise cause
                 dead = [i for i, link in enumerate(self._links) if link.dead or not link.answers_ping()]
-                for i in dead:
-                    if self._choice[i] + 1 >= len(self.positions[i]):
-                        span = self._links[i].layers
-                        raise StageError(f"{cause}; no replica left for layers {span.start}-{span.stop - 1}") from None
-                    self._choice[i] += 1
+                lost = [i for i in dead if self._choice[i] + 1 >= len(self.positions[i])]
+                route = self.replan({self.route[i] for i in dead}) if lost and self.replan else None
+                if lost and route is None:
+                    span = self._links[lost[0]].layers
+                    raise StageError(f"{cause}; no replica left for layers {span.start}-{span.stop - 1}") from None
+                replaced = [self.route[i] for i in dead]
+                if route is not None:  # a span lost every replica: another tiling of the stages alive
+                    self.positions, self._choice = [list(r) for r in route], [0] * len(route)
+                else:
+                    for i in dead:
+                        self._choice[i] += 1
                 for link in self._links:
                     link.close()
                 log.warning("stage chain: %s; %s, replaying %d steps", printable(str(cause), 300),
-                            f"replaced {[self.positions[i][self._choice[i] - 1] for i in dead]}" if dead
-                            else "the same stages", len(self._log))
+                            f"replaced {replaced}" if dead else "the same stages", len(self._log))
                 self.generation += 1
                 self.connect()
+                if route is not None:
+                    log.warning("stage chain: re-planned the route as %s", self.describe())
                 with self._lock:
                     waiting = set(self._pending)
-                for logged in self._log:
-                    if logged.number in waiting:
-                        self._register(logged.number)
-                    self._send_quietly(logged)
+                self._replay(waiting)
                 self.failovers += 1
-                self.replayed_steps += len(self._log)
             if number is None:
                 return None, self.generation
             with self._lock:
                 future = self._pending.get(number) or Future()
             return future, self.generation
+
+    def _replay(self, waiting: set[int]) -> None:
+        """Send every logged step again in order on the new session (a fresh future for each one `waiting`)."""
+        for logged in self._log:
+            if logged.number in waiting:
+                self._register(logged.number)
+            self._send_quietly(logged)
+        self.replayed_steps += len(self._log)
+
+    def reroute(self, positions: list[list[str]], drain_s: float = 10.0) -> bool:
+        """Move to another route (per position in layer order, its replicas) between two steps:
+        new sends wait while the step in flight ends (at most `drain_s`), then the new stages get a
+        session and the log replayed, so their caches are what the old route's were. False (the old
+        route kept) when the log was dropped, a step stayed in flight, or the new route cannot be
+        connected."""
+        with self._sending:
+            deadline = time.monotonic() + drain_s
+            while self._pending and time.monotonic() < deadline:
+                time.sleep(0.002)
+            if self._log is None or self._pending:
+                return False
+            old = (self.positions, self._choice)
+            for link in self._links:
+                link.close()
+            self.positions, self._choice = [list(r) for r in positions], [0] * len(positions)
+            self.generation += 1
+            try:
+                self.connect()
+            except StageError as error:
+                log.warning("stage chain: the new route %s failed (%s): keeping %s", positions,
+                            printable(str(error), 300), old[0])
+                self.positions, self._choice = old
+                self.connect()
+                self._replay(set())
+                return False
+            self._replay(set())
+            self.reroutes += 1
+            return True
+
+    def describe(self) -> str:
+        """The route in words: each position's layers and the stage in use."""
+        return ", ".join(f"layers {span.start}-{span.stop - 1} at {address}"
+                         for span, address in zip(self.spans or (), self.route))
 
     def receive(self, link: StageLink, frame: Frame) -> None:
         if link not in self._links:

@@ -9,17 +9,20 @@ stages that answered into the chain: per span in layer order, its replicas. Unti
 layer the gateway reads again every `poll_s`, saying what is missing, for at most `wait_s`; then
 it gives up with the gap in one line.
 
-The route is chosen once, at start. While the gateway runs, a `StageWatch` reads the records again
+The route is chosen at start. While the gateway runs, a `StageWatch` reads the records again
 every `follow_s`: a stage announced since that holds exactly one of the chain's spans (dialled and
 confirmed as above) joins that span's replicas (stages/client.py `Chain.add_replica`), the next to
-take over when the ones before it fail. A stage of any other span is left out: the cuts stay.
+take over when the ones before it fail. When the stages announced now tile the model in fewer
+stages than the chain has, the chain moves to that route between two steps (`Chain.reroute`: the
+new stages replay the logged steps, so outputs stay bit-identical); and when a span of the chain
+loses every replica, the chain asks the watch (`Chain.replan`) for a route of the stages still
+alive before it gives up.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
-import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from moeswarm.errors import MoeSwarmError, one_line, printable
 from moeswarm.stages.dial import DialError, dial, hello_layers
 from moeswarm.stages.route import Offer, RouteError, plan_route
+from moeswarm.stages.watch import StageWatch
 from moeswarm.wire.frames import Frame, Opcode
 from moeswarm.wire.stream import recv_frame, send_frame
 
@@ -71,7 +75,7 @@ def find_route(search: StageSearch, source, tls: ssl.SSLContext | None) -> list[
     return watch.route
 
 
-def watch_stages(search: StageSearch, source, tls: ssl.SSLContext | None) -> "StageWatch":
+def watch_stages(search: StageSearch, source, tls: ssl.SSLContext | None) -> StageWatch:
     """As `find_route`, keeping the swarm joined: the watch's `route`, and `follow` for stages announced later."""
     from moeswarm.discovery.dht import SwarmDht
 
@@ -90,51 +94,6 @@ def watch_stages(search: StageSearch, source, tls: ssl.SSLContext | None) -> "St
     except BaseException:
         dht.close()
         raise
-
-
-class StageWatch:
-    """The stages found at start (`route`), and the swarm still joined: `follow(chain)` adds the
-    stages announced later to the chain's spans as replicas, from a thread, until `close`."""
-
-    def __init__(self, finder: "_StageFinder", route: list[list[str]]):
-        self.route = route
-        self._finder = finder
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def follow(self, chain) -> None:
-        """Every `follow_s`, read the records: each new stage holding exactly one of `chain`'s spans joins it."""
-        if self._thread is not None or self._closed:
-            return
-        self._thread = threading.Thread(target=self._follow, args=(chain,), name="moeswarm-stage-watch", daemon=True)
-        self._thread.start()
-
-    def read_once(self, chain) -> list[str]:
-        """One read: the addresses that joined `chain` (each said once)."""
-        joined = []
-        for offer in self._finder.offers():
-            if chain.add_replica(offer.layers, offer.address):
-                joined.append(offer.address)
-                self._finder.report(f"stage {offer.address} joined as a replica of layers "
-                                    f"{offer.layers.start}-{offer.layers.stop - 1}")
-        return joined
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self._finder.search.probe_timeout_s * 2 + 5)
-        self._finder.dht.close()
-
-    def _follow(self, chain) -> None:
-        while not self._stop.wait(self._finder.search.follow_s):
-            try:
-                self.read_once(chain)
-            except Exception as error:  # a failed read (the DHT, a probe): the chain goes on as it is
-                log.warning("reading the swarm for new stages failed: %s", printable(one_line(error), 300))
 
 
 class _StageFinder:

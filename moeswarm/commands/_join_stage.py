@@ -1,0 +1,59 @@
+"""`moeswarm join INVITE` for a stages swarm: read the stages announced, take the weakest span, serve it.
+
+join.py hands over here once the invite says `stages` (and the manifest is fetched). The span is
+chosen by discovery/stage_joining.py; its slice is fetched from the invite's seeder; then this
+process is a `moeswarm stage` of that span over the slice, every expert of its layers held in its
+own process, announced on the swarm's DHT for gateways (`generate`/`serve --swarm INVITE`). A
+stage member does not move (no `--rebalance`) nor seed its slice (docs/network.md, Stages swarms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+
+
+def run_stage_member(args: argparse.Namespace, invite, manifest, directory: Path, memory_bytes: int) -> int:
+    """Choose the span, fetch its slice, serve it as an announced stage until SIGTERM or Ctrl-C."""
+    from moeswarm.commands._setup import set_backbone_threads
+    from moeswarm.commands._swarm import keyed_dht
+    from moeswarm.commands._tls import client_tls, server_tls
+    from moeswarm.discovery.announce import announce_address
+    from moeswarm.discovery.dht import SwarmDht
+    from moeswarm.discovery.stage_joining import fetch_stage_slice, plan_span, swarm_cut
+    from moeswarm.discovery.stage_record import STAGES
+    from moeswarm.stages.node import StageAnnouncement, StageOptions, open_stage_node
+    from moeswarm.stages.server import StageLimits
+    from moeswarm.swarm_config import SwarmConfig
+
+    announce_address(args.host, 1, args.announce_host)  # 0.0.0.0 needs an announce host: say so before fetching
+    reader = SwarmDht.open(list(invite.dht), host=args.host, client=True, **keyed_dht(args.swarm_key))
+    try:
+        records = reader.fetch(invite.model, STAGES).values()
+        span, holders = plan_span(manifest, invite, records, memory_bytes)
+    finally:
+        reader.close()
+    cut = swarm_cut(manifest, invite)
+    _say("span: layers {}-{} of a cut into {} (stages holding each: {})".format(
+        span.start, span.stop - 1, ", ".join(f"{s.start}-{s.stop - 1}" for s in cut),
+        ", ".join(map(str, holders))))
+    tls = client_tls(args.swarm_key)
+    path = fetch_stage_slice(invite, manifest, span, directory, tls, args.timeout, _say)
+    options = StageOptions(str(path), span, args.host, args.port, (), StageLimits(), server_tls(args.swarm_key, args.host),
+                           "file", StageAnnouncement(tuple(invite.dht), args.announce_host, args.announce_ttl,
+                                                     args.dht_port, args.swarm_key))
+    set_backbone_threads(args.threads)
+    with open_stage_node(options, lambda source: SwarmConfig(tls=tls), report=_say) as node:
+        from moeswarm.gc_freeze import freeze_loaded
+
+        freeze_loaded()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: node.stop())
+        node.serve()
+    _say(f"stopped after {node.steps} steps")
+    return 0
+
+
+def _say(line: str) -> None:
+    print(f"moeswarm join: {line}", flush=True)

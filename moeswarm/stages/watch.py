@@ -1,0 +1,106 @@
+"""A running gateway following its swarm's stages (`StageWatch`): replicas added, the route re-planned.
+
+stages/find.py finds the route at start and hands the watch its finder (the DHT still joined,
+what was dialled). Every `follow_s` the watch reads the records again: a stage holding exactly
+one of the chain's spans joins its replicas (`Chain.add_replica`); stages that tile the model in
+fewer stages than the chain has become its route between two steps (`Chain.reroute`, the step
+log replayed: bit-identical); and a chain whose span lost every replica asks `replan` for a
+route of the stages alive (docs/stages.md, Finding stages on the DHT).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from moeswarm.errors import one_line, printable
+from moeswarm.stages.route import RouteError, plan_route
+
+if TYPE_CHECKING:
+    from moeswarm.stages.find import _StageFinder
+
+log = logging.getLogger("moeswarm.gateway")
+
+
+class StageWatch:
+    """The stages found at start (`route`), and the swarm still joined: `follow(chain)` adds the
+    stages announced later to the chain's spans as replicas and moves the chain to a route of fewer
+    stages, from a thread, until `close`; `replan` answers a chain whose span lost every replica."""
+
+    def __init__(self, finder: "_StageFinder", route: list[list[str]]):
+        self.route = route
+        self._finder = finder
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._reading = threading.Lock()  # the finder's state: the watch's thread and a chain's replan
+
+    def follow(self, chain) -> None:
+        """Every `follow_s`, read the records: each new stage holding exactly one of `chain`'s spans
+        joins it, and a route of fewer stages replaces the chain's; `chain.replan` is set to `replan`."""
+        if self._thread is not None or self._closed:
+            return
+        chain.replan = self.replan
+        self._thread = threading.Thread(target=self._follow, args=(chain,), name="moeswarm-stage-watch", daemon=True)
+        self._thread.start()
+
+    def read_once(self, chain) -> list[str]:
+        """One read: the addresses that joined `chain` (each said once); then, when the stages read
+        tile the model in fewer stages than `chain` has, the chain moves to that route."""
+        with self._reading:
+            offers = self._finder.offers()
+        joined = []
+        for offer in offers:
+            if chain.add_replica(offer.layers, offer.address):
+                joined.append(offer.address)
+                self._finder.report(f"stage {offer.address} joined as a replica of layers "
+                                    f"{offer.layers.start}-{offer.layers.stop - 1}")
+        try:
+            best = plan_route(offers, self._finder.num_layers)
+        except RouteError:
+            return joined
+        if len(best) < len(chain.spans or ()):
+            before = chain.describe()
+            if chain.reroute([list(p.replicas) for p in best]):
+                self._finder.report(f"re-planned the route: {chain.describe()} (was {before})")
+            else:
+                self._forget(p for position in best for p in position.replicas)
+        return joined
+
+    def replan(self, dead: set[str]) -> list[list[str]] | None:
+        """A route of the stages announced now but `dead` (addresses: dialled again before use), or None."""
+        self._forget(dead)
+        with self._reading:
+            offers = [o for o in self._finder.offers() if o.address not in dead]
+        try:
+            route = plan_route(offers, self._finder.num_layers)
+        except RouteError as error:
+            self._finder.report(f"no other route of the stages alive: {error}")
+            return None
+        self._finder.report("re-planned the route: " + ", ".join(
+            f"layers {p.layers.start}-{p.layers.stop - 1} at {'|'.join(p.replicas)}" for p in route))
+        return [list(p.replicas) for p in route]
+
+    def _forget(self, addresses) -> None:
+        """Dial these stages again at the next read (they failed since they answered)."""
+        addresses = set(addresses)
+        with self._reading:
+            for key in [k for k in self._finder.answered if k[0] in addresses]:
+                del self._finder.answered[key]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._finder.search.probe_timeout_s * 2 + 5)
+        self._finder.dht.close()
+
+    def _follow(self, chain) -> None:
+        while not self._stop.wait(self._finder.search.follow_s):
+            try:
+                self.read_once(chain)
+            except Exception as error:  # a failed read (the DHT, a probe): the chain goes on as it is
+                log.warning("reading the swarm for new stages failed: %s", printable(one_line(error), 300))

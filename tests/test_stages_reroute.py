@@ -1,0 +1,120 @@
+"""A running gateway re-plans its route as the swarm's stages change, bit-identical throughout.
+
+The gateway finds stages 0-2 and 3-5 on the DHT. (1) A stage of every layer is announced later:
+the watch's next read moves the chain to that one-stage route between two steps (the new stage
+replays the logged steps, so its caches are the old route's), and every logit row after it is
+torch.equal to the local model's. (2) Stages 0-1 and 2-5 are announced (no fewer stages: no
+move), then the stage of 3-5, which has no replica, dies: the chain asks the watch for a route of
+the stages alive, takes 0-1 and 2-5 (the only tiling left but the first stage's 0-2, which
+cannot reach layer 6), replays, and the outputs stay equal.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+MODEL = "models/pymoe/hf"  # 6 decoder layers
+THREADS = 1
+WAIT_S = 120.0
+
+
+def _announced(process: subprocess.Popen) -> str:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            pytest.fail(f"stage exited: {process.stderr.read()[-2000:]}")
+        if "announced on the swarm as " in line:
+            return line.split("announced on the swarm as ", 1)[1].split()[0]
+    pytest.fail("stage did not announce itself")
+
+
+@pytest.fixture()
+def swarm():
+    """(the DHT peer, started stage processes list, spawn(span) -> (process, address))."""
+    pytest.importorskip("hivemind")
+    from moeswarm.discovery.dht import SwarmDht
+    from moeswarm.local.stages import spawn_stage
+    from moeswarm.local.workers import stop
+
+    meeting = SwarmDht.open([], host="127.0.0.1")
+    peer = meeting.addresses()[0]
+    started: list[subprocess.Popen] = []
+
+    def spawn(*spans: str) -> list[str]:
+        new = [spawn_stage(MODEL, span, threads=THREADS, extra_args=["--announce-swarm", peer]) for span in spans]
+        started.extend(new)
+        return [_announced(process) for process in new]
+
+    try:
+        yield peer, started, spawn
+    finally:
+        stop(started)
+        meeting.close()
+
+
+def _gateway(peer: str, lines: list[str]):
+    import torch
+
+    from moeswarm.forward.packed import PackedStepper, install
+    from moeswarm.sources.loading import load_local
+    from moeswarm.sources.source import open_source
+    from moeswarm.stages.find import StageSearch, watch_stages
+    from moeswarm.stages.gateway import open_gateway
+
+    torch.set_num_threads(THREADS)  # the reference computes as the stages do
+    watch = watch_stages(StageSearch((peer,), report=lines.append, follow_s=0.5), open_source(MODEL), None)
+    reference = load_local(MODEL)
+    install(reference)
+    gateway = open_gateway(MODEL, watch.route, watch=watch)
+    install(gateway.model)
+    return gateway, gateway.model.base_model.layers[0].chain, PackedStepper(gateway.model), PackedStepper(reference)
+
+
+def _steps(got, want, feed: list[int], count: int) -> list[int]:
+    import torch
+
+    for _ in range(count):
+        out = got.forward(feed)
+        assert torch.equal(out, want.forward(feed))
+        feed = [int(out[-1].argmax())]
+    return feed
+
+
+def test_a_route_of_fewer_stages_announced_later_is_taken_between_steps_bit_identical(swarm):
+    peer, _, spawn = swarm
+    first, second = spawn("0-2", "3-5")
+    lines: list[str] = []
+    gateway, chain, got, want = _gateway(peer, lines)
+    with gateway:
+        assert chain.route == [first, second]
+        feed = _steps(got, want, list(range(10, 30)), 2)
+        (whole,) = spawn("0-5")
+        deadline = time.monotonic() + 30
+        while chain.reroutes == 0:  # the watch's thread reads every 0.5 s
+            assert time.monotonic() < deadline, f"the route never changed: {lines}"
+            time.sleep(0.1)
+        assert chain.route == [whole] and chain.spans == [range(0, 6)]
+        assert any(f"re-planned the route: layers 0-5 at {whole}" in line for line in lines), lines
+        _steps(got, want, feed, 3)
+        assert chain.failovers == 0
+
+
+def test_a_span_that_lost_every_replica_is_replaced_by_another_tiling_bit_identical(swarm):
+    peer, started, spawn = swarm
+    first, second = spawn("0-2", "3-5")
+    lines: list[str] = []
+    gateway, chain, got, want = _gateway(peer, lines)
+    with gateway:
+        feed = _steps(got, want, list(range(10, 30)), 2)
+        head, tail = spawn("0-1", "2-5")
+        time.sleep(1.5)  # the watch has read them: two stages either way, so the route stays
+        assert chain.route == [first, second] and chain.reroutes == 0
+        started[1].kill()  # the stage of 3-5, without a replica, dies between two steps
+        started[1].wait()
+        _steps(got, want, feed, 3)
+        assert chain.route == [head, tail] and chain.failovers == 1
+        assert any(f"re-planned the route: layers 0-1 at {head}, layers 2-5 at {tail}" in line for line in lines)
