@@ -3,13 +3,16 @@ and whole swarms rebalanced round by round: one mover a round, nothing ever unco
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
+import time
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 
-from moeswarm.node.rebalancing import Settling, plan_round
+from moeswarm.node.rebalancing import DRAIN_MAX_GRACES, Member, Settling, plan_round
 from moeswarm.placement.rebalance import SWARM_MARGIN, choose_mover, cost, droppable, rebalance, without
 from moeswarm.placement.share import coverage_of
 
@@ -185,3 +188,33 @@ def test_a_round_before_the_swarm_settled_weighs_every_pair_alike():
     move = plan_round(records, "m:1", (0, 1, 2, 3), [0], 8, loads=True)
     assert move is not None and move.share == (4, 5, 6, 7)
     assert plan_round(records, "m:1", (0, 1, 2, 3), [0], 8, loads=False) is None
+
+
+class _Served:
+    """Rows a node's experts computed: one more at each look until `busy_s` from now."""
+
+    def __init__(self, busy_s: float):
+        self.until, self.rows = time.monotonic() + busy_s, 0
+
+    def totals(self) -> dict[int, tuple[int, ...]]:
+        self.rows += time.monotonic() < self.until
+        return {0: (self.rows,)}
+
+
+def _drained_after(busy_s: float, said: list[str]) -> float:
+    """Seconds a moved member keeps its withdrawn node (grace 0.1 s, looks every 0.02 s) that is
+    routed to for `busy_s`."""
+    member = Member(None, (0,), [0], 1, None, None, report=said.append, grace_s=0.1, poll_s=0.02)
+    old = SimpleNamespace(server=SimpleNamespace(store=SimpleNamespace(served=_Served(busy_s))))
+    started = time.monotonic()
+    asyncio.run(member._drain(old, None))
+    return time.monotonic() - started
+
+
+def test_a_withdrawn_node_answers_until_backbones_stop_routing_to_it():
+    said = []
+    assert 0.1 <= _drained_after(0.0, said) < 0.6  # idle: closed after the grace and QUIET_POLLS quiet looks
+    assert 0.4 <= _drained_after(0.4, said) < 1.0  # routed to past the grace: kept until it went quiet
+    assert not said
+    assert 0.9 <= _drained_after(60.0, said) < 2.0  # routed to for ever: DRAIN_MAX_GRACES graces, said
+    assert said == [f"closing the old share's node: still routed to after {DRAIN_MAX_GRACES * 0.1:g} s"]

@@ -16,7 +16,10 @@ an expert without a holder:
    it into a second worker node on a free port, beside the one serving;
 2. announce it: for a while the swarm sees both shares, the old and the new;
 3. withdraw the old node's announcement, keep it answering for GRACE_S (backbones read the DHT
-   every few seconds, discovery/follow.py's POLL_S, and drop it at their next look), then close it.
+   every few seconds, discovery/follow.py's POLL_S, and drop it at their next look) and then until
+   no row has been routed to it for QUIET_POLLS polls (a backbone on a loaded host joins the new
+   node later than the grace: closing the old one under it left an expert with no usable holder
+   for that backbone in `bench swarm`), at most DRAIN_MAX_GRACES graces; then close it.
 
 What a record claims is what the member balances against: a lying record can skew a share, never
 an answer (backbones trust a worker's HELLO, and exact mode's bits).
@@ -42,7 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("moeswarm.discovery")
 
-GRACE_S = 3 * POLL_S  # the old node answers this long after its withdrawal
+GRACE_S = 3 * POLL_S  # the old node answers at least this long after its withdrawal,
+QUIET_POLLS = 2  # then until no row was routed to it for this many polls in a row,
+DRAIN_MAX_GRACES = 10  # and at most this many graces in all
 DEFAULT_INTERVAL_S = 30.0
 Held = Mapping[int, Sequence[int]]  # {MoE layer: experts}
 
@@ -117,7 +122,7 @@ class Member:
     def __init__(self, node: WorkerNode, share: Sequence[int], layers: Sequence[int], num_experts: int,
                  open_node: Callable[[tuple[int, ...]], WorkerNode],
                  read: Callable[[], dict[str, tuple[Held, Held | None]]],
-                 report: Callable[[str], None] = log.info, grace_s: float = GRACE_S,
+                 report: Callable[[str], None] = log.info, grace_s: float = GRACE_S, poll_s: float = POLL_S,
                  on_move: Callable[[tuple[int, ...]], Awaitable[None]] | None = None,
                  settling: Settling | None = None):
         self.node = node
@@ -128,6 +133,7 @@ class Member:
         self.read = read
         self.report = report
         self.grace_s = grace_s
+        self.poll_s = poll_s  # how often a withdrawn node's rows are looked at while it drains
         self.on_move = on_move
         self.settling = settling
         self.moves = 0
@@ -172,15 +178,33 @@ class Member:
         old.dht = None
         await old.withdraw()
         self.report(f"moved: experts {format_ids(move.share)} announced as {new.announcer.record.address}; "
-                    f"the old share withdrawn, closing in {self.grace_s:g} s")
-        if stop is None:
-            await asyncio.sleep(self.grace_s)
-        else:
-            await _wait(stop, self.grace_s)  # stopping meanwhile: both close now
+                    f"the old share withdrawn, closing once backbones have left it (at least {self.grace_s:g} s)")
+        await self._drain(old, stop)
         await old.stop()
         if self.on_move is not None:
             await self.on_move(move.share)
         return move
+
+
+    async def _drain(self, old: WorkerNode, stop: asyncio.Event | None) -> None:
+        """Keep the withdrawn node answering for `grace_s`, then until it routed no row for QUIET_POLLS
+        looks in a row (backbones join the new node at their own pace: a loaded one takes longer than
+        the grace), for at most DRAIN_MAX_GRACES graces in all; stopping meanwhile ends it at once."""
+        stop = stop or asyncio.Event()
+        if await _wait(stop, self.grace_s):
+            return
+        served, quiet = _rows(old), 0
+        for _ in range(int((DRAIN_MAX_GRACES - 1) * self.grace_s / self.poll_s)):
+            if quiet >= QUIET_POLLS or await _wait(stop, self.poll_s):
+                return
+            now = _rows(old)
+            quiet, served = (quiet + 1 if now == served else 0), now
+        self.report(f"closing the old share's node: still routed to after {DRAIN_MAX_GRACES * self.grace_s:g} s")
+
+
+def _rows(node: WorkerNode) -> int:
+    """Rows the node's experts computed so far (worker/served.py; every answering path counts)."""
+    return sum(sum(rows) for rows in node.server.store.served.totals().values())
 
 
 async def _wait(stop: asyncio.Event, seconds: float | None) -> bool:
