@@ -61,7 +61,9 @@ Rebalancing), with real processes on loopback. For each N, a fresh swarm:
   status INVITE` reads it ("fewest": holders of the least-held layer-expert pair), and worked out
   from what is alive ("alive": the shares of the members serving at that moment, from their own
   lines). A failed layer call (a segment that raised: no usable holder) is counted against the
-  target only when every expert had a live holder at that moment.
+  target only when every expert had a live holder through the 4 s before it (two of the
+  backbone's DHT polls: a holder that started serving within them may not be in its pool yet;
+  sections measured before 2026-12-07 03:45 UTC counted a live holder at that moment alone).
 - Rebalancing moves: `moved: experts ...` lines of every joiner, over the whole run.
 
 {sections}

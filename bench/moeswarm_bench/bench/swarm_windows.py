@@ -4,7 +4,13 @@ back; its failed segments, each with the coverage the live members had at that m
 
 from __future__ import annotations
 
+from moeswarm.discovery.follow import POLL_S
 from moeswarm_bench.bench.swarm_coverage import alive_fewest
+
+# A holder serving for less than this may not be in the backbone's pool yet: it reads the DHT every
+# POLL_S, then dials and checks the HELLO. A failed call counts against the target only when every
+# expert had a live holder through the whole lag before it.
+FOLLOW_LAG_S = 2 * POLL_S
 from moeswarm_bench.bench.swarm_model import Reference
 from moeswarm_bench.bench.swarm_procs import Joiner
 
@@ -28,11 +34,18 @@ def stream_row(figures, spans: list[tuple[float, float]], joiners: list[Joiner],
         windows["churn"] = stream_window(figures.tokens, churn_start, spans[-1][1])
         windows["after"] = stream_window(figures.tokens, spans[-1][1], figures.stopped_at)
     failures = [{"at_s": f.at - first_token, "segment": f.segment, "message": f.message,
-                 "alive_fewest": alive_fewest(joiners, f.at, num_experts)} for f in figures.failures]
+                 "alive_fewest": alive_fewest(joiners, f.at, num_experts),
+                 "alive_fewest_through_lag": _fewest_through(joiners, f.at, num_experts)} for f in figures.failures]
     return {"segment_tokens": len(reference.tokens), "segments": figures.segments, "segments_equal": figures.segments_equal,
             "last_partial_tokens": figures.last_partial, "last_partial_equal": figures.last_partial_equal,
             "first_difference": figures.first_difference, "logits_checked": figures.logits_checked,
             "logits_bit_identical": figures.logits_bit_identical,
             "tokens": sum(n for _, n in figures.tokens), "windows": windows, "failures": failures,
-            "failures_while_covered": sum(f["alive_fewest"] >= 1 for f in failures),
+            "failures_while_covered": sum(f["alive_fewest_through_lag"] >= 1 for f in failures),
             "resilience": {k: v for k, v in resilience.items() if v}}
+
+
+def _fewest_through(joiners: list[Joiner], when: float, num_experts: int, step_s: float = 0.25) -> int:
+    """The least of `alive_fewest` over [when - FOLLOW_LAG_S, when], looked at every `step_s`."""
+    looks = int(FOLLOW_LAG_S / step_s)
+    return min(alive_fewest(joiners, when - i * step_s, num_experts) for i in range(looks + 1))
