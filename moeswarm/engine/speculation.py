@@ -10,8 +10,9 @@ plain decoding.
 A drafter that scores its own drafts (the model-free ones: generation/draft_support.py) is sized by
 each draft's evidence: the sequence drafts up to the cap, `size` reads the drafts' acceptance
 estimates per position through the drafter's Calibration (generation/draft_measure.py: what drafts
-of that strength have kept, engine-wide) and cuts them to the K the rule picks (greedy: each position at least the sequence's acceptance EMA
-where a draft was tried there). A strongly supported
+of that strength have kept, engine-wide), a greedy step's branches taken as one step (goodput.py's
+`branch_acceptance`), and cuts them to the K the rule picks (greedy: each position of the step at
+least the sequence's acceptance EMA where a draft was tried there). A strongly supported
 draft (a file being re-emitted) is fed long from the first step, an unsupported one (sampled text, a
 prompt that repeats nothing) not at all; the cut drafts are then the step's shadow drafts. Other
 drafters are sized by the sequence's acceptance EMA before they draft (`plan`).
