@@ -19,9 +19,8 @@ Cost: decode steps' seconds per count of tokens fed, each count's cost the media
 COST_WINDOW steps, and a least-squares line through those medians, each weighted by its steps. A
 count enters the line once MIN_STEPS steps measured it: one step's time is no estimate of a count's
 cost (a load spike, the first step of a new shape or of a first set of branches: docs/drafts.md),
-and a line through one such step and a well-measured
-count makes rows look dear, so K = 0, so the count is never measured again: the estimate confirms
-itself. Until two counts qualify the slope is unknown and taken as the floor: MIN_TOKEN_SHARE of a
+and a line through one such step and a well-measured count makes rows look dear, so K = 0, so the
+count is never measured again: the estimate confirms itself. Until two counts qualify the slope is unknown and taken as the floor: MIN_TOKEN_SHARE of a
 one-token step per extra token (a row is never quite free: its bytes, its experts, its compute),
 which also bounds a noisy fit's slope from below; drafting at the floor is what measures the rows.
 """
