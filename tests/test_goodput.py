@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from moeswarm.generation.draft_measure import MIN_TOKEN_SHARE, PRIOR, Acceptance, CostModel
-from moeswarm.generation.goodput import DRAFT_MARGIN, StepCost, choose_k, expected_tokens
+from moeswarm.generation.draft_measure import MIN_STEPS, MIN_TOKEN_SHARE, PRIOR, Acceptance, CostModel
+from moeswarm.generation.goodput import DRAFT_MARGIN, StepCost, branch_acceptance, choose_k, expected_tokens
 
 
 def brute_tokens(acceptance: list[float], k: int) -> float:
@@ -29,7 +29,8 @@ def brute_tokens(acceptance: list[float], k: int) -> float:
 
 
 def brute_k(acceptance: list[float], cost: StepCost, cap: int, rows: int, base: int, margin: float) -> int:
-    rates = {k: brute_tokens(acceptance, k) / cost.seconds(base + rows * (1 + k), k > 0) for k in range(cap + 1)}
+    rates = {k: brute_tokens(acceptance, k) / cost.seconds(base + (rows * (1 + k) if k else 1), k > 0)
+             for k in range(cap + 1)}
     drafting = {k: rate for k, rate in rates.items() if k > 0}
     if not drafting or max(drafting.values()) <= rates[0] * (1 + margin) * (1 + 1e-9):
         return 0
@@ -106,17 +107,61 @@ def test_acceptance_ema_per_position():
 def test_cost_model_fits_a_line_and_floors_its_slope():
     model = CostModel()
     assert not model.measured
-    for tokens, seconds in ((1, 0.100), (3, 0.104), (5, 0.108)):
-        model.record(tokens, seconds)
+    for _ in range(MIN_STEPS):
+        for tokens, seconds in ((1, 0.100), (3, 0.104), (5, 0.108)):
+            model.record(tokens, seconds)
     line = model.line()
     assert line.fixed_s == pytest.approx(0.098) and line.per_token_s == pytest.approx(0.002)
     flat = CostModel()
     flat.record(1, 0.05)  # one count seen: the slope is the floor
     assert flat.line().per_token_s == pytest.approx(MIN_TOKEN_SHARE * 0.05)
+    assert flat.line().seconds(1, False) == pytest.approx(0.05)
     noisy = CostModel()
-    noisy.record(1, 0.05)
-    noisy.record(4, 0.04)  # a faster bigger step (noise): never a negative slope
+    for _ in range(MIN_STEPS):
+        noisy.record(1, 0.05)
+        noisy.record(4, 0.04)  # a faster bigger step (noise): never a negative slope
     assert noisy.line().per_token_s > 0
+
+
+def test_one_slow_step_at_a_count_does_not_make_rows_dear():
+    """A count enters the line once measured MIN_STEPS times, at the median of its latest steps: the
+    first 9-token step of a sequence, slow (a new shape, a load spike), does not set the slope and turn
+    drafting off for good (at K = 0 the count would never be measured again)."""
+    model = CostModel()
+    for seconds in (0.031, 0.029, 0.030, 0.030):
+        model.record(1, seconds)
+    model.record(9, 0.120)  # one slow step
+    assert model.line().per_token_s == pytest.approx(MIN_TOKEN_SHARE * 0.030 / 1.0, rel=0.02)  # the floor
+    model.record(9, 0.048)
+    model.record(9, 0.047)  # the median of 0.120, 0.048, 0.047
+    line = model.line()
+    assert line.per_token_s == pytest.approx((0.048 - 0.030) / 8, rel=1e-6)
+    assert line.seconds(1, False) == pytest.approx(0.030)
+    # three one-token-matched branches (generation/branches.py) each kept at 0.17, as step sizes them:
+    rates, rows = branch_acceptance([[1, 4], [2, 5], [3, 6]], [[0.17, 0.67]] * 3)
+    assert choose_k(rates, line, 8, rows) == 2
+    outlier = StepCost(0.030 - 0.090 / 8, 0.090 / 8)  # the line through the slow step and the one-token steps
+    assert choose_k(rates, outlier, 8, rows) == 0
+
+
+def test_branches_verified_side_by_side_are_one_step_whose_run_is_the_longest_kept():
+    """The greedy token at each position is one token: distinct prefixes are exclusive, so their
+    chances add; a shared prefix counts once."""
+    rates, rows = branch_acceptance([[1, 4], [2, 5], [3, 6]], [[0.17, 0.67]] * 3)
+    assert rates == pytest.approx([0.51, 0.67]) and rows == [3, 3]
+    drafts = [[1, 2, 3], [1, 2, 4], [1, 7], [5]]
+    given = [[0.6, 0.5, 0.4], [0.6, 0.5, 0.3], [0.6, 0.2], [0.3]]
+    rates, rows = branch_acceptance(drafts, given)  # [1, 7]'s own 0.6 is [1, 2, 3]'s: the first branch's is read
+    reach = [0.6 + 0.3, 0.6 * (0.5 + 0.2), 0.6 * 0.5 * (0.4 + 0.3)]  # P(the kept run reaches position i)
+    assert rates == pytest.approx([reach[0], reach[1] / reach[0], reach[2] / reach[1]])
+    assert rows == [2, 3, 4]  # the drafts cut to K: distinct ones
+    assert expected_tokens(rates, 3) == pytest.approx(1 + sum(reach))
+    rates_one, rows_one = branch_acceptance([[1, 2]], [[0.3, 0.9]])
+    assert rates_one == pytest.approx([0.3, 0.9]) and rows_one == [1, 1]  # one draft: its own rates
+    assert branch_acceptance([[1], [2]], [[0.8], [0.7]])[0] == [1.0]  # estimates that overpromise: capped
+    # a cut that merges branches costs fewer rows: K = 1 here feeds 2 rows, not 4
+    cost = StepCost(0.010, 0.002)
+    assert choose_k(rates, cost, 1, rows) == 1 and choose_k(rates, cost, 1, 4) == 0
 
 
 def test_cost_model_ignores_nonsense_and_stays_bounded():

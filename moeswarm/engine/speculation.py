@@ -10,8 +10,9 @@ plain decoding.
 A drafter that scores its own drafts (the model-free ones: generation/draft_support.py) is sized by
 each draft's evidence: the sequence drafts up to the cap, `size` reads the drafts' acceptance
 estimates per position through the drafter's Calibration (generation/draft_measure.py: what drafts
-of that strength have kept, engine-wide) and cuts them to the K the rule picks (greedy: each position at least the sequence's acceptance EMA
-where a draft was tried there). A strongly supported
+of that strength have kept, engine-wide), a greedy step's branches taken as one step (goodput.py's
+`branch_acceptance`), and cuts them to the K the rule picks (greedy: each position of the step at
+least the sequence's acceptance EMA where a draft was tried there). A strongly supported
 draft (a file being re-emitted) is fed long from the first step, an unsupported one (sampled text, a
 prompt that repeats nothing) not at all; the cut drafts are then the step's shadow drafts. Other
 drafters are sized by the sequence's acceptance EMA before they draft (`plan`).
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from moeswarm.generation.draft_measure import Acceptance, Calibration, CostModel
 from moeswarm.generation.draft_names import AUTO_SPECULATE
-from moeswarm.generation.goodput import StepCost, choose_k, expected_tokens
+from moeswarm.generation.goodput import StepCost, branch_acceptance, choose_k
 from moeswarm.errors import MoeSwarmError
 from moeswarm.forward.packed import JOURNAL, keeps_recurrent_state
 
@@ -112,18 +113,20 @@ class Speculation:
         if found:
             calibration = self.calibrations.setdefault(_key(sequence), Calibration())
             estimates = sequence.drafter.support(sequence.context, found, sequence.job.params.greedy)  # [branch][position]
-            rates = [calibration.rates(e) for e in estimates]
+            # the step's acceptance per position and rows per K: its branches as one step (one draft unbranched)
+            rates, rows = branch_acceptance(found, [calibration.rates(e) for e in estimates])
             if sequence.job.params.greedy:  # weak greedy drafts are kept more than estimated (docs/drafts.md):
-                measured = drafts.acceptance.values  # what this text kept, once tried, lifts them
-                rates = [[max(r, measured[i] if i < len(measured) else 0.0) for i, r in enumerate(b)] for b in rates]
-            best = max(rates, key=lambda r: expected_tokens(r, len(r)))  # the first on a tie
-            k = choose_k(best, line, sequence.max_drafts, len(found) if sequence.branching else 1, base)
+                measured = drafts.acceptance.values  # what this text's steps kept, once tried, lifts them
+                rates = [max(r, measured[i] if i < len(measured) else 0.0) for i, r in enumerate(rates)]
+            k = choose_k(rates, line, sequence.max_drafts, rows, base)
             cut: list[list[int]] = []
-            for draft in (d[:k] for d in found):
-                if draft not in cut:  # distinct drafts may share their first K tokens
-                    cut.append(draft)
+            cut_estimates: list[list[float]] = []
+            for draft, scored in zip(found, estimates):
+                if draft[:k] not in cut:  # distinct drafts may share their first K tokens
+                    cut.append(draft[:k])
+                    cut_estimates.append(scored[:k])
             if k:
-                drafts.estimated = (len(sequence.context), cut, [e[:k] for e in estimates])
+                drafts.estimated = (len(sequence.context), cut, cut_estimates)
             elif drafts.shadow is None:
                 drafts.shadow, drafts.shadow_estimates = (len(sequence.context), found), estimates
             sequence.branches = cut if k else [[]]
@@ -157,7 +160,7 @@ class Speculation:
             self._record(sequence, drafts, drafted, accepted)
         if drafted and drafts.estimated is not None:
             at, fed_drafts, estimates = drafts.estimated
-            self._calibrate(sequence, sequence.context[at:], fed_drafts, estimates, drafted, accepted)
+            self._calibrate(sequence, sequence.context[at:], fed_drafts, estimates)
         drafts.estimated = None
         if drafts.shadow is not None:
             self._score_shadow(sequence, drafts)
@@ -175,17 +178,19 @@ class Speculation:
         if fed:
             self.totals.observe(drafted, accepted)
 
-    def _calibrate(self, sequence, emitted: list[int], drafts: list[list[int]], estimates: list[list[float]],
-                   drafted: int, accepted: int) -> None:
-        """A verified draft's estimates against what it kept: the draft of `drafted` tokens whose first
-        `accepted` are what the model emitted (the kept branch, or the best shadow)."""
+    def _calibrate(self, sequence, emitted: list[int], drafts: list[list[int]], estimates: list[list[float]]) -> None:
+        """Verified drafts' estimates against the tokens the model then `emitted`: every branch's
+        positions that were tried (the prefix before them kept), each distinct prefix once; the kept
+        branch's alone would count its rivals' misses nowhere and its own luck as the estimates' worth."""
+        calibration, seen = self.calibrations[_key(sequence)], set()
         for draft, scored in zip(drafts, estimates):
             kept = 0
             while kept < min(len(draft), len(emitted)) and draft[kept] == emitted[kept]:
                 kept += 1
-            if kept == accepted and len(draft) == drafted:
-                self.calibrations[_key(sequence)].record(scored, accepted)
-                return
+            judged = min(len(draft), kept + 1, len(emitted))  # positions tried whose outcome is known
+            fresh = [j for j in range(judged) if tuple(draft[: j + 1]) not in seen]
+            seen.update(tuple(draft[: j + 1]) for j in fresh)
+            calibration.record_positions([(scored[j], j < kept) for j in fresh])
 
     def _score_shadow(self, sequence, drafts: SequenceDrafts) -> None:
         at, found = drafts.shadow
@@ -200,7 +205,7 @@ class Speculation:
                 best, best_len = kept, len(draft)
         if settled or sequence.done:
             if drafts.shadow_estimates is not None:
-                self._calibrate(sequence, emitted, found, drafts.shadow_estimates, best_len, best)
+                self._calibrate(sequence, emitted, found, drafts.shadow_estimates)
             drafts.shadow = drafts.shadow_estimates = None
             self._record(sequence, drafts, best_len, best, fed=False)
 

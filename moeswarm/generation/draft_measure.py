@@ -15,10 +15,14 @@ and a few outcomes correct it where it is wrong (rejections at 0.3: sampled text
 text the model copies). The buckets are per drafter, engine-wide: a long-lived server's later
 requests start from what its earlier ones measured.
 
-Cost: decode steps' seconds, kept as an EMA per count of tokens fed, and a least-squares line
-through those averages. Until two counts have been seen the slope is unknown and taken as the
-floor: MIN_TOKEN_SHARE of a one-token step per extra token (a row is never quite free: its bytes,
-its experts, its compute), which also bounds a noisy fit's slope from below.
+Cost: decode steps' seconds per count of tokens fed, each count's cost the median of its last
+COST_WINDOW steps, and a least-squares line through those medians, each weighted by its steps. A
+count enters the line once MIN_STEPS steps measured it: one step's time is no estimate of a count's
+cost (a load spike, the first step of a new shape or of a first set of branches: docs/drafts.md),
+and a line through one such step and a well-measured count makes rows look dear, so K = 0, so the
+count is never measured again: the estimate confirms itself. Until two counts qualify the slope is unknown and taken as the floor: MIN_TOKEN_SHARE of a
+one-token step per extra token (a row is never quite free: its bytes, its experts, its compute),
+which also bounds a noisy fit's slope from below; drafting at the floor is what measures the rows.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from moeswarm.generation.goodput import StepCost
 
 PRIOR = 0.5  # a position's acceptance before any verify step tried it
 ACCEPT_WEIGHT = 0.4  # of the newest outcome in a position's EMA (7 rejections take a position from PRIOR to 2 %)
-COST_WEIGHT = 0.25  # of the newest step in a token count's EMA
+COST_WEIGHT = 0.25  # of the newest drafting time in its EMA
+COST_WINDOW = 5  # a token count's latest steps, whose median is its cost
+MIN_STEPS = 2  # steps a token count needs before it enters the cost line
 MIN_TOKEN_SHARE = 0.02  # the least a token costs, as a share of a one-token step
 MAX_POSITIONS = 64  # positions tracked (drafts past them count as the last one's)
 MAX_COUNTS = 256  # token counts whose cost is kept (the most recent)
@@ -97,10 +103,14 @@ class Calibration:
         """One verified draft whose positions had `estimates`: the first `accepted` kept, the next (if
         any) rejected, the rest not tried."""
         accepted = max(0, min(accepted, len(estimates)))
-        for position in range(min(len(estimates), accepted + 1)):
-            b = _bucket(min(max(estimates[position], 0.0), 1.0))
+        self.record_positions([(estimates[p], p < accepted) for p in range(min(len(estimates), accepted + 1))])
+
+    def record_positions(self, outcomes: list[tuple[float, bool]]) -> None:
+        """Tried positions, each (its estimate, whether it was kept)."""
+        for estimate, kept in outcomes:
+            b = _bucket(min(max(estimate, 0.0), 1.0))
             self.tried[b] = DECAY * self.tried[b] + 1.0
-            self.kept[b] = DECAY * self.kept[b] + (1.0 if position < accepted else 0.0)
+            self.kept[b] = DECAY * self.kept[b] + (1.0 if kept else 0.0)
 
 
 def _bucket(estimate: float) -> int:
@@ -111,14 +121,14 @@ class CostModel:
     """Decode steps' seconds by tokens fed, and the line through them."""
 
     def __init__(self):
-        self.by_tokens: dict[int, float] = {}  # tokens fed -> seconds (EMA)
+        self.by_tokens: dict[int, list[float]] = {}  # tokens fed -> its latest steps' seconds (up to COST_WINDOW)
         self.draft_s: float | None = None  # drafting seconds of a drafting step (EMA)
 
     def record(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not seconds >= 0:
             return
-        old = self.by_tokens.pop(tokens, None)  # re-inserted: the dict's order is recency
-        self.by_tokens[tokens] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+        steps = self.by_tokens.pop(tokens, [])  # re-inserted: the dict's order is recency
+        self.by_tokens[tokens] = (steps + [seconds])[-COST_WINDOW:]
         if len(self.by_tokens) > MAX_COUNTS:
             del self.by_tokens[next(iter(self.by_tokens))]
 
@@ -131,16 +141,28 @@ class CostModel:
         return bool(self.by_tokens)
 
     def line(self) -> StepCost:
-        """The step's cost: least squares through the per-count averages, the slope floored."""
-        points = list(self.by_tokens.items())
+        """The step's cost: weighted least squares through the counts measured MIN_STEPS times, the
+        slope floored; with fewer than two such counts, the floor through the best-measured count."""
+        points = [(x, _median(steps), len(steps)) for x, steps in self.by_tokens.items()]  # (tokens, seconds, weight)
         if not points:
             return StepCost(1.0, MIN_TOKEN_SHARE, 0.0)  # nothing measured: only the shape matters
-        n = len(points)
-        mean_x = sum(x for x, _ in points) / n
-        mean_y = sum(y for _, y in points) / n
-        spread = sum((x - mean_x) ** 2 for x, _ in points)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+        qualified = [p for p in points if p[2] >= MIN_STEPS]
+        if len(qualified) < 2:
+            x, y, _ = max(qualified or points, key=lambda p: p[2])  # the first seen on a tie
+            one = y / (1 + MIN_TOKEN_SHARE * (x - 1))  # a one-token step, on the floor's line
+            return StepCost(one * (1 - MIN_TOKEN_SHARE), one * MIN_TOKEN_SHARE, self.draft_s or 0.0)
+        total = sum(w for _, _, w in qualified)
+        mean_x = sum(w * x for x, _, w in qualified) / total
+        mean_y = sum(w * y for _, y, w in qualified) / total
+        spread = sum(w * (x - mean_x) ** 2 for x, _, w in qualified)
+        slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in qualified) / spread
         one = max(mean_y - slope * (mean_x - 1), 1e-9)  # a one-token step, on the line
         slope = max(slope, MIN_TOKEN_SHARE * one)
         fixed = max(mean_y - slope * mean_x, 0.0)
         return StepCost(fixed, slope, self.draft_s or 0.0)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

@@ -10,9 +10,17 @@ Legend: K = drafts per row, a_i = acceptance at position i (1-based), B = rows (
 sequence feeds, n = the step's tokens.
 
     tokens(K)  = 1 + sum_{k=1..K} prod_{i<=k} a_i           expected tokens a step emits
-    seconds(K) = fixed + per_token * (base + B * (1 + K)) + (draft_s if K else 0)
+    seconds(K) = fixed + per_token * (base + B(K) * (1 + K)) + draft_s    (K >= 1)
+    seconds(0) = fixed + per_token * (base + 1)                              (one row, one token)
     K*         = argmax_{1<=K<=cap} tokens(K) / seconds(K), where it beats K = 0 by the factor
                  (1 + DRAFT_MARGIN); else 0
+
+Branches (a greedy step verifying several drafts side by side, generation/branches.py) are one
+step whose kept run is the longest accepted one. The model's greedy token at each position is one
+token, so the drafts' distinct prefixes of one length are exclusive: the run reaches position i
+with probability mass_i, the sum over the distinct i-token prefixes of the product of their own
+rates; the step's a_i is mass_i / mass_{i-1} (`branch_acceptance`), and B(K) is the number of
+distinct drafts once cut to K. Three drafts each kept at 0.17 make a step kept at 0.5, for three rows.
 
 The margin: acceptance and cost are estimates from a few steps, and a draft row costs more than the
 line says when it is rejected (the rollback, the drafter's own lookups). A step drafts only when the
@@ -49,13 +57,37 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return total
 
 
-def goodput(acceptance: Sequence[float], cost: StepCost, k: int, rows: int = 1, base: int = 0) -> float:
-    """Expected tokens per second of a step carrying K drafts in each of `rows` rows; `base`: the
-    tokens the step's other sequences feed."""
-    return expected_tokens(acceptance, k) / cost.seconds(base + rows * (1 + k), k > 0)
+def branch_acceptance(drafts: Sequence[Sequence[int]], rates: Sequence[Sequence[float]]) -> tuple[list[float], list[int]]:
+    """Branches verified side by side as one step: (a_1..a_L, B(1)..B(L)), L the longest draft.
+    drafts[b]: branch b's tokens; rates[b][i]: P(drafts[b][i] kept | drafts[b][:i] kept). Branches
+    sharing a prefix share its rates (the first branch's are read); a_i is capped at 1."""
+    acceptance: list[float] = []
+    rows: list[int] = []
+    reach = {(): 1.0}  # distinct prefixes of the current length -> P(the kept run follows it)
+    for i in range(max((len(d) for d in drafts), default=0)):
+        grown: dict[tuple[int, ...], float] = {}
+        for draft, rate in zip(drafts, rates):
+            if len(draft) > i and tuple(draft[:i + 1]) not in grown:
+                grown[tuple(draft[:i + 1])] = reach[tuple(draft[:i])] * (rate[i] if i < len(rate) else 0.0)
+        before, after = sum(reach.values()), sum(grown.values())
+        acceptance.append(min(after / before, 1.0) if before > 0 else 0.0)
+        rows.append(len({tuple(d[:i + 1]) for d in drafts if d}))
+        reach = grown
+    return acceptance, rows
 
 
-def choose_k(acceptance: Sequence[float], cost: StepCost, cap: int, rows: int = 1, base: int = 0,
+def goodput(acceptance: Sequence[float], cost: StepCost, k: int, rows: int | Sequence[int] = 1,
+            base: int = 0) -> float:
+    """Expected tokens per second of a step carrying K drafts in each of its rows (`rows`: how many,
+    or B(1), B(2), ... by K, the last repeated); `base`: the tokens the step's other sequences feed."""
+    if not k:
+        return 1.0 / cost.seconds(base + 1, False)  # plain decoding: one row of one token
+    if not isinstance(rows, int):
+        rows = rows[min(k, len(rows)) - 1] if rows else 1
+    return expected_tokens(acceptance, k) / cost.seconds(base + rows * (1 + k), True)
+
+
+def choose_k(acceptance: Sequence[float], cost: StepCost, cap: int, rows: int | Sequence[int] = 1, base: int = 0,
              margin: float = DRAFT_MARGIN) -> int:
     """The K in [1, cap] with the most expected tokens per second (the smallest such K on a tie),
     where that beats plain decoding (K = 0) by the factor (1 + margin); else 0."""
