@@ -10,10 +10,7 @@ model run locally.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,39 +20,14 @@ from moeswarm.bundled import PYMOE
 from moeswarm.discovery.invite import parse_invite
 from moeswarm.local.workers import stop
 from moeswarm.slices.manifest import load_manifest
-
-WAIT_S = 120.0
-
-
-def _cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "moeswarm.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _lines_until(process: subprocess.Popen, marker: str) -> list[str]:
-    lines, deadline = [], time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            pytest.fail(f"process ended before {marker!r}: {''.join(lines)} {process.stderr.read()[-3000:]}")
-        lines.append(line)
-        if marker in line:
-            return lines
-    pytest.fail(f"no {marker!r} within {WAIT_S:g} s")
-
-
-def _run(*args: str, timeout: float = WAIT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moeswarm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
+from swarm_processes import bundled_copy, cli, lines_until, run
 
 @pytest.fixture(scope="module")
 def stages_swarm(tmp_path_factory):
     """(the invite, the model's path, the manifest) of a running `moeswarm invite --stages 2`."""
     tmp = tmp_path_factory.mktemp("invite-stages")
-    model = tmp / "pymoe.gguf"
-    shutil.copy(PYMOE / "gguf" / "pymoe-Q4_K_M.gguf", model)
-    inviter = _cli("invite", "--model", str(model), "--stages", "2")
+    model = bundled_copy(tmp)
+    inviter = cli("invite", "--model", str(model), "--stages", "2")
     try:
         first = inviter.stdout.readline()
         assert first, inviter.stderr.read()[-3000:]
@@ -67,7 +39,7 @@ def stages_swarm(tmp_path_factory):
 
 
 def _join(invite: str, directory: Path) -> subprocess.Popen:
-    return _cli("join", invite, "--dir", str(directory), "--threads", "1", "--announce-ttl", "60")
+    return cli("join", invite, "--dir", str(directory), "--threads", "1", "--announce-ttl", "60")
 
 
 def _announced(lines: list[str]) -> tuple[str, str]:
@@ -85,9 +57,9 @@ def joined(stages_swarm, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("joiners")
     joiners = [_join(invite, tmp / "a")]
     try:
-        lines = [_lines_until(joiners[0], "announced on the swarm as ")]
+        lines = [lines_until(joiners[0], "announced on the swarm as ")]
         joiners.append(_join(invite, tmp / "b"))
-        lines.append(_lines_until(joiners[1], "announced on the swarm as "))
+        lines.append(lines_until(joiners[1], "announced on the swarm as "))
         yield joiners, lines
     finally:
         stop(joiners)
@@ -104,7 +76,7 @@ def test_two_joiners_take_the_two_spans_and_generate_through_the_invite_is_bit_i
         assert fetched == sum(p.length for p in manifest.pieces(manifest.data["expert_ids"], moe, True))
         assert fetched < manifest.file_size
 
-    generated = _run("generate", "--model", str(model), "--swarm", invite, "--prompt", "def main(",
+    generated = run("generate", "--model", str(model), "--swarm", invite, "--prompt", "def main(",
                      "--max-new-tokens", "8", "--check-local", "--json", "--threads", "1")
     assert generated.returncode == 0, generated.stderr[-3000:]
     report = json.loads(generated.stdout.strip().splitlines()[-1])
@@ -147,7 +119,7 @@ def test_a_late_joiner_is_picked_up_by_a_running_gateway_and_takes_over_bit_iden
                 out = got.forward(feed)
                 assert torch.equal(out, want.forward(feed))
                 feed = [int(out[-1].argmax())]
-            lines_c = _lines_until(late, "announced on the swarm as ")
+            lines_c = lines_until(late, "announced on the swarm as ")
             third, span = _announced(lines_c)
             assert span == "0-2" and any("stages holding each: 1, 1" in line for line in lines_c)
             deadline = time.monotonic() + 30
@@ -171,7 +143,7 @@ def test_a_late_joiner_is_picked_up_by_a_running_gateway_and_takes_over_bit_iden
     (["invite", "--model", str(PYMOE / "gguf" / "pymoe-Q4_K_M.gguf"), "--stages", "0"], "must be at least 1"),
 ])
 def test_bad_flags_are_one_line_and_status_2(args, cause):
-    result = _run(*args, timeout=60)
+    result = run(*args, timeout=60)
     assert result.returncode == 2, result.stderr
     assert cause in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -179,11 +151,11 @@ def test_bad_flags_are_one_line_and_status_2(args, cause):
 
 def test_more_stages_than_layers_and_a_relay_for_a_stage_are_one_line(stages_swarm, tmp_path):
     _, model, _ = stages_swarm
-    result = _run("invite", "--model", str(model), "--stages", "7", timeout=60)
+    result = run("invite", "--model", str(model), "--stages", "7", timeout=60)
     assert result.returncode == 2 and "--stages 7: the model has 6 decoder layers, so 1 to 6 stages" in result.stderr
     assert "Traceback" not in result.stderr
     invite = stages_swarm[0]
-    result = _run("join", invite, "--relay", "127.0.0.1:9", "--dir", str(tmp_path / "r"), timeout=60)
+    result = run("join", invite, "--relay", "127.0.0.1:9", "--dir", str(tmp_path / "r"), timeout=60)
     assert result.returncode == 2 and "a stage is dialled directly" in result.stderr, result.stderr
 
 

@@ -15,21 +15,10 @@ import subprocess
 import time
 
 import pytest
+from swarm_processes import announced, lines_until
 
 MODEL = "models/pymoe/hf"  # 6 decoder layers
 THREADS = 1
-WAIT_S = 120.0
-
-
-def _announced(process: subprocess.Popen) -> str:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            pytest.fail(f"stage exited: {process.stderr.read()[-2000:]}")
-        if "announced on the swarm as " in line:
-            return line.split("announced on the swarm as ", 1)[1].split()[0]
-    pytest.fail("stage did not announce itself")
 
 
 @pytest.fixture()
@@ -47,7 +36,7 @@ def swarm():
     def spawn(*spans: str) -> list[str]:
         new = [spawn_stage(MODEL, span, threads=THREADS, extra_args=["--announce-swarm", peer]) for span in spans]
         started.extend(new)
-        return [_announced(process) for process in new]
+        return [announced(lines_until(process, "announced on the swarm as ")) for process in new]
 
     try:
         yield peer, started, spawn

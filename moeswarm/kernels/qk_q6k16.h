@@ -99,31 +99,6 @@ static inline AI void S(tokens_q6k16)(const S(Q6K16) *p, const QX *qx, int64_t b
     }
 }
 
-/* Rows [0, rows) (a multiple of 16) of a Q6_K matrix with the n tokens of qx: y[t * ldy + r]. */
-static void S(rows16_q6k)(const uint8_t *w, int64_t row_bytes, int64_t rows, const QX *qx, int64_t n, float *y,
-                          int64_t ldy) {
-    const int64_t nb = qx->K / 256;
-    S(Q6K16) packed __attribute__((aligned(64)));
-    float acc[Q4K16_TOKENS * Q4K16_ROWS] __attribute__((aligned(64)));
-    for (int64_t r0 = 0; r0 + Q4K16_ROWS <= rows; r0 += Q4K16_ROWS) {
-        const uint8_t *group = w + r0 * row_bytes;
-        for (int64_t t0 = 0; t0 < n; t0 += Q4K16_TOKENS) {
-            int64_t nt = n - t0 < Q4K16_TOKENS ? n - t0 : Q4K16_TOKENS;
-            const uint8_t *pf = t0 == 0 && r0 + 2 * Q4K16_ROWS <= rows ? group + Q4K16_ROWS * row_bytes : NULL;
-            memset(acc, 0, sizeof acc);
-            for (int64_t b = 0; b < nb; b++) {
-                S(repack_q6k16)(group, row_bytes, b, &packed, pf);
-                for (int64_t t = 0; t < nt; t += Q4K16_TILE) {
-                    float *a = acc + 16 * t;
-                    switch (nt - t < Q4K16_TILE ? nt - t : Q4K16_TILE) {  /* constant tile sizes */
-#define TILE(NT) case NT: S(tokens_q6k16)(&packed, qx, b, t0 + t, NT, a); break
-                    TILE(1); TILE(2); TILE(3); TILE(4); TILE(5); TILE(6); TILE(7);
-                    default: TILE(8);
-#undef TILE
-                    }
-                }
-            }
-            for (int64_t t = 0; t < nt; t++) _mm512_storeu_ps(y + (t0 + t) * ldy + r0, _mm512_loadu_ps(acc + 16 * t));
-        }
-    }
-}
+/* Rows [0, rows) (a multiple of 16) of a Q6_K matrix with the n tokens of qx: y[t * ldy + r]
+ * (qk_q4k16.h's driver). */
+QK_ROWS16(S(rows16_q6k), S(Q6K16), S(repack_q6k16), S(tokens_q6k16))
