@@ -232,7 +232,7 @@ def test_pieces_come_from_any_seed_that_holds_them_and_a_lying_seed_is_passed_ov
     """A first fetch keeps its pieces; a seed of them (slices/seed.py limited to those pieces) serves a
     second fetcher of fewer experts byte for byte, with the inviter's seeder gone. A seed that lies is
     passed over for the next source holding the piece; a seed asked for a piece it lacks refuses it."""
-    from moeswarm.slices.fetch import kept_pieces, pieces_paths
+    from moeswarm.slices.kept import kept_pieces, pieces_paths
     from moeswarm.slices.sources import Source
 
     manifest = load_manifest(files["manifest"])
@@ -285,3 +285,39 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_move_copies_the_pieces_it_kept_and_fetches_only_the_rest(files, loop, tmp_path):
+    """A member moving from experts 2-5 to 4-7 (fetch_slice's `reuse`: node/rebalancing.py's move)
+    copies the pieces the two shares share from its kept ones and fetches only experts 6 and 7's;
+    a kept piece changed on disk is fetched again, never copied; the slice is byte for byte
+    `moeswarm slice`'s."""
+    from moeswarm.slices.kept import pieces_paths
+
+    manifest = load_manifest(files["manifest"])
+    moved = [4, 5, 6, 7]
+    write_slice(files["model"], tmp_path / "expected-moved.gguf", moved)
+    old = tmp_path / "old.gguf"
+
+    def piece_bytes(experts):
+        return {(p.offset, p.length) for p in manifest.pieces(experts, None, False)}
+
+    common, new = piece_bytes(EXPERTS) & piece_bytes(moved), piece_bytes(moved) - piece_bytes(EXPERTS)
+    expert_piece = next(p for p in manifest.pieces([4], None, False) if "expert 4" in p.label)
+    with seeding(loop, files["model"]) as (address, _):
+        fetch_slice(address, manifest, EXPERTS, old, keep_pieces=True)
+        report = fetch_slice(address, manifest, moved, tmp_path / "moved.gguf", reuse=[old])
+        assert _same(tmp_path / "moved.gguf", tmp_path / "expected-moved.gguf")
+        assert report["reused_bytes"] == sum(n for _, n in common)
+        assert report["fetched_bytes"] == sum(n for _, n in new) and report["fetched_bytes"] > 0
+
+        kept = pieces_paths(old)[0]
+        with kept.open("r+b") as handle:  # one byte of expert 4's first piece changed on disk
+            handle.seek(expert_piece.offset)
+            byte = handle.read(1)
+            handle.seek(expert_piece.offset)
+            handle.write(bytes([byte[0] ^ 0xFF]))
+        again = fetch_slice(address, manifest, moved, tmp_path / "again.gguf", reuse=[old, tmp_path / "absent.gguf"])
+        assert _same(tmp_path / "again.gguf", tmp_path / "expected-moved.gguf")
+        assert again["reused_bytes"] == report["reused_bytes"] - expert_piece.length
+        assert again["fetched_bytes"] == report["fetched_bytes"] + expert_piece.length

@@ -7,12 +7,14 @@ holder again, read from the DHT as `moeswarm status` reads it; `generate --swarm
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
 
 from moeswarm.discovery.invite import parse_invite
+from moeswarm.ids import parse_experts
 from moeswarm.slices.manifest import load_manifest
 from moeswarm.local.workers import stop
 from swarm_processes import announced, bundled_copy, cli, join, lines_until, run, share_of, status
@@ -80,3 +82,8 @@ def test_a_killed_member_share_is_taken_over_and_generation_stays_bit_identical(
     slices = sorted(path.name for path in (tmp_path / mover).iterdir() if ".experts-" in path.name)
     assert slices and all(f".experts-{new_share.replace(',', '_')}.gguf" in name for name in slices), slices
     assert "removed the slice of the share moved away from" in said
+    # the move fetched only the experts it took: the ones it kept were copied from its kept pieces
+    taken = parse_experts(re.search(r"rebalancing: taking experts (\S+), then dropping ", said)[1])
+    kept = set(parse_experts(new_share)) - set(taken)
+    moved = [(int(m[1]), int(m[2])) for m in re.finditer(r"fetched (\d+) bytes \(\d+ resumed, (\d+) copied", said)]
+    assert len(moved) == 1 and (moved[0][1] > 0) == bool(kept), (moved, said)

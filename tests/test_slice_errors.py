@@ -17,7 +17,8 @@ import pytest
 
 from moeswarm.slices.manifest import MAX_FILE_SIZE, ManifestError, load_manifest
 from moeswarm.slices.seed import Seeder
-from moeswarm.slices.fetch import RECORD_HEADER, FetchError, fetch_slice
+from moeswarm.slices.fetch import FetchError, fetch_slice
+from moeswarm.slices.kept import RECORD_HEADER
 from moeswarm.slices.protocol import REQUEST, RESPONSE, decode_request
 from test_fetch_slice import EXPERTS, WAIT_S, _same, files, loop, seeding  # noqa: F401  (fixtures)
 

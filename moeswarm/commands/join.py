@@ -132,9 +132,11 @@ def run(args: argparse.Namespace) -> int:
             seeds = dht.fetch(invite.model, SEEDS).values()
             return fetch_sources(invite.seed, seeds, manifest, tls is not None, None, dht.addresses()[0].encode())
 
+        held = [share.experts]  # the share whose slice the directory keeps
+
         def open_node(experts, port=0):  # a moved share listens on a free port: the old one still serves
             out = fetch_share(invite, manifest, experts, directory, tls, args.timeout, _say, sources(),
-                              keep_pieces=not args.no_seed)
+                              keep_pieces=not args.no_seed, reuse=[share_path(directory, invite.model, held[0])])
             return build_node(replace(config, port=port), functools.partial(_load, Hosting(str(out)), args.threads),
                               _say, dht)
 
@@ -148,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
                                     args.host, args.seed_port if first else 0, args.announce_host, args.announce_ttl)
 
         seed = None if args.no_seed else ShareSeed(open_seed, _say)
-        held = [share.experts]  # the share whose slice the directory keeps
 
         async def moved(experts):  # the old node is closed: seed the new share, then free the old one's disk
             if seed is not None:

@@ -80,7 +80,7 @@ def drop_share(directory: str | Path, fingerprint: str, experts: Sequence[int]) 
     """Remove the slice of `experts` from `directory`, with its kept pieces and any partial fetch
     (a member that moved away from that share: its disk holds one share, not every one it held).
     Returns the bytes freed; files already gone are skipped."""
-    from moeswarm.slices.fetch import pieces_paths
+    from moeswarm.slices.kept import pieces_paths
 
     out = share_path(directory, fingerprint, experts)
     freed = 0
@@ -96,11 +96,12 @@ def drop_share(directory: str | Path, fingerprint: str, experts: Sequence[int]) 
 
 def fetch_share(invite: Invite, manifest: Manifest, experts: Sequence[int], directory: str | Path, tls,
                 timeout_s: float, say: Callable[[str], None], sources: Sequence | None = None,
-                keep_pieces: bool = False) -> Path:
+                keep_pieces: bool = False, reuse: Sequence[str | Path] = ()) -> Path:
     """The slice of `experts` in `directory`: reused when there, else fetched from `sources`
     (slices/sources.py: members' seeds, then the invite's seeder; None: the invite's seeder alone),
-    FetchError naming what went wrong. keep_pieces: keep the pieces for this member's seed. `say`
-    gets one line: what was fetched, from whom, or reused."""
+    FetchError naming what went wrong. keep_pieces: keep the pieces for this member's seed. reuse:
+    slices whose kept pieces are copied rather than fetched (a move: slices/kept.py). `say` gets
+    one line: what was fetched, from whom, or reused."""
     from moeswarm.slices.fetch import fetch_slice
 
     out = share_path(directory, invite.model, experts)
@@ -108,8 +109,9 @@ def fetch_share(invite: Invite, manifest: Manifest, experts: Sequence[int], dire
         say(f"reusing {out}")
         return out
     report = fetch_slice(invite.seed if sources is None else sources, manifest, experts, out, None, False, tls, 3,
-                         timeout_s, keep_pieces)
+                         timeout_s, keep_pieces, reuse)
     origins = ", ".join(f"{count} from {address}" for address, count in sorted(report["from"].items()))
-    say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) into {out}"
+    say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed, {report['reused_bytes']} copied "
+        f"from the slice held before) into {out}"
         + (f" ({origins})" if origins else ""))
     return out

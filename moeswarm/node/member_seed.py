@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moeswarm.slices.fetch import kept_pieces, pieces_paths
+from moeswarm.slices.kept import kept_pieces, pieces_paths
 from moeswarm.slices.manifest import Manifest
 from moeswarm.slices.seed import Seeder
 

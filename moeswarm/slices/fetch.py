@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import socket
 import ssl
 import time
@@ -35,15 +34,14 @@ from moeswarm.errors import MoeSwarmError, printable
 from moeswarm.ids import parse_address
 from moeswarm.slices.manifest import Manifest, Piece
 from moeswarm.slices.protocol import DATA, ERROR, MAX_ERROR, RESPONSE, encode_request
+from moeswarm.slices.kept import copy_kept, pieces_paths, record_header, record_lines
 from moeswarm.slices.sources import Source
 from moeswarm.progress import progress
 from moeswarm.gguf.gguf_slice import write_slice
 
-RECORD_HEADER = "moeswarm-fetch/1"
 WINDOW = 4  # requests in flight on the connection
 TIMEOUT_S = 30.0
 MIN_RATE = 64 << 10  # bytes/s: a piece must arrive within timeout_s + its length at this rate
-_RECORD_LINE = re.compile(r"[0-9]{1,20} [0-9]{1,20}")
 log = logging.getLogger("moeswarm.fetch")
 
 
@@ -58,14 +56,16 @@ class Broken(Exception):
 def fetch_slice(peer: str | Sequence[Source], manifest: Manifest, experts: Sequence[int], out: str | Path,
                 layers: tuple[int, int] | None = None, with_backbone: bool = False,
                 tls: ssl.SSLContext | None = None, retries: int = 3, timeout_s: float = TIMEOUT_S,
-                keep_pieces: bool = False) -> dict:
+                keep_pieces: bool = False, reuse: Sequence[str | Path] = ()) -> dict:
     """Fetch what a slice of `experts` needs and write it to `out`: from the seeder at `peer`
     (HOST:PORT), or from `peer`'s sources in turn (slices/sources.py), each asked for the missing
     pieces it holds; a source whose connection breaks is asked again (after the others, or after a
     back-off when it is the only one left) up to `retries` times; one that stays unreachable,
     refuses or lies (a piece whose hash is not the manifest's) is passed over, and FetchError (the
-    last one's cause) comes when no source is left for a piece. keep_pieces: keep the checked pieces (`pieces_paths(out)`: a sparse
-    file as long as the model, and the list of what it holds) for this member to seed."""
+    last one's cause) comes when no source is left for a piece. keep_pieces: keep the checked pieces
+    (`pieces_paths(out)`: a sparse file as long as the model, and the list of what it holds) for
+    this member to seed. reuse: slices whose kept pieces are copied (checked) before any is fetched
+    (slices/kept.py: a member moving to another share)."""
     out = Path(out)
     sources = [Source(peer)] if isinstance(peer, str) else list(peer)
     pieces = manifest.pieces(experts, layers, with_backbone)
@@ -86,7 +86,15 @@ def fetch_slice(peer: str | Sequence[Source], manifest: Manifest, experts: Seque
         raise FetchError(f"cannot open {partial}: {error.strerror or error}") from None
     try:
         with record.open("a") as log_file, progress(desc=f"fetching {out.name}", total=total, unit="B") as bar:
+            def keep(piece: Piece, data: bytes) -> None:  # a checked piece, into the partial file and its list
+                _write(fd, partial, data, piece.offset)
+                log_file.write(f"{piece.offset} {piece.length}\n")
+                log_file.flush()
+                done.add((piece.offset, piece.length))
+
             bar.update(resumed)
+            reused = copy_kept(reuse, manifest, [p for p in pieces if (p.offset, p.length) not in done], keep)
+            bar.update(reused)
             while todo := [p for p in pieces if (p.offset, p.length) not in done]:
                 candidates = [s for s in sources if s.address not in failed
                               and any(s.holds((p.offset, p.length)) for p in todo)]
@@ -103,10 +111,7 @@ def fetch_slice(peer: str | Sequence[Source], manifest: Manifest, experts: Seque
                     for piece, data in ranges(address, [p for p in todo if source.holds((p.offset, p.length))],
                                               tls, timeout_s):
                         _check(address, piece, data)
-                        _write(fd, partial, data, piece.offset)
-                        log_file.write(f"{piece.offset} {piece.length}\n")
-                        log_file.flush()
-                        done.add((piece.offset, piece.length))
+                        keep(piece, data)
                         fetched += piece.length
                         from_each[address] += piece.length
                         bar.update(piece.length)
@@ -142,29 +147,10 @@ def fetch_slice(peer: str | Sequence[Source], manifest: Manifest, experts: Seque
         partial.unlink()
         record.unlink()
     return {**report, "peer": sources[0].address if len(sources) == 1 else [s.address for s in sources],
-            "pieces": len(pieces), "fetched_bytes": fetched, "resumed_bytes": resumed,
+            "pieces": len(pieces), "fetched_bytes": fetched, "resumed_bytes": resumed, "reused_bytes": reused,
             "from": dict(from_each), "passed_over": sorted(failed),
             "fetch_s": round(seconds, 4), "attempts": sum(attempts.values()) + 1,
             "mb_per_s": round(fetched / seconds / 1e6, 2) if seconds > 0 else None}
-
-
-def pieces_paths(out: str | Path) -> tuple[Path, Path]:
-    """(the kept pieces' sparse file, the list of the (offset, length) it holds) beside slice `out`."""
-    out = Path(out)
-    return out.with_name(out.name + ".pieces"), out.with_name(out.name + ".pieces.done")
-
-
-def kept_pieces(out: str | Path, manifest: Manifest) -> frozenset[tuple[int, int]]:
-    """The pieces kept beside slice `out` (`keep_pieces`) for `manifest` (its hash heads the list):
-    the ranges a seed of this member may serve; empty when none are kept. They were checked when
-    fetched; a fetcher checks each again."""
-    kept, listed = pieces_paths(out)
-    if not kept.is_file() or not listed.is_file() or kept.stat().st_size != manifest.file_size:
-        return frozenset()
-    lines = listed.read_text(errors="replace").splitlines()
-    if not lines or lines[0] != f"{RECORD_HEADER} {manifest.sha256} {manifest.file_size}":
-        return frozenset()
-    return frozenset(tuple(int(x) for x in line.split()) for line in lines[1:] if _RECORD_LINE.fullmatch(line))
 
 
 def _passed_over(address: str, error: FetchError, sources: list[Source], failed: dict) -> None:
@@ -174,13 +160,13 @@ def _passed_over(address: str, error: FetchError, sources: list[Source], failed:
 
 def _resume(partial: Path, record: Path, manifest: Manifest, pieces: list[Piece]) -> set[tuple[int, int]]:
     """The pieces already fetched and still good; starts fresh partial files when there are none usable."""
-    header = f"{RECORD_HEADER} {manifest.sha256} {manifest.file_size}"
+    header = record_header(manifest)
     if partial.is_file() and record.is_file() and partial.stat().st_size == manifest.file_size:
         lines = record.read_text(errors="replace").splitlines()
         if lines and lines[0] == header:
             wanted = {(p.offset, p.length): p for p in pieces}
             # lines as this file writes them; anything else (a torn or edited line) is ignored: its piece is fetched again
-            listed = {tuple(int(x) for x in line.split()) for line in lines[1:] if _RECORD_LINE.fullmatch(line)}
+            listed = record_lines(lines[1:])
             good = set()
             with partial.open("rb") as handle:
                 for key in listed & set(wanted):
