@@ -85,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.discovery.invite import parse_invite
     from moeswarm.errors import MoeSwarmError
-    from moeswarm.discovery.joining import check_key, drop_share, fetch_share, layout, plan_share, share_path
+    from moeswarm.discovery.joining import (
+        check_key, drop_share, fetch_share, joining_address, joining_holders, layout, plan_share, share_path,
+    )
+    from moeswarm.discovery.joining_record import JOINING, JoiningRecord
     from moeswarm.discovery.seed_record import SEEDS
     from moeswarm.node.member_seed import ShareSeed, open_member_seed
     from moeswarm.slices.sources import fetch_sources
@@ -121,12 +124,15 @@ def run(args: argparse.Namespace) -> int:
     dht = SwarmDht.open(list(invite.dht), host=args.host, port=args.dht_port, **keys)
     try:
         members = [(record.held, record.load) for record in dht.fetch(invite.model).values()]
-        share = plan_share(manifest, layers, num_experts, members, _memory_bytes(args.memory),
+        joining = joining_holders(dht.fetch(invite.model, JOINING).values(), layers)
+        share = plan_share(manifest, layers, num_experts, members + joining, _memory_bytes(args.memory),
                            dht.addresses()[0].encode())
         measured = sum(load is not None for _, load in members)
+        intent = _announce_joining(dht, JoiningRecord(joining_address(dht.addresses()[0]), invite.model, share.experts),
+                                   args.announce_ttl)
         _say(f"share: experts {format_ids(share.experts)} of MoE layers {format_ids(layers)} "
              f"({share.covers} layer-expert pairs nobody held, {share.backs} held once; {len(members)} members announced, "
-             f"{measured} with a measured load)")
+             f"{measured} with a measured load, {len(joining)} joining)")
 
         def sources():  # read again at each fetch: seeds join over time
             seeds = dht.fetch(invite.model, SEEDS).values()
@@ -143,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         check_can_listen(config.host, config.port)
         raise_open_files_limit(config.limits.max_connections)
         node = open_node(share.experts, config.port)
+        if intent is not None:
+            intent.stop()  # the worker's own record now says what it holds
         seed_tls = server_tls(args.swarm_key, args.host) if not args.no_seed else None
 
         def open_seed(experts, first):
@@ -183,6 +191,22 @@ async def _serve(member, interval_s: float, seed) -> None:
     finally:
         if seed is not None:
             await seed.stop()
+
+
+def _announce_joining(dht, record, ttl_s: float):
+    """The Announcer keeping `record` (this joiner's choice) on the DHT until stopped, or None when no
+    peer took it (later joiners then choose without it: rebalancing repairs what they double)."""
+    from moeswarm.discovery.announce import Announcer
+    from moeswarm.discovery.joining_record import JOINING
+    from moeswarm.errors import MoeSwarmError
+
+    announcer = Announcer(dht, record, ttl_s, kind=JOINING)
+    try:
+        announcer.start()
+    except MoeSwarmError as error:
+        _say(f"the choice not announced to other joiners: {error}")
+        return None
+    return announcer
 
 
 def _worker_config(args: argparse.Namespace, invite) -> WorkerConfig:

@@ -9,7 +9,9 @@ The order, and what each step relies on:
    worker's HELLO is trusted by backbones, so a lying record can skew a share, never an answer);
 4. `plan_share` (pure: placement/share.py) picks the experts where the swarm is weakest, as many
    as `--memory` holds, weighing each (layer, expert) by the load its holders announce
-   (placement/load.py);
+   (placement/load.py), the shares other joiners are still fetching counted as held
+   (`joining_holders`); the choice is stored at once for later joiners (discovery/joining_record.py)
+   and withdrawn once the worker is announced;
 5. `fetch_share` fetches exactly those bytes (slices/fetch.py: hashed, resumable) and the command
    serves them, moving the share later when the swarm needs it (node/rebalancing.py).
 """
@@ -69,6 +71,24 @@ def plan_share(manifest: Manifest, layers: Sequence[int], num_experts: int,
     coverage = coverage_of((held for held, _ in members), layers, num_experts)
     load = swarm_load(members, layers, num_experts)
     return choose_share(coverage, count, load, order=joiner_order(seed, num_experts))
+
+
+def joining_holders(records: Iterable, layers: Sequence[int]) -> list[tuple[dict[int, tuple[int, ...]], None]]:
+    """The shares other joiners chose and are still fetching or loading (discovery/joining_record.py
+    JoiningRecords with experts), as `plan_share`'s members: held in every MoE layer, no load yet."""
+    return [({layer: record.experts for layer in layers}, None) for record in records if record.experts is not None]
+
+
+def joining_address(dht_address: str) -> str:
+    """HOST:PORT of a DHT node from its multiaddr (/ip4/H/tcp/P/..., /ip6/H/tcp/P/...): the subkey
+    a joiner's JoiningRecord is stored under (one per node)."""
+    from moeswarm.transport.path import canonical_address
+
+    parts = dht_address.split("/")
+    if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+        raise MoeSwarmError(f"the DHT node's address {dht_address[:100]!r} is not /ip4 or /ip6 over tcp")
+    host = f"[{parts[2]}]" if parts[1] == "ip6" else parts[2]
+    return canonical_address(f"{host}:{parts[4]}")
 
 
 def share_path(directory: str | Path, fingerprint: str, experts: Sequence[int]) -> Path:
