@@ -9,55 +9,25 @@ coverage; a member that leaves and joins again takes the same share back from it
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from moeswarm.bundled import PYMOE
 from moeswarm.discovery.invite import parse_invite
-from moeswarm.ids import parse_experts
 from moeswarm.slices.manifest import load_manifest
 from moeswarm.local.workers import stop
+from swarm_processes import bundled_copy, cli, join, lines_until, run, share_of
 
-WAIT_S = 180.0
 HALF = 16  # experts of the bundled model's 32 that each joiner's --memory holds
-
-
-def _cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "moeswarm.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _lines_until(process: subprocess.Popen, marker: str) -> list[str]:
-    """Standard output's lines up to the first holding `marker` (fails if the process ends first)."""
-    lines, deadline = [], time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            pytest.fail(f"process ended before {marker!r}: {''.join(lines)} {process.stderr.read()[-3000:]}")
-        lines.append(line)
-        if marker in line:
-            return lines
-    pytest.fail(f"no {marker!r} within {WAIT_S:g} s")
-
-
-def _run(*args: str, timeout: float = WAIT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moeswarm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     """(the invite, the model's path, the manifest) of a running `moeswarm invite` on the bundled model."""
     tmp = tmp_path_factory.mktemp("invite")
-    model = tmp / "pymoe.gguf"
-    shutil.copy(PYMOE / "gguf" / "pymoe-Q4_K_M.gguf", model)
-    inviter = _cli("invite", "--model", str(model))
+    model = bundled_copy(tmp)
+    inviter = cli("invite", "--model", str(model))
     try:
         first = inviter.stdout.readline()
         assert first, inviter.stderr.read()[-3000:]
@@ -68,34 +38,23 @@ def swarm(tmp_path_factory):
         stop([inviter])
 
 
-def _join(invite: str, directory: Path, experts: int, manifest) -> subprocess.Popen:
-    memory_gb = (experts + 0.5) * manifest.expert_bytes() / 1e9
-    return _cli("join", invite, "--memory", f"{memory_gb:.9f}", "--dir", str(directory), "--threads", "1",
-                "--announce-ttl", "60")
-
-
-def _share(lines: list[str]) -> list[int]:
-    line = next(line for line in lines if "share: experts " in line)
-    return parse_experts(line.split("share: experts ", 1)[1].split()[0])
-
-
 def test_two_joiners_cover_the_model_and_generate_through_the_invite_is_bit_identical(swarm, tmp_path):
     invite, model, manifest = swarm
-    first = _join(invite, tmp_path / "a", HALF, manifest)
+    first = join(invite, tmp_path / "a", HALF, manifest, "--announce-ttl", "60")
     joiners = [first]
     try:
-        lines_a = _lines_until(first, "announced on the swarm as ")
-        second = _join(invite, tmp_path / "b", HALF, manifest)
+        lines_a = lines_until(first, "announced on the swarm as ")
+        second = join(invite, tmp_path / "b", HALF, manifest, "--announce-ttl", "60")
         joiners.append(second)
-        lines_b = _lines_until(second, "announced on the swarm as ")
-        share_a, share_b = _share(lines_a), _share(lines_b)
+        lines_b = lines_until(second, "announced on the swarm as ")
+        share_a, share_b = share_of(lines_a), share_of(lines_b)
         assert len(share_a) == len(share_b) == HALF
         assert sorted(share_a + share_b) == list(range(32))  # the second took exactly what nobody held
         for lines, share in ((lines_a, share_a), (lines_b, share_b)):  # exactly the share's pieces, nothing more
             fetched = int(next(line for line in lines if "fetched " in line).split("fetched ", 1)[1].split()[0])
             assert fetched == sum(piece.length for piece in manifest.pieces(share, None, False))
 
-        generated = _run("generate", "--model", str(model), "--swarm", invite, "--prompt", "def main(",
+        generated = run("generate", "--model", str(model), "--swarm", invite, "--prompt", "def main(",
                          "--max-new-tokens", "8", "--check-local", "--json", "--threads", "1")
         assert generated.returncode == 0, generated.stderr[-3000:]
         report = json.loads(generated.stdout.strip().splitlines()[-1])
@@ -104,7 +63,7 @@ def test_two_joiners_cover_the_model_and_generate_through_the_invite_is_bit_iden
         # each member announces the rows its experts computed (at its next refresh: TTL/3 = 20 s)
         deadline = time.monotonic() + 60
         while True:
-            status = _run("status", invite, "--dir", str(tmp_path / "status"), "--json")
+            status = run("status", invite, "--dir", str(tmp_path / "status"), "--json")
             assert status.returncode == 0, status.stderr[-3000:]
             view = json.loads(status.stdout)
             loads = [member["load"] for member in view["members"]]
@@ -118,10 +77,10 @@ def test_two_joiners_cover_the_model_and_generate_through_the_invite_is_bit_iden
         # The first member leaves cleanly and joins again: its experts are the uncovered ones, so it takes
         # the same share back and reuses the slice it fetched.
         stop([first])
-        again = _join(invite, tmp_path / "a", HALF, manifest)
+        again = join(invite, tmp_path / "a", HALF, manifest, "--announce-ttl", "60")
         joiners.append(again)
-        lines = _lines_until(again, "announced on the swarm as ")
-        assert _share(lines) == share_a
+        lines = lines_until(again, "announced on the swarm as ")
+        assert share_of(lines) == share_a
         assert any("reusing " in line for line in lines)
     finally:
         stop(joiners)
@@ -136,7 +95,7 @@ def test_two_joiners_cover_the_model_and_generate_through_the_invite_is_bit_iden
     (["invite", "--model", "/nonexistent/m.gguf"], "no such GGUF file"),
 ])
 def test_bad_input_is_one_line_and_status_2(args, cause):
-    result = _run(*args, timeout=60)
+    result = run(*args, timeout=60)
     assert result.returncode == 2, result.stderr
     assert cause in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -145,8 +104,8 @@ def test_bad_input_is_one_line_and_status_2(args, cause):
 def test_a_key_that_does_not_fit_the_invite_is_refused_before_any_fetch(swarm, tmp_path):
     invite, _, _ = swarm
     key = tmp_path / "swarm.key"
-    assert _run("keygen", "-o", str(key)).returncode == 0
-    result = _run("join", invite, "--swarm-key", str(key), "--dir", str(tmp_path / "j"), timeout=60)
+    assert run("keygen", "-o", str(key)).returncode == 0
+    result = run("join", invite, "--swarm-key", str(key), "--dir", str(tmp_path / "j"), timeout=60)
     assert result.returncode == 2 and "the invite is for an unkeyed swarm" in result.stderr
     assert not (tmp_path / "j").exists() or not any((tmp_path / "j").iterdir())
 
@@ -157,32 +116,31 @@ def test_a_keyed_invite_carries_no_key_and_a_member_joins_with_its_own_file(tmp_
     hash, never the key."""
     from moeswarm.discovery.inviter import swarm_certificate_hash
 
-    model = tmp_path / "pymoe.gguf"
-    shutil.copy(PYMOE / "gguf" / "pymoe-Q4_K_M.gguf", model)
+    model = bundled_copy(tmp_path)
     key, member, backbone = (str(tmp_path / name) for name in ("swarm.key", "member.pem", "backbone.pem"))
-    assert _run("keygen", "-o", key).returncode == 0
+    assert run("keygen", "-o", key).returncode == 0
     for name, path in (("joiner", member), ("gateway", backbone)):
-        assert _run("keygen", "--member", name, "--swarm-key", key, "-o", path).returncode == 0
-    inviter = _cli("invite", "--model", str(model), "--swarm-key", key)
+        assert run("keygen", "--member", name, "--swarm-key", key, "-o", path).returncode == 0
+    inviter = cli("invite", "--model", str(model), "--swarm-key", key)
     processes = [inviter]
     try:
         text = inviter.stdout.readline().rstrip("\n")
         invite = parse_invite(text)
         assert invite.swarm == swarm_certificate_hash(key) == swarm_certificate_hash(member)
         manifest = load_manifest(Path(f"{model}.manifest.json"))
-        unkeyed = _run("join", text, "--dir", str(tmp_path / "none"), timeout=60)
+        unkeyed = run("join", text, "--dir", str(tmp_path / "none"), timeout=60)
         assert unkeyed.returncode == 2 and "keyed swarm: pass your member file" in unkeyed.stderr
-        joiner = _cli("join", text, "--memory", "1", "--dir", str(tmp_path / "j"), "--threads", "1",
+        joiner = cli("join", text, "--memory", "1", "--dir", str(tmp_path / "j"), "--threads", "1",
                       "--swarm-key", member)
         processes.append(joiner)
-        lines = _lines_until(joiner, "announced on the swarm as ")
-        assert _share(lines) == list(range(32))
+        lines = lines_until(joiner, "announced on the swarm as ")
+        assert share_of(lines) == list(range(32))
         assert any("seeding the share's pieces as 127.0.0.1:" in line for line in lines)  # its seed record signed
-        generated = _run("generate", "--model", str(model), "--swarm", text, "--swarm-key", backbone, "--prompt",
+        generated = run("generate", "--model", str(model), "--swarm", text, "--swarm-key", backbone, "--prompt",
                          "def main(", "--max-new-tokens", "6", "--check-local", "--json", "--threads", "1")
         assert generated.returncode == 0, generated.stderr[-3000:]
         assert json.loads(generated.stdout.strip().splitlines()[-1])["bit_identical"] is True
-        status = _run("status", text, "--swarm-key", backbone, "--dir", str(tmp_path / "s"), "--json")
+        status = run("status", text, "--swarm-key", backbone, "--dir", str(tmp_path / "s"), "--json")
         assert status.returncode == 0, status.stderr[-3000:]
         assert [m["tls"] for m in json.loads(status.stdout)["members"]] == [True]
         assert manifest.fingerprint == invite.model
