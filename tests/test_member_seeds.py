@@ -14,7 +14,8 @@ import dataclasses
 import json
 import socket
 
-from test_invite_join import _cli, _join, _lines_until, _run, _share, swarm  # noqa: F401 - the fixture
+from swarm_processes import join, lines_until, run, share_of
+from test_invite_join import swarm  # noqa: F401 - the fixture
 
 from moeswarm.discovery.invite import format_invite, parse_invite
 from moeswarm.gguf.gguf_slice import write_slice
@@ -32,19 +33,19 @@ def _dead_address() -> str:
 
 def test_a_second_joiner_fetches_its_share_from_the_first_with_the_inviters_seeder_gone(swarm, tmp_path):
     invite, model, manifest = swarm
-    first = _join(invite, tmp_path / "a", ALL, manifest)
+    first = join(invite, tmp_path / "a", ALL, manifest, "--announce-ttl", "60")
     joiners = [first]
     try:
-        lines_a = _lines_until(first, "announced on the swarm as ")
+        lines_a = lines_until(first, "announced on the swarm as ")
         seed_line = next(line for line in lines_a if "seeding the share's pieces as " in line)
         seed_address = seed_line.split("seeding the share's pieces as ", 1)[1].split()[0]
-        assert _share(lines_a) == list(range(ALL))
+        assert share_of(lines_a) == list(range(ALL))
 
         without_seeder = format_invite(dataclasses.replace(parse_invite(invite), seed=_dead_address()))
-        second = _join(without_seeder, tmp_path / "b", HALF, manifest)
+        second = join(without_seeder, tmp_path / "b", HALF, manifest, "--announce-ttl", "60")
         joiners.append(second)
-        lines_b = _lines_until(second, "announced on the swarm as ")
-        share_b = _share(lines_b)
+        lines_b = lines_until(second, "announced on the swarm as ")
+        share_b = share_of(lines_b)
         assert len(share_b) == HALF
         fetched_line = next(line for line in lines_b if "fetched " in line)
         fetched = int(fetched_line.split("fetched ", 1)[1].split()[0])
@@ -54,13 +55,13 @@ def test_a_second_joiner_fetches_its_share_from_the_first_with_the_inviters_seed
         write_slice(model, tmp_path / "expected.gguf", share_b)
         assert slice_b.read_bytes() == (tmp_path / "expected.gguf").read_bytes()
 
-        generated = _run("generate", "--model", str(model), "--swarm", invite, "--prompt", "def main(",
+        generated = run("generate", "--model", str(model), "--swarm", invite, "--prompt", "def main(",
                          "--max-new-tokens", "8", "--check-local", "--json", "--threads", "1")
         assert generated.returncode == 0, generated.stderr[-3000:]
         report = json.loads(generated.stdout.strip().splitlines()[-1])
         assert report["bit_identical"] is True and len(report["workers"]) == 2
 
-        status = _run("status", invite, "--dir", str(tmp_path / "status"), "--json")
+        status = run("status", invite, "--dir", str(tmp_path / "status"), "--json")
         assert status.returncode == 0, status.stderr[-3000:]
         seeds = {seed["address"]: seed["experts"] for seed in json.loads(status.stdout)["seeds"]}
         assert seeds[seed_address] == list(range(ALL)) and len(seeds) == 2  # the second seeds its share too
