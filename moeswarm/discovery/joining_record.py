@@ -19,11 +19,10 @@ an answer. Records come from the network: `parse_joining_record` bounds and chec
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moeswarm.discovery.record import (
-    KEY_PREFIX, MAX_LAYERS, MAX_RUNS_TEXT, RecordError, RecordKind, entry_head, quoted, text_field,
+    KEY_PREFIX, MAX_RUNS_TEXT, RecordError, RecordKind, direct_entry_head, quoted, span_field, text_field,
 )
 from moeswarm.ids import MAX_EXPERT_ID, format_ids, parse_experts
 
@@ -60,12 +59,8 @@ def joining_key(fingerprint: str) -> str:
 
 def parse_joining_record(subkey: object, value: object, fingerprint: str) -> JoiningRecord:
     """The joining record in one DHT entry (subkey: the address it was stored under); RecordError if malformed."""
-    if isinstance(value, Mapping) and len(value) > 16:
-        raise RecordError(f"{len(value)} fields: a joining record has 6")
-    value, address = entry_head(subkey, value, fingerprint, JOINING_RECORD_VERSION, MAX_JOINING_ADDRESS,
-                                "joining record")
-    if "+" in address or "://" in address:
-        raise RecordError(f"address {quoted(address)} is not HOST:PORT")
+    value, address = direct_entry_head(subkey, value, fingerprint, JOINING_RECORD_VERSION, MAX_JOINING_ADDRESS,
+                                       "joining record", 6)
     experts = layers = None
     if value.get("experts") is not None:
         text = text_field(value, "experts", MAX_RUNS_TEXT)
@@ -75,12 +70,8 @@ def parse_joining_record(subkey: object, value: object, fingerprint: str) -> Joi
             raise RecordError(f"experts: {error}") from None
         if not experts or experts[-1] > MAX_EXPERT_ID:
             raise RecordError(f"experts {quoted(text)} is empty or beyond expert {MAX_EXPERT_ID}")
-    span = value.get("layers")
-    if span is not None:
-        if not (isinstance(span, (list, tuple)) and len(span) == 2 and all(type(v) is int for v in span)
-                and 0 <= span[0] <= span[1] < MAX_LAYERS):
-            raise RecordError(f"layers {quoted(span)} is not [first, last] with 0 <= first <= last < {MAX_LAYERS}")
-        layers = range(span[0], span[1] + 1)
+    if value.get("layers") is not None:
+        layers = span_field(value, "layers")
     if (experts is None) == (layers is None):
         raise RecordError("a joining record names experts or layers, exactly one")
     online = value.get("online")

@@ -31,6 +31,7 @@ MAX_HIDDEN = 1 << 20
 MAX_COUNT = 1 << 31  # connections, tokens per DISPATCH
 MAX_LOAD_VALUES = 1 << 16  # rates in a record's `load`, over all its layers
 MAX_RATE = 1 << 40  # rows per minute of one expert
+MAX_FIELDS = 16  # in a seed's, a stage's or a joiner's record
 
 
 class RecordError(ValueError):
@@ -118,6 +119,27 @@ def entry_head(subkey: object, value: object, fingerprint: str, version: int, ma
     if found != fingerprint:
         raise RecordError(f"fingerprint {quoted(found)} under the key of {fingerprint}")
     return value, address
+
+
+def direct_entry_head(subkey: object, value: object, fingerprint: str, version: int, max_address: int, kind: str,
+                      fields: int) -> tuple[Mapping, str]:
+    """`entry_head` for the record of a process dialled directly (a seed, a stage, a joiner's DHT
+    node): a map of at most MAX_FIELDS entries (a `kind` has `fields`), its address HOST:PORT."""
+    if isinstance(value, Mapping) and len(value) > MAX_FIELDS:
+        raise RecordError(f"{len(value)} fields: a {kind} has {fields}")
+    value, address = entry_head(subkey, value, fingerprint, version, max_address, kind)
+    if "+" in address or "://" in address:
+        raise RecordError(f"address {quoted(address)} is not HOST:PORT (a {kind.split()[0]} is dialled directly)")
+    return value, address
+
+
+def span_field(value: Mapping, name: str) -> range:
+    """The layers `value[name]` names as [first, last]; RecordError unless 0 <= first <= last < MAX_LAYERS."""
+    span = value.get(name)
+    if not (isinstance(span, (list, tuple)) and len(span) == 2 and all(type(v) is int for v in span)
+            and 0 <= span[0] <= span[1] < MAX_LAYERS):
+        raise RecordError(f"{name} {quoted(span)} is not [first, last] with 0 <= first <= last < {MAX_LAYERS}")
+    return range(span[0], span[1] + 1)
 
 
 def parse_record(subkey: object, value: object, fingerprint: str) -> Announcement:

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moeswarm.discovery.record import (
-    KEY_PREFIX, MAX_RUNS_TEXT, RecordError, RecordKind, entry_head, quoted, text_field,
+    KEY_PREFIX, MAX_RUNS_TEXT, RecordError, RecordKind, direct_entry_head, quoted, text_field,
 )
 from moeswarm.ids import MAX_EXPERT_ID, format_ids, parse_experts
 
@@ -67,11 +66,8 @@ def seed_key(fingerprint: str) -> str:
 
 def parse_seed_record(subkey: object, value: object, fingerprint: str) -> SeedRecord:
     """The seed record in one DHT entry (subkey: the address it was stored under); RecordError if malformed."""
-    if isinstance(value, Mapping) and len(value) > 16:
-        raise RecordError(f"{len(value)} fields: a seed record has 7")
-    value, address = entry_head(subkey, value, fingerprint, SEED_RECORD_VERSION, MAX_SEED_ADDRESS, "seed record")
-    if "+" in address or "://" in address:
-        raise RecordError(f"address {quoted(address)} is not HOST:PORT (a seed is dialled directly)")
+    value, address = direct_entry_head(subkey, value, fingerprint, SEED_RECORD_VERSION, MAX_SEED_ADDRESS,
+                                       "seed record", 7)
     manifest = value.get("manifest")
     if not isinstance(manifest, str) or not _SHA256.fullmatch(manifest):
         raise RecordError(f"manifest {quoted(manifest)} is not a sha256 in lowercase hex")

@@ -14,11 +14,10 @@ holds, and a HELLO that contradicts the record drops it (stages/find.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moeswarm.discovery.record import (
-    KEY_PREFIX, MAX_HIDDEN, MAX_LAYERS, MAX_NAME, RecordError, RecordKind, entry_head, int_field, quoted,
+    KEY_PREFIX, MAX_HIDDEN, MAX_NAME, RecordError, RecordKind, direct_entry_head, int_field, span_field,
     text_field,
 )
 
@@ -63,19 +62,13 @@ def stage_key(fingerprint: str) -> str:
 
 def parse_stage_record(subkey: object, value: object, fingerprint: str) -> StageRecord:
     """The stage record in one DHT entry (subkey: the address it was stored under); RecordError if malformed."""
-    if isinstance(value, Mapping) and len(value) > 16:
-        raise RecordError(f"{len(value)} fields: a stage record has 8")
-    value, address = entry_head(subkey, value, fingerprint, STAGE_RECORD_VERSION, MAX_STAGE_ADDRESS, "stage record")
-    if "+" in address or "://" in address:
-        raise RecordError(f"address {quoted(address)} is not HOST:PORT (a stage is dialled directly)")
-    layers = value.get("layers")
-    if not (isinstance(layers, (list, tuple)) and len(layers) == 2 and all(type(v) is int for v in layers)
-            and 0 <= layers[0] <= layers[1] < MAX_LAYERS):
-        raise RecordError(f"layers {quoted(layers)} is not [first, last] with 0 <= first <= last < {MAX_LAYERS}")
+    value, address = direct_entry_head(subkey, value, fingerprint, STAGE_RECORD_VERSION, MAX_STAGE_ADDRESS,
+                                       "stage record", 8)
+    layers = span_field(value, "layers")
     tls, online = value.get("tls"), value.get("online")
     if type(tls) is not bool or type(online) is not bool:
         raise RecordError("tls and online must be true or false")
-    return StageRecord(address, fingerprint, text_field(value, "model_type", MAX_NAME), range(layers[0], layers[1] + 1),
+    return StageRecord(address, fingerprint, text_field(value, "model_type", MAX_NAME), layers,
                        int_field(value, "hidden_size", 1, MAX_HIDDEN), tls, online)
 
 
