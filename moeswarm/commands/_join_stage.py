@@ -3,26 +3,31 @@
 join.py hands over here once the invite says `stages` (and the manifest is fetched). The span is
 chosen by discovery/stage_joining.py; its slice is fetched from the invite's seeder; then this
 process is a `moeswarm stage` of that span over the slice, every expert of its layers held in its
-own process, announced on the swarm's DHT for gateways (`generate`/`serve --swarm INVITE`). A
-stage member does not move (no `--rebalance`) nor seed its slice (docs/network.md, Stages swarms).
+own process, announced on the swarm's DHT for gateways (`generate`/`serve --swarm INVITE`). Every
+`--rebalance` seconds it looks whether a span lost every stage while its own has several, and
+moves there if it is the one to (node/stage_member.py). It does not seed its slice
+(docs/network.md, Stages swarms).
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import threading
 from pathlib import Path
 
 
 def run_stage_member(args: argparse.Namespace, invite, manifest, directory: Path, memory_bytes: int) -> int:
-    """Choose the span, fetch its slice, serve it as an announced stage until SIGTERM or Ctrl-C."""
+    """Choose the span, fetch its slice, serve it as an announced stage (moving it every
+    `args.rebalance` seconds when the swarm needs it elsewhere) until SIGTERM or Ctrl-C."""
     from moeswarm.commands._setup import set_backbone_threads
     from moeswarm.commands._swarm import keyed_dht
     from moeswarm.commands._tls import client_tls, server_tls
     from moeswarm.discovery.announce import announce_address
     from moeswarm.discovery.dht import SwarmDht
-    from moeswarm.discovery.stage_joining import fetch_stage_slice, plan_span, swarm_cut
+    from moeswarm.discovery.stage_joining import fetch_stage_slice, plan_span, span_bytes, stage_slice_path, swarm_cut
     from moeswarm.discovery.stage_record import STAGES
+    from moeswarm.node.stage_member import StageMember
     from moeswarm.stages.node import StageAnnouncement, StageOptions, open_stage_node
     from moeswarm.stages.server import StageLimits
     from moeswarm.swarm_config import SwarmConfig
@@ -39,19 +44,38 @@ def run_stage_member(args: argparse.Namespace, invite, manifest, directory: Path
         span.start, span.stop - 1, ", ".join(f"{s.start}-{s.stop - 1}" for s in cut),
         ", ".join(map(str, holders))))
     tls = client_tls(args.swarm_key)
-    path = fetch_stage_slice(invite, manifest, span, directory, tls, args.timeout, _say)
-    options = StageOptions(str(path), span, args.host, args.port, (), StageLimits(), server_tls(args.swarm_key, args.host),
-                           "file", StageAnnouncement(tuple(invite.dht), args.announce_host, args.announce_ttl,
-                                                     args.dht_port, args.swarm_key))
-    set_backbone_threads(args.threads)
-    with open_stage_node(options, lambda source: SwarmConfig(tls=tls), report=_say) as node:
-        from moeswarm.gc_freeze import freeze_loaded
+    announcement = StageAnnouncement(tuple(invite.dht), args.announce_host, args.announce_ttl, args.dht_port,
+                                     args.swarm_key)
+    sizes = {(s.start, s.stop): span_bytes(manifest, s) for s in cut}
 
-        freeze_loaded()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: node.stop())
-        node.serve()
-    _say(f"stopped after {node.steps} steps")
+    def open_node(span: range, port: int = 0, dht=None):  # a moved span listens on a free port: the old one still serves
+        path = fetch_stage_slice(invite, manifest, span, directory, tls, args.timeout, _say)
+        options = StageOptions(str(path), span, args.host, port, (), StageLimits(),
+                               server_tls(args.swarm_key, args.host), "file", announcement)
+        return open_stage_node(options, lambda source: SwarmConfig(tls=tls), report=_say, dht=dht)
+
+    def read() -> dict[str, range]:
+        return {address: record.layers for address, record in member.node.dht.fetch(invite.model, STAGES).items()}
+
+    def moved(old: range) -> None:  # the old node is closed: free its slice's disk
+        path = stage_slice_path(directory, invite.model, old)
+        freed = path.stat().st_size if path.is_file() else 0
+        path.unlink(missing_ok=True)
+        _say(f"removed the slice of layers {old.start}-{old.stop - 1} ({freed} bytes on disk)")
+
+    set_backbone_threads(args.threads)
+    first = open_node(span, args.port)
+    member = StageMember(first, cut, lambda span: open_node(span, dht=member.node.dht), read, _say,
+                         fits=lambda span: sizes[(span.start, span.stop)] <= memory_bytes, on_move=moved)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    from moeswarm.gc_freeze import freeze_loaded
+
+    freeze_loaded()
+    member.serve(stop, args.rebalance)  # closes the node it ends with
+    node = member.node
+    _say(f"stopped after {member.steps + node.steps} steps, {member.moves} moves")
     return 0
 
 
