@@ -4,7 +4,8 @@ holder of the other span moves there (node/stage_member.py), and the swarm gener
 `moeswarm invite --stages 2` on the bundled model; three `join INVITE --rebalance 1` take layers
 0-2, 3-5, 0-2. The 3-5 stage is killed (no withdrawal: its record lapses with its TTL); of the two
 0-2 stages, the one with the smaller address (placement/stage_move.py) fetches the 3-5 slice,
-announces it, withdraws and closes its 0-2 stage and removes that slice; the other stays. The
+announces it, withdraws and closes its 0-2 stage, seeds the 3-5 pieces and removes the 0-2 slice
+with its kept pieces; the other stays. The
 records then hold each span once, and `generate --swarm INVITE --check-local` is bit-identical.
 """
 
@@ -19,6 +20,7 @@ import pytest
 from moeswarm.discovery.invite import parse_invite
 from moeswarm.discovery.stage_joining import stage_slice_path
 from moeswarm.local.workers import stop
+from moeswarm.slices.fetch import pieces_paths
 from swarm_processes import bundled_copy, cli, lines_until, run
 
 TTL_S = "8"  # a killed stage's record lapses within this; live ones are refreshed every third of it
@@ -91,7 +93,9 @@ def test_a_holder_of_a_crowded_span_moves_to_the_span_that_lost_its_stage(tmp_pa
         assert "moving there" not in _rest(stayer)  # one holder moved, the other stayed
         rest = _rest(mover)
         assert "removed the slice of layers 0-2" in rest and "1 moves" in rest, rest
-        assert not stage_slice_path(directory, parsed.model, range(0, 3)).exists()
+        assert "seeding the span's pieces as " in rest  # its seed follows the span, once the old stage closed
+        old = stage_slice_path(directory, parsed.model, range(0, 3))
+        assert not old.exists() and not any(path.exists() for path in pieces_paths(old))
         assert stage_slice_path(directory, parsed.model, range(3, 6)).is_file()
     finally:
         stop(processes)

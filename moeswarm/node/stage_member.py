@@ -47,12 +47,13 @@ class StageMember:
     cut: the swarm's spans. open_node(span): fetch that span's slice and build its node on the
     member's DHT node, not started (blocking). read(): {address: span} of the online stage records
     of the model (blocking). fits(span): whether the span fits the member's memory (a move that
-    does not is reported and not made). on_move(old span): called once the old node is closed."""
+    does not is reported and not made). on_move(old span): called once the old node is closed.
+    on_stop(): called when serving ends, before the node closes (and leaves the DHT)."""
 
     def __init__(self, node: StageNode, cut: Sequence[range], open_node: Callable[[range], StageNode],
                  read: Callable[[], Mapping[str, range]], report: Callable[[str], None],
                  fits: Callable[[range], bool] = lambda span: True, on_move: Callable[[range], None] | None = None,
-                 grace_s: float = GRACE_S, poll_s: float = POLL_S):
+                 on_stop: Callable[[], None] | None = None, grace_s: float = GRACE_S, poll_s: float = POLL_S):
         self.node = node
         self.cut = list(cut)
         self.open_node = open_node
@@ -60,6 +61,7 @@ class StageMember:
         self.report = report
         self.fits = fits
         self.on_move = on_move
+        self.on_stop = on_stop
         self.grace_s = grace_s
         self.poll_s = poll_s
         self.moves = 0
@@ -73,15 +75,19 @@ class StageMember:
     def serve(self, stop: threading.Event, interval_s: float) -> None:
         """Start the node, look every `interval_s` (0: never) and move when this member is the one
         to, until `stop`; then withdraw and close the node."""
-        self.node.start()
         try:
+            self.node.start()
             while not stop.wait(interval_s if interval_s > 0 else None):
                 try:
                     self.step(stop)
                 except Exception as error:  # a failed fetch, a DHT hiccup: the old span serves on; next round tries again
                     self.report(f"rebalancing: {one_line(error)}")
         finally:
-            self.node.close()
+            try:
+                if self.on_stop is not None:
+                    self.on_stop()
+            finally:
+                self.node.close()
 
     def step(self, stop: threading.Event | None = None) -> range | None:
         """One round: read the swarm's stages, and move if this member is the one to."""
