@@ -100,9 +100,14 @@ def drop_share(directory: str | Path, fingerprint: str, experts: Sequence[int]) 
     """Remove the slice of `experts` from `directory`, with its kept pieces and any partial fetch
     (a member that moved away from that share: its disk holds one share, not every one it held).
     Returns the bytes freed; files already gone are skipped."""
+    return remove_slice(share_path(directory, fingerprint, experts))
+
+
+def remove_slice(out: Path) -> int:
+    """Remove slice `out` with its kept pieces and any partial fetch; the bytes freed (files already
+    gone are skipped)."""
     from moeswarm.slices.kept import pieces_paths
 
-    out = share_path(directory, fingerprint, experts)
     freed = 0
     partial = (out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.done"))
     for path in (out, *partial, *pieces_paths(out)):

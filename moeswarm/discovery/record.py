@@ -122,7 +122,7 @@ def entry_head(subkey: object, value: object, fingerprint: str, version: int, ma
 
 
 def direct_entry_head(subkey: object, value: object, fingerprint: str, version: int, max_address: int, kind: str,
-                      fields: int) -> tuple[Mapping, str]:
+                      fields: int | str) -> tuple[Mapping, str]:
     """`entry_head` for the record of a process dialled directly (a seed, a stage, a joiner's DHT
     node): a map of at most MAX_FIELDS entries (a `kind` has `fields`), its address HOST:PORT."""
     if isinstance(value, Mapping) and len(value) > MAX_FIELDS:

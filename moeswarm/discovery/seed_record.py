@@ -10,6 +10,10 @@ keyed swarm: discovery/sign.py), a small msgpack map:
 
 `experts` names the pieces it holds: those of a slice of these experts under the manifest
 (slices/manifest.py `pieces`: the header, the fingerprint's samples and the experts' blocks).
+A stages swarm's member (its slice: every expert of its span's MoE layers, and the model's whole
+trunk) adds two fields, `"layers": [first, last]` (the MoE layers whose experts' blocks it holds;
+absent: every MoE layer) and `"trunk": true` (it holds every non-expert tensor too; absent: false),
+so an experts member's record keeps its bytes.
 Records come from the network: `parse_seed_record` bounds every size and checks every type. A
 record only says where to ask: every piece fetched is checked against the manifest's hash, so a
 lying seed costs a connection and is then passed over (slices/fetch.py).
@@ -22,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from moeswarm.discovery.record import (
-    KEY_PREFIX, MAX_RUNS_TEXT, RecordError, RecordKind, direct_entry_head, quoted, text_field,
+    KEY_PREFIX, MAX_RUNS_TEXT, RecordError, RecordKind, direct_entry_head, quoted, span_field, text_field,
 )
 from moeswarm.ids import MAX_EXPERT_ID, format_ids, parse_experts
 
@@ -41,6 +45,8 @@ class SeedRecord:
     experts: it holds every piece of a slice of these experts (ascending).
     tls: whether it requires the swarm key.
     online: False in the record a seed leaves when it stops cleanly.
+    layers: (first, last) MoE layers of the experts' blocks it holds; None: every MoE layer.
+    trunk: whether it holds every non-expert tensor too (a stage member's slice).
     """
 
     address: str
@@ -49,11 +55,18 @@ class SeedRecord:
     experts: tuple[int, ...]
     tls: bool
     online: bool = True
+    layers: tuple[int, int] | None = None
+    trunk: bool = False
 
     def to_value(self) -> dict:
         """The msgpack-able value stored on the DHT."""
-        return {"v": SEED_RECORD_VERSION, "address": self.address, "fingerprint": self.fingerprint,
-                "manifest": self.manifest, "experts": format_ids(self.experts), "tls": self.tls, "online": self.online}
+        value = {"v": SEED_RECORD_VERSION, "address": self.address, "fingerprint": self.fingerprint,
+                 "manifest": self.manifest, "experts": format_ids(self.experts), "tls": self.tls, "online": self.online}
+        if self.layers is not None:
+            value["layers"] = list(self.layers)
+        if self.trunk:
+            value["trunk"] = True
+        return value
 
     def offline(self) -> "SeedRecord":
         return dataclasses.replace(self, online=False)
@@ -67,7 +80,7 @@ def seed_key(fingerprint: str) -> str:
 def parse_seed_record(subkey: object, value: object, fingerprint: str) -> SeedRecord:
     """The seed record in one DHT entry (subkey: the address it was stored under); RecordError if malformed."""
     value, address = direct_entry_head(subkey, value, fingerprint, SEED_RECORD_VERSION, MAX_SEED_ADDRESS,
-                                       "seed record", 7)
+                                       "seed record", "7 (9 a stage member's)")
     manifest = value.get("manifest")
     if not isinstance(manifest, str) or not _SHA256.fullmatch(manifest):
         raise RecordError(f"manifest {quoted(manifest)} is not a sha256 in lowercase hex")
@@ -81,7 +94,12 @@ def parse_seed_record(subkey: object, value: object, fingerprint: str) -> SeedRe
     tls, online = value.get("tls"), value.get("online")
     if type(tls) is not bool or type(online) is not bool:
         raise RecordError("tls and online must be true or false")
-    return SeedRecord(address, fingerprint, manifest, experts, tls, online)
+    layers = None if value.get("layers") is None else span_field(value, "layers")
+    trunk = value.get("trunk", False)
+    if type(trunk) is not bool:
+        raise RecordError("trunk must be true or false")
+    return SeedRecord(address, fingerprint, manifest, experts, tls, online,
+                      None if layers is None else (layers.start, layers.stop - 1), trunk)
 
 
 SEEDS = RecordKind(seed_key, parse_seed_record)

@@ -10,7 +10,9 @@ The order, and what each step relies on (the trust check and the manifest as in 
 3. `fetch_stage_slice` fetches that span's slice (slices/fetch.py: hashed, resumable): every
    expert of the span's MoE layers and the model's whole trunk (every non-expert tensor: the
    model's configuration is read off the file's tensor index, so a slice without the other
-   layers' trunk would read as another model; the stage loads only its own span's);
+   layers' trunk would read as another model; the stage loads only its own span's), from the
+   seeds other members announce and the invite's seeder (slices/sources.py), keeping the pieces
+   for this member's own seed (`stage_seed_layers`: what its seed record claims);
 4. the command runs a stage of that span on the slice, its experts held in its own process,
    announced on the swarm (commands/_join_stage.py).
 """
@@ -58,10 +60,23 @@ def stage_slice_path(directory: str | Path, fingerprint: str, span: range) -> Pa
     return Path(directory) / f"{fingerprint}.layers-{span.start}-{span.stop - 1}.gguf"
 
 
+def stage_seed_layers(manifest: Manifest, span: range) -> tuple[int, int]:
+    """(first, last) MoE layers of `span`: a stage slice holds every expert of these and the whole
+    trunk; MoeSwarmError when the span holds no MoE layer (it cannot be fetched as a slice)."""
+    moe = [layer for layer in manifest.moe_layers() if layer in span]
+    if not moe:
+        raise MoeSwarmError(f"layers {span.start}-{span.stop - 1} hold no MoE layer: a stage of dense layers only "
+                            "cannot be fetched as a slice (cut the swarm into fewer stages)")
+    return moe[0], moe[-1]
+
+
 def fetch_stage_slice(invite: Invite, manifest: Manifest, span: range, directory: str | Path, tls, timeout_s: float,
-                      say: Callable[[str], None], sources: str | Sequence | None = None) -> Path:
-    """The slice of `span` in `directory`: reused when there, else fetched from the invite's seeder
-    (or `sources`); FetchError naming what went wrong. `say` gets one line."""
+                      say: Callable[[str], None], sources: str | Sequence | None = None,
+                      keep_pieces: bool = False) -> Path:
+    """The slice of `span` in `directory`: reused when there, else fetched from `sources`
+    (slices/sources.py; None: the invite's seeder alone); FetchError naming what went wrong.
+    keep_pieces: keep the pieces for this member's seed. `say` gets one line: what was fetched,
+    from whom, or reused."""
     from moeswarm.slices.fetch import fetch_slice
     from moeswarm.slices.manifest import ManifestError
 
@@ -69,14 +84,21 @@ def fetch_stage_slice(invite: Invite, manifest: Manifest, span: range, directory
     if out.is_file():
         say(f"reusing {out}")
         return out
-    moe = [layer for layer in manifest.moe_layers() if layer in span]
-    if not moe:
-        raise MoeSwarmError(f"layers {span.start}-{span.stop - 1} hold no MoE layer: a stage of dense layers only "
-                            "cannot be fetched as a slice (cut the swarm into fewer stages)")
+    layers = stage_seed_layers(manifest, span)
     try:
-        report = fetch_slice(sources or invite.seed, manifest, manifest.data["expert_ids"], out, (moe[0], moe[-1]),
-                             True, tls, 3, timeout_s)
+        report = fetch_slice(sources or invite.seed, manifest, manifest.data["expert_ids"], out, layers,
+                             True, tls, 3, timeout_s, keep_pieces)
     except ManifestError as error:
         raise MoeSwarmError(f"layers {span.start}-{span.stop - 1}: {error}") from None
-    say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) into {out}")
+    origins = ", ".join(f"{count} from {address}" for address, count in sorted(report["from"].items()))
+    say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) into {out}"
+        + (f" ({origins})" if origins else ""))
     return out
+
+
+def drop_stage_slice(directory: str | Path, fingerprint: str, span: range) -> int:
+    """Remove the slice of `span` from `directory`, with its kept pieces and any partial fetch (a
+    member that moved away from that span); the bytes freed."""
+    from moeswarm.discovery.joining import remove_slice
+
+    return remove_slice(stage_slice_path(directory, fingerprint, span))

@@ -30,10 +30,12 @@ class MemberSeed:
     """A seeder of a member's kept pieces and its announcement, started and stopped together."""
 
     def __init__(self, seeder: Seeder, manifest: Manifest, experts: Sequence[int], dht: SwarmDht,
-                 host: str, port: int, announce_host: str | None, ttl_s: float):
+                 host: str, port: int, announce_host: str | None, ttl_s: float,
+                 layers: tuple[int, int] | None = None, trunk: bool = False):
         self.seeder = seeder
         self.manifest = manifest
         self.experts = tuple(experts)
+        self.layers, self.trunk = layers, trunk
         self.dht = dht
         self.host, self.port, self.announce_host, self.ttl_s = host, port, announce_host, ttl_s
         self.announcer: Announcer | None = None
@@ -47,7 +49,7 @@ class MemberSeed:
         _, port = await self.seeder.start(self.host, self.port)
         self.address = announce_address(self.host, port, self.announce_host)
         record = SeedRecord(self.address, self.manifest.fingerprint, self.manifest.sha256, self.experts,
-                            self.seeder.tls is not None)
+                            self.seeder.tls is not None, layers=self.layers, trunk=self.trunk)
         announcer = Announcer(self.dht, record, self.ttl_s, kind=SEEDS)
         try:
             await asyncio.get_running_loop().run_in_executor(None, announcer.start)
@@ -67,15 +69,16 @@ class MemberSeed:
 
 def open_member_seed(slice_path: str | Path, manifest: Manifest, experts: Sequence[int], tls: ssl.SSLContext | None,
                      dht: SwarmDht, host: str, port: int, announce_host: str | None,
-                     ttl_s: float) -> MemberSeed | None:
-    """The seed of the pieces kept beside `slice_path` (the slice of `experts`), or None when they are
-    not all there (a slice fetched without keeping them): a seed claims only what it holds whole."""
+                     ttl_s: float, layers: tuple[int, int] | None = None, trunk: bool = False) -> MemberSeed | None:
+    """The seed of the pieces kept beside `slice_path` (the slice of `experts`, of MoE `layers`
+    (None: all), with the trunk when `trunk`: a stage member's), or None when they are not all
+    there (a slice fetched without keeping them): a seed claims only what it holds whole."""
     held = kept_pieces(slice_path, manifest)
-    wanted = {(p.offset, p.length) for p in manifest.pieces(experts, None, False)}
+    wanted = {(p.offset, p.length) for p in manifest.pieces(experts, layers, trunk)}
     if not held or not wanted <= held:
         return None
     seeder = Seeder(pieces_paths(slice_path)[0], tls, pieces=frozenset(wanted))
-    return MemberSeed(seeder, manifest, experts, dht, host, port, announce_host, ttl_s)
+    return MemberSeed(seeder, manifest, experts, dht, host, port, announce_host, ttl_s, layers, trunk)
 
 
 class ShareSeed:

@@ -37,14 +37,19 @@ def fetch_sources(invite_seed: str, seeds: Iterable, manifest: Manifest, tls: bo
 
     seeds: SeedRecords read from the DHT; only those of `manifest` (its sha256), whose TLS is
     `tls`, and not at `own` (this member's own seed address) count; each holds the pieces of a
-    slice of its `experts`."""
+    slice of its `experts` (of its `layers`, with the trunk when `trunk`: a stage member's)."""
+    from moeswarm.slices.manifest import ManifestError
+
     chosen, experts = [], set(manifest.data["expert_ids"])
     for record in seeds:
         if record.manifest != manifest.sha256 or record.tls != tls or record.address in (own, invite_seed):
             continue
         if not set(record.experts) <= experts:
             continue  # not experts of this model: nothing it claims can be asked for
-        pieces = frozenset((p.offset, p.length) for p in manifest.pieces(record.experts, None, False))
+        try:
+            pieces = frozenset((p.offset, p.length) for p in manifest.pieces(record.experts, record.layers, record.trunk))
+        except ManifestError:
+            continue  # layers without a MoE layer of this model: it claims nothing that can be asked for
         chosen.append(Source(record.address, pieces))
     chosen.sort(key=lambda source: hashlib.sha256(order_seed + source.address.encode()).digest())
     return chosen + [Source(invite_seed)]

@@ -69,10 +69,12 @@ class StageOptions:
 
 
 def open_stage_node(options: StageOptions, swarm_config: Callable[[ModelSource], SwarmConfig],
-                    report: Report = lambda line: None) -> StageNode:
+                    report: Report = lambda line: None, dht: SwarmDht | None = None) -> StageNode:
     """Check the port, join the DHT (with `options.announce`), load the span and reach its experts.
 
     swarm_config: the SwarmConfig for the model's source (how the span's experts are reached).
+    dht: a DHT node already joined to announce on (a stage member moving to another span reuses
+    its own: node/stage_member.py); the node then owns it, and it is not closed on a failure here.
     The node is not listening yet: `node.serve()` runs it until `node.stop()`; closing the node
     (a context manager) closes its swarm and leaves the DHT. MoeSwarmError (one line) for a busy
     port, a bad peer, an address that cannot be announced, a span outside the model.
@@ -80,13 +82,15 @@ def open_stage_node(options: StageOptions, swarm_config: Callable[[ModelSource],
     from moeswarm.worker.listen import check_can_listen
 
     check_can_listen(options.host, options.port)
-    dht = _open_dht(options, report) if options.announce is not None else None
+    given = dht is not None
+    if dht is None and options.announce is not None:
+        dht = _open_dht(options, report)
     try:
         source = open_source(options.model, options.backbone_dtype)
         server, swarm = open_stage(source, options.span, list(options.workers), swarm_config(source), options.limits,
                                    options.tls)
     except BaseException:
-        if dht is not None:
+        if dht is not None and not given:
             dht.close()
         raise
     return StageNode(options, source, server, swarm, dht, report)
@@ -157,6 +161,11 @@ class StageNode:
         announcer.start()
         self.announcer = announcer
         self.report(f"announced on the swarm as {announcer.record.address} layers {span.start}-{span.stop - 1}")
+
+    def withdraw(self) -> None:
+        """Withdraw the record (stored offline: gateways reading now no longer find it) and keep
+        answering: a gateway whose chain holds this stage goes on until it fails over or leaves."""
+        self._withdraw()
 
     def _withdraw(self) -> None:
         if self.announcer is not None:
