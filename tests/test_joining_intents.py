@@ -2,7 +2,8 @@
 
 A joiner stores its choice on the DHT before fetching; a second joiner reading the swarm while the
 first is not serving yet (held stopped with SIGSTOP right after choosing) counts it as a holder and
-takes the other half of the model. The record's parser bounds what the network sends.
+takes the other half of the model (an experts swarm) or the other span (a stages swarm). The
+record's parser bounds what the network sends.
 """
 
 from __future__ import annotations
@@ -40,6 +41,28 @@ def test_a_joiner_counts_the_share_another_is_still_fetching(tmp_path):
         second_chose = lines_until(second, "share: experts ")
         assert "0 members announced" in second_chose[-1] and "1 joining" in second_chose[-1], second_chose[-1]
         assert sorted(share_of(chose) + share_of(second_chose)) == list(range(32))
+    finally:
+        if first is not None and first.poll() is None:
+            first.send_signal(signal.SIGCONT)
+        stop([p for p in (second, first, inviter) if p is not None])
+
+
+def test_a_stage_joiner_counts_the_span_another_is_still_fetching(tmp_path):
+    """The same in a stages swarm: the second joiner takes the other span, not the first's again."""
+    model = bundled_copy(tmp_path)
+    inviter = cli("invite", "--model", str(model), "--stages", "2")
+    first = second = None
+    try:
+        invite = inviter.stdout.readline().rstrip("\n")
+        parse_invite(invite)
+        first = cli("join", invite, "--dir", str(tmp_path / "a"), "--threads", "1")
+        chose = lines_until(first, "span: layers ")
+        first.send_signal(signal.SIGSTOP)
+        second = cli("join", invite, "--dir", str(tmp_path / "b"), "--threads", "1")
+        second_chose = lines_until(second, "span: layers ")
+        assert "span: layers 0-2 " in chose[-1] and "(stages holding or joining each: 0, 0; 0 joining)" in chose[-1]
+        assert "span: layers 3-5 " in second_chose[-1], second_chose[-1]
+        assert "(stages holding or joining each: 1, 0; 1 joining)" in second_chose[-1], second_chose[-1]
     finally:
         if first is not None and first.poll() is None:
             first.send_signal(signal.SIGCONT)

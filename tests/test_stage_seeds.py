@@ -65,7 +65,9 @@ def test_a_later_joiner_fetches_its_span_from_a_stage_members_seed_with_the_invi
         wanted = sum(p.length for p in manifest.pieces(manifest.data["expert_ids"], (moe[0], moe[-1]), True))
         origins = dict(reversed(part.split(" from ")) for part in fetched_line.rsplit(" (", 1)[1].rstrip(")\n").split(", "))
         assert fetched == wanted == sum(map(int, origins.values()))
-        assert set(origins) == {seed_a, _seed_address(lines_b)}  # all of it from the two seeds (the second's: the trunk)
+        # all of it from the members' seeds (the 0-2 member's holds every piece; the 3-5 member's the
+        # trunk alone, asked first or not as this joiner's order of the seeds draws)
+        assert seed_a in origins and set(origins) <= {seed_a, _seed_address(lines_b)}, origins
         span_experts = sum(p.length for p in manifest.pieces(manifest.data["expert_ids"], (moe[0], moe[-1]), False))
         assert int(origins[seed_a]) >= span_experts - sum(p.length for p in manifest.pieces([], None, False)) > 0
         assert _seed_address(lines_c)  # and it seeds them in turn

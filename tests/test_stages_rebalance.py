@@ -21,6 +21,7 @@ from moeswarm.discovery.invite import parse_invite
 from moeswarm.discovery.stage_joining import stage_slice_path
 from moeswarm.local.workers import stop
 from moeswarm.slices.kept import pieces_paths
+from moeswarm.slices.manifest import load_manifest
 from swarm_processes import bundled_copy, cli, lines_until, run
 
 TTL_S = "8"  # a killed stage's record lapses within this; live ones are refreshed every third of it
@@ -72,6 +73,11 @@ def test_a_holder_of_a_crowded_span_moves_to_the_span_that_lost_its_stage(tmp_pa
         lines = lines_until(mover, "moved: layers 3-5 announced as ", MOVE_WAIT_S)
         assert any("rebalancing: layers 3-5 have no stage; moving there from layers 0-2 (held by 2)" in line
                    for line in lines)
+        # the move fetched the span's experts and copied the trunk both slices hold from its kept pieces
+        copied = [int(line.split(" resumed, ", 1)[1].split()[0]) for line in lines if " copied from the slice held" in line]
+        manifest = load_manifest(Path(f"{model}.manifest.json"))
+        trunk = sum(p.length for p in manifest.pieces([], None, True))  # the header, samples and every non-expert tensor
+        assert len(copied) == 1 and copied[0] >= trunk > 0, (copied, trunk)
         moved_to = lines[-1].split("announced as ", 1)[1].split(";")[0]
         staying = address_c if mover is a else address_a
 

@@ -27,6 +27,8 @@ def run_stage_member(args: argparse.Namespace, invite, manifest, directory: Path
     from moeswarm.commands._tls import client_tls, server_tls
     from moeswarm.discovery.announce import announce_address
     from moeswarm.discovery.dht import SwarmDht
+    from moeswarm.discovery.joining import announce_joining, joining_address
+    from moeswarm.discovery.joining_record import JOINING, JoiningRecord
     from moeswarm.discovery.seed_record import SEEDS
     from moeswarm.discovery.stage_joining import (
         drop_stage_slice, fetch_stage_slice, plan_span, span_bytes, stage_seed_layers, stage_slice_path, swarm_cut,
@@ -41,17 +43,22 @@ def run_stage_member(args: argparse.Namespace, invite, manifest, directory: Path
     from moeswarm.swarm_config import SwarmConfig
 
     announce_address(args.host, 1, args.announce_host)  # 0.0.0.0 needs an announce host: say so before fetching
-    reader = SwarmDht.open(list(invite.dht), host=args.host, client=True, **keyed_dht(args.swarm_key))
+    # a node of its own until the stage is announced: it keeps this joiner's choice on the DHT meanwhile
+    reader = SwarmDht.open(list(invite.dht), host=args.host, **keyed_dht(args.swarm_key))
     try:
-        records = reader.fetch(invite.model, STAGES).values()
-        span, holders = plan_span(manifest, invite, records, memory_bytes)
+        joining = [r for r in reader.fetch(invite.model, JOINING).values() if r.layers is not None]
+        span, holders = plan_span(manifest, invite, [*reader.fetch(invite.model, STAGES).values(), *joining],
+                                  memory_bytes)
         seeds = list(reader.fetch(invite.model, SEEDS).values())  # for the first fetch
-    finally:
+        intent = announce_joining(reader, JoiningRecord(joining_address(reader.addresses()[0]), invite.model,
+                                                        layers=span), args.announce_ttl, _say)
+    except BaseException:
         reader.close()
+        raise
     cut = swarm_cut(manifest, invite)
-    _say("span: layers {}-{} of a cut into {} (stages holding each: {})".format(
+    _say("span: layers {}-{} of a cut into {} (stages holding or joining each: {}; {} joining)".format(
         span.start, span.stop - 1, ", ".join(f"{s.start}-{s.stop - 1}" for s in cut),
-        ", ".join(map(str, holders))))
+        ", ".join(map(str, holders)), len(joining)))
     tls = client_tls(args.swarm_key)
     announcement = StageAnnouncement(tuple(invite.dht), args.announce_host, args.announce_ttl, args.dht_port,
                                      args.swarm_key)
@@ -62,8 +69,9 @@ def run_stage_member(args: argparse.Namespace, invite, manifest, directory: Path
     def open_node(span: range, port: int = 0, dht=None):  # a moved span listens on a free port: the old one still serves
         found = seeds if dht is None else dht.fetch(invite.model, SEEDS).values()  # read again at a move
         sources = fetch_sources(invite.seed, found, manifest, tls is not None, seed and seed.address, order)
+        reuse = () if dht is None else [stage_slice_path(directory, invite.model, member.span)]  # a move: the trunk
         path = fetch_stage_slice(invite, manifest, span, directory, tls, args.timeout, _say, sources,
-                                 keep_pieces=not args.no_seed)
+                                 keep_pieces=not args.no_seed, reuse=reuse)
         options = StageOptions(str(path), span, args.host, port, (), StageLimits(),
                                server_tls(args.swarm_key, args.host), "file", announcement)
         return open_stage_node(options, lambda source: SwarmConfig(tls=tls), report=_say, dht=dht)
@@ -85,7 +93,12 @@ def run_stage_member(args: argparse.Namespace, invite, manifest, directory: Path
 
     set_backbone_threads(args.threads)
     seed = None
-    first = open_node(span, args.port)
+    try:
+        first = open_node(span, args.port)
+    finally:
+        if intent is not None:
+            intent.stop()  # the stage's own record now says what it holds
+        reader.close()
     member = StageMember(first, cut, lambda span: open_node(span, dht=member.node.dht), read, _say,
                          fits=lambda span: sizes[(span.start, span.stop)] <= memory_bytes, on_move=moved,
                          on_stop=lambda: seed is not None and seed.stop())

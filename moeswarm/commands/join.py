@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.discovery.invite import parse_invite
     from moeswarm.errors import MoeSwarmError
     from moeswarm.discovery.joining import (
-        check_key, drop_share, fetch_share, joining_address, joining_holders, layout, plan_share, share_path,
+        announce_joining, check_key, drop_share, fetch_share, joining_address, joining_holders, layout, plan_share,
+        share_path,
     )
     from moeswarm.discovery.joining_record import JOINING, JoiningRecord
     from moeswarm.discovery.seed_record import SEEDS
@@ -129,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
         share = plan_share(manifest, layers, num_experts, members + joining, _memory_bytes(args.memory),
                            dht.addresses()[0].encode())
         measured = sum(load is not None for _, load in members)
-        intent = _announce_joining(dht, JoiningRecord(joining_address(dht.addresses()[0]), invite.model, share.experts),
-                                   args.announce_ttl)
+        intent = announce_joining(dht, JoiningRecord(joining_address(dht.addresses()[0]), invite.model, share.experts),
+                                  args.announce_ttl, _say)
         _say(f"share: experts {format_ids(share.experts)} of MoE layers {format_ids(layers)} "
              f"({share.covers} layer-expert pairs nobody held, {share.backs} held once; {len(members)} members announced, "
              f"{measured} with a measured load, {len(joining)} joining)")
@@ -192,22 +193,6 @@ async def _serve(member, interval_s: float, seed) -> None:
     finally:
         if seed is not None:
             await seed.stop()
-
-
-def _announce_joining(dht, record, ttl_s: float):
-    """The Announcer keeping `record` (this joiner's choice) on the DHT until stopped, or None when no
-    peer took it (later joiners then choose without it: rebalancing repairs what they double)."""
-    from moeswarm.discovery.announce import Announcer
-    from moeswarm.discovery.joining_record import JOINING
-    from moeswarm.errors import MoeSwarmError
-
-    announcer = Announcer(dht, record, ttl_s, kind=JOINING)
-    try:
-        announcer.start()
-    except MoeSwarmError as error:
-        _say(f"the choice not announced to other joiners: {error}")
-        return None
-    return announcer
 
 
 def _worker_config(args: argparse.Namespace, invite) -> WorkerConfig:

@@ -91,6 +91,22 @@ def joining_address(dht_address: str) -> str:
     return canonical_address(f"{host}:{parts[4]}")
 
 
+def announce_joining(dht, record, ttl_s: float, say: Callable[[str], None]):
+    """The Announcer keeping `record` (this joiner's JoiningRecord) on the DHT until stopped, or None
+    when no peer took it (`say` says so: later joiners then choose without it, and rebalancing
+    repairs what they double)."""
+    from moeswarm.discovery.announce import Announcer
+    from moeswarm.discovery.joining_record import JOINING
+
+    announcer = Announcer(dht, record, ttl_s, kind=JOINING)
+    try:
+        announcer.start()
+    except MoeSwarmError as error:
+        say(f"the choice not announced to other joiners: {error}")
+        return None
+    return announcer
+
+
 def share_path(directory: str | Path, fingerprint: str, experts: Sequence[int]) -> Path:
     """Where the slice of `experts` is kept: the same share, run again, resumes or reuses it."""
     return Path(directory) / f"{fingerprint}.experts-{format_ids(experts).replace(',', '_')}.gguf"

@@ -72,11 +72,12 @@ def stage_seed_layers(manifest: Manifest, span: range) -> tuple[int, int]:
 
 def fetch_stage_slice(invite: Invite, manifest: Manifest, span: range, directory: str | Path, tls, timeout_s: float,
                       say: Callable[[str], None], sources: str | Sequence | None = None,
-                      keep_pieces: bool = False) -> Path:
+                      keep_pieces: bool = False, reuse: Sequence[str | Path] = ()) -> Path:
     """The slice of `span` in `directory`: reused when there, else fetched from `sources`
     (slices/sources.py; None: the invite's seeder alone); FetchError naming what went wrong.
-    keep_pieces: keep the pieces for this member's seed. `say` gets one line: what was fetched,
-    from whom, or reused."""
+    keep_pieces: keep the pieces for this member's seed. reuse: slices whose kept pieces are copied
+    rather than fetched (a move: the trunk both spans' slices hold; slices/kept.py). `say` gets one
+    line: what was fetched, from whom, or reused."""
     from moeswarm.slices.fetch import fetch_slice
     from moeswarm.slices.manifest import ManifestError
 
@@ -87,11 +88,12 @@ def fetch_stage_slice(invite: Invite, manifest: Manifest, span: range, directory
     layers = stage_seed_layers(manifest, span)
     try:
         report = fetch_slice(sources or invite.seed, manifest, manifest.data["expert_ids"], out, layers,
-                             True, tls, 3, timeout_s, keep_pieces)
+                             True, tls, 3, timeout_s, keep_pieces, reuse)
     except ManifestError as error:
         raise MoeSwarmError(f"layers {span.start}-{span.stop - 1}: {error}") from None
     origins = ", ".join(f"{count} from {address}" for address, count in sorted(report["from"].items()))
-    say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) into {out}"
+    say(f"fetched {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed, {report['reused_bytes']} copied "
+        f"from the slice held before) into {out}"
         + (f" ({origins})" if origins else ""))
     return out
 

@@ -5,7 +5,7 @@ as it arrives; its standard error goes to a log file in the run's directory (nam
 The figures come from the lines the commands print anyway (commands/join.py, node/rebalancing.py):
 
     moeswarm worker: share: experts 0-15 of MoE layers 0-5 (...)          the share chosen
-    moeswarm worker: fetched 1985440 bytes (0 resumed) into DIR/...gguf    a slice fetched (or: reusing DIR/...)
+    moeswarm worker: fetched 1985440 bytes (0 resumed, 0 copied ...) into DIR/...gguf    a slice fetched (or: reusing DIR/...)
     moeswarm worker: announced on the swarm as 127.0.0.1:PORT (...)       serving, on the DHT
     moeswarm worker: moved: experts 8-23 announced as 127.0.0.1:PORT; ... a rebalancing move made
 
@@ -231,7 +231,7 @@ def join_figures(life: Process, complete: bool = True) -> JoinFigures | None:
 def _fetch(at: float, text: str) -> Fetch:
     if text.startswith("reusing "):
         return Fetch(at, 0, 0, True)
-    words = text.split()  # fetched N bytes (R resumed) into PATH
+    words = text.split()  # fetched N bytes (R resumed, C copied from the slice held before) into PATH
     return Fetch(at, int(words[1]), int(words[3].lstrip("(")), False)
 
 
