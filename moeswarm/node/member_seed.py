@@ -15,7 +15,7 @@ import asyncio
 import ssl
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from moeswarm.slices.kept import kept_pieces, pieces_paths
 from moeswarm.slices.manifest import Manifest
@@ -82,28 +82,31 @@ def open_member_seed(slice_path: str | Path, manifest: Manifest, experts: Sequen
 
 
 class ShareSeed:
-    """The seed of a member's current share, replaced when its share moves (node/rebalancing.py).
+    """The seed of a member's current share, replaced when its share moves (node/rebalancing.py,
+    and a stage member's span: node/stage_seed.py).
 
-    open_seed(experts, first): the MemberSeed of that share's kept pieces, or None (not kept);
-    `first` is True for the share the member joined with (it may take `--seed-port`)."""
+    open_seed(share, first): the MemberSeed of that share's kept pieces, or None (not kept);
+    `first` is True for the share the member joined with (it may take `--seed-port`). what: the
+    share's word in its lines ("share": experts; "span": a stage's layers)."""
 
-    def __init__(self, open_seed: Callable[[tuple[int, ...], bool], MemberSeed | None],
-                 report: Callable[[str], None]):
+    def __init__(self, open_seed: Callable[[Any, bool], MemberSeed | None], report: Callable[[str], None],
+                 what: str = "share"):
         self.open_seed = open_seed
         self.report = report
+        self.what = what
         self.seed: MemberSeed | None = None
         self._first = True
 
-    async def follow(self, experts: Sequence[int]) -> None:
-        """Seed the pieces of the share of `experts`: the new seed started and announced first, then
-        the old one withdrawn and closed."""
-        new = self.open_seed(tuple(experts), self._first)
+    async def follow(self, share) -> None:
+        """Seed the pieces of `share` (experts, or a span): the new seed started and announced first,
+        then the old one withdrawn and closed."""
+        new = self.open_seed(share, self._first)
         self._first = False
         if new is None:
-            self.report("not seeding: the share's pieces were not kept beside its slice (fetched with --no-seed, "
-                        "or by an older moeswarm)")
+            self.report(f"not seeding: the {self.what}'s pieces were not kept beside its slice (fetched with "
+                        "--no-seed, or by an older moeswarm)")
         else:
-            self.report(f"seeding the share's pieces as {await new.start()}")
+            self.report(f"seeding the {self.what}'s pieces as {await new.start()}")
         old, self.seed = self.seed, new
         if old is not None:
             await old.stop()

@@ -13,21 +13,21 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING
 
+from moeswarm.node.member_seed import ShareSeed
+
 if TYPE_CHECKING:
     from moeswarm.node.member_seed import MemberSeed
 
 
 class SpanSeed:
-    """The seed of a stage member's current span, replaced when the span moves (node/stage_member.py).
+    """The seed of a stage member's current span, replaced when the span moves (node/stage_member.py):
+    a ShareSeed of spans, driven from the member's threads through an event loop of its own.
 
     open_seed(span, first): the MemberSeed of that span's kept pieces, or None (not kept); `first`
     is True for the span the member joined with (it may take `--seed-port`)."""
 
     def __init__(self, open_seed: Callable[[range, bool], MemberSeed | None], report: Callable[[str], None]):
-        self.open_seed = open_seed
-        self.report = report
-        self.seed: MemberSeed | None = None
-        self._first = True
+        self._share = ShareSeed(open_seed, report, "span")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="moeswarm-stage-seed", daemon=True)
         self._thread.start()
@@ -35,28 +35,17 @@ class SpanSeed:
     @property
     def address(self) -> str | None:
         """The seed's announced HOST:PORT (None: not seeding)."""
-        return self.seed.address if self.seed is not None else None
+        return self._share.seed.address if self._share.seed is not None else None
 
     def follow(self, span: range) -> None:
         """Seed the pieces of `span`'s slice: the new seed started and announced first, then the old
         one withdrawn and closed."""
-        new = self.open_seed(span, self._first)
-        self._first = False
-        if new is None:
-            self.report("not seeding: the span's pieces were not kept beside its slice (fetched with --no-seed, "
-                        "or by an older moeswarm)")
-        else:
-            self.report(f"seeding the span's pieces as {self._run(new.start())}")
-        old, self.seed = self.seed, new
-        if old is not None:
-            self._run(old.stop())
+        self._run(self._share.follow(span))
 
     def stop(self) -> None:
         """Withdraw and close the seed, and end its loop's thread."""
         try:
-            if self.seed is not None:
-                seed, self.seed = self.seed, None
-                self._run(seed.stop())
+            self._run(self._share.stop())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
