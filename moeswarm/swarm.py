@@ -125,6 +125,12 @@ class Swarm:
         """Per holder: up, banned, degraded, consecutive failures, last cause, PING and round-trip quantiles (ms)."""
         return self._dispatcher.standing()
 
+    def announced(self) -> dict:
+        """{address: the Announcement it made on the DHT at discovery's last look} (`--swarm`; {}
+        without discovery): what members say of themselves (version, start, load), for pages."""
+        follower = self._following.follower if self._following is not None else None
+        return dict(follower.records) if follower is not None else {}
+
     def holdings(self) -> list[tuple[str, dict[int, tuple[int, ...]]]]:
         """Per holder that has not left: (address, {layer: experts it announced}). Joins and leaves
         count from the first layer call after they were seen (dispatch/membership.py)."""

@@ -205,6 +205,33 @@ def test_a_record_s_measured_load_is_optional_bounded_and_checked():
         assert str(caught.value) == message, why
 
 
+def test_a_record_s_version_and_start_are_optional_bounded_and_shown():
+    """`version` and `started` (for `status` and /swarm: discovery/member_about.py): a round trip,
+    an old record without them reads as None, each wrong one is one line."""
+    import dataclasses
+
+    from moeswarm.discovery.member_about import member_about
+
+    record = Announcement("10.0.0.7:7000", "fp", "qwen2_moe", 8, 16, {0: (0, 1)}, False, Capacity(64, 512), 12.5,
+                          load={0: (30, 12)})
+    assert {"version", "started"}.isdisjoint(record.to_value())
+    assert member_about(parse_record("10.0.0.7:7000", record.to_value(), "fp"), 100.0) == {
+        "version": None, "uptime_s": None, "tokens_per_s": 12.5, "load": 42}
+    about = dataclasses.replace(record, version="0.1.0", started=1_800_000_000.0)
+    assert parse_record("10.0.0.7:7000", about.to_value(), "fp") == about
+    assert member_about(about, 1_800_000_090.5)["uptime_s"] == 90.5
+    assert member_about(about, 1_700_000_000.0)["uptime_s"] == 0.0  # its clock ahead of ours: never below 0
+    assert member_about(None, 0.0) == {"version": None, "uptime_s": None, "tokens_per_s": None, "load": None}
+    for change, message in (({"version": "x" * 65}, "version is not printable text of 1 to 64 characters"),
+                            ({"version": "a\nb"}, "version is not printable text of 1 to 64 characters"),
+                            ({"started": -5}, "started -5 is not a time in Unix seconds"),
+                            ({"started": "now"}, "started 'now' is not a time in Unix seconds"),
+                            ({"started": float("inf")}, "started inf is not a time in Unix seconds")):
+        with pytest.raises(RecordError) as caught:
+            parse_record("10.0.0.7:7000", {**about.to_value(), **change}, "fp")
+        assert str(caught.value) == message
+
+
 def test_a_seed_record_is_bounded_and_checked():
     """A member's seed record (discovery/seed_record.py): a round trip, and every wrong field one line."""
     from moeswarm.discovery.seed_record import SeedRecord, parse_seed_record

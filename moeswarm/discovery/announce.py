@@ -73,6 +73,16 @@ class Announcer:
             log.warning("could not withdraw the announcement: %s", error)
 
 
+def moeswarm_version() -> str:
+    """The installed moeswarm's version, as a worker's record says it ("unknown" when not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moeswarm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def announce_address(listen_host: str, port: int, announce_host: str | None) -> str:
     """HOST:PORT that backbones (gateways, for a stage) dial: `announce_host` or the listen host,
     which must then be a real address."""

@@ -91,6 +91,7 @@ class Follower:
         self._retry: dict[str, tuple[float, int]] = {}  # address -> (monotonic time of the next try, failures)
         self._turn: dict[str, int] = {}  # address -> which of its claims to try next
         self._said: set[str] = set()  # problems already logged
+        self.records: dict[str, Announcement] = {}  # the record each address announced at the last look
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="moeswarm-discovery", daemon=True)
 
@@ -134,6 +135,7 @@ class Follower:
         current = self.members.current()
         claims = {a: [r for r in found if self._fits(r)] for a, found in self.dht.claims(self.fingerprint).items()}
         records = {a: _choose(found, current.get(a), self._turn.get(a, 0)) for a, found in claims.items() if found}
+        self.records = records  # replaced whole: readers on other threads see one look or the next
         join, leave = membership_diff(current, records)
         for address in leave:
             log.info("worker %s left the swarm", address)

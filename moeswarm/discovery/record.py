@@ -32,6 +32,8 @@ MAX_COUNT = 1 << 31  # connections, tokens per DISPATCH
 MAX_LOAD_VALUES = 1 << 16  # rates in a record's `load`, over all its layers
 MAX_RATE = 1 << 40  # rows per minute of one expert
 MAX_FIELDS = 16  # in a seed's, a stage's or a joiner's record
+MAX_VERSION = 64  # a worker's moeswarm version
+MAX_UNIX_S = 1 << 40  # a worker's start time
 
 
 class RecordError(ValueError):
@@ -57,6 +59,9 @@ class Announcement:
     load: {MoE layer: rows per minute each expert of held[layer] computed here, in its order}, over
     the worker's recent window (worker/served.py); None: not measured yet, or a record from a
     moeswarm that announces none (the field is optional: such records read as before).
+    version: the moeswarm version the worker runs; started: when it started serving (Unix
+    seconds, its own clock); both optional (None: a record from a moeswarm that says neither),
+    shown by `status` and the `/swarm` page, never used to route.
     """
 
     address: str
@@ -70,11 +75,14 @@ class Announcement:
     throughput: float
     online: bool = True
     load: dict[int, tuple[int, ...]] | None = field(default=None, hash=False)
+    version: str | None = None
+    started: float | None = None
 
     def to_value(self) -> dict:
         """The msgpack-able value stored on the DHT (experts as runs: "0-63", not 64 integers)."""
         load = {} if self.load is None else {"load": [[layer, list(rates)] for layer, rates in sorted(self.load.items())]}
-        return {**load,
+        about = {key: value for key, value in (("version", self.version), ("started", self.started)) if value is not None}
+        return {**load, **about,
             "v": RECORD_VERSION, "address": self.address, "fingerprint": self.fingerprint,
             "model_type": self.model_type, "num_experts": self.num_experts, "hidden_size": self.hidden_size,
             "held": [[layer, format_ids(experts)] for layer, experts in sorted(self.held.items())],
@@ -158,8 +166,13 @@ def parse_record(subkey: object, value: object, fingerprint: str) -> Announcemen
     if type(tls) is not bool or type(online) is not bool:
         raise RecordError("tls and online must be true or false")
     held = _held(value.get("held"), num_experts)
+    version = None if value.get("version") is None else text_field(value, "version", MAX_VERSION)
+    started = value.get("started")
+    if started is not None and (type(started) not in (int, float) or not 0 < started < MAX_UNIX_S):
+        raise RecordError(f"started {quoted(started)} is not a time in Unix seconds")
     return Announcement(address, fingerprint, text_field(value, "model_type", MAX_NAME), num_experts, hidden_size,
-                        held, tls, Capacity(*capacity), float(throughput), online, _load(value.get("load"), held))
+                        held, tls, Capacity(*capacity), float(throughput), online, _load(value.get("load"), held),
+                        version, None if started is None else float(started))
 
 
 WORKERS = RecordKind(announcement_key, parse_record)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -163,7 +164,7 @@ class WorkerNode:
         self.report(f"reachable through {self.route}")
 
     async def _announce(self, port: int) -> None:
-        from moeswarm.discovery.announce import Announcer, announce_address
+        from moeswarm.discovery.announce import Announcer, announce_address, moeswarm_version
         from moeswarm.discovery.record import Announcement, Capacity
 
         store, limits, config = self.server.store, self.config.limits, self.config
@@ -172,7 +173,7 @@ class WorkerNode:
         record = Announcement(f"{address}+{self.route}" if self.route else address, self.source.fingerprint,
                               self.source.config.model_type, store.num_experts, store.hidden_size, store.held,
                               tls=config.tls is not None, capacity=Capacity(limits.max_connections, limits.max_tokens),
-                              throughput=self.tokens_per_s)
+                              throughput=self.tokens_per_s, version=moeswarm_version(), started=time.time())
         announcer = Announcer(self.dht, record, config.announce_ttl_s, refresh=_load_refresh(store, config.announce_ttl_s))
         await asyncio.get_running_loop().run_in_executor(None, announcer.start)
         self.announcer = announcer

@@ -13,6 +13,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from moeswarm.discovery.member_about import member_about
+from moeswarm.discovery.swarm_view import path_of
 from moeswarm.ids import format_ids
 
 PAGE = Path(__file__).with_name("dashboard.html")
@@ -45,19 +47,22 @@ def dashboard_data(state) -> dict:
     swarm, stats = engine.swarm, engine.stats
     layers = list(swarm.moe_layers)
     standing = {s["worker"]: s for s in swarm.standing()}
+    announced, now = swarm.announced(), time.time()
     rtt = stats.workers()
     workers, replicas = [], [[0] * stats.num_experts for _ in layers]
     for address, held in swarm.holdings():
         state_of = standing.get(address, {})
         up = state_of.get("up", True) and not state_of.get("banned", False)
         experts = sorted({e for ids in held.values() for e in ids})
+        record = announced.get(address)
         workers.append({
-            "address": address, "path": "local" if address == "local" else "direct",
+            "address": address, "path": "local" if address == "local" else path_of(address),
             "state": "banned" if state_of.get("banned") else ("down" if not up else
                                                               "degraded" if state_of.get("degraded") else "up"),
             "cause": state_of.get("cause"), "layers": format_ids(sorted(held)), "experts": format_ids(experts),
             "calls": rtt.get(address, {}).get("calls", 0),
             "rtt_ms_p50": rtt.get(address, {}).get("rtt_ms_p50"), "rtt_ms_p99": rtt.get(address, {}).get("rtt_ms_p99"),
+            **member_about(record, now),
         })
         if up:
             for row, layer in enumerate(layers):
