@@ -20,7 +20,7 @@ from moeswarm.bundled import PYMOE
 from moeswarm.discovery.invite import parse_invite
 from moeswarm.local.workers import stop
 from moeswarm.slices.manifest import load_manifest
-from swarm_processes import bundled_copy, cli, lines_until, run
+from swarm_processes import bundled_copy, cli, lines_until, run, status
 
 @pytest.fixture(scope="module")
 def stages_swarm(tmp_path_factory):
@@ -82,6 +82,22 @@ def test_two_joiners_take_the_two_spans_and_generate_through_the_invite_is_bit_i
     report = json.loads(generated.stdout.strip().splitlines()[-1])
     assert report["bit_identical"] is True and report["positions_checked"] >= 10
     assert f"stages found on the swarm: layers 0-2 at {first}, layers 3-5 at {second}" in generated.stderr
+
+
+def test_status_shows_every_stage_its_round_trip_the_coverage_per_span_and_the_route(stages_swarm, joined, tmp_path):
+    invite = stages_swarm[0]
+    lines_a, lines_b = joined[1]
+    first, second = _announced(lines_a)[0], _announced(lines_b)[0]
+    view = status(invite, tmp_path)
+    assert [(s["address"], s["layers"], s["in_route"], s["cause"]) for s in view["stages"]] == [
+        (first, [0, 2], True, ""), (second, [3, 5], True, "")]
+    assert all(isinstance(s["rtt_ms"], float) and s["rtt_ms"] > 0 for s in view["stages"])
+    assert view["spans"] == [{"layers": [0, 2], "stages": 1, "weakest": True}, {"layers": [3, 5], "stages": 1, "weakest": True}]
+    assert view["route"] == [{"layers": [0, 2], "address": first}, {"layers": [3, 5], "address": second}]
+    text = run("status", invite, "--dir", str(tmp_path), timeout=120)
+    assert text.returncode == 0, text.stderr[-3000:]
+    assert f"route from here: layers 0-2 at {first}, layers 3-5 at {second}" in text.stdout
+    assert "  layers 3-5      1 stage  <- weakest" in text.stdout and "2 stages announced:" in text.stdout
 
 
 def test_a_late_joiner_is_picked_up_by_a_running_gateway_and_takes_over_bit_identical(stages_swarm, joined,

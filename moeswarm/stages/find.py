@@ -4,10 +4,10 @@ Stages announce themselves (`moeswarm stage --announce-swarm`, discovery/stage_r
 gateway joins the DHT as a client, reads the stage records of its model's fingerprint, and dials
 each one it may use: its HELLO must name the span its record claims (a record only says where to
 dial; of several members' claims of one address, only the one its HELLO confirms is used), and the
-least round trip of `PINGS` PINGs is its latency (measured once, when first dialled). `plan_route`
-(stages/route.py, pure) turns the stages that answered into the chain: per span in layer order,
-its replicas. Until they tile every layer the gateway reads again every `poll_s`, saying what is
-missing, for at most `wait_s`; then it gives up with the gap in one line.
+least round trip of a few PINGs is its latency (stages/probe.py; measured once, when first
+dialled). `plan_route` (stages/route.py, pure) turns the stages that answered into the chain: per
+span in layer order, its replicas. Until they tile every layer the gateway reads again every
+`poll_s`, saying what is missing, for at most `wait_s`; then it gives up with the gap in one line.
 
 The route is chosen at start. While the gateway runs, a `StageWatch` reads the records again
 every `follow_s`: a stage announced since that holds exactly one of the chain's spans (dialled and
@@ -29,12 +29,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from moeswarm.errors import MoeSwarmError, one_line, printable
-from moeswarm.stages.dial import DialError, dial, hello_layers
+from moeswarm.errors import MoeSwarmError, printable
+from moeswarm.stages.probe import probe_stage
 from moeswarm.stages.route import Offer, RouteError, plan_route
 from moeswarm.stages.watch import StageWatch
-from moeswarm.wire.frames import Frame, Opcode
-from moeswarm.wire.stream import recv_frame, send_frame
 
 log = logging.getLogger("moeswarm.gateway")
 
@@ -43,7 +41,6 @@ POLL_S = 2.0
 PROBE_TIMEOUT_S = 2.0
 MAX_PROBED = 256  # stage records dialled per read; more are left out (and said so)
 PROBES_AT_ONCE = 16
-PINGS = 3  # a stage's round trip is the least of this many PINGs (one can catch the stage busy)
 MAX_CAUSES_LOGGED = 8  # new causes of left-out records logged per read
 FOLLOW_S = 10.0  # between reads for stages announced after the start
 
@@ -179,26 +176,7 @@ class _StageFinder:
 
     def _probe(self, record) -> float | str:
         """The round trip to the stage in ms, or why it cannot be used (unreachable, a HELLO against its record)."""
-        timeout_s = self.search.probe_timeout_s
-        try:
-            sock, reply = dial(record.address, {"role": "stage", "fingerprint": self.fingerprint}, self.tls, timeout_s)
-            with sock:
-                layers = hello_layers(reply)
-                if layers != record.layers:
-                    said = "no layers" if layers is None else f"layers {layers.start}-{layers.stop - 1}"
-                    return f"its HELLO says {said}, its record {record.layers.start}-{record.layers.stop - 1}"
-                least = None
-                for number in range(1, PINGS + 1):
-                    started = time.monotonic()
-                    send_frame(sock, Frame(Opcode.PING, number))
-                    answer, _ = recv_frame(sock, started + timeout_s, max_payload=1 << 16)
-                    if answer.opcode != Opcode.PONG:
-                        return f"answered PING with {answer.opcode.name}"
-                    took = (time.monotonic() - started) * 1000.0
-                    least = took if least is None else min(least, took)
-                return least
-        except DialError as error:
-            return f"cannot be reached: {one_line(error)}"
+        return probe_stage(record.address, record.layers, self.fingerprint, self.tls, self.search.probe_timeout_s)
 
     def report(self, line: str) -> None:
         if self.search.report is not None:
