@@ -78,6 +78,9 @@ class Chain:
         # called with the dead stages' addresses when a span lost every replica: another route of the
         # stages alive (per position, its replicas), or None (stages/watch.py StageWatch sets it)
         self.replan: Callable[[set[str]], list[list[str]] | None] | None = None
+        # the stages the swarm offers now, each with its round trip from here (stages/route.py Offers):
+        # for a status page; set by StageWatch, None for a fixed --stages list
+        self.offered: Callable[[], list] | None = None
 
     @property
     def route(self) -> list[str]:

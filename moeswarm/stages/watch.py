@@ -46,10 +46,12 @@ class StageWatch:
 
     def follow(self, chain) -> None:
         """Every `follow_s`, read the records: each new stage holding exactly one of `chain`'s spans
-        joins it, and a clearly cheaper route replaces the chain's; `chain.replan` is set to `replan`."""
+        joins it, and a clearly cheaper route replaces the chain's; `chain.replan` is set to `replan`,
+        `chain.offered` to the stages of the last read."""
         if self._thread is not None or self._closed:
             return
         chain.replan = self.replan
+        chain.offered = lambda: self.offers
         self._thread = threading.Thread(target=self._follow, args=(chain,), name="moeswarm-stage-watch", daemon=True)
         self._thread.start()
 
