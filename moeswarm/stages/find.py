@@ -11,8 +11,8 @@ span in layer order, its replicas. Until they tile every layer the gateway reads
 
 The route is chosen at start. While the gateway runs, a `StageWatch` reads the records again
 every `follow_s`: a stage announced since that holds exactly one of the chain's spans (dialled and
-confirmed as above) joins that span's replicas (stages/client.py `Chain.add_replica`), the next to
-take over when the ones before it fail. When the stages announced now make a route clearly
+confirmed as above) joins that span's replicas (stages/client.py `Chain.add_replica`: after the
+one in use, by round trip), to take over when the ones before it fail. When the stages announced now make a route clearly
 cheaper than the chain's (stages/route_move.py: the round trips measured here plus a weight per
 stage, by a margin against noise), the chain moves to that route between two steps
 (`Chain.reroute`: the new stages replay the logged steps, so outputs stay bit-identical); and

@@ -62,7 +62,8 @@ class StageWatch:
             offers = self._finder.offers()
         joined = []
         for offer in offers:
-            if chain.add_replica(offer.layers, offer.address):
+            rtts = {o.address: o.rtt_ms for o in offers if o.layers == offer.layers}
+            if chain.add_replica(offer.layers, offer.address, rtts):
                 joined.append(offer.address)
                 self._finder.report(f"stage {offer.address} joined as a replica of layers "
                                     f"{offer.layers.start}-{offer.layers.stop - 1}")
