@@ -62,7 +62,8 @@ def test_the_swarm_page_shows_members_and_marks_the_least_held_experts(qwen2_moe
 def test_the_swarm_page_of_a_stages_gateway_shows_its_stages_the_coverage_per_span_and_the_route():
     """A gateway (`serve --stages-swarm`) over stages 0-2 (twice) and 3-5 announced on a DHT: the
     page lists the three stages with their round trips from the gateway, the one of each span in
-    use marked, the coverage per span with 3-5 (one stage) the weakest, and the route in use."""
+    use marked, the coverage per span with 3-5 (one stage) the weakest, and the route in use; a
+    stage of every layer announced later becomes the route in use on the page, live."""
     pytest.importorskip("hivemind")
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -107,6 +108,16 @@ def test_the_swarm_page_of_a_stages_gateway_shows_its_stages_the_coverage_per_sp
                          for r in browser.find_elements(By.CSS_SELECTOR, "#spans tbody tr")]
                 assert spans == [(["0-2", "2", ""], ""), (["3-5", "1", "weakest"], "weakest")]
                 assert browser.find_element(By.ID, "chain").is_displayed()
+
+                # a stage of every layer announced: the gateway's watch (every 10 s) moves to it, live
+                stages.append(spawn_stage(model, "0-5", extra_args=["--announce-swarm", peer]))
+                whole = announced(lines_until(stages[-1], "announced on the swarm as "))
+                WebDriverWait(browser, 60).until(
+                    lambda b: b.find_element(By.ID, "route").text == f"layers 0-5 at {whole}")
+                assert browser.find_element(By.ID, "reroutes").text == "1"
+                in_use = [r.find_elements(By.TAG_NAME, "td")[0].text
+                          for r in browser.find_elements(By.CSS_SELECTOR, "#stages tbody tr.in-route")]
+                assert in_use == [whole]
             finally:
                 browser.quit()
     finally:
