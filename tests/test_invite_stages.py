@@ -98,6 +98,8 @@ def test_status_shows_every_stage_its_round_trip_the_coverage_per_span_and_the_r
     assert text.returncode == 0, text.stderr[-3000:]
     assert f"route from here: layers 0-2 at {first}, layers 3-5 at {second}" in text.stdout
     assert "  layers 3-5      1 stage  <- weakest" in text.stdout and "2 stages announced:" in text.stdout
+    assert text.stdout.startswith(f"swarm of model {parse_invite(invite).model}: stages, the model cut into 2 spans\n")
+    assert "coverage per MoE layer" not in text.stdout and "UNCOVERED" not in text.stdout  # no workers: not theirs
 
 
 def test_a_late_joiner_is_picked_up_by_a_running_gateway_and_takes_over_bit_identical(stages_swarm, joined,

@@ -72,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
                           "seeds": [{"address": a, "experts": list(e)} for a, e in seeds],
                           "layers": [{**r.__dict__, "weakest": list(r.weakest)} for r in rows]}))
     else:
-        print(format_view(invite.model, members, rows, (), seeds))
+        if invite.stages is not None and not members:  # the stages are the members: no workers to cover layers
+            print(format_view(invite.model, members, [], (), seeds,
+                              title=f"swarm of model {invite.model}: stages, the model cut into {len(cut)} spans"))
+        else:
+            print(format_view(invite.model, members, rows, (), seeds))
         if stage_records or cut:
             print("\n".join(format_stages(stage_rows, spans, route, "route from here", no_route)))
     return 0
