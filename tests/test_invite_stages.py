@@ -20,7 +20,7 @@ from moeswarm.bundled import PYMOE
 from moeswarm.discovery.invite import parse_invite
 from moeswarm.local.workers import stop
 from moeswarm.slices.manifest import load_manifest
-from swarm_processes import bundled_copy, cli, lines_until, run
+from swarm_processes import bundled_copy, cli, lines_until, run, status
 
 @pytest.fixture(scope="module")
 def stages_swarm(tmp_path_factory):
@@ -82,6 +82,24 @@ def test_two_joiners_take_the_two_spans_and_generate_through_the_invite_is_bit_i
     report = json.loads(generated.stdout.strip().splitlines()[-1])
     assert report["bit_identical"] is True and report["positions_checked"] >= 10
     assert f"stages found on the swarm: layers 0-2 at {first}, layers 3-5 at {second}" in generated.stderr
+
+
+def test_status_shows_every_stage_its_round_trip_the_coverage_per_span_and_the_route(stages_swarm, joined, tmp_path):
+    invite = stages_swarm[0]
+    lines_a, lines_b = joined[1]
+    first, second = _announced(lines_a)[0], _announced(lines_b)[0]
+    view = status(invite, tmp_path)
+    assert [(s["address"], s["layers"], s["in_route"], s["cause"]) for s in view["stages"]] == [
+        (first, [0, 2], True, ""), (second, [3, 5], True, "")]
+    assert all(isinstance(s["rtt_ms"], float) and s["rtt_ms"] > 0 for s in view["stages"])
+    assert view["spans"] == [{"layers": [0, 2], "stages": 1, "weakest": True}, {"layers": [3, 5], "stages": 1, "weakest": True}]
+    assert view["route"] == [{"layers": [0, 2], "address": first}, {"layers": [3, 5], "address": second}]
+    text = run("status", invite, "--dir", str(tmp_path), timeout=120)
+    assert text.returncode == 0, text.stderr[-3000:]
+    assert f"route from here: layers 0-2 at {first}, layers 3-5 at {second}" in text.stdout
+    assert "  layers 3-5      1 stage  <- weakest" in text.stdout and "2 stages announced:" in text.stdout
+    assert text.stdout.startswith(f"swarm of model {parse_invite(invite).model}: stages, the model cut into 2 spans\n")
+    assert "coverage per MoE layer" not in text.stdout and "UNCOVERED" not in text.stdout  # no workers: not theirs
 
 
 def test_a_late_joiner_is_picked_up_by_a_running_gateway_and_takes_over_bit_identical(stages_swarm, joined,
@@ -187,3 +205,62 @@ def test_swarm_invite_of_a_stages_swarm_stands_for_stages_swarm_or_announce_swar
     args = _parsed(["stage", "--model", "m", "--layers", "0-2", "--swarm", STAGES_GOLDEN])
     check_workers_or_swarm(args)
     assert args.announce_swarm == peers and args.swarm is None  # announced there, its experts its own
+    keyed = format_invite(Invite(**{**experts.__dict__, "stages": 2, "swarm": "b" * 64}))
+    for argv in (["generate", "--model", "m", "--prompt", "x", "--swarm", keyed], ["serve", "--model", "m", "--swarm", keyed],
+                 ["stage", "--model", "m", "--layers", "0-2", "--swarm", keyed]):
+        with pytest.raises(MoeSwarmError, match="the invite is for a keyed swarm: pass your member file"):
+            check_workers_or_swarm(_parsed(argv))  # at once, not after waiting for records it cannot read
+
+
+def test_a_keyed_stages_swarm_joins_members_only_and_generates_bit_identical(tmp_path):
+    """`invite --stages 2 --swarm-key KEY`: a joiner without a member file is refused in one line;
+    two members join (the two spans, TLS stages, signed records), `generate --swarm INVITE
+    --swarm-key` with a third member file finds both and is bit-identical; `status` with the key
+    dials both over TLS and shows the route."""
+    model = bundled_copy(tmp_path)
+    key, one, two, gateway = (str(tmp_path / name) for name in ("swarm.key", "one.pem", "two.pem", "gateway.pem"))
+    assert run("keygen", "-o", key).returncode == 0
+    for name, path in (("one", one), ("two", two), ("gateway", gateway)):
+        assert run("keygen", "--member", name, "--swarm-key", key, "-o", path).returncode == 0
+    inviter = cli("invite", "--model", str(model), "--stages", "2", "--swarm-key", key)
+    processes = [inviter]
+    try:
+        invite = inviter.stdout.readline().rstrip("\n")
+        assert invite, inviter.stderr.read()[-3000:]
+        assert parse_invite(invite).stages == 2 and parse_invite(invite).swarm is not None
+        unkeyed = run("join", invite, "--dir", str(tmp_path / "none"), timeout=60)
+        assert unkeyed.returncode == 2 and "keyed swarm: pass your member file" in unkeyed.stderr
+        assert len(unkeyed.stderr.strip().splitlines()) == 1 and "Traceback" not in unkeyed.stderr
+        other, stranger = str(tmp_path / "other.key"), str(tmp_path / "stranger.pem")
+        assert run("keygen", "-o", other).returncode == 0
+        assert run("keygen", "--member", "stranger", "--swarm-key", other, "-o", stranger).returncode == 0
+        foreign = run("join", invite, "--swarm-key", stranger, "--dir", str(tmp_path / "f"), timeout=60)
+        assert foreign.returncode == 2 and "belongs to another swarm" in foreign.stderr
+        assert len(foreign.stderr.strip().splitlines()) == 1 and "Traceback" not in foreign.stderr
+        announced = []
+        for name, member in (("a", one), ("b", two)):
+            processes.append(cli("join", invite, "--dir", str(tmp_path / name), "--threads", "1", "--announce-ttl", "60",
+                                 "--swarm-key", member))
+            announced.append(_announced(lines_until(processes[-1], "announced on the swarm as ")))
+        (first, span_a), (second, span_b) = announced
+        assert (span_a, span_b) == ("0-2", "3-5")
+
+        generated = run("generate", "--model", str(model), "--swarm", invite, "--swarm-key", gateway, "--prompt",
+                        "def main(", "--max-new-tokens", "8", "--check-local", "--json", "--threads", "1")
+        assert generated.returncode == 0, generated.stderr[-3000:]
+        report = json.loads(generated.stdout.strip().splitlines()[-1])
+        assert report["bit_identical"] is True and report["positions_checked"] >= 10
+        assert f"stages found on the swarm: layers 0-2 at {first}, layers 3-5 at {second}" in generated.stderr
+
+        keyed = run("status", invite, "--swarm-key", gateway, "--dir", str(tmp_path / "s"), "--json", timeout=120)
+        assert keyed.returncode == 0, keyed.stderr[-3000:]
+        view = json.loads(keyed.stdout)
+        assert [(s["address"], s["in_route"], s["cause"]) for s in view["stages"]] == [(first, True, ""), (second, True, "")]
+        assert all(isinstance(s["rtt_ms"], float) for s in view["stages"])
+        for command in (["status", invite, "--dir", str(tmp_path / "s2")],
+                        ["generate", "--model", str(model), "--swarm", invite, "--prompt", "x", "--threads", "1"]):
+            unkeyed = run(*command, timeout=120)
+            assert unkeyed.returncode == 2, unkeyed.stderr[-3000:]
+            assert len(unkeyed.stderr.strip().splitlines()) == 1 and "Traceback" not in unkeyed.stderr, unkeyed.stderr
+    finally:
+        stop(processes)

@@ -1,9 +1,9 @@
 """Stages on the DHT: `moeswarm stage --announce-swarm` announces its span, and a gateway with
 `--stages-swarm` reads the records, dials each stage (its HELLO must match its record) and builds
-the chain with `plan_route` (a pure function: fewest stages, then latency, then replicas, then the
-earliest cuts). The real test runs a DHT node here, two stage processes announcing on it, lying
-and malformed records beside them, and `generate --stages-swarm --check-local`: bit-identical to
-local."""
+the chain with `plan_route` (a pure function: the least cost, round trips plus a weight per
+stage, then the fewest stages, then replicas, then the earliest cuts). The real test runs a DHT
+node here, two stage processes announcing on it, lying and malformed records beside them, and
+`generate --stages-swarm --check-local`: bit-identical to local."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 
 from moeswarm.discovery.record import RecordError
 from moeswarm.discovery.stage_record import STAGES, StageRecord, parse_stage_record, stage_key
-from moeswarm.stages.route import Offer, Position, RouteError, plan_route
+from moeswarm.stages.route import CROSSING_MS, Offer, Position, RouteError, plan_route
 
 MODEL = "models/pymoe/hf"  # 6 decoder layers
 THREADS = 2  # the stages' and the gateway's threads
@@ -69,12 +69,19 @@ def test_overlapping_spans_that_do_tile_are_used_and_the_rest_left_out():
     assert _spans(route) == ["0-1", "2-5"]
 
 
-def test_fewest_stages_first():
+def test_the_least_cost_first_a_stage_counting_its_round_trip_and_the_crossing_weight():
+    # CROSSING_MS is 10: one stage at 50 ms (60) costs more than two at 1 ms (22), one at 5 ms (15) less
     offers = [_offer("a:1", "0-2", 1.0), _offer("b:2", "3-5", 1.0), _offer("w:9", "0-5", 50.0)]
-    assert plan_route(offers, 6) == [Position(range(0, 6), ("w:9",))]
+    assert _spans(plan_route(offers, 6)) == ["0-2", "3-5"]
+    assert plan_route(offers + [_offer("v:8", "0-5", 5.0)], 6) == [Position(range(0, 6), ("v:8", "w:9"))]
 
 
-def test_then_the_lowest_latency():
+def test_then_the_fewest_stages():
+    offers = [_offer("a:1", "0-2", 0.0), _offer("b:2", "3-5", 0.0), _offer("w:9", "0-5", 10.0)]  # 20 and 20
+    assert _spans(plan_route(offers, 6)) == ["0-5"]
+
+
+def test_of_as_many_stages_the_lowest_latency():
     offers = [_offer("a:1", "0-2", 10.0), _offer("b:2", "3-5", 10.0), _offer("c:3", "0-3", 1.0),
               _offer("d:4", "4-5", 1.0), _offer("e:5", "4-5", 30.0)]
     route = plan_route(offers, 6)
@@ -104,8 +111,8 @@ def _brute_force(offers: list[Offer], num_layers: int):
             if chosen[0][0] != 0 or chosen[-1][1] != num_layers or \
                     any(a[1] != b[0] for a, b in zip(chosen, chosen[1:])):
                 continue
-            key = (count, sum(replicas[s][0].rtt_ms for s in chosen), -min(len(replicas[s]) for s in chosen),
-                   tuple(s[1] for s in chosen))
+            key = (sum(replicas[s][0].rtt_ms + CROSSING_MS for s in chosen), count,
+                   -min(len(replicas[s]) for s in chosen), tuple(s[1] for s in chosen))
             if best is None or key < best[0]:
                 best = (key, chosen)
     return best

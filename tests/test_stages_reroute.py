@@ -6,12 +6,17 @@ replays the logged steps, so its caches are the old route's), and every logit ro
 torch.equal to the local model's. (2) Stages 0-1 and 2-5 are announced (no fewer stages: no
 move), then the stage of 3-5, which has no replica, dies: the chain asks the watch for a route of
 the stages alive, takes 0-1 and 2-5 (the only tiling left but the first stage's 0-2, which
-cannot reach layer 6), replays, and the outputs stay equal.
+cannot reach layer 6), replays, and the outputs stay equal. (3) The stage of 0-2 is reached
+through a WAN proxy adding a round trip; stages 0-1 and 2-5 announced without it make a route of
+as many stages but clearly cheaper: the chain moves to it, and the outputs stay equal.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import subprocess
+import threading
 import time
 
 import pytest
@@ -107,3 +112,59 @@ def test_a_span_that_lost_every_replica_is_replaced_by_another_tiling_bit_identi
         _steps(got, want, feed, 3)
         assert chain.route == [head, tail] and chain.failovers == 1
         assert any(f"re-planned the route: layers 0-1 at {head}, layers 2-5 at {tail}" in line for line in lines)
+
+
+@contextlib.contextmanager
+def _behind_delay(address: str, rtt_s: float):
+    """A WAN proxy adding `rtt_s` to every round trip to the stage at `address`; yields its HOST:PORT."""
+    from moeswarm_bench.wan import LinkProfile, WanProxy
+
+    host, _, port = address.rpartition(":")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    proxy = WanProxy(("127.0.0.1", 0), (host, int(port)), LinkProfile(rtt_s=rtt_s), spin_s=0.0)
+    try:
+        asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(10)
+        yield "127.0.0.1:%d" % proxy.address[1]
+    finally:
+        asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_a_route_of_as_many_stages_without_a_delay_is_taken_bit_identical(swarm):
+    from moeswarm.discovery.dht import SwarmDht
+    from moeswarm.discovery.stage_record import STAGES, StageRecord
+    from moeswarm.local.stages import spawn_stage
+    from moeswarm.local.workers import wait_listening
+    from moeswarm.sources.source import open_source
+
+    peer, started, spawn = swarm
+    (second,) = spawn("3-5")
+    started.append(spawn_stage(MODEL, "0-2", threads=THREADS))  # not announced: the test announces its proxy
+    source = open_source(MODEL)
+    with _behind_delay(wait_listening(started[-1]), 0.06) as delayed:
+        announcer = SwarmDht.open([peer], host="127.0.0.1")
+        try:
+            record = StageRecord(delayed, source.fingerprint, source.config.model_type, range(0, 3),
+                                 source.config.get_text_config().hidden_size, tls=False)
+            assert announcer.store(record, 120, kind=STAGES)
+            lines: list[str] = []
+            gateway, chain, got, want = _gateway(peer, lines)
+            with gateway:
+                assert chain.route == [delayed, second]
+                feed = _steps(got, want, list(range(10, 30)), 2)
+                head, tail = spawn("0-1", "2-5")
+                deadline = time.monotonic() + 30
+                while chain.reroutes == 0:
+                    assert time.monotonic() < deadline, f"the route never changed: {lines}"
+                    time.sleep(0.1)
+                assert chain.route == [head, tail] and chain.spans == [range(0, 2), range(2, 6)]
+                assert any(f"re-planned the route: layers 0-1 at {head}, layers 2-5 at {tail} (cost" in line
+                           for line in lines), lines
+                _steps(got, want, feed, 3)
+                assert chain.failovers == 0 and chain.reroutes == 1
+        finally:
+            announcer.close()

@@ -31,8 +31,8 @@ def add_stages(parser: argparse.ArgumentParser) -> None:
                              "(docs/stages.md)")
     parser.add_argument("--stages-swarm", type=swarm_peers, default=None, metavar="PEERS",
                         help="as --stages, with the stages found on the swarm at these DHT peers (comma-separated "
-                             "multiaddrs; stages announce with `moeswarm stage --announce-swarm`): fewest stages "
-                             "covering every layer, then the fastest; stages of the same span are replicas")
+                             "multiaddrs; stages announce with `moeswarm stage --announce-swarm`): the "
+                             "cheapest route covering every layer (round trips plus a weight per stage); stages of the same span are replicas")
     parser.add_argument("--stages-wait", type=seconds, default=STAGES_WAIT_S, metavar="SECONDS",
                         help=f"with --stages-swarm: the most to wait at start for announced stages covering every "
                              f"layer (default {STAGES_WAIT_S:g})")

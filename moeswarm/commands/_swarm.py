@@ -25,6 +25,7 @@ class InvitePeers(list):
     stages swarm's cut, or None for an experts swarm (discovery/invite.py)."""
 
     stages: int | None = None
+    invite: object = None  # the Invite itself (its swarm's certificate hash, for the --swarm-key check)
 
 
 def swarm_peers(text: str) -> list[str]:
@@ -40,6 +41,7 @@ def swarm_peers(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(error)) from None
     peers = InvitePeers(invite.dht)
     peers.stages = invite.stages
+    peers.invite = invite
     return peers
 
 
@@ -70,7 +72,15 @@ def check_workers_or_swarm(args: argparse.Namespace) -> None:
     """At most one of --workers and --swarm; neither: the local mode, every expert in this process
     (MoeSwarmError otherwise: one line, exit status 2). A stages swarm's invite in --swarm is moved
     where it belongs: `--stages-swarm` of generate and serve (the gateway routes through the swarm's
-    stages), `--announce-swarm` of stage (the stage is announced there, its experts its own)."""
+    stages), `--announce-swarm` of stage (the stage is announced there, its experts its own). An
+    invite's swarm key is checked against --swarm-key at once (discovery/joining.py `check_key`):
+    a keyed swarm's records are unreadable without a member file, so waiting for them would only
+    end in a misleading gap."""
+    invite = getattr(args.swarm, "invite", None)
+    if invite is not None:
+        from moeswarm.discovery.joining import check_key
+
+        check_key(invite, getattr(args, "swarm_key", None))
     _stages_invite(args)
     if args.workers and args.swarm is not None:
         raise MoeSwarmError("give --workers or --swarm, not both: a fixed list of workers, or the swarm to find them on")

@@ -2,6 +2,9 @@
 
 It joins the DHT as a client (it stores nothing), fetches the manifest the invite pins (for the
 model's layers and experts), reads the announcements once, prints a table (or `--json`) and exits.
+Of a stages swarm it dials every announced stage as a gateway would (stages/survey.py): each
+stage's round trip from here, the coverage per span of the swarm's cut with the weakest marked,
+and the route a gateway here would take.
 """
 
 from __future__ import annotations
@@ -29,16 +32,20 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.discovery.invite import parse_invite
     from moeswarm.discovery.joining import check_key, layout
     from moeswarm.discovery.seed_record import SEEDS
+    from moeswarm.discovery.stage_joining import swarm_cut
     from moeswarm.discovery.stage_record import STAGES
+    from moeswarm.discovery.stage_view import format_stages, stage_json
     from moeswarm.discovery.swarm_view import format_view, swarm_view
     from moeswarm.slices.manifest_fetch import fetch_manifest
+    from moeswarm.stages.survey import survey_stages
 
     invite = parse_invite(args.invite)
     check_key(invite, args.swarm_key)
     directory = Path(args.dir) if args.dir else _cache_dir()
     _make_dir(directory)
+    tls = client_tls(args.swarm_key)
     manifest = fetch_manifest(invite.manifest_seed, invite.manifest, invite.manifest_bytes,
-                              directory / f"{invite.manifest}.manifest.json", client_tls(args.swarm_key), args.timeout)
+                              directory / f"{invite.manifest}.manifest.json", tls, args.timeout)
     layers, num_experts = layout(manifest, invite)
     authority = None
     if args.swarm_key:
@@ -48,17 +55,28 @@ def run(args: argparse.Namespace) -> int:
     dht = SwarmDht.open(list(invite.dht), client=True, authority=authority)
     try:
         records = dht.fetch(invite.model)
-        stages = [(address, record.layers) for address, record in sorted(dht.fetch(invite.model, STAGES).items())]
+        stage_records = dht.fetch(invite.model, STAGES)
         seeds = [(address, record.experts) for address, record in sorted(dht.fetch(invite.model, SEEDS).items())
                  if record.manifest == invite.manifest]
     finally:
         dht.close()
     members, rows = swarm_view(records, layers, num_experts)
+    cut = swarm_cut(manifest, invite) if invite.stages is not None else []
+    stage_rows, spans, route, no_route = [], [], [], ""
+    if stage_records or cut:  # a stages swarm: every stage dialled from here
+        stage_rows, spans, route, no_route = survey_stages(stage_records, invite.model, manifest.block_count(), cut,
+                                                           tls, min(args.timeout, 5.0))
     if args.json:
         print(json.dumps({"model": invite.model, "members": [m.__dict__ for m in members],
-                          "stages": [{"address": a, "layers": [s.start, s.stop - 1]} for a, s in stages],
+                          **stage_json(stage_rows, spans, route), "no_route": no_route,
                           "seeds": [{"address": a, "experts": list(e)} for a, e in seeds],
                           "layers": [{**r.__dict__, "weakest": list(r.weakest)} for r in rows]}))
     else:
-        print(format_view(invite.model, members, rows, stages, seeds))
+        if invite.stages is not None and not members:  # the stages are the members: no workers to cover layers
+            print(format_view(invite.model, members, [], (), seeds,
+                              title=f"swarm of model {invite.model}: stages, the model cut into {len(cut)} spans"))
+        else:
+            print(format_view(invite.model, members, rows, (), seeds))
+        if stage_records or cut:
+            print("\n".join(format_stages(stage_rows, spans, route, "route from here", no_route)))
     return 0

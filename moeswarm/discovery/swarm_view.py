@@ -72,10 +72,12 @@ def layer_rows(coverage: Mapping[int, Sequence[int]]) -> list[LayerRow]:
 
 
 def format_view(model: str, members: Sequence[MemberRow], layers: Sequence[LayerRow],
-                stages: Sequence[tuple[str, range]] = (), seeds: Sequence[tuple[str, Sequence[int]]] = ()) -> str:
+                stages: Sequence[tuple[str, range]] = (), seeds: Sequence[tuple[str, Sequence[int]]] = (),
+                title: str | None = None) -> str:
     """The terminal table. seeds: (address, the experts whose slice pieces it serves) of each
-    member's seed (discovery/seed_record.py)."""
-    lines = [f"swarm of model {model}: {len(members)} members announced"]
+    member's seed (discovery/seed_record.py); title: the first line (default: the members counted);
+    no `layers`: no coverage per MoE layer (a stages swarm's coverage is per span: stage_view.py)."""
+    lines = [title or f"swarm of model {model}: {len(members)} members announced"]
     if members:
         width = max(len(m.address) for m in members)
         lines.append(f"  {'ADDRESS':<{width}}  {'PATH':<12}  {'TLS':<3}  {'TOKENS/S':>9}  {'ROWS/MIN':>9}  SHARE")
@@ -87,7 +89,8 @@ def format_view(model: str, members: Sequence[MemberRow], layers: Sequence[Layer
         lines.append(f"  stage {printable(address, 300)}: decoder layers {span.start}-{span.stop - 1}")
     for address, experts in seeds:
         lines.append(f"  seed {printable(address, 300)}: the pieces of experts {format_ids(experts)}")
-    lines.append("coverage per MoE layer (holders of its least-held experts):")
+    if layers:
+        lines.append("coverage per MoE layer (holders of its least-held experts):")
     for row in layers:
         state = "UNCOVERED" if row.fewest == 0 else f"{row.fewest} holder{'s' if row.fewest != 1 else ''}"
         mark = "  <- weakest" if row.weakest_layer else ""

@@ -2,7 +2,8 @@
 
 Built from what the dashboard reads (serve/dashboard.py: the members this gateway uses, their
 state and round trips, and the holders of each expert among the members that are up), with each
-layer's least-held experts and the weakest layers marked (discovery/swarm_view.py's rows).
+layer's least-held experts and the weakest layers marked (discovery/swarm_view.py's rows). A
+gateway over stages adds its stages, the coverage per span and the route in use (serve/chain_page.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from moeswarm.discovery.swarm_view import layer_rows
+from moeswarm.serve.chain_page import chain_data
 from moeswarm.serve.dashboard import dashboard_data
+from moeswarm.stages.gateway import chain_of
 
 PAGE = Path(__file__).with_name("swarm.html")
 
@@ -22,7 +25,10 @@ def swarm_data(state) -> dict:
     if "layers" not in data:  # still loading
         return {"model": data["model"], "status": data["status"], "members": members, "layers": []}
     rows = layer_rows(dict(zip(data["layers"], data["replicas"])))
+    chain = chain_of(state.engine.swarm.model)
     return {"model": data["model"], "status": data["status"], "members": members,
             "layers": [{"layer": r.layer, "fewest": r.fewest, "weakest": list(r.weakest), "weakest_layer": r.weakest_layer}
                        for r in rows],
-            "tokens_generated": data["totals"].get("generated", 0)}
+            "tokens_generated": data["totals"].get("generated", 0),
+            "tokens_per_s": data["recent"].get("tokens_per_s"),
+            **({"chain": chain_data(chain)} if chain is not None else {})}

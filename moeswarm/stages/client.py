@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
@@ -78,6 +79,9 @@ class Chain:
         # called with the dead stages' addresses when a span lost every replica: another route of the
         # stages alive (per position, its replicas), or None (stages/watch.py StageWatch sets it)
         self.replan: Callable[[set[str]], list[list[str]] | None] | None = None
+        # the stages the swarm offers now, each with its round trip from here (stages/route.py Offers):
+        # for a status page; set by StageWatch, None for a fixed --stages list
+        self.offered: Callable[[], list] | None = None
 
     @property
     def route(self) -> list[str]:
@@ -124,16 +128,21 @@ class Chain:
                 log.warning("stage chain: %s; using its replica %s", printable(str(error), 300),
                             replicas[self._choice[position]])
 
-    def add_replica(self, layers: range, address: str) -> bool:
-        """A stage holding exactly `layers`, one of the chain's spans, joins that span's replicas (last:
-        the next to take over when the ones before it fail). False when no span is `layers`, or the
-        stage is listed there already. Thread-safe: between two steps' sends."""
+    def add_replica(self, layers: range, address: str, rtts_ms: Mapping[str, float] | None = None) -> bool:
+        """A stage holding exactly `layers`, one of the chain's spans, joins that span's replicas, the
+        next to take over when the ones before it fail: last, or with `rtts_ms` (round trips by
+        address) among the replicas after the one in use by round trip, fastest first (unknown ones
+        last, in their order). False when no span is `layers`, or the stage is listed there already.
+        Thread-safe: between two steps' sends."""
         with self._sending:
-            for span, replicas in zip(self.spans or (), self.positions):
+            for position, (span, replicas) in enumerate(zip(self.spans or (), self.positions)):
                 if span == layers:
                     if address in replicas:
                         return False
                     replicas.append(address)
+                    if rtts_ms is not None:  # the ones not yet tried, by round trip (sorted() is stable)
+                        after = self._choice[position] + 1
+                        replicas[after:] = sorted(replicas[after:], key=lambda a: rtts_ms.get(a, math.inf))
                     return True
         return False
 

@@ -3,20 +3,21 @@
 Stages announce themselves (`moeswarm stage --announce-swarm`, discovery/stage_record.py). The
 gateway joins the DHT as a client, reads the stage records of its model's fingerprint, and dials
 each one it may use: its HELLO must name the span its record claims (a record only says where to
-dial; of several members' claims of one address, only the one its HELLO confirms is used), and a
-PING's round trip is its latency. `plan_route` (stages/route.py, pure) turns the
-stages that answered into the chain: per span in layer order, its replicas. Until they tile every
-layer the gateway reads again every `poll_s`, saying what is missing, for at most `wait_s`; then
-it gives up with the gap in one line.
+dial; of several members' claims of one address, only the one its HELLO confirms is used), and the
+least round trip of a few PINGs is its latency (stages/probe.py; measured once, when first
+dialled). `plan_route` (stages/route.py, pure) turns the stages that answered into the chain: per
+span in layer order, its replicas. Until they tile every layer the gateway reads again every
+`poll_s`, saying what is missing, for at most `wait_s`; then it gives up with the gap in one line.
 
 The route is chosen at start. While the gateway runs, a `StageWatch` reads the records again
 every `follow_s`: a stage announced since that holds exactly one of the chain's spans (dialled and
-confirmed as above) joins that span's replicas (stages/client.py `Chain.add_replica`), the next to
-take over when the ones before it fail. When the stages announced now tile the model in fewer
-stages than the chain has, the chain moves to that route between two steps (`Chain.reroute`: the
-new stages replay the logged steps, so outputs stay bit-identical); and when a span of the chain
-loses every replica, the chain asks the watch (`Chain.replan`) for a route of the stages still
-alive before it gives up.
+confirmed as above) joins that span's replicas (stages/client.py `Chain.add_replica`: after the
+one in use, by round trip), to take over when the ones before it fail. When the stages announced now make a route clearly
+cheaper than the chain's (stages/route_move.py: the round trips measured here plus a weight per
+stage, by a margin against noise), the chain moves to that route between two steps
+(`Chain.reroute`: the new stages replay the logged steps, so outputs stay bit-identical); and
+when a span of the chain loses every replica, the chain asks the watch (`Chain.replan`) for a
+route of the stages still alive before it gives up.
 """
 
 from __future__ import annotations
@@ -28,12 +29,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from moeswarm.errors import MoeSwarmError, one_line, printable
-from moeswarm.stages.dial import DialError, dial, hello_layers
+from moeswarm.errors import MoeSwarmError, printable
+from moeswarm.stages.probe import probe_stage
 from moeswarm.stages.route import Offer, RouteError, plan_route
 from moeswarm.stages.watch import StageWatch
-from moeswarm.wire.frames import Frame, Opcode
-from moeswarm.wire.stream import recv_frame, send_frame
 
 log = logging.getLogger("moeswarm.gateway")
 
@@ -106,6 +105,7 @@ class _StageFinder:
         self.num_layers, self.hidden_size = config.num_hidden_layers, config.hidden_size
         self.answered: dict[tuple[str, int, int], float] = {}  # (address, start, stop) -> round trip ms
         self.said: set[str] = set()
+        self.latest: list[Offer] = []  # what the last read offered
 
     def wait(self) -> list[list[str]]:
         deadline = time.monotonic() + self.search.wait_s
@@ -159,8 +159,9 @@ class _StageFinder:
         for cause in new:
             self.said.add(cause)
             log.warning("leaving out %s", printable(cause, 300))
-        return [Offer(r.address, r.layers, self.answered[self._key(r)])
-                for r in wanted if self._key(r) in self.answered]
+        self.latest = [Offer(r.address, r.layers, self.answered[self._key(r)])
+                       for r in wanted if self._key(r) in self.answered]
+        return self.latest
 
     def _unusable(self, record) -> str:
         """Why a well-formed record cannot serve this gateway ("" when it can)."""
@@ -175,22 +176,7 @@ class _StageFinder:
 
     def _probe(self, record) -> float | str:
         """The round trip to the stage in ms, or why it cannot be used (unreachable, a HELLO against its record)."""
-        timeout_s = self.search.probe_timeout_s
-        try:
-            sock, reply = dial(record.address, {"role": "stage", "fingerprint": self.fingerprint}, self.tls, timeout_s)
-            with sock:
-                layers = hello_layers(reply)
-                if layers != record.layers:
-                    said = "no layers" if layers is None else f"layers {layers.start}-{layers.stop - 1}"
-                    return f"its HELLO says {said}, its record {record.layers.start}-{record.layers.stop - 1}"
-                started = time.monotonic()
-                send_frame(sock, Frame(Opcode.PING, 1))
-                answer, _ = recv_frame(sock, started + timeout_s, max_payload=1 << 16)
-                if answer.opcode != Opcode.PONG:
-                    return f"answered PING with {answer.opcode.name}"
-                return (time.monotonic() - started) * 1000.0
-        except DialError as error:
-            return f"cannot be reached: {one_line(error)}"
+        return probe_stage(record.address, record.layers, self.fingerprint, self.tls, self.search.probe_timeout_s)
 
     def report(self, line: str) -> None:
         if self.search.report is not None:

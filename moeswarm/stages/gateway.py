@@ -50,6 +50,14 @@ class ChainCall(torch.nn.Module):
         return out[None]
 
 
+def chain_of(model) -> Chain | None:
+    """The chain of stages a gateway's model runs its decoder layers in (None: not a gateway's model)."""
+    layers = getattr(getattr(model, "base_model", None), "layers", None)
+    if layers is not None and len(layers) == 1 and isinstance(layers[0], ChainCall):
+        return layers[0].chain
+    return None
+
+
 def open_gateway(model_path, stages: list[str] | list[list[str]], config: SwarmConfig | None = None,
                  watch: StageWatch | None = None) -> Swarm:
     """The model's ends here, its decoder layers in `stages` (HOST:PORT, in layer order; a list of

@@ -3,11 +3,13 @@
 Each offer is one stage: its address, the span of decoder layers it holds, and the round trip the
 gateway measured to it. A route is a list of positions covering layers 0..L-1 in order; each
 position is one span and its replicas (every offer of exactly that span), the first the one used
-and the others taken over in turn when it fails (stages/client.py). Among the tilings of 0..L-1 by
-announced spans, the route is, in this order of rules:
+and the others taken over in turn when it fails (stages/client.py). A route's cost is the sum over
+its positions of the round trip to the replica used plus `CROSSING_MS` (a step crosses the network
+stages + 1 times, and every stage adds its own fixed work: one more stage is not free on loopback
+either). Among the tilings of 0..L-1 by announced spans, the route is, in this order of rules:
 
-1. the one with the fewest stages (a step crosses the network stages + 1 times);
-2. then the lowest latency: the sum over positions of the position's fastest replica's round trip;
+1. the lowest cost (each position counted at its fastest replica);
+2. then the fewest stages;
 3. then the most replicas at its least replicated position (the most failovers before a span is lost);
 4. then the earliest cuts (the sequence of span ends, compared in order): a fixed choice.
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from moeswarm.errors import MoeSwarmError
 
 SPANS_NAMED = 12  # spans listed in an error, then "..."
+CROSSING_MS = 10.0  # what a route counts for each stage besides its round trip: a chosen weight, not a measurement
 
 
 class RouteError(MoeSwarmError):
@@ -59,11 +62,11 @@ def plan_route(offers: Sequence[Offer], num_layers: int) -> list[Position]:
     best: tuple | None = None
     for floor in sorted({len(r) for r in replicas.values()}, reverse=True):
         # the best tiling using only spans with at least `floor` replicas: taken over every floor, the
-        # best by (stages, latency, -least replicas, cuts) is the best over all tilings (rule 3 is a minimum)
+        # best by (cost, stages, -least replicas, cuts) is the best over all tilings (rule 3 is a minimum)
         tiling = _best_tiling({span: r for span, r in replicas.items() if len(r) >= floor}, num_layers)
         if tiling is not None:
-            stages, latency, cuts, spans = tiling
-            key = (stages, latency, -min(len(replicas[s]) for s in spans), cuts)
+            cost, stages, cuts, spans = tiling
+            key = (cost, stages, -min(len(replicas[s]) for s in spans), cuts)
             if best is None or key < best[0]:
                 best = (key, spans)
     if best is None:
@@ -83,20 +86,26 @@ def _replicas(offers: Sequence[Offer], num_layers: int) -> dict[Span, list[Offer
     return {span: sorted(found.values(), key=lambda o: (o.rtt_ms, o.address)) for span, found in by_span.items()}
 
 
+def route_cost(rtts_ms) -> float:
+    """The cost of a route whose stages in use have these round trips (ms), in layer order."""
+    return sum(rtt + CROSSING_MS for rtt in rtts_ms)
+
+
 def _best_tiling(replicas: dict[Span, list[Offer]], num_layers: int) -> tuple | None:
-    """(stages, latency, cuts, spans) of the tiling of [0, num_layers) least by (stages, latency,
-    cuts), or None. Dynamic programming from the last layer back: for a fixed first span, the order
-    of whole tilings is the order of their rests."""
+    """(cost, stages, cuts, spans) of the tiling of [0, num_layers) least by (cost, stages, cuts),
+    or None. Dynamic programming from the last layer back: for a fixed first span, the order of
+    whole tilings is the order of their rests."""
     starting: dict[int, list[Span]] = defaultdict(list)
     for span in replicas:
         starting[span[0]].append(span)
-    best: dict[int, tuple] = {num_layers: (0, 0.0, (), ())}  # boundary -> best tiling of [boundary, num_layers)
+    best: dict[int, tuple] = {num_layers: (0.0, 0, (), ())}  # boundary -> best tiling of [boundary, num_layers)
     for start in range(num_layers - 1, -1, -1):
         for span in starting.get(start, ()):
             rest = best.get(span[1])
             if rest is None:
                 continue
-            candidate = (rest[0] + 1, replicas[span][0].rtt_ms + rest[1], (span[1],) + rest[2], (span,) + rest[3])
+            candidate = (route_cost([replicas[span][0].rtt_ms]) + rest[0], rest[1] + 1, (span[1],) + rest[2],
+                         (span,) + rest[3])
             if start not in best or candidate[:3] < best[start][:3]:
                 best[start] = candidate
     return best.get(0)

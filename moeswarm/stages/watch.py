@@ -2,10 +2,11 @@
 
 stages/find.py finds the route at start and hands the watch its finder (the DHT still joined,
 what was dialled). Every `follow_s` the watch reads the records again: a stage holding exactly
-one of the chain's spans joins its replicas (`Chain.add_replica`); stages that tile the model in
-fewer stages than the chain has become its route between two steps (`Chain.reroute`, the step
-log replayed: bit-identical); and a chain whose span lost every replica asks `replan` for a
-route of the stages alive (docs/stages.md, Finding stages on the DHT).
+one of the chain's spans joins its replicas (`Chain.add_replica`); a route of the stages read that
+is cheaper than the chain's by a clear margin (stages/route_move.py `better_route`: round trips
+plus a weight per stage) becomes its route between two steps (`Chain.reroute`, the step log
+replayed: bit-identical); and a chain whose span lost every replica asks `replan` for a route of
+the stages alive (docs/stages.md, Finding stages on the DHT).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from moeswarm.errors import one_line, printable
 from moeswarm.stages.route import RouteError, plan_route
+from moeswarm.stages.route_move import better_route, in_use_cost
 
 if TYPE_CHECKING:
     from moeswarm.stages.find import _StageFinder
@@ -25,8 +27,9 @@ log = logging.getLogger("moeswarm.gateway")
 
 class StageWatch:
     """The stages found at start (`route`), and the swarm still joined: `follow(chain)` adds the
-    stages announced later to the chain's spans as replicas and moves the chain to a route of fewer
-    stages, from a thread, until `close`; `replan` answers a chain whose span lost every replica."""
+    stages announced later to the chain's spans as replicas and moves the chain to a clearly cheaper
+    route, from a thread, until `close`; `replan` answers a chain whose span lost every replica.
+    `offers`: the stages of the last read, each with its round trip (for a status page)."""
 
     def __init__(self, finder: "_StageFinder", route: list[list[str]]):
         self.route = route
@@ -36,34 +39,42 @@ class StageWatch:
         self._closed = False
         self._reading = threading.Lock()  # the finder's state: the watch's thread and a chain's replan
 
+    @property
+    def offers(self) -> list:
+        """The stages of the last read that this gateway may use (route.py Offers, with their round trips)."""
+        return list(self._finder.latest)
+
     def follow(self, chain) -> None:
         """Every `follow_s`, read the records: each new stage holding exactly one of `chain`'s spans
-        joins it, and a route of fewer stages replaces the chain's; `chain.replan` is set to `replan`."""
+        joins it, and a clearly cheaper route replaces the chain's; `chain.replan` is set to `replan`,
+        `chain.offered` to the stages of the last read."""
         if self._thread is not None or self._closed:
             return
         chain.replan = self.replan
+        chain.offered = lambda: self.offers
         self._thread = threading.Thread(target=self._follow, args=(chain,), name="moeswarm-stage-watch", daemon=True)
         self._thread.start()
 
     def read_once(self, chain) -> list[str]:
         """One read: the addresses that joined `chain` (each said once); then, when the stages read
-        tile the model in fewer stages than `chain` has, the chain moves to that route."""
+        tile the model in a route clearly cheaper than `chain`'s (`better_route`), the chain moves to it."""
         with self._reading:
             offers = self._finder.offers()
         joined = []
         for offer in offers:
-            if chain.add_replica(offer.layers, offer.address):
+            rtts = {o.address: o.rtt_ms for o in offers if o.layers == offer.layers}
+            if chain.add_replica(offer.layers, offer.address, rtts):
                 joined.append(offer.address)
                 self._finder.report(f"stage {offer.address} joined as a replica of layers "
                                     f"{offer.layers.start}-{offer.layers.stop - 1}")
-        try:
-            best = plan_route(offers, self._finder.num_layers)
-        except RouteError:
-            return joined
-        if len(best) < len(chain.spans or ()):
-            before = chain.describe()
+        in_use = list(zip(chain.spans or (), chain.route))
+        best = better_route(offers, self._finder.num_layers, in_use)
+        if best is not None:
+            before, cost = chain.describe(), in_use_cost(offers, in_use)
             if chain.reroute([list(p.replicas) for p in best]):
-                self._finder.report(f"re-planned the route: {chain.describe()} (was {before})")
+                now = in_use_cost(offers, list(zip(chain.spans or (), chain.route)))
+                self._finder.report(f"re-planned the route: {chain.describe()} (cost {now:.1f} ms; was {before}, "
+                                    f"{cost:.1f} ms)")
             else:
                 self._forget(p for position in best for p in position.replicas)
         return joined
