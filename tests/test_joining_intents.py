@@ -18,9 +18,10 @@ from moeswarm.discovery.joining import joining_address, joining_holders
 from moeswarm.discovery.joining_record import JoiningRecord, parse_joining_record
 from moeswarm.discovery.record import RecordError
 from moeswarm.errors import MoeSwarmError
+from moeswarm.ids import format_ids
 from moeswarm.local.workers import stop
 from moeswarm.slices.manifest import load_manifest
-from swarm_processes import bundled_copy, cli, join, lines_until, share_of
+from swarm_processes import bundled_copy, cli, join, lines_until, share_of, status
 
 HALF = 16  # of the bundled model's 32 experts
 FINGERPRINT = "gguf-" + "0" * 32
@@ -41,6 +42,8 @@ def test_a_joiner_counts_the_share_another_is_still_fetching(tmp_path):
         second_chose = lines_until(second, "share: experts ")
         assert "0 members announced" in second_chose[-1] and "1 joining" in second_chose[-1], second_chose[-1]
         assert sorted(share_of(chose) + share_of(second_chose)) == list(range(32))
+        shown = status(invite, tmp_path / "status")["joining"]  # `moeswarm status` lists the joiner still fetching
+        assert f"experts {format_ids(share_of(chose))}" in [joiner["share"] for joiner in shown], shown
     finally:
         if first is not None and first.poll() is None:
             first.send_signal(signal.SIGCONT)

@@ -4,6 +4,7 @@ answers the next request, every step checked bit for bit against the local eager
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -42,6 +43,32 @@ def _until(server: ServeProcess, condition, what: str) -> None:
     pytest.fail(f"{what} within {FOLLOW_S:g} s")
 
 
+def _what_members_say(server: ServeProcess, address: str) -> None:
+    """What the member's record says of it, in GET /v1/swarm and on the /swarm page (headless
+    Chromium, where installed): its path, moeswarm version, uptime and tokens/s measured at start."""
+    from moeswarm.discovery.announce import moeswarm_version
+
+    member = httpx.get(server.url + "/v1/swarm", timeout=10).json()["members"][0]
+    assert (member["address"], member["path"], member["version"]) == (address, "direct", moeswarm_version())
+    assert member["uptime_s"] > 0 and member["tokens_per_s"] > 0  # its load comes with its first refresh
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        return
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    from test_swarm_page import _browser
+
+    browser = _browser()
+    try:
+        browser.get(server.url + "/swarm")
+        cells = WebDriverWait(browser, 60).until(lambda b: [td.text for td in b.find_elements(
+            By.CSS_SELECTOR, "#members tbody tr td")] or None)
+        assert cells[0] == address and cells[1] == "direct" and cells[7] == moeswarm_version(), cells
+        assert cells[8].endswith(" s") or " min" in cells[8], cells  # uptime
+        assert float(cells[9]) > 0, cells  # tokens/s measured at start
+    finally:
+        browser.quit()
+
+
 def test_a_running_serve_picks_up_a_late_joiner_and_drops_a_leaver_bit_identical(tmp_path):
     model = bundled_copy(tmp_path)
     inviter = cli("invite", "--model", str(model))
@@ -56,6 +83,7 @@ def test_a_running_serve_picks_up_a_late_joiner_and_drops_a_leaver_bit_identical
         with ServeProcess(model, [], "--swarm", invite, "--check-local", "--model-name", "pymoe") as server:
             server.wait_ready()
             assert _members(server) == [first_address]
+            _what_members_say(server, first_address)
             late = join(invite, tmp_path / "b", ALL, manifest, "--rebalance", "0")
             processes.append(late)
             late_address = announced(lines_until(late, "announced on the swarm as "))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from moeswarm.commands._tls import add_swarm_key, client_tls
@@ -31,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.discovery.invite import parse_invite
     from moeswarm.discovery.joining import check_key, layout
+    from moeswarm.discovery.joining_record import JOINING, joining_text
     from moeswarm.discovery.seed_record import SEEDS
     from moeswarm.discovery.stage_joining import swarm_cut
     from moeswarm.discovery.stage_record import STAGES
@@ -58,9 +60,10 @@ def run(args: argparse.Namespace) -> int:
         stage_records = dht.fetch(invite.model, STAGES)
         seeds = [(address, record.experts) for address, record in sorted(dht.fetch(invite.model, SEEDS).items())
                  if record.manifest == invite.manifest]
+        joining = [(address, joining_text(record)) for address, record in sorted(dht.fetch(invite.model, JOINING).items())]
     finally:
         dht.close()
-    members, rows = swarm_view(records, layers, num_experts)
+    members, rows = swarm_view(records, layers, num_experts, time.time())
     cut = swarm_cut(manifest, invite) if invite.stages is not None else []
     stage_rows, spans, route, no_route = [], [], [], ""
     if stage_records or cut:  # a stages swarm: every stage dialled from here
@@ -70,13 +73,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"model": invite.model, "members": [m.__dict__ for m in members],
                           **stage_json(stage_rows, spans, route), "no_route": no_route,
                           "seeds": [{"address": a, "experts": list(e)} for a, e in seeds],
+                          "joining": [{"address": a, "share": text} for a, text in joining],
                           "layers": [{**r.__dict__, "weakest": list(r.weakest)} for r in rows]}))
     else:
         if invite.stages is not None and not members:  # the stages are the members: no workers to cover layers
             print(format_view(invite.model, members, [], (), seeds,
-                              title=f"swarm of model {invite.model}: stages, the model cut into {len(cut)} spans"))
+                              title=f"swarm of model {invite.model}: stages, the model cut into {len(cut)} spans",
+                              joining=joining))
         else:
-            print(format_view(invite.model, members, rows, (), seeds))
+            print(format_view(invite.model, members, rows, (), seeds, joining=joining))
         if stage_records or cut:
             print("\n".join(format_stages(stage_rows, spans, route, "route from here", no_route)))
     return 0

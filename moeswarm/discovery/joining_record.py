@@ -52,6 +52,13 @@ class JoiningRecord:
         return dataclasses.replace(self, online=False)
 
 
+def joining_text(record: JoiningRecord) -> str:
+    """What a joiner chose, in a phrase: "experts 0-3,9" or "layers 3-5"."""
+    if record.experts is not None:
+        return f"experts {format_ids(record.experts)}"
+    return f"layers {record.layers.start}-{record.layers.stop - 1}"
+
+
 def joining_key(fingerprint: str) -> str:
     """The DHT key under which the joiners of one model say what they are about to serve."""
     return JOINING_KEY_PREFIX + fingerprint

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from moeswarm.discovery.member_about import member_about
 from moeswarm.errors import printable
 from moeswarm.ids import format_ids
 from moeswarm.placement.share import coverage_of
@@ -23,6 +24,8 @@ class MemberRow:
     throughput: float  # tokens/s the member measured at start (0: unmeasured)
     tls: bool
     load: int | None = None  # rows per minute its experts computed lately, all together (None: not announced)
+    version: str | None = None  # the moeswarm it runs (None: not announced)
+    uptime_s: float | None = None  # since it started serving, by its record and this clock (None: not announced)
 
 
 @dataclass(frozen=True)
@@ -48,17 +51,33 @@ def share_text(held: Mapping[int, Sequence[int]]) -> str:
     return "; ".join(f"layer {layer}: {format_ids(experts)}" for layer, experts in sorted(held.items()))
 
 
-def swarm_view(records: Mapping[str, object], layers: Sequence[int],
-               num_experts: int) -> tuple[list[MemberRow], list[LayerRow]]:
+def swarm_view(records: Mapping[str, object], layers: Sequence[int], num_experts: int,
+               now: float = 0.0) -> tuple[list[MemberRow], list[LayerRow]]:
     """(a row per member, a row per MoE layer) from the announcements by address (each with `held`,
-    `throughput`, `tls`, and `load` where announced: discovery/record.py)."""
-    members = [MemberRow(printable(address, 300), path_of(address), share_text(record.held), record.throughput,
-                         record.tls, _total(getattr(record, "load", None))) for address, record in sorted(records.items())]
+    `throughput`, `tls`, and `load`, `version`, `started` where announced: discovery/record.py);
+    `now`: Unix seconds here, for uptimes."""
+    members = []
+    for address, record in sorted(records.items()):
+        about = member_about(record, now)
+        members.append(MemberRow(printable(address, 300), path_of(address), share_text(record.held),
+                                 record.throughput, record.tls, about["load"],
+                                 None if about["version"] is None else printable(about["version"], 64),
+                                 about["uptime_s"]))
     return members, layer_rows(coverage_of([record.held for record in records.values()], layers, num_experts))
 
 
-def _total(load: Mapping[int, Sequence[int]] | None) -> int | None:
-    return None if load is None else sum(sum(rates) for rates in load.values())
+def duration(seconds: float | None) -> str:
+    """An uptime in a few characters: "42s", "17m", "5h3m", "2d4h"; "-" for None."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60}m"
+    return f"{s // 86400}d{s % 86400 // 3600}h"
 
 
 def layer_rows(coverage: Mapping[int, Sequence[int]]) -> list[LayerRow]:
@@ -73,18 +92,22 @@ def layer_rows(coverage: Mapping[int, Sequence[int]]) -> list[LayerRow]:
 
 def format_view(model: str, members: Sequence[MemberRow], layers: Sequence[LayerRow],
                 stages: Sequence[tuple[str, range]] = (), seeds: Sequence[tuple[str, Sequence[int]]] = (),
-                title: str | None = None) -> str:
+                title: str | None = None, joining: Sequence[tuple[str, str]] = ()) -> str:
     """The terminal table. seeds: (address, the experts whose slice pieces it serves) of each
-    member's seed (discovery/seed_record.py); title: the first line (default: the members counted);
+    member's seed (discovery/seed_record.py); joining: (address, what it chose) of each joiner still
+    fetching (discovery/joining_record.py); title: the first line (default: the members counted);
     no `layers`: no coverage per MoE layer (a stages swarm's coverage is per span: stage_view.py)."""
     lines = [title or f"swarm of model {model}: {len(members)} members announced"]
     if members:
         width = max(len(m.address) for m in members)
-        lines.append(f"  {'ADDRESS':<{width}}  {'PATH':<12}  {'TLS':<3}  {'TOKENS/S':>9}  {'ROWS/MIN':>9}  SHARE")
+        lines.append(f"  {'ADDRESS':<{width}}  {'PATH':<12}  {'TLS':<3}  {'VERSION':<9}  {'UP':>8}  {'TOKENS/S':>9}  "
+                     f"{'ROWS/MIN':>9}  SHARE")
         for m in members:
             load = "-" if m.load is None else str(m.load)
-            lines.append(f"  {m.address:<{width}}  {m.path:<12}  {'yes' if m.tls else 'no':<3}  "
-                         f"{m.throughput:>9.0f}  {load:>9}  {m.share}")
+            lines.append(f"  {m.address:<{width}}  {m.path:<12}  {'yes' if m.tls else 'no':<3}  {m.version or '-':<9}  "
+                         f"{duration(m.uptime_s):>8}  {m.throughput:>9.0f}  {load:>9}  {m.share}")
+    for address, share in joining:
+        lines.append(f"  joining {printable(address, 300)}: {share} (fetching, not serving yet)")
     for address, span in stages:
         lines.append(f"  stage {printable(address, 300)}: decoder layers {span.start}-{span.stop - 1}")
     for address, experts in seeds:

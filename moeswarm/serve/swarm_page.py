@@ -1,7 +1,9 @@
 """The `/swarm` page's data (`GET /v1/swarm`): the gateway's members and the coverage per MoE layer.
 
 Built from what the dashboard reads (serve/dashboard.py: the members this gateway uses, their
-state and round trips, and the holders of each expert among the members that are up), with each
+state and round trips, what their DHT records say of them (version, uptime, tokens/s measured at
+start, rows per minute lately: discovery/member_about.py), and the holders of each expert among
+the members that are up), with each
 layer's least-held experts and the weakest layers marked (discovery/swarm_view.py's rows). A
 gateway over stages adds its stages, the coverage per span and the route in use (serve/chain_page.py).
 """
@@ -21,7 +23,8 @@ PAGE = Path(__file__).with_name("swarm.html")
 def swarm_data(state) -> dict:
     data = dashboard_data(state)
     members = [{key: worker.get(key) for key in ("address", "path", "state", "cause", "layers", "experts", "calls",
-                                                  "rtt_ms_p50")} for worker in data["workers"]]
+                                                  "rtt_ms_p50", "version", "uptime_s", "tokens_per_s", "load")}
+               for worker in data["workers"]]
     if "layers" not in data:  # still loading
         return {"model": data["model"], "status": data["status"], "members": members, "layers": []}
     rows = layer_rows(dict(zip(data["layers"], data["replicas"])))
