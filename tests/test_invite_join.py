@@ -72,7 +72,7 @@ def test_two_joiners_cover_the_model_and_generate_through_the_invite_is_bit_iden
             time.sleep(3)
         assert all(load and load > 0 for load in loads), loads  # rows per minute, measured while generating
         assert len(view["members"]) == 2
-        assert all(m["version"] and m["uptime_s"] > 0 for m in view["members"]), view["members"]
+        assert all(m["version"] and m["uptime_s"] > 0 and m["rtt_ms"] > 0 for m in view["members"]), view["members"]
         assert [row["fewest"] for row in view["layers"]] == [1] * len(manifest.moe_layers())
 
         # The first member leaves cleanly and joins again: its experts are the uncovered ones, so it takes

@@ -15,7 +15,8 @@ def test_the_view_marks_the_weakest_layers_and_the_uncovered_experts():
     records = {"127.0.0.1:2": _record({0: (0, 1), 1: (0, 1)}),
                "127.0.0.1:1+relay://r:7/n": _record({0: (2, 3), 1: (2,)}, tls=True, load={0: (40, 2), 1: (7,)},
                                                     version="0.1.0", started=1000.0)}
-    members, layers = swarm_view(records, [0, 1], 4, now=1000.0 + 3 * 3600 + 25 * 60)
+    members, layers = swarm_view(records, [0, 1], 4, now=1000.0 + 3 * 3600 + 25 * 60,
+                                 rtts={"127.0.0.1:1+relay://r:7/n": 0.4567, "127.0.0.1:2": "cannot connect: refused"})
     assert [m.address for m in members] == ["127.0.0.1:1+relay://r:7/n", "127.0.0.1:2"]
     assert members[0].path == "direct+relay" and members[0].share == "layer 0: 2-3; layer 1: 2"
     assert members[1].share == "experts 0-1 of layers 0-1"
@@ -29,10 +30,11 @@ def test_the_view_marks_the_weakest_layers_and_the_uncovered_experts():
     assert "  joining 127.0.0.1:8: experts 3 (fetching, not serving yet)\n" in text
     assert "  seed 127.0.0.1:5: the pieces of experts 0-1,3\n" in text
     assert "layer   1: UNCOVERED   experts 3  <- weakest" in text
-    assert ("  127.0.0.1:1+relay://r:7/n  direct+relay  yes  0.1.0         3h25m         10         49  "
+    assert ("  127.0.0.1:1+relay://r:7/n  direct+relay  yes  0.1.0         3h25m     0.46         10         49  "
             "layer 0: 2-3; layer 1: 2\n") in text
-    assert ("  127.0.0.1:2                direct        no   -                 -         10          -  "
+    assert ("  127.0.0.1:2                direct        no   -                 -     down         10          -  "
             "experts 0-1 of layers 0-1\n") in text
+    assert "  127.0.0.1:2: cannot connect: refused\n" in text
     assert "stage 127.0.0.1:9: decoder layers 0-1" in text and "layer   0: 1 holder    experts 0-3\n" in text + "\n"
 
 

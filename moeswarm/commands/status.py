@@ -17,6 +17,8 @@ from pathlib import Path
 from moeswarm.commands._tls import add_swarm_key, client_tls
 from moeswarm.commands._types import seconds
 
+PINGS = 3  # a member's round trip from here is the least of these
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("invite", help="the invite `moeswarm invite` printed")
@@ -63,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         joining = [(address, joining_text(record)) for address, record in sorted(dht.fetch(invite.model, JOINING).items())]
     finally:
         dht.close()
-    members, rows = swarm_view(records, layers, num_experts, time.time())
+    members, rows = swarm_view(records, layers, num_experts, time.time(),
+                               dial_members(records, invite.model, tls, min(args.timeout, 5.0)))
     cut = swarm_cut(manifest, invite) if invite.stages is not None else []
     stage_rows, spans, route, no_route = [], [], [], ""
     if stage_records or cut:  # a stages swarm: every stage dialled from here
@@ -85,3 +88,20 @@ def run(args: argparse.Namespace) -> int:
         if stage_records or cut:
             print("\n".join(format_stages(stage_rows, spans, route, "route from here", no_route)))
     return 0
+
+
+def dial_members(records, fingerprint: str, tls, timeout_s: float) -> dict[str, float | str]:
+    """{address: the least of 3 PING round trips from here in ms, or why it cannot be dialled} of
+    each worker announced, dialled at once (HELLO with the model's fingerprint, as a gateway)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moeswarm.transport.ping import ping_worker
+
+    def one(address: str) -> float | str:
+        report = ping_worker(address, fingerprint, PINGS, tls, timeout_s)
+        return report["rtt_us_min"] / 1000.0 if report["ok"] else report["error"]
+
+    if not records:
+        return {}
+    with ThreadPoolExecutor(min(16, len(records)), thread_name_prefix="moeswarm-status") as pool:
+        return dict(zip(records, pool.map(one, records)))

@@ -26,6 +26,7 @@ class MemberRow:
     load: int | None = None  # rows per minute its experts computed lately, all together (None: not announced)
     version: str | None = None  # the moeswarm it runs (None: not announced)
     uptime_s: float | None = None  # since it started serving, by its record and this clock (None: not announced)
+    rtt_ms: float | str | None = None  # the least PING round trip from here, or why none (None: not dialled)
 
 
 @dataclass(frozen=True)
@@ -51,18 +52,18 @@ def share_text(held: Mapping[int, Sequence[int]]) -> str:
     return "; ".join(f"layer {layer}: {format_ids(experts)}" for layer, experts in sorted(held.items()))
 
 
-def swarm_view(records: Mapping[str, object], layers: Sequence[int], num_experts: int,
-               now: float = 0.0) -> tuple[list[MemberRow], list[LayerRow]]:
+def swarm_view(records: Mapping[str, object], layers: Sequence[int], num_experts: int, now: float = 0.0,
+               rtts: Mapping[str, float | str] | None = None) -> tuple[list[MemberRow], list[LayerRow]]:
     """(a row per member, a row per MoE layer) from the announcements by address (each with `held`,
     `throughput`, `tls`, and `load`, `version`, `started` where announced: discovery/record.py);
-    `now`: Unix seconds here, for uptimes."""
+    `now`: Unix seconds here, for uptimes; rtts: {address: round trip from here in ms, or why none}."""
     members = []
     for address, record in sorted(records.items()):
         about = member_about(record, now)
         members.append(MemberRow(printable(address, 300), path_of(address), share_text(record.held),
                                  record.throughput, record.tls, about["load"],
                                  None if about["version"] is None else printable(about["version"], 64),
-                                 about["uptime_s"]))
+                                 about["uptime_s"], (rtts or {}).get(address)))
     return members, layer_rows(coverage_of([record.held for record in records.values()], layers, num_experts))
 
 
@@ -100,12 +101,16 @@ def format_view(model: str, members: Sequence[MemberRow], layers: Sequence[Layer
     lines = [title or f"swarm of model {model}: {len(members)} members announced"]
     if members:
         width = max(len(m.address) for m in members)
-        lines.append(f"  {'ADDRESS':<{width}}  {'PATH':<12}  {'TLS':<3}  {'VERSION':<9}  {'UP':>8}  {'TOKENS/S':>9}  "
-                     f"{'ROWS/MIN':>9}  SHARE")
+        lines.append(f"  {'ADDRESS':<{width}}  {'PATH':<12}  {'TLS':<3}  {'VERSION':<9}  {'UP':>8}  {'RTT MS':>7}  "
+                     f"{'TOKENS/S':>9}  {'ROWS/MIN':>9}  SHARE")
         for m in members:
             load = "-" if m.load is None else str(m.load)
+            rtt = f"{m.rtt_ms:.2f}" if isinstance(m.rtt_ms, float) else "-" if m.rtt_ms is None else "down"
             lines.append(f"  {m.address:<{width}}  {m.path:<12}  {'yes' if m.tls else 'no':<3}  {m.version or '-':<9}  "
-                         f"{duration(m.uptime_s):>8}  {m.throughput:>9.0f}  {load:>9}  {m.share}")
+                         f"{duration(m.uptime_s):>8}  {rtt:>7}  {m.throughput:>9.0f}  {load:>9}  {m.share}")
+        for m in members:
+            if isinstance(m.rtt_ms, str):
+                lines.append(f"  {m.address}: {printable(m.rtt_ms, 300)}")
     for address, share in joining:
         lines.append(f"  joining {printable(address, 300)}: {share} (fetching, not serving yet)")
     for address, span in stages:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from moeswarm.errors import MoeSwarmError, one_line
 from moeswarm.sources.source import open_source
-from moeswarm.transport.path import worker_link
+from moeswarm.transport.path import PROBE_TIMEOUT_S, worker_link
 
 
 def ping_workers(model: str, addresses: Sequence[str], count: int,
@@ -23,10 +23,12 @@ def ping_workers(model: str, addresses: Sequence[str], count: int,
     return fingerprint, [ping_worker(address, fingerprint, count, tls) for address in addresses]
 
 
-def ping_worker(address: str, fingerprint: str, count: int, tls: ssl.SSLContext | None = None) -> dict:
-    """One worker's HELLO answer and `count` PING round trips; {"ok": False, "error"} when it fails."""
+def ping_worker(address: str, fingerprint: str, count: int, tls: ssl.SSLContext | None = None,
+                probe_timeout_s: float = PROBE_TIMEOUT_S) -> dict:
+    """One worker's HELLO answer and `count` PING round trips; {"ok": False, "error"} when it fails.
+    probe_timeout_s: how long a path may take to answer (transport/path.py)."""
     try:
-        link = worker_link(address, tls=tls)[1]  # HOST:PORT, relay://RELAY:PORT/NAME or both (docs/network.md)
+        link = worker_link(address, probe_timeout_s, tls)[1]  # HOST:PORT, relay://RELAY:PORT/NAME or both (docs/network.md)
     except MoeSwarmError as error:
         return {"address": address, "ok": False, "error": one_line(error)}
     try:
