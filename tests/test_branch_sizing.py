@@ -79,6 +79,25 @@ def test_without_the_text_measured_no_draft_pays_and_the_shadow_teaches_the_firs
     assert speculation.totals.drafts == 0
 
 
+def test_a_draft_that_starts_another_is_not_fed_a_row_of_its_own():
+    """The editing workload's step 10 (tests/test_goodput.py): the first draft is the start of the
+    second; one row, the second's, at K = 5; the first is still judged (the EMA follows it)."""
+    speculation = Speculation(cap=8, adaptive=True)
+    found = [[288, 14, 1043, 12], [288, 14, 1043, 12, 288], [288, 14]]
+    drafter = SimpleNamespace(name="suffix", support=lambda context, drafts, greedy=True: [[0.9] * len(d) for d in drafts])
+    sequence = SimpleNamespace(branches=found, drafter=drafter, context=[1, 2, 3],
+                               job=SimpleNamespace(params=SamplingParams()), max_drafts=8, k_limit=None, done=False)
+    drafts = speculation.start(sequence)
+    drafts.sizing = (FAST, 0)
+    speculation.size(sequence, drafts)
+    assert (sequence.branches, sequence.k_limit) == ([[288, 14, 1043, 12, 288]], 5)
+    assert drafts.estimated[1][0] == [288, 14, 1043, 12]
+    sequence.context += [288, 14, 1043, 12, 288, 14]
+    speculation.after_step(sequence, drafts, 6, 1, 5, 5)
+    assert drafts.acceptance.values == pytest.approx([PRIOR + ACCEPT_WEIGHT * (1 - PRIOR)] * 4)  # the first's 4 kept
+    assert speculation.totals.accepted == 5
+
+
 def test_a_slow_link_feeds_every_branch():
     """The same drafts behind a 50 ms link (a row nearly free): all three rows at K = 2."""
     _, sequence, _ = _sized([0.18], StepCost(0.330, 0.002308, 0.000229))

@@ -13,7 +13,7 @@ import pytest
 
 from moeswarm.generation.draft_measure import MIN_STEPS, MIN_TOKEN_SHARE, PRIOR, Acceptance, CostModel
 from moeswarm.generation.goodput import (DRAFT_MARGIN, StepCost, branch_acceptance, choose_branches, choose_k,
-                                        expected_tokens, goodput)
+                                        expected_tokens, goodput, own_rows)
 
 
 def brute_tokens(acceptance: list[float], k: int) -> float:
@@ -184,7 +184,8 @@ def brute_branches(drafts, rates, cost: StepCost, cap: int, margin: float) -> tu
     values = {}
     for n in range(1, len(drafts) + 1):
         for k in range(1, cap + 1):
-            rows = len({tuple(d[:k]) for d in drafts[:n]})
+            cut = {tuple(d[:k]) for d in drafts[:n]}
+            rows = sum(1 for d in cut if not any(len(o) > len(d) and o[:len(d)] == d for o in cut))
             values[n, k] = brute_branch_tokens(drafts[:n], rates[:n], k) / cost.seconds(rows * (1 + k), True)
     best = max(values.values())
     if best <= (1 + margin) / cost.seconds(1, False) * (1 + 1e-9):
@@ -221,6 +222,18 @@ def test_a_rival_branch_is_fed_only_where_its_row_pays():
     slow = StepCost(0.330, 0.002308, 0.000229)
     assert choose_branches(drafts, rates, slow, 8) == (3, 2)
     assert choose_branches(drafts, [[0.0, 0.0]] * 3, slow, 8) == (0, 0)  # nothing kept: plain decoding
+
+
+def test_a_draft_that_starts_another_rides_in_its_row():
+    """The star at 5 ms in docs/bench-drafters.md, editing workload, step 10: the drafter's first draft
+    is the start of its second, one token longer. Counted as two rows, the fifth token cost a second
+    row and the step stopped at K = 4; the second draft's row verifies the first's tokens too, so one
+    row at K = 5."""
+    assert own_rows([[1, 2], [1, 2, 3], [1], [4], [1, 2]]) == [[1, 2, 3], [4]]
+    drafts = [[288, 14, 1043, 12], [288, 14, 1043, 12, 288], [288, 14]]
+    rates = [[0.9, 0.909, 0.917, 0.923], [0.9, 0.909, 0.917, 0.923, 0.9], [0.9, 0.909]]
+    assert branch_acceptance(drafts, rates)[1] == [1, 1, 1, 1, 1]
+    assert choose_branches(drafts, rates, StepCost(0.0469, 0.0023, 0.0002), 8) == (2, 5)
 
 
 def test_cost_model_ignores_nonsense_and_stays_bounded():

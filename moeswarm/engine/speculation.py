@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 
 from moeswarm.generation.draft_measure import Acceptance, Calibration, CostModel
 from moeswarm.generation.draft_names import AUTO_SPECULATE
-from moeswarm.generation.goodput import StepCost, choose_branches, choose_k
+from moeswarm.generation.goodput import StepCost, choose_branches, choose_k, own_rows
 from moeswarm.errors import MoeSwarmError
 from moeswarm.forward.packed import JOURNAL, keeps_recurrent_state
 
@@ -126,7 +126,7 @@ class Speculation:
             if k:
                 judged, judged_estimates = _cut(found, estimates, k)  # fed or dropped, each is judged
                 drafts.estimated = (len(sequence.context), judged, judged_estimates)
-                sequence.branches = _cut(found[:fed], estimates[:fed], k)[0]
+                sequence.branches = own_rows(_cut(found[:fed], estimates[:fed], k)[0])
             else:
                 if drafts.shadow is None:
                     drafts.shadow, drafts.shadow_estimates = (len(sequence.context), found), estimates

@@ -20,7 +20,9 @@ step whose kept run is the longest accepted one. The model's greedy token at eac
 token, so the drafts' distinct prefixes of one length are exclusive: the run reaches position i
 with probability mass_i, the sum over the distinct i-token prefixes of the product of their own
 rates; the step's a_i is mass_i / mass_{i-1} (`branch_acceptance`), and B(K) is the number of
-distinct drafts once cut to K. Three drafts each kept at 0.17 make a step kept at 0.5, for three rows.
+distinct drafts once cut to K, a draft that is the start of another not counted (the longer one's
+row verifies its tokens: `own_rows`). Three drafts each kept at 0.17 make a step kept at 0.5, for
+three rows.
 
 A branch is fed only where its row pays (`choose_branches`): the step feeds the drafter's first n
 drafts, n chosen with K, so a weak rival is dropped where a row is dear (a fast link, on the star:
@@ -77,9 +79,19 @@ def branch_acceptance(drafts: Sequence[Sequence[int]], rates: Sequence[Sequence[
                 grown[tuple(draft[:i + 1])] = reach[tuple(draft[:i])] * (rate[i] if i < len(rate) else 0.0)
         before, after = sum(reach.values()), sum(grown.values())
         acceptance.append(min(after / before, 1.0) if before > 0 else 0.0)
-        rows.append(len({tuple(d[:i + 1]) for d in drafts if d}))
+        rows.append(len(own_rows([d[:i + 1] for d in drafts if d])))
         reach = grown
     return acceptance, rows
+
+
+def own_rows(drafts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The rows that verify `drafts`: each distinct draft once, in order, except one that is the start
+    of another (the longer draft's row verifies every token it has)."""
+    distinct: list[list[int]] = []
+    for draft in drafts:
+        if list(draft) not in distinct:
+            distinct.append(list(draft))
+    return [d for d in distinct if not any(len(o) > len(d) and o[:len(d)] == d for o in distinct)]
 
 
 def goodput(acceptance: Sequence[float], cost: StepCost, k: int, rows: int | Sequence[int] = 1,
