@@ -108,8 +108,8 @@ class Speculation:
             _chosen(drafts, k)
 
     def size(self, sequence, drafts: SequenceDrafts) -> None:
-        """After drafting at the cap (`plan`): cut the sequence's drafts to the K their calibrated
-        estimates earn; at K = 0 they become its shadow drafts."""
+        """After drafting at the cap (`plan`): feed the first drafts cut to the K their calibrated
+        estimates earn (`choose_branches`); at K = 0 they become its shadow drafts."""
         if drafts.sizing is None:
             return
         (line, base), drafts.sizing = drafts.sizing, None
@@ -126,7 +126,7 @@ class Speculation:
             if k:
                 judged, judged_estimates = _cut(found, estimates, k)  # fed or dropped, each is judged
                 drafts.estimated = (len(sequence.context), judged, judged_estimates)
-                sequence.branches = own_rows(_cut(found[:fed], estimates[:fed], k)[0])
+                sequence.branches = own_rows([draft[:k] for draft in found[:fed]])
             else:
                 if drafts.shadow is None:
                     drafts.shadow, drafts.shadow_estimates = (len(sequence.context), found), estimates
