@@ -12,7 +12,8 @@ import random
 import pytest
 
 from moeswarm.generation.draft_measure import MIN_STEPS, MIN_TOKEN_SHARE, PRIOR, Acceptance, CostModel
-from moeswarm.generation.goodput import DRAFT_MARGIN, StepCost, branch_acceptance, choose_k, expected_tokens
+from moeswarm.generation.goodput import (DRAFT_MARGIN, StepCost, branch_acceptance, choose_branches, choose_k,
+                                        expected_tokens, goodput, own_rows)
 
 
 def brute_tokens(acceptance: list[float], k: int) -> float:
@@ -162,6 +163,77 @@ def test_branches_verified_side_by_side_are_one_step_whose_run_is_the_longest_ke
     # a cut that merges branches costs fewer rows: K = 1 here feeds 2 rows, not 4
     cost = StepCost(0.010, 0.002)
     assert choose_k(rates, cost, 1, rows) == 1 and choose_k(rates, cost, 1, 4) == 0
+
+
+def brute_branch_tokens(drafts: list[list[int]], rates: list[list[float]], k: int) -> float:
+    """E[tokens] of a step feeding `drafts` cut to K, by walking the model's token at each position:
+    each fed continuation of the kept run so far with its draft's rate (the first draft carrying
+    that prefix), anything else (the run ends) with the rest."""
+    def walk(prefix: tuple[int, ...]) -> float:
+        if len(prefix) == k:
+            return 0.0
+        chances: dict[int, float] = {}
+        for draft, rate in zip(drafts, rates):
+            if len(draft) > len(prefix) and tuple(draft[:len(prefix)]) == prefix:
+                chances.setdefault(draft[len(prefix)], rate[len(prefix)])
+        return sum(p * (1 + walk(prefix + (token,))) for token, p in chances.items())
+    return 1.0 + walk(())
+
+
+def brute_branches(drafts, rates, cost: StepCost, cap: int, margin: float) -> tuple[int, int]:
+    values = {}
+    for n in range(1, len(drafts) + 1):
+        for k in range(1, cap + 1):
+            cut = {tuple(d[:k]) for d in drafts[:n]}
+            rows = sum(1 for d in cut if not any(len(o) > len(d) and o[:len(d)] == d for o in cut))
+            values[n, k] = brute_branch_tokens(drafts[:n], rates[:n], k) / cost.seconds(rows * (1 + k), True)
+    best = max(values.values())
+    if best <= (1 + margin) / cost.seconds(1, False) * (1 + 1e-9):
+        return 0, 0
+    return min(nk for nk, value in values.items() if value >= best * (1 - 1e-9))
+
+
+def test_choose_branches_matches_brute_force_over_random_inputs():
+    rng = random.Random(58)
+    for _ in range(300):
+        drafts = [[rng.randint(1, 3) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 3))]
+        rates = [[rng.choice([0.0, 0.05, 0.1, 0.2, 0.3]) for _ in d] for d in drafts]  # a prefix's rivals sum <= 0.9
+        cost = StepCost(rng.uniform(0.005, 0.3), rng.uniform(0.0002, 0.01), rng.choice([0.0, 0.0005]))
+        for margin in (0.0, DRAFT_MARGIN):
+            assert choose_branches(drafts, rates, cost, 3, margin=margin) == brute_branches(drafts, rates, cost, 3, margin)
+
+
+def test_a_rival_branch_is_fed_only_where_its_row_pays():
+    """The star at 5 ms in docs/bench-drafters.md, held-out prompt, step 11: three one-token matches,
+    the first draft at its text's measured 0.18, its rivals calibrated at 0.05. There a token costs 5 %
+    of a one-token step (fixed 46.9 ms, 2.3 ms a token): feeding all three rows never pays (the rule
+    that fed every branch chose K = 0, and the first draft's 14 was the model's token); the first alone
+    at K = 2 does. Behind a 50 ms link the same rows are nearly free and all three are fed."""
+    drafts = [[14, 435], [2532, 1005], [448, 322]]
+    rates = [[0.18, 0.667], [0.05, 0.667], [0.05, 0.667]]
+    fast = StepCost(0.04694, 0.002308, 0.000229)
+    # the rule that fed every branch read the step as one: the three calibrated at 0.048 each, lifted
+    # to the text's 0.18; no K paid for three rows
+    assert choose_k([0.18, 0.667], fast, 8, [3, 3]) == 0
+    assert choose_branches(drafts, rates, fast, 8) == (1, 2)
+    every, rows = branch_acceptance(drafts, rates)
+    one, one_rows = branch_acceptance(drafts[:1], rates[:1])
+    assert goodput(one, fast, 2, one_rows) > goodput(every, fast, 2, rows) * 1.1
+    slow = StepCost(0.330, 0.002308, 0.000229)
+    assert choose_branches(drafts, rates, slow, 8) == (3, 2)
+    assert choose_branches(drafts, [[0.0, 0.0]] * 3, slow, 8) == (0, 0)  # nothing kept: plain decoding
+
+
+def test_a_draft_that_starts_another_rides_in_its_row():
+    """The star at 5 ms in docs/bench-drafters.md, editing workload, step 10: the drafter's first draft
+    is the start of its second, one token longer. Counted as two rows, the fifth token cost a second
+    row and the step stopped at K = 4; the second draft's row verifies the first's tokens too, so one
+    row at K = 5."""
+    assert own_rows([[1, 2], [1, 2, 3], [1], [4], [1, 2]]) == [[1, 2, 3], [4]]
+    drafts = [[288, 14, 1043, 12], [288, 14, 1043, 12, 288], [288, 14]]
+    rates = [[0.9, 0.909, 0.917, 0.923], [0.9, 0.909, 0.917, 0.923, 0.9], [0.9, 0.909]]
+    assert branch_acceptance(drafts, rates)[1] == [1, 1, 1, 1, 1]
+    assert choose_branches(drafts, rates, StepCost(0.0469, 0.0023, 0.0002), 8) == (2, 5)
 
 
 def test_cost_model_ignores_nonsense_and_stays_bounded():

@@ -11,11 +11,16 @@ A drafter that scores its own drafts (the model-free ones: generation/draft_supp
 each draft's evidence: the sequence drafts up to the cap, `size` reads the drafts' acceptance
 estimates per position through the drafter's Calibration (generation/draft_measure.py: what drafts
 of that strength have kept, engine-wide), a greedy step's branches taken as one step (goodput.py's
-`branch_acceptance`), and cuts them to the K the rule picks (greedy: each position of the step at
-least the sequence's acceptance EMA where a draft was tried there). A strongly supported
-draft (a file being re-emitted) is fed long from the first step, an unsupported one (sampled text, a
-prompt that repeats nothing) not at all; the cut drafts are then the step's shadow drafts. Other
-drafters are sized by the sequence's acceptance EMA before they draft (`plan`).
+`branch_acceptance`), and keeps the drafter's first n drafts cut to K, the pair the rule picks
+(`choose_branches`: a rival branch is fed only where its row pays). Greedy, the first draft's rate
+at each position is at least the sequence's acceptance EMA there, once a first draft was tried
+there: for such a drafter the EMA follows the first draft's outcomes (the metrics still count the
+kept one's), so it lifts the draft it measured, not the step's rivals. A strongly supported draft (a
+file being re-emitted) is fed long from the first step, an unsupported one (sampled text, a prompt
+that repeats nothing) not at all; the drafts are then the step's shadow drafts. Every draft of a
+fed step, dropped ones included, is judged against the emitted tokens for the calibration (the
+output never depends on the drafts, so a dropped draft's outcome is the one it would have had).
+Other drafters are sized by the sequence's acceptance EMA before they draft (`plan`).
 
 A sequence at K = 0 still learns: while its K is 0 it asks its drafter for a shadow draft (every
 step for the model-free drafters, every PROBE_EVERY steps for those that run forwards), never fed,
@@ -34,7 +39,7 @@ from dataclasses import dataclass, field, replace
 
 from moeswarm.generation.draft_measure import Acceptance, Calibration, CostModel
 from moeswarm.generation.draft_names import AUTO_SPECULATE
-from moeswarm.generation.goodput import StepCost, branch_acceptance, choose_k
+from moeswarm.generation.goodput import StepCost, choose_branches, choose_k, own_rows
 from moeswarm.errors import MoeSwarmError
 from moeswarm.forward.packed import JOURNAL, keeps_recurrent_state
 
@@ -58,7 +63,7 @@ class SequenceDrafts:
     since_probe: int = 0
     history: list[int] = field(default_factory=list)  # K per decode step, the first HISTORY
     sizing: tuple[StepCost, int] | None = None  # (cost line, other sequences' tokens) while its drafts await `size`
-    estimated: tuple[int, list[list[int]], list[list[float]]] | None = None  # (context length, fed drafts, estimates)
+    estimated: tuple[int, list[list[int]], list[list[float]]] | None = None  # (context length, drafts cut to K, estimates): the first fed
 
     def summary(self) -> dict:
         a = self.acceptance
@@ -103,8 +108,8 @@ class Speculation:
             _chosen(drafts, k)
 
     def size(self, sequence, drafts: SequenceDrafts) -> None:
-        """After drafting at the cap (`plan`): cut the sequence's drafts to the K their calibrated
-        estimates earn; at K = 0 they become its shadow drafts."""
+        """After drafting at the cap (`plan`): feed the first drafts cut to the K their calibrated
+        estimates earn (`choose_branches`); at K = 0 they become its shadow drafts."""
         if drafts.sizing is None:
             return
         (line, base), drafts.sizing = drafts.sizing, None
@@ -113,23 +118,19 @@ class Speculation:
         if found:
             calibration = self.calibrations.setdefault(_key(sequence), Calibration())
             estimates = sequence.drafter.support(sequence.context, found, sequence.job.params.greedy)  # [branch][position]
-            # the step's acceptance per position and rows per K: its branches as one step (one draft unbranched)
-            rates, rows = branch_acceptance(found, [calibration.rates(e) for e in estimates])
+            rates = [calibration.rates(e) for e in estimates]  # [branch][position]
             if sequence.job.params.greedy:  # weak greedy drafts are kept more than estimated (docs/drafts.md):
-                measured = drafts.acceptance.values  # what this text's steps kept, once tried, lifts them
-                rates = [max(r, measured[i] if i < len(measured) else 0.0) for i, r in enumerate(rates)]
-            k = choose_k(rates, line, sequence.max_drafts, rows, base)
-            cut: list[list[int]] = []
-            cut_estimates: list[list[float]] = []
-            for draft, scored in zip(found, estimates):
-                if draft[:k] not in cut:  # distinct drafts may share their first K tokens
-                    cut.append(draft[:k])
-                    cut_estimates.append(scored[:k])
+                measured = drafts.acceptance.values  # what this text's first drafts kept, once tried, lifts the first
+                rates[0] = [max(r, measured[i] if i < len(measured) else 0.0) for i, r in enumerate(rates[0])]
+            fed, k = choose_branches(found, rates, line, sequence.max_drafts, base)
             if k:
-                drafts.estimated = (len(sequence.context), cut, cut_estimates)
-            elif drafts.shadow is None:
-                drafts.shadow, drafts.shadow_estimates = (len(sequence.context), found), estimates
-            sequence.branches = cut if k else [[]]
+                judged, judged_estimates = _cut(found, estimates, k)  # fed or dropped, each is judged
+                drafts.estimated = (len(sequence.context), judged, judged_estimates)
+                sequence.branches = own_rows([draft[:k] for draft in found[:fed]])
+            else:
+                if drafts.shadow is None:
+                    drafts.shadow, drafts.shadow_estimates = (len(sequence.context), found), estimates
+                sequence.branches = [[]]
         sequence.k_limit = k
         _chosen(drafts, k)
 
@@ -155,12 +156,15 @@ class Speculation:
     def after_step(self, sequence, drafts: SequenceDrafts, fed: int, rows: int, drafted: int, accepted: int) -> None:
         """A decode step's outcome for `sequence`: `accepted` of the `drafted` tokens of its kept draft."""
         drafts.fed = fed
+        first = None  # (tokens, kept) of the first draft, which the EMA follows for a drafter scoring its drafts
+        if drafted and drafts.estimated is not None:
+            at, judged, estimates = drafts.estimated
+            emitted = sequence.context[at:]
+            first = (len(judged[0]), _kept(judged[0], emitted))
+            self._calibrate(sequence, emitted, judged, estimates)
         if drafted:
             drafts.rows = rows
-            self._record(sequence, drafts, drafted, accepted)
-        if drafted and drafts.estimated is not None:
-            at, fed_drafts, estimates = drafts.estimated
-            self._calibrate(sequence, sequence.context[at:], fed_drafts, estimates)
+            self._record(sequence, drafts, drafted, accepted, first=first)
         drafts.estimated = None
         if drafts.shadow is not None:
             self._score_shadow(sequence, drafts)
@@ -171,10 +175,15 @@ class Speculation:
         if drafting_s is not None:
             self.cost.record_drafting(drafting_s)
 
-    def _record(self, sequence, drafts: SequenceDrafts, drafted: int, accepted: int, fed: bool = True) -> None:
-        drafts.acceptance.record(drafted, accepted, fed)
+    def _record(self, sequence, drafts: SequenceDrafts, drafted: int, accepted: int, fed: bool = True,
+                first: tuple[int, int] | None = None) -> None:
+        """`accepted` of the `drafted` tokens of the kept draft; the EMA follows `first` (tokens, kept)
+        where given (the first draft's outcome: a drafter scoring its drafts), else the kept draft's."""
         shared = self.by_drafter.setdefault(_key(sequence), Acceptance())
-        shared.record(drafted, accepted, fed)
+        for acceptance in (drafts.acceptance, shared):
+            acceptance.record(*(first or (drafted, accepted)), counted=False)
+            if fed:
+                acceptance.observe(drafted, accepted)
         if fed:
             self.totals.observe(drafted, accepted)
 
@@ -184,9 +193,7 @@ class Speculation:
         branch's alone would count its rivals' misses nowhere and its own luck as the estimates' worth."""
         calibration, seen = self.calibrations[_key(sequence)], set()
         for draft, scored in zip(drafts, estimates):
-            kept = 0
-            while kept < min(len(draft), len(emitted)) and draft[kept] == emitted[kept]:
-                kept += 1
+            kept = _kept(draft, emitted)
             judged = min(len(draft), kept + 1, len(emitted))  # positions tried whose outcome is known
             fresh = [j for j in range(judged) if tuple(draft[: j + 1]) not in seen]
             seen.update(tuple(draft[: j + 1]) for j in fresh)
@@ -197,17 +204,17 @@ class Speculation:
         emitted = sequence.context[at:]
         best, best_len, settled = -1, 0, True
         for draft in found:
-            kept = 0
-            while kept < min(len(draft), len(emitted)) and draft[kept] == emitted[kept]:
-                kept += 1
+            kept = _kept(draft, emitted)
             settled &= kept < len(emitted) or kept == len(draft)  # a mismatch seen, or the whole draft kept
             if kept > best:
                 best, best_len = kept, len(draft)
         if settled or sequence.done:
-            if drafts.shadow_estimates is not None:
+            scored = drafts.shadow_estimates is not None  # a drafter scoring its drafts: the EMA follows the first
+            if scored:
                 self._calibrate(sequence, emitted, found, drafts.shadow_estimates)
             drafts.shadow = drafts.shadow_estimates = None
-            self._record(sequence, drafts, best_len, best, fed=False)
+            first = (len(found[0]), _kept(found[0], emitted)) if scored else None
+            self._record(sequence, drafts, best_len, best, fed=False, first=first)
 
     def summary(self) -> dict:
         """The engine's verified drafts, vLLM's counters' figures (engine/spec_metrics.py, the dashboard)."""
@@ -216,6 +223,25 @@ class Speculation:
                 "accepted_tokens": t.accepted, "accepted_per_position": list(t.accepted_at),
                 "mean_accepted_per_draft": t.accepted / t.drafts if t.drafts else None,
                 "acceptance_per_position": {key: [round(v, 4) for v in a.values] for key, a in self.by_drafter.items()}}
+
+
+def _cut(drafts: list[list[int]], estimates: list[list[float]], k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The drafts cut to K tokens, each distinct one once (drafts may share their first K), with their estimates."""
+    cut: list[list[int]] = []
+    cut_estimates: list[list[float]] = []
+    for draft, scored in zip(drafts, estimates):
+        if draft[:k] not in cut:
+            cut.append(draft[:k])
+            cut_estimates.append(scored[:k])
+    return cut, cut_estimates
+
+
+def _kept(draft: list[int], emitted: list[int]) -> int:
+    """How many of the draft's first tokens the model emitted."""
+    kept = 0
+    while kept < min(len(draft), len(emitted)) and draft[kept] == emitted[kept]:
+        kept += 1
+    return kept
 
 
 def _chosen(drafts: SequenceDrafts, k: int) -> None:

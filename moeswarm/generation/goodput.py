@@ -20,7 +20,15 @@ step whose kept run is the longest accepted one. The model's greedy token at eac
 token, so the drafts' distinct prefixes of one length are exclusive: the run reaches position i
 with probability mass_i, the sum over the distinct i-token prefixes of the product of their own
 rates; the step's a_i is mass_i / mass_{i-1} (`branch_acceptance`), and B(K) is the number of
-distinct drafts once cut to K. Three drafts each kept at 0.17 make a step kept at 0.5, for three rows.
+distinct drafts once cut to K, a draft that is the start of another not counted (the longer one's
+row verifies its tokens: `own_rows`). Three drafts each kept at 0.17 make a step kept at 0.5, for
+three rows.
+
+A branch is fed only where its row pays (`choose_branches`): the step feeds the drafter's first n
+drafts, n chosen with K, so a weak rival is dropped where a row is dear (a fast link, on the star:
+every row reaches its own experts) and kept where rows are nearly free (a slow one). Feeding every
+branch at every K made a step whose chance lies in one draft pay the others' rows too: it fed none,
+or cut the strong one short.
 
 The margin: acceptance and cost are estimates from a few steps, and a draft row costs more than the
 line says when it is rejected (the rollback, the drafter's own lookups). A step drafts only when the
@@ -71,9 +79,19 @@ def branch_acceptance(drafts: Sequence[Sequence[int]], rates: Sequence[Sequence[
                 grown[tuple(draft[:i + 1])] = reach[tuple(draft[:i])] * (rate[i] if i < len(rate) else 0.0)
         before, after = sum(reach.values()), sum(grown.values())
         acceptance.append(min(after / before, 1.0) if before > 0 else 0.0)
-        rows.append(len({tuple(d[:i + 1]) for d in drafts if d}))
+        rows.append(len(own_rows([d[:i + 1] for d in drafts if d])))
         reach = grown
     return acceptance, rows
+
+
+def own_rows(drafts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The rows that verify `drafts`: each distinct draft once, in order, except one that is the start
+    of another (the longer draft's row verifies every token it has)."""
+    distinct: list[list[int]] = []
+    for draft in drafts:
+        if list(draft) not in distinct:
+            distinct.append(list(draft))
+    return [d for d in distinct if not any(len(o) > len(d) and o[:len(d)] == d for o in distinct)]
 
 
 def goodput(acceptance: Sequence[float], cost: StepCost, k: int, rows: int | Sequence[int] = 1,
@@ -98,3 +116,20 @@ def choose_k(acceptance: Sequence[float], cost: StepCost, cap: int, rows: int | 
         if value > best * (1 + 1e-12):
             best_k, best = k, value
     return best_k if best > plain * (1 + margin) else 0
+
+
+def choose_branches(drafts: Sequence[Sequence[int]], rates: Sequence[Sequence[float]], cost: StepCost, cap: int,
+                    base: int = 0, margin: float = DRAFT_MARGIN) -> tuple[int, int]:
+    """(n, K): feed the first n of `drafts` (the drafter's order, its best first) cut to K drafts,
+    the pair with the most expected tokens per second (the fewest rows, then the smallest K, on a
+    tie), where that beats plain decoding by the factor (1 + margin); else (0, 0).
+    rates[b][i]: P(drafts[b][i] kept | drafts[b][:i] kept), as `branch_acceptance` reads them."""
+    plain = goodput((), cost, 0, 1, base)
+    best_n, best_k, best = 0, 0, 0.0
+    for n in range(1, len(drafts) + 1):
+        acceptance, rows = branch_acceptance(drafts[:n], rates[:n])
+        for k in range(1, max(0, cap) + 1):
+            value = goodput(acceptance, cost, k, rows, base)
+            if value > best * (1 + 1e-12):
+                best_n, best_k, best = n, k, value
+    return (best_n, best_k) if best > plain * (1 + margin) else (0, 0)

@@ -61,6 +61,7 @@ class Row:
     drafted: int
     accepted: int
     tokens: int
+    per_step: tuple[int, ...] = ()  # the K of each decode step (the default's, the rule's: generate --json's speculate_per_step)
 
 
 def workloads(codec) -> dict[str, tuple[list[int], SamplingParams]]:
@@ -136,7 +137,7 @@ def _row(topology: str, rtt: float, workload: str, config: str, result) -> Row:
     per_step = result.speculation.get("speculate_per_step") or []
     mean_k = sum(per_step) / len(per_step) if per_step else float(result.speculate)
     return Row(topology, rtt, workload, config, 1000 * decode_s / produced, produced / max(1, result.steps),
-               mean_k, result.drafted, result.accepted, len(result.tokens))
+               mean_k, result.drafted, result.accepted, len(result.tokens), tuple(per_step))
 
 
 def cells(rows: list[dict]) -> list[dict]:
