@@ -26,9 +26,10 @@ def cli(*args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def run(*args: str, timeout: float = WAIT_S) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: float = WAIT_S, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`moeswarm ARGS` to its end; `env`: variables set for it on top of this process's."""
     return subprocess.run([sys.executable, "-m", "moeswarm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def lines_until(process: subprocess.Popen, marker: str, wait_s: float = WAIT_S) -> list[str]:

@@ -321,3 +321,22 @@ def test_a_move_copies_the_pieces_it_kept_and_fetches_only_the_rest(files, loop,
         assert _same(tmp_path / "again.gguf", tmp_path / "expected-moved.gguf")
         assert again["reused_bytes"] == report["reused_bytes"] - expert_piece.length
         assert again["fetched_bytes"] == report["fetched_bytes"] + expert_piece.length
+
+
+def test_a_backbone_slice_holds_every_tensor_but_the_experts(files, tmp_path):
+    """No experts with the backbone: every non-expert tensor byte for byte, no expert tensor, no
+    expert keys (GGUF has no empty arrays), read back as a slice of no experts; without the
+    backbone, no experts is refused in one line."""
+    from moeswarm.errors import ModelError
+    from moeswarm.gguf.gguf_file import GGUFFile
+    from moeswarm.gguf.gguf_slice import expert_layer, write_slice
+
+    report = write_slice(files["model"], tmp_path / "backbone.gguf", [], with_backbone=True)
+    model, backbone = GGUFFile.open(files["model"]), GGUFFile.open(tmp_path / "backbone.gguf")
+    trunk = [name for name in model.tensors if expert_layer(name) is None]
+    assert list(backbone.tensors) == trunk and report["expert_tensors"] == 0 and report["layers"] == []
+    assert all(bytes(backbone.tensors[n].data) == bytes(model.tensors[n].data) for n in trunk)
+    assert backbone.is_slice and backbone.expert_ids == [] and backbone.sliced_layers == []
+    assert backbone.fingerprint == model.fingerprint and model.expert_ids is None
+    with pytest.raises(ModelError, match="and some unless with_backbone"):
+        write_slice(files["model"], tmp_path / "none.gguf", [])

@@ -3,7 +3,9 @@
 `moeswarm invite` seeds the bundled GGUF model; two `moeswarm join INVITE --memory ...` processes
 each take half the experts where the swarm is weakest and fetch just those bytes; `generate
 --swarm INVITE --check-local` is bit-identical to the model run locally; `status` shows the
-coverage; a member that leaves and joins again takes the same share back from its own directory.
+coverage; a member that leaves and joins again takes the same share back from its own directory;
+`generate --swarm INVITE` without `--model` fetches the backbone alone (the whole model with
+`--check-local`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def test_two_joiners_cover_the_model_and_generate_through_the_invite_is_bit_iden
         assert generated.returncode == 0, generated.stderr[-3000:]
         report = json.loads(generated.stdout.strip().splitlines()[-1])
         assert report["bit_identical"] is True and len(report["workers"]) == 2
+        _generate_without_the_model(invite, manifest, tmp_path / "cache", report["tokens"])
 
         # each member announces the rows its experts computed (at its next refresh: TTL/3 = 20 s)
         deadline = time.monotonic() + 60
@@ -87,12 +90,41 @@ def test_two_joiners_cover_the_model_and_generate_through_the_invite_is_bit_iden
         stop(joiners)
 
 
+def _generate_without_the_model(invite: str, manifest, cache: Path, tokens: list[int]) -> None:
+    """`generate --swarm INVITE` with no --model fetches the backbone alone (every tensor but the
+    routed experts, exactly those pieces) and gives the tokens of the owner's file; with
+    --check-local it fetches the whole model and is bit-identical; run again, it reuses the file."""
+    from moeswarm.gguf.gguf_file import GGUFFile
+
+    args = ("generate", "--swarm", invite, "--prompt", "def main(", "--max-new-tokens", "8", "--json", "--threads", "1")
+    env = {"XDG_CACHE_HOME": str(cache)}
+    plain = run(*args, env=env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert json.loads(plain.stdout.strip().splitlines()[-1])["tokens"] == tokens
+    line = next(line for line in plain.stderr.splitlines() if "fetched the backbone" in line)
+    assert int(line.split(": ", 2)[2].split()[0]) == sum(p.length for p in manifest.pieces([], None, True))
+    path = Path(line.rsplit(" into ", 1)[1])
+    assert path.parent == cache / "moeswarm" / "join" / f"{manifest.fingerprint}.backbone"
+    assert path.name == manifest.data["file"]  # the owner's file name: the model's id in the API
+    backbone = GGUFFile.open(path)
+    assert backbone.expert_ids == [] and backbone.fingerprint == manifest.fingerprint
+    assert not [name for name in backbone.tensors if "_exps." in name]
+    checked = run(*args, "--check-local", env=env)
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    report = json.loads(checked.stdout.strip().splitlines()[-1])
+    assert report["bit_identical"] is True and report["tokens"] == tokens
+    assert "fetched the whole model (--check-local)" in checked.stderr
+    again = run(*args, env=env)
+    assert again.returncode == 0 and "reusing " in again.stderr and "fetched" not in again.stderr
+
+
 @pytest.mark.parametrize("args, cause", [
     (["join", "moeswarm-invite-1.not-an-invite"], "the invite does not decode"),
     (["join", "hello"], "not a moeswarm invite"),
     (["status", "moeswarm-invite-9.x"], "version '9'"),
     (["generate", "--model", "m", "--prompt", "x", "--swarm", "moeswarm-invite-1.$"], "outside base64url"),
     (["join", "x", "--memory", "-1"], "must be a positive number of GB"),
+    (["generate", "--prompt", "x", "--workers", "127.0.0.1:1"], "give --model (a model directory or .gguf file), or --swarm INVITE"),
     (["invite", "--model", "/nonexistent/m.gguf"], "no such GGUF file"),
 ])
 def test_bad_input_is_one_line_and_status_2(args, cause):

@@ -89,6 +89,24 @@ def check_workers_or_swarm(args: argparse.Namespace) -> None:
                             "or `moeswarm dht` printed")
 
 
+def model_from_swarm(args: argparse.Namespace) -> None:
+    """Without --model, `--swarm INVITE` (or `--stages-swarm INVITE`) gives it: the backbone slice
+    of the invite's model fetched from its seeder, the whole model with --check-local
+    (discovery/invite_model.py); set as `args.model`. MoeSwarmError without either."""
+    if args.model is not None:
+        return
+    invite = getattr(args.swarm, "invite", None) or getattr(getattr(args, "stages_swarm", None), "invite", None)
+    if invite is None:
+        raise MoeSwarmError("give --model (a model directory or .gguf file), or --swarm INVITE to fetch the "
+                            "backbone from the swarm's seeder")
+    from moeswarm.commands._tls import client_tls
+    from moeswarm.discovery.invite_model import cache_dir, model_from_invite
+    from moeswarm.slices.fetch import TIMEOUT_S
+
+    args.model = str(model_from_invite(invite, cache_dir(), client_tls(getattr(args, "swarm_key", None)), TIMEOUT_S,
+                                       bool(getattr(args, "check_local", False)), _stderr(args)))
+
+
 def _stages_invite(args: argparse.Namespace) -> None:
     if not getattr(args.swarm, "stages", None):
         return

@@ -7,7 +7,7 @@ import json
 
 from moeswarm.commands._setup import add_quiet, quiet_progress, set_backbone_threads
 from moeswarm.commands._stages import add_stages, open_backbone
-from moeswarm.commands._swarm import check_workers_or_swarm
+from moeswarm.commands._swarm import check_workers_or_swarm, model_from_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
 from moeswarm.commands._types import non_negative, positive, prompt_file, prompt_text, seed, stop_string, temperature, top_p
 from moeswarm.commands._speculate import add_speculate
@@ -15,7 +15,10 @@ from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
+    parser.add_argument("--model", default=None,
+        help="model directory (config.json + safetensors) or GGUF file (.gguf); with --swarm INVITE it may be left out: "
+             "the backbone (every tensor but the routed experts) is fetched from the invite's seeder into ~/.cache/moeswarm/join, "
+             "the whole model with --check-local")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", type=prompt_text, help="prompt text (-: read it from standard input)")
     prompt.add_argument("--prompt-file", type=prompt_file, metavar="FILE", dest="prompt",
@@ -49,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     quiet_progress(args)
     check_workers_or_swarm(args)
+    model_from_swarm(args)
     from moeswarm.commands._generation_text import stream_text, summary_lines
     from moeswarm.engine.from_model import GenerationRequest, SamplingParams, generate_from_model
 

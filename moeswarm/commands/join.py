@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import functools
 import logging
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -85,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.discovery.invite import parse_invite
+    from moeswarm.discovery.invite_model import cache_dir
     from moeswarm.errors import MoeSwarmError
     from moeswarm.discovery.joining import (
         announce_joining, check_key, drop_share, fetch_share, joining_address, joining_holders, layout, plan_share,
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     check_key(invite, args.swarm_key)
     if invite.stages is not None and args.relay:
         raise MoeSwarmError("a stage is dialled directly: --relay is for an experts swarm's members")
-    directory = Path(args.dir) if args.dir else _cache_dir()
+    directory = Path(args.dir) if args.dir else cache_dir()
     _make_dir(directory)
     tls = client_tls(args.swarm_key)
     manifest = fetch_manifest(invite.manifest_seed, invite.manifest, invite.manifest_bytes,
@@ -208,11 +208,6 @@ def _memory_bytes(memory_gb: float | None) -> int:
     import psutil
 
     return int(psutil.virtual_memory().available * MEMORY_SHARE)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moeswarm" / "join"
 
 
 def _make_dir(directory: Path) -> None:

@@ -13,7 +13,7 @@ import sys
 from moeswarm.commands._setup import add_quiet, quiet_progress, set_backbone_threads, set_switch_interval
 from moeswarm.commands._speculate import add_speculate
 from moeswarm.commands._stages import add_stages, check_stages
-from moeswarm.commands._swarm import check_workers_or_swarm
+from moeswarm.commands._swarm import check_workers_or_swarm, model_from_swarm
 from moeswarm.commands._swarm_flags import add_swarm_flags, swarm_config
 from moeswarm.commands._types import non_negative, non_negative_seconds, port, positive, seconds
 from moeswarm.generation.draft_names import DEFAULT_DRAFT, DRAFTERS, check_draft_flags
@@ -25,7 +25,10 @@ ENV_PREFIX = "MOESWARM_"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", required=True, help="model directory (config.json + safetensors) or GGUF file (.gguf)")
+    add("--model", default=None,
+        help="model directory (config.json + safetensors) or GGUF file (.gguf); with --swarm INVITE it may be left out: "
+             "the backbone (every tensor but the routed experts) is fetched from the invite's seeder into ~/.cache/moeswarm/join, "
+             "the whole model with --check-local")
     add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add("--port", type=port, default=8080, help="TCP port to listen on (0: any free one, printed at start)")
     add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
@@ -98,6 +101,7 @@ def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     quiet_progress(args)
     check_workers_or_swarm(args)
+    model_from_swarm(args)
     check_draft_flags(args.draft, args.speculate, args.local_experts is not None)  # the engine checks the held experts
     from moeswarm.serve.server import serve
 

@@ -182,6 +182,8 @@ def _check_experts(f: GGUFFile, arch: str, values: dict) -> None:
         raise _fail(f, f"the file has stacked expert tensors but no {arch}.expert_count")
     stored = count
     if f.is_slice:
+        if "moeswarm.expert_ids" not in f.header.fields:
+            raise _fail(f, "the slice holds expert tensors but no moeswarm.expert_ids")
         ids = _id_list(f, "moeswarm.expert_ids", count)
         if "moeswarm.expert_first" in f.metadata and f.metadata["moeswarm.expert_first"] != ids[0]:
             raise _fail(f, f"moeswarm.expert_first is not the first of moeswarm.expert_ids ({ids[0]})")

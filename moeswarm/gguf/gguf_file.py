@@ -116,14 +116,19 @@ class GGUFFile:
 
     @property
     def expert_ids(self) -> list[int] | None:
-        """The global expert ids a slice file holds; None for a full model file."""
+        """The global expert ids a slice file holds ([] for a backbone slice); None for a full model file."""
         ids = self.metadata.get(EXPERT_IDS_KEY)
-        return [int(i) for i in ids] if ids is not None else None
+        if ids is None:
+            return [] if self.is_slice else None
+        return [int(i) for i in ids]
 
     @property
     def sliced_layers(self) -> list[int] | None:
+        """The MoE layers whose experts a slice file holds ([] for a backbone slice); None for a full file."""
         layers = self.metadata.get(LAYERS_KEY)
-        return [int(i) for i in layers] if layers is not None else None
+        if layers is None:
+            return [] if self.is_slice else None
+        return [int(i) for i in layers]
 
     # -- identity -----------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ metadata (so `{arch}.expert_count` still says how many experts the model has) an
 - moeswarm.layers: the MoE layers whose experts are stored.
 
 With `with_backbone`, every non-expert tensor is copied too, so one file serves a backbone and a
-worker. llama.cpp itself cannot run a slice file (its expert tensors are short); moeswarm can.
+worker; with no experts at all it is a backbone slice (every non-expert tensor, none of the three
+keys above: GGUF has no empty arrays), what a backbone fetches from an invite. llama.cpp itself cannot run a slice file (its expert tensors are short); moeswarm can.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def write_slice(source: str | Path, out: str | Path, experts: Sequence[int], lay
     """Write `experts` (ascending distinct ids) of the MoE layers in `layers` (all when None) of `source` to `out`."""
     f = GGUFFile.open(source)
     experts = [int(e) for e in experts]
-    if not experts or experts != sorted(set(experts)):
-        raise ModelError(f"experts must be a non-empty list of distinct ascending ids, got {experts}")
+    if experts != sorted(set(experts)) or not experts and not with_backbone:
+        raise ModelError(f"experts must be distinct ascending ids, and some unless with_backbone, got {experts}")
     held = f.expert_ids if f.expert_ids is not None else list(range(int(f.require("expert_count"))))
     where = {expert: i for i, expert in enumerate(held)}  # global id -> index along ne[2]
     lacking = [e for e in experts if e not in where]
@@ -70,16 +71,17 @@ def write_slice(source: str | Path, out: str | Path, experts: Sequence[int], lay
     if f.get("vocab_size") is None and "token_embd.weight" in f.tensors:  # a slice may lack the embedding
         writer.add_uint32(f"{f.arch}.vocab_size", int(f.tensors["token_embd.weight"].shape[1]))
     writer.add_key_value(FINGERPRINT_KEY, f.fingerprint, GGUFValueType.STRING)
-    writer.add_key_value(EXPERT_FIRST_KEY, experts[0], GGUFValueType.UINT32)
-    writer.add_key_value(EXPERT_IDS_KEY, experts, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
-    writer.add_key_value(LAYERS_KEY, chosen, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
+    if experts:  # a backbone slice (no experts) has none of these keys: GGUF has no empty arrays
+        writer.add_key_value(EXPERT_FIRST_KEY, experts[0], GGUFValueType.UINT32)
+        writer.add_key_value(EXPERT_IDS_KEY, experts, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
+        writer.add_key_value(LAYERS_KEY, chosen, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
 
     copied = {"expert_tensors": 0, "backbone_tensors": 0, "bytes": 0}
     for tensor in progress(f.header.tensors, desc=f"slicing {f.path.name}", unit="tensor"):
         layer = expert_layer(tensor.name)
         if layer is None and not with_backbone:
             continue
-        if layer is not None and layer not in chosen:
+        if layer is not None and (layer not in chosen or not experts):
             continue
         data = tensor.data if layer is None else _rows(tensor.data, stored_runs)  # experts: rows of the outermost (ne[2]) axis
         writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
@@ -90,7 +92,7 @@ def write_slice(source: str | Path, out: str | Path, experts: Sequence[int], lay
     writer.write_tensors_to_file(progress=enabled())  # gguf's own bar, in bytes, on stderr
     writer.close()
     return {"source": str(f.path), "out": str(out), "fingerprint": f.fingerprint, "experts": experts,
-            "layers": chosen, **copied}
+            "layers": chosen if experts else [], **copied}
 
 
 def _rows(data: np.ndarray, stored_runs: list[range]) -> np.ndarray:
