@@ -8,13 +8,18 @@ move), then the stage of 3-5, which has no replica, dies: the chain asks the wat
 the stages alive, takes 0-1 and 2-5 (the only tiling left but the first stage's 0-2, which
 cannot reach layer 6), replays, and the outputs stay equal. (3) The stage of 0-2 is reached
 through a WAN proxy adding a round trip; stages 0-1 and 2-5 announced without it make a route of
-as many stages but clearly cheaper: the chain moves to it, and the outputs stay equal.
+as many stages but clearly cheaper: the chain moves to it, and the outputs stay equal. (4) The
+chain runs on 0-2 and 3-5 beside a stage of every layer reached through a WAN proxy adding 30 ms a
+round trip; then the link to 0-2 slows down by 80 ms a round trip: once its round trip is measured
+again (`remeasure_s`), the one-stage route is clearly cheaper, the chain moves to it, and the
+outputs stay equal.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import subprocess
 import threading
 import time
@@ -50,7 +55,7 @@ def swarm():
         meeting.close()
 
 
-def _gateway(peer: str, lines: list[str]):
+def _gateway(peer: str, lines: list[str], **search):
     import torch
 
     from moeswarm.forward.packed import PackedStepper, install
@@ -60,7 +65,7 @@ def _gateway(peer: str, lines: list[str]):
     from moeswarm.stages.gateway import open_gateway
 
     torch.set_num_threads(THREADS)  # the reference computes as the stages do
-    watch = watch_stages(StageSearch((peer,), report=lines.append, follow_s=0.5), open_source(MODEL), None)
+    watch = watch_stages(StageSearch((peer,), report=lines.append, follow_s=0.5, **search), open_source(MODEL), None)
     reference = load_local(MODEL)
     install(reference)
     gateway = open_gateway(MODEL, watch.route, watch=watch)
@@ -116,7 +121,8 @@ def test_a_span_that_lost_every_replica_is_replaced_by_another_tiling_bit_identi
 
 @contextlib.contextmanager
 def _behind_delay(address: str, rtt_s: float):
-    """A WAN proxy adding `rtt_s` to every round trip to the stage at `address`; yields its HOST:PORT."""
+    """A WAN proxy adding `rtt_s` to every round trip to the stage at `address`; yields its HOST:PORT
+    and a function setting the round trip it adds from then on (seconds)."""
     from moeswarm_bench.wan import LinkProfile, WanProxy
 
     host, _, port = address.rpartition(":")
@@ -126,7 +132,8 @@ def _behind_delay(address: str, rtt_s: float):
     proxy = WanProxy(("127.0.0.1", 0), (host, int(port)), LinkProfile(rtt_s=rtt_s), spin_s=0.0)
     try:
         asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(10)
-        yield "127.0.0.1:%d" % proxy.address[1]
+        yield "127.0.0.1:%d" % proxy.address[1], lambda rtt_s: loop.call_soon_threadsafe(
+            functools.partial(proxy.set_profile, rtt_s=rtt_s))
     finally:
         asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
@@ -136,7 +143,7 @@ def _behind_delay(address: str, rtt_s: float):
 
 def test_a_route_of_as_many_stages_without_a_delay_is_taken_bit_identical(swarm):
     from moeswarm.discovery.dht import SwarmDht
-    from moeswarm.discovery.stage_record import STAGES, StageRecord
+    from moeswarm.discovery.stage_record import STAGES
     from moeswarm.local.stages import spawn_stage
     from moeswarm.local.workers import wait_listening
     from moeswarm.sources.source import open_source
@@ -145,12 +152,10 @@ def test_a_route_of_as_many_stages_without_a_delay_is_taken_bit_identical(swarm)
     (second,) = spawn("3-5")
     started.append(spawn_stage(MODEL, "0-2", threads=THREADS))  # not announced: the test announces its proxy
     source = open_source(MODEL)
-    with _behind_delay(wait_listening(started[-1]), 0.06) as delayed:
+    with _behind_delay(wait_listening(started[-1]), 0.06) as (delayed, _):
         announcer = SwarmDht.open([peer], host="127.0.0.1")
         try:
-            record = StageRecord(delayed, source.fingerprint, source.config.model_type, range(0, 3),
-                                 source.config.get_text_config().hidden_size, tls=False)
-            assert announcer.store(record, 120, kind=STAGES)
+            assert announcer.store(_record(source, delayed, range(0, 3)), 120, kind=STAGES)
             lines: list[str] = []
             gateway, chain, got, want = _gateway(peer, lines)
             with gateway:
@@ -164,6 +169,50 @@ def test_a_route_of_as_many_stages_without_a_delay_is_taken_bit_identical(swarm)
                 assert chain.route == [head, tail] and chain.spans == [range(0, 2), range(2, 6)]
                 assert any(f"re-planned the route: layers 0-1 at {head}, layers 2-5 at {tail} (cost" in line
                            for line in lines), lines
+                _steps(got, want, feed, 3)
+                assert chain.failovers == 0 and chain.reroutes == 1
+        finally:
+            announcer.close()
+
+
+def _record(source, address: str, layers: range):
+    from moeswarm.discovery.stage_record import StageRecord
+
+    return StageRecord(address, source.fingerprint, source.config.model_type, layers,
+                       source.config.get_text_config().hidden_size, tls=False)
+
+
+def test_a_stage_whose_link_slows_down_is_left_for_a_route_now_cheaper_bit_identical(swarm):
+    from moeswarm.discovery.dht import SwarmDht
+    from moeswarm.discovery.stage_record import STAGES
+    from moeswarm.local.stages import spawn_stage
+    from moeswarm.local.workers import wait_listening
+    from moeswarm.sources.source import open_source
+
+    peer, started, spawn = swarm
+    (second,) = spawn("3-5")
+    first_stage, whole_stage = (spawn_stage(MODEL, span, threads=THREADS) for span in ("0-2", "0-5"))
+    started.extend((first_stage, whole_stage))  # not announced: the test announces their proxies
+    source = open_source(MODEL)
+    with _behind_delay(wait_listening(first_stage), 0.0) as (first, slow_down), \
+            _behind_delay(wait_listening(whole_stage), 0.03) as (whole, _):
+        announcer = SwarmDht.open([peer], host="127.0.0.1")
+        try:
+            for address, layers in ((first, range(0, 3)), (whole, range(0, 6))):
+                assert announcer.store(_record(source, address, layers), 120, kind=STAGES)
+            lines: list[str] = []
+            gateway, chain, got, want = _gateway(peer, lines, remeasure_s=1.0)
+            with gateway:
+                # 2 x 10 ms weight + loopback beats 10 ms + 30 ms: the route of two stages is taken
+                assert chain.route == [first, second]
+                feed = _steps(got, want, list(range(10, 30)), 2)
+                slow_down(0.08)  # now 2 x 10 + 80 ms against 40 ms, once 0-2 is measured again
+                deadline = time.monotonic() + 30
+                while chain.reroutes == 0:
+                    assert time.monotonic() < deadline, f"the route never changed: {lines}"
+                    time.sleep(0.1)
+                assert chain.route == [whole] and chain.spans == [range(0, 6)]
+                assert any(f"re-planned the route: layers 0-5 at {whole} (cost" in line for line in lines), lines
                 _steps(got, want, feed, 3)
                 assert chain.failovers == 0 and chain.reroutes == 1
         finally:

@@ -4,20 +4,25 @@ Stages announce themselves (`moeswarm stage --announce-swarm`, discovery/stage_r
 gateway joins the DHT as a client, reads the stage records of its model's fingerprint, and dials
 each one it may use: its HELLO must name the span its record claims (a record only says where to
 dial; of several members' claims of one address, only the one its HELLO confirms is used), and the
-least round trip of a few PINGs is its latency (stages/probe.py; measured once, when first
-dialled). `plan_route` (stages/route.py, pure) turns the stages that answered into the chain: per
-span in layer order, its replicas. Until they tile every layer the gateway reads again every
-`poll_s`, saying what is missing, for at most `wait_s`; then it gives up with the gap in one line.
+least round trip of a few PINGs is its latency (stages/probe.py). A figure is kept with when it was
+taken and measured again once it is `remeasure_s` old, at the next read (stages/remeasure.py: the
+oldest first, a bounded number per read; the newest figure replaces the old one, and a stage that
+no longer answers is dropped, to be dialled as new). `plan_route` (stages/route.py, pure) turns the
+stages that answered into the chain: per span in layer order, its replicas. Until they tile every
+layer the gateway reads again every `poll_s`, saying what is missing, for at most `wait_s`; then it
+gives up with the gap in one line.
 
 The route is chosen at start. While the gateway runs, a `StageWatch` reads the records again
 every `follow_s`: a stage announced since that holds exactly one of the chain's spans (dialled and
 confirmed as above) joins that span's replicas (stages/client.py `Chain.add_replica`: after the
-one in use, by round trip), to take over when the ones before it fail. When the stages announced now make a route clearly
-cheaper than the chain's (stages/route_move.py: the round trips measured here plus a weight per
-stage, by a margin against noise), the chain moves to that route between two steps
-(`Chain.reroute`: the new stages replay the logged steps, so outputs stay bit-identical); and
-when a span of the chain loses every replica, the chain asks the watch (`Chain.replan`) for a
-route of the stages still alive before it gives up.
+one in use, by round trip), to take over when the ones before it fail. When the stages announced
+now, at their round trips as last measured, make a route clearly cheaper than the chain's
+(stages/route_move.py: the round trips plus a weight per stage, by a margin against noise), the
+chain moves to that route between two steps (`Chain.reroute`: the new stages replay the logged
+steps, so outputs stay bit-identical): a stage in use whose link slowed down, or another whose
+link sped up, is seen within `follow_s` after its figure is `remeasure_s` old. When a span of the
+chain loses every replica, the chain asks the watch (`Chain.replan`) for a route of the stages
+still alive before it gives up.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 
 from moeswarm.errors import MoeSwarmError, printable
 from moeswarm.stages.probe import probe_stage
+from moeswarm.stages.remeasure import REMEASURE_S, REMEASURED_PER_READ, Measured, StageKey, due
 from moeswarm.stages.route import Offer, RouteError, plan_route
 from moeswarm.stages.watch import StageWatch
 
@@ -54,6 +60,8 @@ class StageSearch:
         stages that require the key are used; None: an unkeyed swarm, stages without TLS.
     wait_s: the most to wait for announced stages that tile every layer.
     report: called with a line while waiting (None: logged).
+    follow_s: between a running gateway's reads of the records (stages/watch.py).
+    remeasure_s: a stage's round trip this old is measured again at the next read (math.inf: never).
     """
 
     peers: tuple[str, ...]
@@ -63,6 +71,7 @@ class StageSearch:
     probe_timeout_s: float = PROBE_TIMEOUT_S
     report: Callable[[str], None] | None = None
     follow_s: float = FOLLOW_S
+    remeasure_s: float = REMEASURE_S
 
 
 def find_route(search: StageSearch, source, tls: ssl.SSLContext | None) -> list[list[str]]:
@@ -103,7 +112,7 @@ class _StageFinder:
         self.dht, self.search, self.tls = dht, search, tls
         self.fingerprint, self.model_type = source.fingerprint, source.config.model_type
         self.num_layers, self.hidden_size = config.num_hidden_layers, config.hidden_size
-        self.answered: dict[tuple[str, int, int], float] = {}  # (address, start, stop) -> round trip ms
+        self.answered: dict[StageKey, Measured] = {}  # (address, start, stop) -> its round trip, and when
         self.said: set[str] = set()
         self.latest: list[Offer] = []  # what the last read offered
 
@@ -126,7 +135,8 @@ class _StageFinder:
             return [list(p.replicas) for p in route]
 
     def offers(self) -> list[Offer]:
-        """The stages announced now that this gateway may use, each dialled (once; again while it does not answer)."""
+        """The stages announced now that this gateway may use, each dialled (again while it does not
+        answer, and once its round trip is `remeasure_s` old)."""
         from moeswarm.discovery.stage_record import STAGES
 
         # every claim of an address (keyed, several members may claim one): its HELLO tells which is true
@@ -135,7 +145,9 @@ class _StageFinder:
         return self._offers(records)
 
     def _offers(self, records: Iterable) -> list[Offer]:
-        """The records' stages this gateway may use, each dialled (once; again while it does not answer)."""
+        """The records' stages this gateway may use, each dialled: the ones not answered yet, and at most
+        `REMEASURED_PER_READ` answered ones whose round trip is `remeasure_s` old (the oldest first).
+        A new figure replaces the old; a stage that no longer answers is left out until it does."""
         causes: list[str] = []
         wanted = []
         for record in records:
@@ -147,19 +159,22 @@ class _StageFinder:
         if len(wanted) > MAX_PROBED:
             causes.append(f"{len(wanted)} stages announced: only the first {MAX_PROBED} are dialled")
             wanted = wanted[:MAX_PROBED]
-        fresh = [r for r in wanted if self._key(r) not in self.answered]
-        if fresh:
-            with ThreadPoolExecutor(min(PROBES_AT_ONCE, len(fresh))) as pool:
-                for record, outcome in zip(fresh, pool.map(self._probe, fresh)):
+        old = set(due(self.answered, map(self._key, wanted), time.monotonic(), self.search.remeasure_s,
+                      REMEASURED_PER_READ))
+        dialled = [r for r in wanted if self._key(r) not in self.answered or self._key(r) in old]
+        if dialled:
+            with ThreadPoolExecutor(min(PROBES_AT_ONCE, len(dialled))) as pool:
+                for record, outcome in zip(dialled, pool.map(self._probe, dialled)):
                     if isinstance(outcome, float):
-                        self.answered[self._key(record)] = outcome
-                    else:
+                        self.answered[self._key(record)] = Measured(outcome, time.monotonic())
+                    else:  # never answered, or no longer: dialled as new at the next read
+                        self.answered.pop(self._key(record), None)
                         causes.append(f"stage {record.address}: {outcome}")
         new = [c for c in dict.fromkeys(causes) if c not in self.said][:MAX_CAUSES_LOGGED]
         for cause in new:
             self.said.add(cause)
             log.warning("leaving out %s", printable(cause, 300))
-        self.latest = [Offer(r.address, r.layers, self.answered[self._key(r)])
+        self.latest = [Offer(r.address, r.layers, self.answered[self._key(r)].rtt_ms)
                        for r in wanted if self._key(r) in self.answered]
         return self.latest
 
@@ -185,5 +200,5 @@ class _StageFinder:
             log.warning("%s", printable(line, 1000))
 
     @staticmethod
-    def _key(record) -> tuple[str, int, int]:
+    def _key(record) -> StageKey:
         return record.address, record.layers.start, record.layers.stop

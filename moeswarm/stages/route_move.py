@@ -2,9 +2,11 @@
 
 The route in use was the best when it was chosen; stages announced since may make another one
 cheaper (stages/route.py: a route costs the round trips to the stages it uses plus `CROSSING_MS`
-per stage). Moving costs a replay of the step log on the new stages, and round trips measured once
-carry noise, so the chain moves only for a clear gain: the best route now must cost less than the
-route in use by at least `MOVE_FRACTION` of the route in use's cost and at least `MOVE_MS`.
+per stage), and a link may slow down or speed up (the gateway measures each round trip again once
+it is `remeasure_s` old, stages/remeasure.py). Moving costs a replay of the step log on the new
+stages, and each measured round trip carries noise, so the chain moves only for a clear gain: the
+best route now must cost less than the route in use by at least `MOVE_FRACTION` of the route in
+use's cost and at least `MOVE_MS`.
 A stage of the route in use that is not among the offers (its record gone, or not answering the
 probe) counts a round trip of 0: unknown is never a reason to move.
 """

@@ -1,12 +1,16 @@
 """A running gateway following its swarm's stages (`StageWatch`): replicas added, the route re-planned.
 
 stages/find.py finds the route at start and hands the watch its finder (the DHT still joined,
-what was dialled). Every `follow_s` the watch reads the records again: a stage holding exactly
-one of the chain's spans joins its replicas (`Chain.add_replica`); a route of the stages read that
-is cheaper than the chain's by a clear margin (stages/route_move.py `better_route`: round trips
-plus a weight per stage) becomes its route between two steps (`Chain.reroute`, the step log
-replayed: bit-identical); and a chain whose span lost every replica asks `replan` for a route of
-the stages alive (docs/stages.md, Finding stages on the DHT).
+what was dialled, each round trip with when it was measured). Every `follow_s` the watch reads the
+records again, which dials the stages new since and measures again those whose round trip is
+`remeasure_s` old (a bounded number per read, oldest first; one that no longer answers is left
+out and dialled as new): a stage holding exactly one of the chain's spans joins its replicas
+(`Chain.add_replica`); a route of the stages read, at their round trips as now measured, that is
+cheaper than the chain's by a clear margin (stages/route_move.py `better_route`: round trips plus
+a weight per stage) becomes its route between two steps (`Chain.reroute`, the step log replayed:
+bit-identical), so a stage in use whose link slowed down is left for a route now cheaper; and a
+chain whose span lost every replica asks `replan` for a route of the stages alive (docs/stages.md,
+Finding stages on the DHT).
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ class StageWatch:
         self._thread.start()
 
     def read_once(self, chain) -> list[str]:
-        """One read: the addresses that joined `chain` (each said once); then, when the stages read
-        tile the model in a route clearly cheaper than `chain`'s (`better_route`), the chain moves to it."""
+        """One read (round trips `remeasure_s` old measured again): the addresses that joined `chain`
+        (each said once); then, when the stages read tile the model in a route clearly cheaper than
+        `chain`'s at their round trips as now measured (`better_route`), the chain moves to it."""
         with self._reading:
             offers = self._finder.offers()
         joined = []
