@@ -10,6 +10,7 @@ model run locally.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from moeswarm.bundled import PYMOE
+from moeswarm.discovery.announce import moeswarm_version
 from moeswarm.discovery.invite import parse_invite
 from moeswarm.local.workers import stop
 from moeswarm.slices.manifest import load_manifest
@@ -89,9 +91,10 @@ def test_status_shows_every_stage_its_round_trip_the_coverage_per_span_and_the_r
     lines_a, lines_b = joined[1]
     first, second = _announced(lines_a)[0], _announced(lines_b)[0]
     view = status(invite, tmp_path)
-    assert [(s["address"], s["layers"], s["in_route"], s["cause"]) for s in view["stages"]] == [
-        (first, [0, 2], True, ""), (second, [3, 5], True, "")]
+    assert [(s["address"], s["layers"], s["in_route"], s["cause"], s["version"]) for s in view["stages"]] == [
+        (first, [0, 2], True, "", moeswarm_version()), (second, [3, 5], True, "", moeswarm_version())]
     assert all(isinstance(s["rtt_ms"], float) and s["rtt_ms"] > 0 for s in view["stages"])
+    assert all(isinstance(s["uptime_s"], float) and 0 < s["uptime_s"] < 3600 for s in view["stages"])
     assert view["spans"] == [{"layers": [0, 2], "stages": 1, "weakest": True}, {"layers": [3, 5], "stages": 1, "weakest": True}]
     assert view["route"] == [{"layers": [0, 2], "address": first}, {"layers": [3, 5], "address": second}]
     text = run("status", invite, "--dir", str(tmp_path), timeout=120)
@@ -99,6 +102,14 @@ def test_status_shows_every_stage_its_round_trip_the_coverage_per_span_and_the_r
     assert f"route from here: layers 0-2 at {first}, layers 3-5 at {second}" in text.stdout
     assert "  layers 3-5      1 stage  <- weakest" in text.stdout and "2 stages announced:" in text.stdout
     assert text.stdout.startswith(f"swarm of model {parse_invite(invite).model}: stages, the model cut into 2 spans\n")
+    lines = text.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["ADDRESS", "LAYERS", "VERSION"])
+    assert lines[header].split() == ["ADDRESS", "LAYERS", "VERSION", "UP", "RTT", "MS", "ROUTE"]
+    for line, (address, layers) in zip(lines[header + 1:header + 3], ((first, "0-2"), (second, "3-5"))):
+        cells = line.split()
+        assert cells[:3] == [address, layers, moeswarm_version()] and cells[-2:] == ["in", "use"], line
+        assert re.fullmatch(r"\d+s|\d+m", cells[3]), line  # its uptime: started serving within the test
+        assert float(cells[4]) > 0, line
     assert "coverage per MoE layer" not in text.stdout and "UNCOVERED" not in text.stdout  # no workers: not theirs
 
 

@@ -153,6 +153,39 @@ def test_a_stage_record_reads_back_as_written():
     assert len(json.dumps(record.to_value())) < 300  # small
 
 
+def test_a_stage_record_s_version_and_start_are_optional_bounded_and_read_back():
+    """`version` and `started` as a worker's record has them: only in the value when set, read back
+    exactly, an older record without them reads as None, each wrong one refused in one line."""
+    import dataclasses
+
+    old = StageRecord("127.0.0.1:7001", FINGERPRINT, "qwen2_moe", range(3, 6), 16, tls=False)
+    assert {"version", "started"}.isdisjoint(old.to_value())
+    read = parse_stage_record("127.0.0.1:7001", old.to_value(), FINGERPRINT)
+    assert (read.version, read.started) == (None, None) and read == old
+    record = dataclasses.replace(old, version="0.1.0", started=1_800_000_000.5)
+    value = record.to_value()
+    assert (value["version"], value["started"]) == ("0.1.0", 1_800_000_000.5)
+    read = parse_stage_record("127.0.0.1:7001", value, FINGERPRINT)
+    assert read == record and (read.version, read.started) == ("0.1.0", 1_800_000_000.5)
+    assert parse_stage_record("127.0.0.1:7001", {**value, "started": 1_800_000_000}, FINGERPRINT).started == \
+        1_800_000_000.0  # an integer reads as a float
+    offline = parse_stage_record("127.0.0.1:7001", record.offline().to_value(), FINGERPRINT)
+    assert (offline.online, offline.version, offline.started) == (False, "0.1.0", 1_800_000_000.5)
+    for change, message in (({"version": "x" * 65}, "version is not printable text of 1 to 64 characters"),
+                            ({"version": "a\x1b[31m"}, "version is not printable text of 1 to 64 characters"),
+                            ({"version": 7}, "version is not printable text of 1 to 64 characters"),
+                            ({"started": -5}, "started -5 is not a time in Unix seconds"),
+                            ({"started": 0}, "started 0 is not a time in Unix seconds"),
+                            ({"started": 1 << 40}, f"started {1 << 40} is not a time in Unix seconds"),
+                            ({"started": "now"}, "started 'now' is not a time in Unix seconds"),
+                            ({"started": True}, "started True is not a time in Unix seconds"),
+                            ({"started": float("nan")}, "started nan is not a time in Unix seconds"),
+                            ({"started": float("inf")}, "started inf is not a time in Unix seconds")):
+        with pytest.raises(RecordError) as refused:
+            parse_stage_record("127.0.0.1:7001", {**value, **change}, FINGERPRINT)
+        assert str(refused.value) == message
+
+
 @pytest.mark.parametrize("subkey, value, cause", [
     ("127.0.0.1:7001", b"junk", "a bytes, not a map"),
     ("127.0.0.1:7001", _value(v=2), "stage record version 2"),
@@ -169,7 +202,7 @@ def test_a_stage_record_reads_back_as_written():
     ("127.0.0.1:7001", _value(layers="0-5"), "is not [first, last]"),
     ("127.0.0.1:7001", _value(hidden_size=0), "hidden_size 0 is not an integer"),
     ("127.0.0.1:7001", _value(tls="yes"), "tls and online must be true or false"),
-    ("127.0.0.1:7001", {**_value(), **{f"x{i}": i for i in range(20)}}, "fields: a stage record has 8"),
+    ("127.0.0.1:7001", {**_value(), **{f"x{i}": i for i in range(20)}}, "fields: a stage record has 8 (10 with version and started)"),
 ])
 def test_malformed_stage_records_are_refused_with_their_cause(subkey, value, cause):
     with pytest.raises(RecordError) as refused:
@@ -235,7 +268,8 @@ def test_of_several_claims_of_one_address_the_finder_uses_the_one_its_hello_conf
 
     monkeypatch.setattr(_StageFinder, "_probe", probe)
     def claim(address: str, layers: range, hidden_size: int = 16) -> StageRecord:
-        return StageRecord(address, FINGERPRINT, "qwen2_moe", layers, hidden_size, tls=False)
+        return StageRecord(address, FINGERPRINT, "qwen2_moe", layers, hidden_size, tls=False,
+                           version=f"0.{address[-1]}", started=1_800_000_000.0 + int(address[-1]))
 
     records = [claim("127.0.0.1:7001", range(0, 6)),  # a member lying about a real stage: would be 1 stage
                claim("127.0.0.1:7001", range(0, 3)), claim("127.0.0.1:7002", range(3, 6)),
@@ -248,6 +282,9 @@ def test_of_several_claims_of_one_address_the_finder_uses_the_one_its_hello_conf
     finder = _StageFinder(_Claims(records), StageSearch(("peer",), report=lines.append), source, None)
     assert finder.wait() == [["127.0.0.1:7001"], ["127.0.0.1:7002"]]
     assert lines == ["stages found on the swarm: layers 0-2 at 127.0.0.1:7001, layers 3-5 at 127.0.0.1:7002"]
+    # the offers carry what the confirmed records say of their stages (for the /swarm page)
+    assert finder.latest == [Offer("127.0.0.1:7001", range(0, 3), 1.0, "0.1", 1_800_000_001.0),
+                             Offer("127.0.0.1:7002", range(3, 6), 1.0, "0.2", 1_800_000_002.0)]
 
 
 def _announced(process: subprocess.Popen) -> str:
@@ -266,6 +303,7 @@ def test_generate_finds_two_announced_stages_on_the_dht_and_is_bit_identical():
     pytest.importorskip("hivemind")
     from hivemind.utils import get_dht_time
 
+    from moeswarm.discovery.announce import moeswarm_version
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.sources.source import open_source
     from moeswarm.local.stages import spawn_stage
@@ -274,9 +312,14 @@ def test_generate_finds_two_announced_stages_on_the_dht_and_is_bit_identical():
     fingerprint = open_source(MODEL).fingerprint
     meeting = SwarmDht.open([], host="127.0.0.1")
     peer = meeting.addresses()[0]
+    spawned = time.time()
     stages = [spawn_stage(MODEL, span, threads=THREADS, extra_args=["--announce-swarm", peer]) for span in ("0-2", "3-5")]
     try:
         first, second = (_announced(stage) for stage in stages)
+        announced = meeting.fetch(fingerprint, STAGES)  # each record says its moeswarm and when it started serving
+        for address in (first, second):
+            assert announced[address].version == moeswarm_version()
+            assert spawned < announced[address].started < time.time()
         # Beside them: a record that would make a 1-stage route if believed, at an address nobody
         # answers; one whose stage's HELLO contradicts it (the second stage, claiming every layer);
         # and garbage with a terminal escape.

@@ -61,7 +61,8 @@ def test_the_swarm_page_shows_members_and_marks_the_least_held_experts(qwen2_moe
 
 def test_the_swarm_page_of_a_stages_gateway_shows_its_stages_the_coverage_per_span_and_the_route():
     """A gateway (`serve --stages-swarm`) over stages 0-2 (twice) and 3-5 announced on a DHT: the
-    page lists the three stages with their round trips from the gateway, the one of each span in
+    page lists the three stages with the moeswarm version and uptime their records say and their
+    round trips from the gateway, the one of each span in
     use marked, the coverage per span with 3-5 (one stage) the weakest, and the route in use; a
     stage of every layer announced later becomes the route in use on the page, live."""
     pytest.importorskip("hivemind")
@@ -69,6 +70,7 @@ def test_the_swarm_page_of_a_stages_gateway_shows_its_stages_the_coverage_per_sp
     from selenium.webdriver.support.ui import WebDriverWait
     from swarm_processes import announced, lines_until
 
+    from moeswarm.discovery.announce import moeswarm_version
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.local.stages import spawn_stage
     from moeswarm.local.workers import stop
@@ -87,6 +89,8 @@ def test_the_swarm_page_of_a_stages_gateway_shows_its_stages_the_coverage_per_sp
             assert chain["route"] == [{"layers": [0, 2], "address": used}, {"layers": [3, 5], "address": second}]
             assert chain["spans"] == [{"layers": [0, 2], "stages": 2, "weakest": False},
                                       {"layers": [3, 5], "stages": 1, "weakest": True}]
+            assert [s["version"] for s in chain["stages"]] == [moeswarm_version()] * 3
+            assert all(0 < s["uptime_s"] < 3600 for s in chain["stages"])
             browser = _browser()
             try:
                 browser.get(server.url + "/swarm")
@@ -99,8 +103,9 @@ def test_the_swarm_page_of_a_stages_gateway_shows_its_stages_the_coverage_per_sp
                 for address, layers in ((first, "0-2"), (first2, "0-2"), (second, "3-5")):
                     cells, cls = by_address[address]
                     in_use = address in (used, second)
-                    assert cells[1] == layers and float(cells[2]) > 0
-                    assert (cells[3], cls) == (("in use", "in-route") if in_use else ("", ""))
+                    assert cells[1] == layers and cells[2] == moeswarm_version() and float(cells[4]) > 0, cells
+                    assert cells[3].endswith(" s") or " min" in cells[3], cells  # uptime
+                    assert (cells[5], cls) == (("in use", "in-route") if in_use else ("", ""))
                 assert browser.find_element(By.ID, "route").text == \
                     f"layers 0-2 at {used}, layers 3-5 at {second}"
                 assert float(browser.find_element(By.ID, "route-cost").text) >= 20.0  # 2 stages, 10 ms weight each

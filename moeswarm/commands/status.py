@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     stage_rows, spans, route, no_route = [], [], [], ""
     if stage_records or cut:  # a stages swarm: every stage dialled from here
         stage_rows, spans, route, no_route = survey_stages(stage_records, invite.model, manifest.block_count(), cut,
-                                                           tls, min(args.timeout, 5.0))
+                                                           tls, min(args.timeout, 5.0), time.time())
     if args.json:
         print(json.dumps({"model": invite.model, "members": [m.__dict__ for m in members],
                           **stage_json(stage_rows, spans, route), "no_route": no_route,

@@ -74,7 +74,7 @@ class Announcer:
 
 
 def moeswarm_version() -> str:
-    """The installed moeswarm's version, as a worker's record says it ("unknown" when not installed)."""
+    """The installed moeswarm's version, as a worker's or a stage's record says it ("unknown" when not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -32,8 +32,8 @@ MAX_COUNT = 1 << 31  # connections, tokens per DISPATCH
 MAX_LOAD_VALUES = 1 << 16  # rates in a record's `load`, over all its layers
 MAX_RATE = 1 << 40  # rows per minute of one expert
 MAX_FIELDS = 16  # in a seed's, a stage's or a joiner's record
-MAX_VERSION = 64  # a worker's moeswarm version
-MAX_UNIX_S = 1 << 40  # a worker's start time
+MAX_VERSION = 64  # a worker's or a stage's moeswarm version
+MAX_UNIX_S = 1 << 40  # a worker's or a stage's start time
 
 
 class RecordError(ValueError):
@@ -166,13 +166,21 @@ def parse_record(subkey: object, value: object, fingerprint: str) -> Announcemen
     if type(tls) is not bool or type(online) is not bool:
         raise RecordError("tls and online must be true or false")
     held = _held(value.get("held"), num_experts)
+    version, started = about_fields(value)
+    return Announcement(address, fingerprint, text_field(value, "model_type", MAX_NAME), num_experts, hidden_size,
+                        held, tls, Capacity(*capacity), float(throughput), online, _load(value.get("load"), held),
+                        version, started)
+
+
+def about_fields(value: Mapping) -> tuple[str | None, float | None]:
+    """(version, started) of a worker's or a stage's record, each None where the record says nothing;
+    RecordError for a version that is not printable text of 1 to MAX_VERSION characters, or a
+    `started` that is not a number of Unix seconds in (0, MAX_UNIX_S)."""
     version = None if value.get("version") is None else text_field(value, "version", MAX_VERSION)
     started = value.get("started")
     if started is not None and (type(started) not in (int, float) or not 0 < started < MAX_UNIX_S):
         raise RecordError(f"started {quoted(started)} is not a time in Unix seconds")
-    return Announcement(address, fingerprint, text_field(value, "model_type", MAX_NAME), num_experts, hidden_size,
-                        held, tls, Capacity(*capacity), float(throughput), online, _load(value.get("load"), held),
-                        version, None if started is None else float(started))
+    return version, None if started is None else float(started)
 
 
 WORKERS = RecordKind(announcement_key, parse_record)

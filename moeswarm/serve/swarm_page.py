@@ -10,6 +10,7 @@ gateway over stages adds its stages, the coverage per span and the route in use 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from moeswarm.discovery.swarm_view import layer_rows
@@ -34,4 +35,4 @@ def swarm_data(state) -> dict:
                        for r in rows],
             "tokens_generated": data["totals"].get("generated", 0),
             "tokens_per_s": data["recent"].get("tokens_per_s"),
-            **({"chain": chain_data(chain)} if chain is not None else {})}
+            **({"chain": chain_data(chain, time.time())} if chain is not None else {})}

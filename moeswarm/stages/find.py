@@ -174,7 +174,7 @@ class _StageFinder:
         for cause in new:
             self.said.add(cause)
             log.warning("leaving out %s", printable(cause, 300))
-        self.latest = [Offer(r.address, r.layers, self.answered[self._key(r)].rtt_ms)
+        self.latest = [Offer(r.address, r.layers, self.answered[self._key(r)].rtt_ms, r.version, r.started)
                        for r in wanted if self._key(r) in self.answered]
         return self.latest
 

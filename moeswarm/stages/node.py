@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -150,13 +151,13 @@ class StageNode:
         self.close()
 
     def _announce(self) -> None:
-        from moeswarm.discovery.announce import Announcer, announce_address
+        from moeswarm.discovery.announce import Announcer, announce_address, moeswarm_version
         from moeswarm.discovery.stage_record import STAGES, StageRecord
 
         announce, span = self.options.announce, self.options.span
         record = StageRecord(announce_address(self.options.host, self.port, announce.host), self.source.fingerprint,
                              self.source.config.model_type, span, self.source.config.get_text_config().hidden_size,
-                             tls=self.options.tls is not None)
+                             tls=self.options.tls is not None, version=moeswarm_version(), started=time.time())
         announcer = Announcer(self.dht, record, announce.ttl_s, kind=STAGES)
         announcer.start()
         self.announcer = announcer

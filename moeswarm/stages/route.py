@@ -37,11 +37,15 @@ class RouteError(MoeSwarmError):
 
 @dataclass(frozen=True)
 class Offer:
-    """One announced stage: where it is, which decoder layers it holds, its measured round trip."""
+    """One announced stage: where it is, which decoder layers it holds, its measured round trip;
+    and what its record says of it (version, started: discovery/stage_record.py), shown on the
+    `/swarm` page, never used to route."""
 
     address: str
     layers: range
     rtt_ms: float = 0.0
+    version: str | None = None
+    started: float | None = None
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,13 @@ MAX_PROBED = 256  # as a gateway: more records are shown unprobed
 
 
 def survey_stages(records: Mapping[str, object], fingerprint: str, num_layers: int, cut: Sequence[range],
-                  tls: ssl.SSLContext | None, timeout_s: float
+                  tls: ssl.SSLContext | None, timeout_s: float, now: float,
                   ) -> tuple[list[StageRow], list[SpanRow], list[tuple[range, str]], str]:
     """(a row per stage record by address, a row per span, the route from here as (span, address
     in use) per position, why there is no route or ""). Each stage is dialled as a gateway would
     (its HELLO must name its record's span) and its round trip measured; a record whose `tls` is
-    not this side's is not dialled (its cause says so)."""
+    not this side's is not dialled (its cause says so). `now`: Unix seconds here, for the uptimes
+    the rows show from the records' `started`."""
     records = dict(sorted(records.items())[:MAX_PROBED])
 
     def probe(item) -> float | str:
@@ -42,6 +43,6 @@ def survey_stages(records: Mapping[str, object], fingerprint: str, num_layers: i
     except RouteError as error:
         why = str(error)
     rows = stage_rows([(address, record.layers, outcome if isinstance(outcome, float) else None,
-                        "" if isinstance(outcome, float) else outcome)
-                       for (address, record), outcome in zip(records.items(), outcomes)], route)
+                        "" if isinstance(outcome, float) else outcome, record)
+                       for (address, record), outcome in zip(records.items(), outcomes)], route, now)
     return rows, span_rows([(a, r.layers) for a, r in records.items()], cut), route, why
