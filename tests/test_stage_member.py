@@ -1,6 +1,7 @@
 """A stage member's move in order (node/stage_member.py), over stand-in nodes: the new span's
 node is opened and announced before the old one is withdrawn, and closed only after its drain;
-a one-read hole moves nobody; a failed move leaves the old node serving."""
+the first read and a one-read hole move nobody; a thin span (3 + 1) moves the smallest address of
+the crowded one, its line saying how many hold both; a failed move leaves the old node serving."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_the_move_announces_first_and_closes_last():
     events: list = []
     records = {"a:1": CUT[0], "b:1": CUT[0]}  # 3-5 held by nobody
     member = _member(events, records)
-    assert member.step() is None  # empty for one read: nobody moves yet
+    assert member.step() is None  # the first read: nobody moves yet
     assert not any(isinstance(e, tuple) and e[0] == "fetched" for e in events)
     assert member.step(threading.Event()) == CUT[1]
     order = [e for e in events if isinstance(e, tuple)]
@@ -74,3 +75,25 @@ def test_the_larger_address_stays_and_a_failed_move_keeps_the_old_node():
         member.step()
     assert member.span == CUT[0] and member.moves == 0
     assert ("closed", "a:2", None) in events and ("withdrawn", "a:1") not in events  # the new one closed, not the DHT
+
+
+def test_a_thin_span_takes_a_holder_once_it_was_as_thin_at_the_read_before():
+    events: list = []
+    records = {"a:1": CUT[0], "b:1": CUT[0], "c:1": CUT[0], "d:1": CUT[1], "e:1": CUT[1]}
+    member = _member(events, records)
+    assert member.step() is None  # 3 + 2: a move would not even it
+    del records["e:1"]  # 3-5 lost a holder at this read only (a late refresh, or a departure)
+    assert member.step() is None
+    assert member.step(threading.Event()) == CUT[1]  # as thin again: "a:1" < "b:1" < "c:1" moves
+    assert member.span == CUT[1] and member.moves == 1
+    lines = [e for e in events if isinstance(e, str)]
+    assert lines[0] == "rebalancing: layers 3-5 have 1 stage; moving there from layers 0-2 (held by 3)"
+
+
+def test_a_thin_span_that_does_not_fit_is_reported_and_left():
+    events: list = []
+    member = _member(events, {"a:1": CUT[0], "b:1": CUT[0], "c:1": CUT[0], "d:1": CUT[1]})
+    member.fits = lambda span: span == CUT[0]
+    assert member.step() is None and member.step() is None and member.moves == 0
+    assert [e for e in events if isinstance(e, str)] == [
+        "rebalancing: layers 3-5 have 1 stage but do not fit this member's memory: staying"]

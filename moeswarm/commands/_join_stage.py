@@ -4,10 +4,11 @@ join.py hands over here once the invite says `stages` (and the manifest is fetch
 chosen by discovery/stage_joining.py; its slice is fetched from the invite's seeder; then this
 process is a `moeswarm stage` of that span over the slice, every expert of its layers held in its
 own process, announced on the swarm's DHT for gateways (`generate`/`serve --swarm INVITE`). Every
-`--rebalance` seconds it looks whether a span lost every stage while its own has several, and
-moves there if it is the one to (node/stage_member.py). The pieces it fetched (from other members'
-seeds and the invite's seeder) are kept and served to later joiners (node/stage_seed.py) unless
-`--no-seed` (docs/network.md, Stages swarms).
+`--rebalance` seconds it looks whether a span is held by at least 2 fewer stages than its own
+(one that lost every stage, or 1 beside 3), and moves there if it is the one to
+(node/stage_member.py). The pieces it fetched (from other members' seeds and the invite's seeder)
+are kept and served to later joiners (node/stage_seed.py) unless `--no-seed` (docs/network.md,
+Stages swarms).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rebalance", type=non_negative_seconds, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
                         help="read the swarm's coverage this often and move part of the share where the swarm needs "
                              "it (fetch first, then drop; one member a round; docs/network.md, Rebalancing; in a "
-                             "stages swarm: move to a span that lost every stage); 0: never")
+                             "stages swarm: move to a span held by at least 2 fewer stages); 0: never")
     parser.add_argument("--dht-port", type=port, default=0, metavar="PORT", help="TCP port of this member's DHT node")
     parser.add_argument("--seed-port", type=port, default=0, metavar="PORT",
                         help="TCP port of this member's seed of the pieces it fetched (0: a free one)")

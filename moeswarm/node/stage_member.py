@@ -1,9 +1,10 @@
 """A stages swarm's joined member keeping a span where the swarm needs it (`join INVITE --rebalance SECONDS`).
 
 Every period the member reads the stage records of its model on the DHT (the online ones), puts
-itself in at its span (its record may not have spread yet), and asks placement/stage_move.py's
-`stage_move` whether it is the one to move to a span nobody holds: a span empty at this read and
-the one before, while its own span has at least 2 holders and it has the smallest address there.
+itself in at its span (its record may not have spread yet), counts the holders of each span, and
+asks placement/stage_move.py's `stage_move`, with the counts of its previous read (none at the
+first: it stays), whether it is the one to move to a thinner span: one held by at least 2 fewer
+stages than its own, and by no more at the previous read, while it has its span's smallest address.
 Every member reads the same records and applies the same rule, so one holder at most leaves a
 span in a round. The move, in an order that never leaves a span without a holder:
 
@@ -26,7 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from moeswarm.errors import one_line
-from moeswarm.placement.stage_move import empty_spans, stage_move
+from moeswarm.placement.stage_cut import holders_per_span
+from moeswarm.placement.stage_move import stage_move
 
 if TYPE_CHECKING:
     from moeswarm.stages.node import StageNode
@@ -39,6 +41,11 @@ DRAIN_MAX_GRACES = 30  # and at most this many graces in all
 
 def span_text(span: range) -> str:
     return f"{span.start}-{span.stop - 1}"
+
+
+def stages_text(count: int) -> str:
+    """"no stage", "1 stage", "3 stages"."""
+    return "no stage" if count == 0 else f"{count} stage{'s' * (count != 1)}"
 
 
 class StageMember:
@@ -66,7 +73,7 @@ class StageMember:
         self.poll_s = poll_s
         self.moves = 0
         self.steps = 0  # steps of the nodes closed after a move
-        self._empty_before: frozenset[range] = frozenset()
+        self._before: list[int] | None = None  # holders per span of the cut at the previous read
 
     @property
     def span(self) -> range:
@@ -96,17 +103,19 @@ class StageMember:
             return None
         me = announcer.record.address
         stages = {**self.read(), me: self.span}
-        empty_before, self._empty_before = self._empty_before, empty_spans(self.cut, stages)
-        target = stage_move(self.cut, stages, me, empty_before)
+        count = holders_per_span(self.cut, stages.values())
+        before, self._before = self._before, count
+        target = stage_move(self.cut, stages, me, before)
         if target is None:
             return None
         old = self.node
+        held = stages_text(count[self.cut.index(target)])
         if not self.fits(target):
-            self.report(f"rebalancing: layers {span_text(target)} have no stage but do not fit this member's "
+            self.report(f"rebalancing: layers {span_text(target)} have {held} but do not fit this member's "
                         "memory: staying")
             return None
-        self.report(f"rebalancing: layers {span_text(target)} have no stage; moving there from layers "
-                    f"{span_text(old.options.span)} (held by {sum(s == old.options.span for s in stages.values())})")
+        self.report(f"rebalancing: layers {span_text(target)} have {held}; moving there from layers "
+                    f"{span_text(old.options.span)} (held by {count[self.cut.index(old.options.span)]})")
         new = self.open_node(target)
         try:
             new.start()
