@@ -21,9 +21,10 @@ from moeswarm.ids import parse_experts
 WAIT_S = 180.0
 
 
-def cli(*args: str) -> subprocess.Popen:
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`moeswarm ARGS` started, its output piped; `env`: variables set for it on top of this process's."""
     return subprocess.Popen([sys.executable, "-m", "moeswarm.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 def run(*args: str, timeout: float = WAIT_S, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -118,6 +118,37 @@ def _generate_without_the_model(invite: str, manifest, cache: Path, tokens: list
     assert again.returncode == 0 and "reusing " in again.stderr and "fetched" not in again.stderr
 
 
+def test_members_started_together_on_one_machine_each_keep_their_own_directory(swarm, tmp_path):
+    """Three `join INVITE` at once with nothing else typed (the same share, the default directory):
+    each takes a directory of its own and serves; a `--dir` a running member holds is refused in one
+    line; a member started again once the others ended gets the first directory back and reuses
+    its slice."""
+    invite, _, manifest = swarm
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    root = tmp_path / "moeswarm" / "join"
+    flags = ("--memory", "1", "--threads", "1", "--announce-ttl", "60")
+    joiners = [cli("join", invite, *flags, env=env) for _ in range(3)]
+    try:
+        lines = [lines_until(joiner, "announced on the swarm as ") for joiner in joiners]
+        kept = [Path(next(line for line in each if "keeping the share in " in line).split(" in ", 1)[1].strip()) for each in lines]
+        assert sorted(kept) == [root / f"member-{n}" for n in range(3)]
+        assert all(share_of(each) == list(range(32)) for each in lines)
+        slice_name = f"{manifest.fingerprint}.experts-0-31.gguf"
+        assert all((directory / slice_name).is_file() for directory in kept)
+        taken = run("join", invite, "--dir", str(root / "member-0"), *flags, timeout=60)
+        assert taken.returncode == 2 and "is in use by another running member" in taken.stderr
+        assert "Traceback" not in taken.stderr and len(taken.stderr.strip().splitlines()) == 1, taken.stderr
+    finally:
+        stop(joiners)
+    again = cli("join", invite, *flags, env=env)
+    try:
+        lines = lines_until(again, "announced on the swarm as ")
+        assert any(line.rstrip().endswith(f"keeping the share in {root / 'member-0'}") for line in lines), lines
+        assert any(f"reusing {root / 'member-0' / slice_name}" in line for line in lines), lines
+    finally:
+        stop([again])
+
+
 @pytest.mark.parametrize("args, cause", [
     (["join", "moeswarm-invite-1.not-an-invite"], "the invite does not decode"),
     (["join", "hello"], "not a moeswarm invite"),

@@ -50,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"stages swarm: the weakest span that fits) (default: {MEMORY_SHARE:g} of the memory "
                              f"available now)")
     parser.add_argument("--dir", default=None, metavar="DIR",
-                        help="where the manifest and the share's slice are kept (a run again resumes or reuses "
-                             "them; default: $XDG_CACHE_HOME/moeswarm/join or ~/.cache/moeswarm/join)")
+                        help="where the manifest and the share's slice are kept, by this member alone while it runs "
+                             "(a run again resumes or reuses them; default: the first of member-0, member-1, ... in "
+                             "$XDG_CACHE_HOME/moeswarm/join or ~/.cache/moeswarm/join that no running member holds)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=port, default=0, help="TCP port of the worker (0: a free one)")
     parser.add_argument("--announce-host", default=None, metavar="HOST",
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.discovery.invite import parse_invite
     from moeswarm.discovery.invite_model import cache_dir
+    from moeswarm.node.member_dir import claim_member_dir
     from moeswarm.errors import MoeSwarmError
     from moeswarm.discovery.joining import (
         announce_joining, check_key, drop_share, fetch_share, joining_address, joining_holders, layout, plan_share,
@@ -104,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
     check_key(invite, args.swarm_key)
     if invite.stages is not None and args.relay:
         raise MoeSwarmError("a stage is dialled directly: --relay is for an experts swarm's members")
-    directory = Path(args.dir) if args.dir else cache_dir()
-    _make_dir(directory)
+    directory = claim_member_dir(args.dir, cache_dir())
+    _say(f"keeping the share in {directory}")
     tls = client_tls(args.swarm_key)
     manifest = fetch_manifest(invite.manifest_seed, invite.manifest, invite.manifest_bytes,
                               directory / f"{invite.manifest}.manifest.json", tls, args.timeout)

@@ -6,8 +6,9 @@ members serve, so it fetches the backbone slice (gguf/gguf_slice.py: every non-e
 expert) into the cache directory and loads that as its model: every piece hashed against the
 manifest on arrival, a broken fetch resumed by the next run (slices/fetch.py). `--check-local`
 runs the whole model here too, so with it the whole model is fetched (a slice of every expert with
-the backbone). A file already there is reused when its fingerprint is the invite's model's; one
-that is not (a write cut short) is fetched again.
+the backbone). A file already there is reused when its fingerprint is the invite's model's (one
+that is not is fetched again); backbones starting together on one machine take turns
+(slices/locks.py), the later ones reusing the first one's file.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from moeswarm.discovery.invite import Invite
 from moeswarm.errors import MoeSwarmError, ModelError
+from moeswarm.slices.locks import held
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}\.gguf$")  # the owner's file name, as the model's id
 
@@ -44,7 +46,6 @@ def model_from_invite(invite: Invite, directory: str | Path, tls: ssl.SSLContext
     """The invite's model for a backbone here: its backbone slice, or with `whole` every expert too,
     fetched from the invite's seeder (or reused); FetchError or MoeSwarmError in one line."""
     from moeswarm.discovery.joining import layout
-    from moeswarm.gguf.gguf_file import GGUFFile
     from moeswarm.slices.fetch import fetch_slice
     from moeswarm.slices.manifest_fetch import fetch_manifest
 
@@ -57,18 +58,29 @@ def model_from_invite(invite: Invite, directory: str | Path, tls: ssl.SSLContext
                               directory / f"{invite.manifest}.manifest.json", tls, timeout_s)
     _, num_experts = layout(manifest, invite)
     out = model_path(directory, invite, manifest.data.get("file"), whole)
-    if out.is_file():
-        try:
-            if GGUFFile.open(out).fingerprint == invite.model:
-                say(f"reusing {out}")
-                return out
-        except ModelError:
-            pass
-        out.unlink()
     out.parent.mkdir(exist_ok=True)
-    experts = list(range(num_experts)) if whole else []
-    report = fetch_slice(invite.seed, manifest, experts, out, None, True, tls, 3, timeout_s)
+    with held(out.parent / ".lock"):  # another backbone fetching it here now: wait, then reuse its file
+        if _reusable(out, invite.model):
+            say(f"reusing {out}")
+            return out
+        experts = list(range(num_experts)) if whole else []
+        report = fetch_slice(invite.seed, manifest, experts, out, None, True, tls, 3, timeout_s)
     what = "the whole model (--check-local)" if whole else "the backbone (every tensor but the routed experts)"
     say(f"fetched {what}: {report['fetched_bytes']} bytes ({report['resumed_bytes']} resumed) from {invite.seed} "
         f"into {out}")
     return out
+
+
+def _reusable(out: Path, fingerprint: str) -> bool:
+    """Whether `out` is a GGUF file of the model `fingerprint` (one that is not is removed)."""
+    from moeswarm.gguf.gguf_file import GGUFFile
+
+    if not out.is_file():
+        return False
+    try:
+        if GGUFFile.open(out).fingerprint == fingerprint:
+            return True
+    except ModelError:
+        pass
+    out.unlink()
+    return False

@@ -125,7 +125,8 @@ def remove_slice(out: Path) -> int:
     from moeswarm.slices.kept import pieces_paths
 
     freed = 0
-    partial = (out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.done"))
+    partial = (out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.done"),
+               out.with_name(out.name + ".writing"))
     for path in (out, *partial, *pieces_paths(out)):
         try:
             freed += path.stat().st_blocks * 512  # what the disk gets back (the pieces file is sparse)

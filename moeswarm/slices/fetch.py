@@ -133,8 +133,10 @@ def fetch_slice(peer: str | Sequence[Source], manifest: Manifest, experts: Seque
     finally:
         os.close(fd)
     seconds = time.perf_counter() - started
+    writing = out.with_name(out.name + ".writing")  # `out` appears whole or not at all: a slice there is one to reuse
     try:
-        report = write_slice(partial, out, experts, layers, with_backbone)
+        report = write_slice(partial, writing, experts, layers, with_backbone)
+        os.replace(writing, out)
     except OSError as error:
         raise FetchError(f"cannot write {out}: {error.strerror or error} (the fetched pieces stay in {partial})") from None
     if report["fingerprint"] != manifest.fingerprint:

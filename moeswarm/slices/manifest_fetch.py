@@ -9,6 +9,7 @@ the joiner's directory with that hash is used without asking anyone.
 from __future__ import annotations
 
 import hashlib
+import os
 import ssl
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ def fetch_manifest(peer: str, sha256: str, size: int, out: str | Path, tls: ssl.
     if hashlib.sha256(data).hexdigest() != sha256:
         raise FetchError(f"manifest seeder {peer} sent a file whose sha256 is not the invite's {sha256}: "
                          f"it serves another manifest, or lies")
-    partial = out.with_name(out.name + ".partial")
+    partial = out.with_name(f"{out.name}.{os.getpid()}.partial")  # its own: processes fetching at once never share one
     partial.write_bytes(data)
     partial.replace(out)
     return load_manifest(out, sha256)
