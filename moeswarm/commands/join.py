@@ -19,7 +19,6 @@ import asyncio
 import functools
 import logging
 from dataclasses import replace
-from pathlib import Path
 
 from moeswarm.commands._setup import add_quiet, quiet_progress
 from moeswarm.commands._tls import add_swarm_key, client_tls, server_tls
@@ -211,11 +210,3 @@ def _memory_bytes(memory_gb: float | None) -> int:
 
     return int(psutil.virtual_memory().available * MEMORY_SHARE)
 
-
-def _make_dir(directory: Path) -> None:
-    from moeswarm.errors import MoeSwarmError
-
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise MoeSwarmError(f"cannot make {directory}: {error.strerror or error} (give --dir)") from None

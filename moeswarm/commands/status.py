@@ -30,8 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswarm.commands.join import _make_dir
-    from moeswarm.discovery.invite_model import cache_dir
+    from moeswarm.discovery.invite_model import cache_dir, make_dir
     from moeswarm.discovery.dht import SwarmDht
     from moeswarm.discovery.invite import parse_invite
     from moeswarm.discovery.joining import check_key, layout
@@ -46,8 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     invite = parse_invite(args.invite)
     check_key(invite, args.swarm_key)
-    directory = Path(args.dir) if args.dir else cache_dir()
-    _make_dir(directory)
+    directory = make_dir(Path(args.dir) if args.dir else cache_dir())
     tls = client_tls(args.swarm_key)
     manifest = fetch_manifest(invite.manifest_seed, invite.manifest, invite.manifest_bytes,
                               directory / f"{invite.manifest}.manifest.json", tls, args.timeout)

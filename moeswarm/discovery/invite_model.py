@@ -33,6 +33,16 @@ def cache_dir() -> Path:
     return Path(base) / "moeswarm" / "join"
 
 
+def make_dir(directory: Path, hint: str = "give --dir") -> Path:
+    """`directory`, made with its parents when absent; MoeSwarmError in one line, ending in `hint`,
+    when it cannot be."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise MoeSwarmError(f"cannot make {directory}: {error.strerror or error} ({hint})") from None
+    return directory
+
+
 def model_path(directory: str | Path, invite: Invite, file_name: object, whole: bool) -> Path:
     """Where the backbone slice (or, `whole`, the whole model) of the invite's model is kept: a
     folder per model and choice, the file named as the owner's (`file_name`, from the manifest:
@@ -49,11 +59,7 @@ def model_from_invite(invite: Invite, directory: str | Path, tls: ssl.SSLContext
     from moeswarm.slices.fetch import fetch_slice
     from moeswarm.slices.manifest_fetch import fetch_manifest
 
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise MoeSwarmError(f"cannot make {directory}: {error.strerror or error}") from None
+    directory = make_dir(Path(directory), "set XDG_CACHE_HOME, or give --model")
     manifest = fetch_manifest(invite.manifest_seed, invite.manifest, invite.manifest_bytes,
                               directory / f"{invite.manifest}.manifest.json", tls, timeout_s)
     _, num_experts = layout(manifest, invite)

@@ -81,8 +81,7 @@ class Announcement:
     def to_value(self) -> dict:
         """The msgpack-able value stored on the DHT (experts as runs: "0-63", not 64 integers)."""
         load = {} if self.load is None else {"load": [[layer, list(rates)] for layer, rates in sorted(self.load.items())]}
-        about = {key: value for key, value in (("version", self.version), ("started", self.started)) if value is not None}
-        return {**load, **about,
+        return {**load, **about_value(self.version, self.started),
             "v": RECORD_VERSION, "address": self.address, "fingerprint": self.fingerprint,
             "model_type": self.model_type, "num_experts": self.num_experts, "hidden_size": self.hidden_size,
             "held": [[layer, format_ids(experts)] for layer, experts in sorted(self.held.items())],
@@ -170,6 +169,11 @@ def parse_record(subkey: object, value: object, fingerprint: str) -> Announcemen
     return Announcement(address, fingerprint, text_field(value, "model_type", MAX_NAME), num_experts, hidden_size,
                         held, tls, Capacity(*capacity), float(throughput), online, _load(value.get("load"), held),
                         version, started)
+
+
+def about_value(version: str | None, started: float | None) -> dict:
+    """The optional `version` and `started` of a worker's or a stage's record value, each only when set."""
+    return {key: value for key, value in (("version", version), ("started", started)) if value is not None}
 
 
 def about_fields(value: Mapping) -> tuple[str | None, float | None]:

@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from moeswarm.discovery.record import (
-    KEY_PREFIX, MAX_HIDDEN, MAX_NAME, RecordError, RecordKind, about_fields, direct_entry_head, int_field,
+    KEY_PREFIX, MAX_HIDDEN, MAX_NAME, RecordError, RecordKind, about_fields, about_value, direct_entry_head, int_field,
     span_field, text_field,
 )
 
@@ -56,8 +56,7 @@ class StageRecord:
 
     def to_value(self) -> dict:
         """The msgpack-able value stored on the DHT (`version` and `started` only when set)."""
-        about = {key: value for key, value in (("version", self.version), ("started", self.started)) if value is not None}
-        return {**about, "v": STAGE_RECORD_VERSION, "address": self.address, "fingerprint": self.fingerprint,
+        return {**about_value(self.version, self.started), "v": STAGE_RECORD_VERSION, "address": self.address, "fingerprint": self.fingerprint,
                 "model_type": self.model_type, "layers": [self.layers.start, self.layers.stop - 1],
                 "hidden_size": self.hidden_size, "tls": self.tls, "online": self.online}
 

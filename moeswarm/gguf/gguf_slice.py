@@ -11,7 +11,8 @@ metadata (so `{arch}.expert_count` still says how many experts the model has) an
 
 With `with_backbone`, every non-expert tensor is copied too, so one file serves a backbone and a
 worker; with no experts at all it is a backbone slice (every non-expert tensor, none of the three
-keys above: GGUF has no empty arrays), what a backbone fetches from an invite. llama.cpp itself cannot run a slice file (its expert tensors are short); moeswarm can.
+keys above: GGUF has no empty arrays), what a backbone fetches from an invite. llama.cpp itself
+cannot run a slice file (its expert tensors are short); moeswarm can.
 """
 
 from __future__ import annotations

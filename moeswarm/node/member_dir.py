@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moeswarm.discovery.invite_model import make_dir
 from moeswarm.errors import MoeSwarmError
 from moeswarm.slices.locks import try_hold
 
@@ -25,13 +26,13 @@ def claim_member_dir(given: str | Path | None, root: Path) -> Path:
     created when absent, and locked for this process. MoeSwarmError (one line) when `given` is
     another running member's, or cannot be made."""
     if given is not None:
-        directory = _made(Path(given))
+        directory = make_dir(Path(given))
         if not _hold(directory):
             raise MoeSwarmError(f"--dir {directory} is in use by another running member: give each member its own "
                                 "--dir (or none: each takes a free directory of its own)")
         return directory
     for number in range(MAX_MEMBERS):
-        directory = _made(root / f"member-{number}")
+        directory = make_dir(root / f"member-{number}")
         if _hold(directory):
             return directory
     raise MoeSwarmError(f"{MAX_MEMBERS} members already run from {root}: give --dir")
@@ -44,10 +45,3 @@ def _hold(directory: Path) -> bool:
     _HELD.append(fd)
     return True
 
-
-def _made(directory: Path) -> Path:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise MoeSwarmError(f"cannot make {directory}: {error.strerror or error} (give --dir)") from None
-    return directory

@@ -22,10 +22,7 @@ from moeswarm.errors import MoeSwarmError
 def try_hold(lock: str | Path) -> int | None:
     """An open descriptor holding an exclusive lock on `lock` (created when absent), or None when
     another process holds it. The lock lasts until the descriptor is closed or the process ends."""
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as error:
-        raise MoeSwarmError(f"cannot open {lock}: {error.strerror or error}") from None
+    fd = _open(lock)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -38,12 +35,16 @@ def try_hold(lock: str | Path) -> int | None:
 def held(lock: str | Path) -> Iterator[None]:
     """Hold an exclusive lock on `lock` (created when absent) while the block runs, waiting for
     another process that holds it to finish."""
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as error:
-        raise MoeSwarmError(f"cannot open {lock}: {error.strerror or error}") from None
+    fd = _open(lock)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
+
+
+def _open(lock: str | Path) -> int:
+    try:
+        return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise MoeSwarmError(f"cannot open {lock}: {error.strerror or error}") from None
