@@ -2,10 +2,9 @@
 
 A fetch writes a partial file and its list of pieces beside its output (slices/fetch.py); two
 processes fetching the same slice into one directory at once would write, rename and remove each
-other's files (seen: three `moeswarm join INVITE` started together on one machine sharing the
-default directory, two of them failed). The locks are `fcntl.flock` locks on a file in the
-directory: the kernel drops them when their process ends, however it ends, so a lock is never
-left behind by a killed process.
+other's files (docs/network.md, A member's directory). The locks are `fcntl.flock` locks on a
+file in the directory: the kernel drops them when their process ends, however it ends, so a lock
+is never left behind by a killed process.
 """
 
 from __future__ import annotations
